@@ -1,0 +1,46 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each builds .venv from nothing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PROTO := proto/dpu_offload/v1/agent.proto
+# Wheels carried to the GPU machine, which reaches no registry (see docs/GPU.md).
+WHEELS := pyzmq==27.3.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
+          grpcio-reflection==1.85.1 protobuf==7.36.2
+
+.PHONY: demo test lint proto gpu-check bench wheels clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found" >&2; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "make: cannot create $(VENV) (Debian: apt-get install python3-venv)" >&2; exit 1; }
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu" -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO)
+
+# On the GPU machine: system python3 (CuPy, torch, grpcio there) plus carried wheels.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+wheels:
+	rm -rf .whl && $(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: \
+	  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(WHEELS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

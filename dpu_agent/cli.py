@@ -1,0 +1,114 @@
+"""``dpu-agent``: the daemon (``serve``) and its admin verbs (``inspect``, ``check-config``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from dpu_agent import __version__
+from dpu_agent.config import DEFAULT_PATH, ConfigError, load
+from dpu_agent.weights.catalog import build_catalog
+from dpu_agent.weights.layouts import LayoutError
+from dpu_agent.weights.safetensors_file import CheckpointError
+
+
+def _config_path(arg: str | None) -> Path | None:
+    if arg:
+        return Path(arg)
+    return DEFAULT_PATH if DEFAULT_PATH.exists() else None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dpu_agent.service.server import AgentServer
+
+    cfg = load(_config_path(args.config))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    async def run() -> None:
+        import signal
+
+        agent = AgentServer(cfg)
+        await agent.start()
+        if args.ready_file:
+            tmp = Path(args.ready_file + ".tmp")
+            tmp.write_text(f"{agent.port}\n")
+            os.replace(tmp, args.ready_file)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(agent.stop()))
+        await agent.wait()
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = load(_config_path(args.file))
+    print(f"configuration OK: {cfg}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    cat = build_catalog(args.dir, require_shards=False)
+    first = next(iter(cat.experts.values()))
+    info = {
+        "architecture": cat.layout.architecture,
+        "moe_layers": list(cat.layout.moe_layers),
+        "experts_per_layer": cat.layout.experts_per_layer,
+        "shared_experts_per_layer": cat.layout.shared_experts_per_layer,
+        "expert_bytes": cat.expert_bytes,
+        "total_expert_bytes": cat.total_expert_bytes,
+        "bytes_from": "shard headers" if cat.shards_present else "config shapes",
+        "expert_tensors": [{"name": t.role, "dtype": t.dtype, "shape": list(t.shape),
+                            "offset": t.offset, "nbytes": t.nbytes} for t in first.tensors],
+    }
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    layers = info["moe_layers"]
+    print(f"architecture      {info['architecture']}")
+    print(f"MoE layers        {len(layers)} ({layers[0]}..{layers[-1]})")
+    print(f"experts / layer   {info['experts_per_layer']} routed, "
+          f"{info['shared_experts_per_layer']} shared")
+    print(f"expert {first.key}:")
+    for t in info["expert_tensors"]:
+        print(f"  {t['name']:<22} {t['dtype']:<8} {str(t['shape']):<16} {t['nbytes']:>12} B")
+    print(f"bytes per expert  {info['expert_bytes']} (from {info['bytes_from']})")
+    print(f"bytes, all        {info['total_expert_bytes']} "
+          f"({info['total_expert_bytes'] / 1e9:.2f} GB)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dpu-agent", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the agent")
+    p.add_argument("--config", help=f"TOML file (default {DEFAULT_PATH} if present)")
+    p.add_argument("--ready-file", help="write the bound gRPC port here once serving")
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("check-config", help="validate a config and list every problem")
+    p.add_argument("file", nargs="?")
+    p.set_defaults(fn=cmd_check_config)
+    p = sub.add_parser("inspect", help="describe a checkpoint's experts (index only is enough)")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_inspect)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"dpu-agent: {exc}", file=sys.stderr)
+        return 2
+    except (CheckpointError, LayoutError, OSError) as exc:
+        print(f"dpu-agent: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

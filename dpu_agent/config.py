@@ -1,0 +1,171 @@
+"""Agent configuration: a TOML file, every key overridable by ``DPU_AGENT_<SECTION>_<KEY>``
+environment variables, validated as a whole. ``deploy/agent.toml`` documents every key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Ubuntu 22.04 on BlueField ships Python 3.10
+    import tomli as tomllib
+
+DEFAULT_PATH = Path("/etc/dpu-agent/agent.toml")
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ConfigError(ValueError):
+    """The configuration has problems; ``problems`` lists each as 'key: what is wrong'."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Validated settings. Sizes are bytes, durations seconds."""
+
+    listen_address: str = "127.0.0.1:50051"
+    max_message_bytes: int = 16 * 2**20
+    arena_bytes: int = 1 * 2**30
+    cache_policy: str = "lru"
+    chunk_bytes: int = 256 * 2**10
+    default_lease_seconds: int = 10
+    max_lease_seconds: int = 300
+    metrics_address: str = ""
+    state_dir: str = ""
+    log_format: str = "auto"
+
+
+# (section, key) -> (field, parser description, parser)
+def _size(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        m = _SIZE_RE.match(v)
+        if m:
+            return int(m[1]) * _UNITS[(m[2] or "B").lower()]
+    raise ValueError(f"expected a size (bytes, or e.g. '4GiB'), got {v!r}")
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"expected an integer, got {v!r}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    raise ValueError(f"expected an integer, got {v!r}")
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {v!r}")
+    return v
+
+
+KEYS: dict[tuple[str, str], tuple[str, Any]] = {
+    ("server", "listen_address"): ("listen_address", _str),
+    ("server", "max_message_bytes"): ("max_message_bytes", _size),
+    ("arena", "bytes"): ("arena_bytes", _size),
+    ("cache", "policy"): ("cache_policy", _str),
+    ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
+    ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
+    ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
+    ("metrics", "listen_address"): ("metrics_address", _str),
+    ("state", "dir"): ("state_dir", _str),
+    ("logging", "format"): ("log_format", _str),
+}
+
+
+def _check(cfg: AgentConfig) -> list[str]:
+    from dpu_agent.weights.policies import POLICIES
+
+    problems = []
+    for name, addr in (("server.listen_address", cfg.listen_address),
+                       ("metrics.listen_address", cfg.metrics_address)):
+        if addr and not re.match(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):\d{1,5}$", addr):
+            problems.append(f"{name}: {addr!r} is not host:port")
+        elif addr and not 0 <= int(addr.rsplit(":", 1)[1]) <= 65535:
+            problems.append(f"{name}: port out of range in {addr!r}")
+    if not cfg.listen_address:
+        problems.append("server.listen_address: must be set")
+    if cfg.chunk_bytes <= 0 or cfg.chunk_bytes % 16 or cfg.chunk_bytes > 2**31:
+        problems.append(f"transfer.chunk_bytes: {cfg.chunk_bytes} must be a positive multiple "
+                        "of 16 below 2 GiB")
+    if cfg.arena_bytes < max(cfg.chunk_bytes, 2**20):
+        problems.append(f"arena.bytes: {cfg.arena_bytes} is smaller than 1 MiB")
+    if cfg.cache_policy not in POLICIES:
+        problems.append(f"cache.policy: {cfg.cache_policy!r} is not one of "
+                        f"{sorted(POLICIES)}")
+    if not 1 <= cfg.default_lease_seconds <= cfg.max_lease_seconds:
+        problems.append("sessions.default_lease_seconds: must be between 1 and "
+                        f"max_lease_seconds ({cfg.max_lease_seconds})")
+    if cfg.max_message_bytes < 2**16:
+        problems.append("server.max_message_bytes: must be at least 64 KiB")
+    if cfg.log_format not in ("auto", "json", "text"):
+        problems.append(f"logging.format: {cfg.log_format!r} is not auto, json or text")
+    return problems
+
+
+def from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> AgentConfig:
+    """Validate parsed TOML plus environment overrides; ConfigError lists every problem."""
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    for section, table in data.items():
+        if not isinstance(table, Mapping):
+            problems.append(f"{section}: expected a [{section}] table")
+            continue
+        for key, raw in table.items():
+            spec = KEYS.get((section, key))
+            if spec is None:
+                problems.append(f"{section}.{key}: unknown key")
+                continue
+            try:
+                values[spec[0]] = spec[1](raw)
+            except ValueError as exc:
+                problems.append(f"{section}.{key}: {exc}")
+    for (section, key), (field, parse) in KEYS.items():
+        var = f"DPU_AGENT_{section}_{key}".upper()
+        if env is not None and var in env:
+            try:
+                values[field] = parse(env[var])
+            except ValueError as exc:
+                problems.append(f"{var}: {exc}")
+    if env is not None:
+        known = {f"DPU_AGENT_{s}_{k}".upper() for s, k in KEYS}
+        problems += [f"{v}: unknown variable" for v in env
+                     if v.startswith("DPU_AGENT_") and v not in known]
+    if not problems:
+        cfg = AgentConfig(**values)
+        problems = _check(cfg)
+        if not problems:
+            return cfg
+    raise ConfigError(problems)
+
+
+def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> AgentConfig:
+    """Read and validate a config file (``None``: defaults plus environment)."""
+    env = os.environ if env is None else env
+    if path is None:
+        return from_mapping({}, env)
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"{p}: no such file"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{p}: cannot read ({exc})"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{p}: not valid TOML ({exc})"]) from None
+    return from_mapping(data, env)

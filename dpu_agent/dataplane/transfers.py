@@ -1,0 +1,123 @@
+"""Transfers in flight: an expert delivery cut into chunk descriptors, and the bookkeeping
+that turns completion entries into one outcome per transfer."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpu_kernels import abi
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The byte moves of one delivery: a blob of ``nbytes`` at (src_region, src_offset) to
+    (dst_region, dst_offset), cut into ``chunk_bytes`` chunks with their checksums."""
+
+    src_region: int
+    src_offset: int
+    dst_region: int
+    dst_offset: int
+    nbytes: int
+    chunk_bytes: int
+    checksums: tuple[int, ...]
+
+    def descriptors(self, transfer_id: int) -> np.ndarray:
+        """``DESCRIPTOR_DTYPE[chunks]`` for this plan, VERIFY set on every chunk."""
+        n = len(self.checksums)
+        d = np.zeros(n, dtype=abi.DESCRIPTOR_DTYPE)
+        pos = np.arange(n, dtype=np.uint64) * np.uint64(self.chunk_bytes)
+        d["transfer_id"] = transfer_id
+        d["opcode"] = abi.Opcode.COPY
+        d["flags"] = abi.DescriptorFlags.VERIFY
+        d["chunk_index"] = np.arange(n)
+        d["chunk_count"] = n
+        d["src_region"] = self.src_region
+        d["src_offset"] = pos + np.uint64(self.src_offset)
+        d["dst_region"] = self.dst_region
+        d["dst_offset"] = pos + np.uint64(self.dst_offset)
+        d["length"] = np.minimum(np.uint64(self.chunk_bytes), np.uint64(self.nbytes) - pos)
+        d["position"] = pos
+        d["checksum"] = np.asarray(self.checksums, dtype=np.uint32)
+        return d
+
+
+@dataclass
+class Transfer:
+    """One delivery in flight."""
+
+    transfer_id: int
+    plan: TransferPlan
+    on_done: Callable[[Transfer], None]
+    chunks_done: int = 0
+    bytes_done: int = 0
+    status: abi.Status = abi.Status.OK
+    failed_chunks: list[int] = field(default_factory=list)
+    owner: object | None = None
+    """What the transfer serves (the agent's Device); cancellation selects by it."""
+    first_id: int = 0
+    """For a retry, the id of the transfer it replaces (what the client waits on)."""
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self.plan.checksums)
+
+
+class TransferTracker:
+    """Assigns transfer ids and folds completion entries into transfers.
+
+    ``on_done`` of a transfer is called exactly once, from the thread that delivered its last
+    completion, with ``status`` OK only if every chunk completed OK.
+    """
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._live: dict[int, Transfer] = {}
+
+    def start(self, plan: TransferPlan, on_done: Callable[[Transfer], None],
+              owner: object | None = None) -> Transfer:
+        with self._lock:
+            t = Transfer(next(self._ids), plan, on_done, owner=owner)
+            self._live[t.transfer_id] = t
+        return t
+
+    def complete(self, rec: np.void) -> Transfer | None:
+        """Fold one completion in; returns the transfer when this entry finished it."""
+        with self._lock:
+            t = self._live.get(int(rec["transfer_id"]))
+            if t is None:
+                return None
+            t.chunks_done += 1
+            t.bytes_done += int(rec["nbytes"])
+            status = abi.Status(int(rec["status"]))
+            if status != abi.Status.OK:
+                t.failed_chunks.append(int(rec["chunk_index"]))
+                if t.status == abi.Status.OK:
+                    t.status = status
+            if t.chunks_done < t.chunk_count:
+                return None
+            del self._live[t.transfer_id]
+        t.on_done(t)
+        return t
+
+    def cancel(self, predicate: Callable[[Transfer], bool]) -> list[Transfer]:
+        """Finish every live transfer matching ``predicate`` as CANCELLED (their device went
+        away); late completions for them are ignored."""
+        with self._lock:
+            gone = [t for t in self._live.values() if predicate(t)]
+            for t in gone:
+                del self._live[t.transfer_id]
+                t.status = abi.Status.CANCELLED
+        for t in gone:
+            t.on_done(t)
+        return gone
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._live)

@@ -1,0 +1,397 @@
+"""The agent's core: models, the weight cache, sessions and the data plane tied together.
+
+Every public method validates first and changes nothing when it raises :class:`AgentError`.
+Methods may block (a cache fill reads checkpoint files), so the async servicer calls them in
+worker threads; the completion poller is its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpu_agent.config import AgentConfig
+from dpu_agent.dataplane.queues import DeviceQueue
+from dpu_agent.dataplane.transfers import Transfer, TransferPlan, TransferTracker
+from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
+from dpu_agent.service.registry import (
+    ARENA_REGION_ID,
+    Device,
+    Session,
+    SlotPool,
+    SlotState,
+)
+from dpu_agent.weights.arena import Arena
+from dpu_agent.weights.cache import CacheFullError, WeightCache
+from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog
+from dpu_agent.weights.layouts import LayoutError
+from dpu_agent.weights.policies import POLICIES
+from dpu_agent.weights.safetensors_file import CheckpointError
+from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import abi
+from gpu_kernels.shm import SharedBufferError
+
+log = logging.getLogger("dpu_agent")
+
+MAX_VERIFY_RETRIES = 2
+"""A chunk that fails its checksum is refetched from the checkpoint this many times."""
+
+
+@dataclass(frozen=True)
+class SlotGrant:
+    """Where an acquired expert lives (or will) on the device."""
+
+    transfer_id: int
+    region_id: int
+    slot_index: int
+    slot_offset: int
+    ready: bool
+    entry: ExpertEntry
+    checksums: tuple[int, ...]
+
+
+class Orchestrator:
+    """Owns the catalog, arena, cache, sessions and data plane of one agent."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.started = time.time()
+        self.arena = Arena(config.arena_bytes)
+        self.cache = WeightCache(self.arena, config.chunk_bytes, POLICIES[config.cache_policy]())
+        self.models: dict[str, ModelCatalog] = {}
+        self.sessions: dict[str, Session] = {}
+        self.tracker = TransferTracker()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
+        self._poller = threading.Thread(target=self._poll_loop, name="completions", daemon=True)
+        self.poller_heartbeat = time.monotonic()
+        self.verify_failures = 0
+        self._poller.start()
+
+    # -- models ----------------------------------------------------------------------------
+    def load_model(self, path: str, name: str = "") -> ModelCatalog:
+        if not path:
+            raise invalid("LoadModel: path is empty")
+        model_name = name or Path(path).name
+        if "/" in model_name or not model_name.strip():
+            raise invalid(f"LoadModel: model name {model_name!r} is empty or has a '/'")
+        with self._lock:
+            existing = self.models.get(model_name)
+        if existing is not None:
+            if existing.path == Path(path):
+                return existing
+            raise AgentError(ErrorKind.ALREADY_EXISTS,
+                             f"model {model_name!r} is already loaded from {existing.path}")
+        try:
+            catalog = build_catalog(path, model_name)
+        except (CheckpointError, LayoutError) as exc:
+            kind = ErrorKind.NOT_FOUND if not Path(path).is_dir() else ErrorKind.INVALID_ARGUMENT
+            raise AgentError(kind, f"LoadModel: {exc}") from exc
+        largest = catalog.expert_bytes
+        if largest > self.arena.size:
+            raise precondition(f"model {model_name!r}: an expert of {largest} bytes exceeds "
+                               f"the arena ({self.arena.size} bytes)")
+        with self._lock:
+            self.models.setdefault(model_name, catalog)
+            return self.models[model_name]
+
+    def expert(self, key: ExpertKey) -> ExpertEntry:
+        model = self.models.get(key.model)
+        if model is None:
+            raise not_found(f"model {key.model!r} is not loaded")
+        entry = model.experts.get(key)
+        if entry is None:
+            raise not_found(f"expert {key} is not in model {key.model!r} "
+                            f"(MoE layers {list(model.layout.moe_layers)[:4]}..., "
+                            f"{model.layout.experts_per_layer} experts per layer)")
+        return entry
+
+    # -- sessions --------------------------------------------------------------------------
+    def create_session(self, client_name: str, lease_seconds: int) -> Session:
+        if len(client_name) > 64:
+            raise invalid("client_name is longer than 64 characters")
+        lease = lease_seconds or self.config.default_lease_seconds
+        if lease > self.config.max_lease_seconds:
+            raise invalid(f"lease_seconds {lease} exceeds the maximum "
+                          f"{self.config.max_lease_seconds}")
+        sid = secrets.token_hex(8)
+        session = Session(sid, client_name, float(lease), time.monotonic() + lease)
+        with self._lock:
+            self.sessions[sid] = session
+        log.info("session opened", extra={"session": sid, "client": client_name})
+        return session
+
+    def session(self, session_id: str) -> Session:
+        with self._lock:
+            s = self.sessions.get(session_id)
+        if s is None:
+            raise not_found(f"session {session_id!r} does not exist (expired or closed)")
+        s.touch()
+        return s
+
+    def device(self, session: Session, device_id: int) -> Device:
+        dev = session.devices.get(device_id)
+        if dev is None:
+            raise precondition(f"device {device_id} is not registered in session "
+                               f"{session.session_id}")
+        return dev
+
+    def close_session(self, session_id: str, reason: str = "closed") -> None:
+        with self._lock:
+            session = self.sessions.pop(session_id, None)
+        if session is None:
+            raise not_found(f"session {session_id!r} does not exist")
+        devices = set(session.devices.values())
+        self.tracker.cancel(lambda t: t.owner in devices)
+        for dev in devices:
+            if dev.queue is not None:
+                dev.queue.close()
+        session.events.close()
+        log.info("session %s", reason, extra={"session": session_id})
+
+    def expire_sessions(self) -> list[str]:
+        """Close every session whose lease ran out; returns their ids."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [sid for sid, s in self.sessions.items() if s.expires_at < now]
+        for sid in expired:
+            try:
+                self.close_session(sid, reason="lease expired")
+            except AgentError:
+                pass
+        return expired
+
+    # -- registration ----------------------------------------------------------------------
+    def register_device(self, session: Session, kind: int, ordinal: int, name: str) -> Device:
+        if kind not in (pb.DEVICE_KIND_CUDA, pb.DEVICE_KIND_CPU_REFERENCE):
+            raise invalid(f"device kind {kind} is not CUDA or CPU_REFERENCE")
+        with session.lock:
+            for dev in session.devices.values():
+                if dev.kind == kind and dev.ordinal == ordinal:
+                    raise AgentError(ErrorKind.ALREADY_EXISTS,
+                                     f"device ordinal {ordinal} is already registered as "
+                                     f"device {dev.device_id}")
+            dev = Device(session.next_device_id, kind, ordinal, name[:128])
+            session.next_device_id += 1
+            session.devices[dev.device_id] = dev
+            return dev
+
+    def register_region(self, session: Session, req: pb.RegisterRegionRequest) -> int:
+        dev = self.device(session, req.device_id)
+        kind = req.kind
+        with session.lock:
+            if session.next_region_id >= abi.MAX_REGIONS:
+                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
+                                 f"session holds the maximum of {abi.MAX_REGIONS} regions")
+            if kind == pb.REGION_KIND_SLOT_POOL:
+                if req.slot_bytes == 0 or req.slot_bytes % 256 or req.slot_count == 0:
+                    raise invalid(f"slot pool needs slot_bytes a positive multiple of 256 and "
+                                  f"slot_count > 0 (got {req.slot_bytes}, {req.slot_count})")
+                if req.size_bytes < req.slot_bytes * req.slot_count:
+                    raise invalid(f"slot pool of {req.slot_count} x {req.slot_bytes} bytes does "
+                                  f"not fit in size_bytes {req.size_bytes}")
+                rid = session.next_region_id
+                dev.pools[rid] = SlotPool(rid, req.slot_bytes, req.slot_count)
+            elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
+                if not req.shm_name:
+                    raise invalid("a ring region needs shm_name (its export handle)")
+                if dev.queue is not None:
+                    raise AgentError(ErrorKind.ALREADY_EXISTS,
+                                     f"device {dev.device_id} already has its rings")
+                if kind == pb.REGION_KIND_WORK_RING:
+                    if dev.work_shm:
+                        raise AgentError(ErrorKind.ALREADY_EXISTS, "work ring already registered")
+                    dev.work_shm = req.shm_name
+                else:
+                    if dev.completion_shm:
+                        raise AgentError(ErrorKind.ALREADY_EXISTS,
+                                         "completion ring already registered")
+                    dev.completion_shm = req.shm_name
+                if dev.work_shm and dev.completion_shm:
+                    try:
+                        dev.queue = DeviceQueue(dev.work_shm, dev.completion_shm)
+                    except (SharedBufferError, ValueError) as exc:
+                        if kind == pb.REGION_KIND_WORK_RING:
+                            dev.work_shm = ""
+                        else:
+                            dev.completion_shm = ""
+                        raise invalid(f"cannot open device {dev.device_id} rings: {exc}") from exc
+                rid = session.next_region_id
+            else:
+                raise invalid(f"region kind {kind} is not supported by this agent")
+            session.next_region_id += 1
+            dev.regions[rid] = kind
+            return rid
+
+    def deregister_region(self, session: Session, region_id: int) -> None:
+        with session.lock:
+            for dev in session.devices.values():
+                pool = dev.pools.get(region_id)
+                if pool is not None:
+                    if any(s == SlotState.FILLING for s in pool.state):
+                        raise precondition(f"region {region_id} has transfers in flight")
+                    del dev.pools[region_id]
+                    del dev.regions[region_id]
+                    return
+                if region_id in dev.regions:
+                    raise precondition(f"region {region_id} is a ring; close the session to "
+                                       "remove it")
+        raise not_found(f"region {region_id} is not registered in this session")
+
+    # -- acquire / release -----------------------------------------------------------------
+    def acquire(self, session: Session, device_id: int, key: ExpertKey) -> SlotGrant:
+        """Grant a slot holding ``key`` on the device, starting its delivery if needed."""
+        dev = self.device(session, device_id)
+        if dev.queue is None:
+            raise precondition(f"device {device_id} has no work and completion rings registered")
+        entry = self.expert(key)
+        with session.lock:
+            fitting = [p for p in dev.pools.values() if p.slot_bytes >= entry.blob_bytes]
+            if not fitting:
+                raise precondition(f"no slot pool on device {device_id} holds {key} "
+                                   f"({entry.blob_bytes} bytes)")
+            for pool in fitting:
+                idx = pool.by_key.get(key)
+                if idx is not None:
+                    pool.refs[idx] += 1
+                    pool.idle.pop(idx, None)
+                    return self._grant(pool, idx, entry, ())
+            pool = min(fitting, key=lambda p: (p.slot_bytes, -p.state.count(SlotState.FREE)))
+            idx = None
+            for candidate in sorted(fitting, key=lambda p: p.slot_bytes):
+                idx = candidate.allocate(key)
+                if idx is not None:
+                    pool = candidate
+                    break
+            if idx is None:
+                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
+                                 f"every slot that fits {key} on device {device_id} is held")
+        try:
+            transfer = self._deliver(session, dev, pool, idx, entry, attempt=0)
+        except BaseException:
+            with session.lock:
+                pool.free(idx)
+            raise
+        return self._grant(pool, idx, entry, transfer.plan.checksums)
+
+    def _grant(self, pool: SlotPool, idx: int, entry: ExpertEntry,
+               checksums: tuple[int, ...]) -> SlotGrant:
+        ready = pool.state[idx] == SlotState.READY
+        return SlotGrant(0 if ready else pool.transfer[idx], pool.region_id, idx,
+                         idx * pool.slot_bytes, ready, entry, checksums)
+
+    def _deliver(self, session: Session, dev: Device, pool: SlotPool, idx: int,
+                 entry: ExpertEntry, attempt: int) -> Transfer:
+        try:
+            cached = self.cache.acquire(entry)
+        except CacheFullError as exc:
+            raise AgentError(ErrorKind.RESOURCE_EXHAUSTED, str(exc)) from exc
+        except OSError as exc:
+            raise AgentError(ErrorKind.UNAVAILABLE, f"reading {entry.key}: {exc}") from exc
+        plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
+                            idx * pool.slot_bytes, entry.blob_bytes, self.config.chunk_bytes,
+                            tuple(cached.checksums))
+
+        def done(t: Transfer) -> None:
+            self._on_delivered(session, dev, pool, idx, entry, t, attempt)
+
+        transfer = self.tracker.start(plan, done, owner=dev)
+        with session.lock:
+            pool.transfer[idx] = transfer.transfer_id
+        assert dev.queue is not None
+        dev.queue.submit(plan.descriptors(transfer.transfer_id))
+        return transfer
+
+    def _on_delivered(self, session: Session, dev: Device, pool: SlotPool, idx: int,
+                      entry: ExpertEntry, t: Transfer, attempt: int) -> None:
+        self.cache.release(entry.key)
+        status = t.status
+        if status == abi.Status.CHECKSUM_MISMATCH:
+            self.verify_failures += 1
+            if attempt < MAX_VERIFY_RETRIES and session.session_id in self.sessions:
+                log.warning("checksum mismatch on %s chunks %s; refetching", entry.key,
+                            t.failed_chunks)
+                self.cache.invalidate(entry.key)
+                self._fills.submit(self._retry, session, dev, pool, idx, entry, attempt + 1,
+                                   t.transfer_id)
+                return
+        with session.lock:
+            if pool.keys[idx] == entry.key and pool.state[idx] == SlotState.FILLING:
+                if status == abi.Status.OK:
+                    pool.state[idx] = SlotState.READY
+                    if pool.refs[idx] == 0:
+                        pool.idle[idx] = None
+                else:
+                    pool.free(idx)
+        session.events.emit(pb.Event(transfer_done=pb.TransferDone(
+            transfer_id=t.first_id or t.transfer_id, key=entry.key.to_proto(),
+            device_id=dev.device_id, region_id=pool.region_id, slot_index=idx,
+            status=status.name, bytes=t.bytes_done)))
+
+    def _retry(self, session: Session, dev: Device, pool: SlotPool, idx: int,
+               entry: ExpertEntry, attempt: int, first_id: int) -> None:
+        try:
+            t = self._deliver(session, dev, pool, idx, entry, attempt)
+            t.first_id = first_id
+        except AgentError as exc:
+            with session.lock:
+                pool.free(idx)
+            session.events.emit(pb.Event(error=f"refetch of {entry.key} failed: {exc.message}"))
+
+    def release(self, session: Session, device_id: int, key: ExpertKey) -> None:
+        dev = self.device(session, device_id)
+        with session.lock:
+            for pool in dev.pools.values():
+                idx = pool.by_key.get(key)
+                if idx is not None and pool.refs[idx] > 0:
+                    pool.refs[idx] -= 1
+                    if pool.refs[idx] == 0 and pool.state[idx] == SlotState.READY:
+                        pool.idle[idx] = None
+                    return
+        raise precondition(f"{key} is not held on device {device_id}")
+
+    # -- data plane ------------------------------------------------------------------------
+    def _queues(self) -> list[DeviceQueue]:
+        with self._lock:
+            sessions = list(self.sessions.values())
+        return [d.queue for s in sessions for d in list(s.devices.values())
+                if d.queue is not None]
+
+    def _poll_loop(self) -> None:
+        idle_since = time.monotonic()
+        while not self._stop.is_set():
+            self.poller_heartbeat = time.monotonic()
+            busy = False
+            for q in self._queues():
+                try:
+                    q.flush()
+                    for rec in q.poll_completions():
+                        busy = True
+                        self.tracker.complete(rec)
+                except (ValueError, OSError) as exc:  # a queue closed under us
+                    log.debug("poller: %s", exc)
+            now = time.monotonic()
+            if busy:
+                idle_since = now
+            elif now - idle_since < 0.002 and self.tracker.in_flight:
+                time.sleep(0)
+            else:
+                time.sleep(0.0002 if self.tracker.in_flight else 0.002)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._poller.join(timeout=2)
+        for sid in list(self.sessions):
+            try:
+                self.close_session(sid, reason="agent stopping")
+            except AgentError:
+                pass
+        self._fills.shutdown(wait=False, cancel_futures=True)
+        self.arena.close()

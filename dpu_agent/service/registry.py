@@ -1,0 +1,151 @@
+"""Sessions, their devices, regions and expert slots: who owns what, and for how long."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from dpu_agent.dataplane.queues import DeviceQueue
+from dpu_offload.keys import ExpertKey
+
+ARENA_REGION_ID = 0
+"""Every session's region table holds the agent's arena at id 0."""
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    FILLING = 1
+    READY = 2
+
+
+@dataclass
+class SlotPool:
+    """A registered pool of equal-size expert slots on one device (one size class)."""
+
+    region_id: int
+    slot_bytes: int
+    slot_count: int
+    state: list[SlotState] = field(default_factory=list)
+    keys: list[ExpertKey | None] = field(default_factory=list)
+    refs: list[int] = field(default_factory=list)
+    transfer: list[int] = field(default_factory=list)
+    by_key: dict[ExpertKey, int] = field(default_factory=dict)
+    idle: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    """READY slots nobody holds, least recently released first: eviction candidates."""
+
+    def __post_init__(self) -> None:
+        n = self.slot_count
+        self.state = [SlotState.FREE] * n
+        self.keys = [None] * n
+        self.refs = [0] * n
+        self.transfer = [0] * n
+
+    def allocate(self, key: ExpertKey) -> int | None:
+        """A slot for ``key`` in FILLING state with one reference; None when all are held."""
+        try:
+            idx = self.state.index(SlotState.FREE)
+        except ValueError:
+            if not self.idle:
+                return None
+            idx, _ = self.idle.popitem(last=False)
+            del self.by_key[self.keys[idx]]  # type: ignore[arg-type]
+        self.state[idx] = SlotState.FILLING
+        self.keys[idx] = key
+        self.refs[idx] = 1
+        self.by_key[key] = idx
+        return idx
+
+    def free(self, idx: int) -> None:
+        key = self.keys[idx]
+        if key is not None and self.by_key.get(key) == idx:
+            del self.by_key[key]
+        self.idle.pop(idx, None)
+        self.state[idx] = SlotState.FREE
+        self.keys[idx] = None
+        self.refs[idx] = 0
+        self.transfer[idx] = 0
+
+    def ready_count(self) -> int:
+        return sum(1 for s in self.state if s == SlotState.READY)
+
+
+@dataclass
+class Device:
+    """A GPU (or CPU reference device) registered by a session."""
+
+    device_id: int
+    kind: int
+    ordinal: int
+    name: str
+    queue: DeviceQueue | None = None
+    work_shm: str = ""
+    completion_shm: str = ""
+    pools: dict[int, SlotPool] = field(default_factory=dict)
+    regions: dict[int, int] = field(default_factory=dict)
+    """region id -> RegionKind of every region registered on this device."""
+
+
+class EventSink:
+    """Events of one session, delivered in order to the (at most one) Events stream; buffered
+    (bounded, oldest dropped with a count) while no stream is attached."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._buffer: deque[Any] = deque(maxlen=capacity)
+        self._queue: asyncio.Queue[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dropped = 0
+
+    def emit(self, event: Any) -> None:
+        with self._lock:
+            if self._queue is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+                return
+            if len(self._buffer) == self._buffer.maxlen:
+                self.dropped += 1
+            self._buffer.append(event)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Any]:
+        with self._lock:
+            q: asyncio.Queue[Any] = asyncio.Queue()
+            while self._buffer:
+                q.put_nowait(self._buffer.popleft())
+            self._queue, self._loop = q, loop
+            return q
+
+    def detach(self, q: asyncio.Queue[Any]) -> None:
+        with self._lock:
+            if self._queue is q:
+                self._queue, self._loop = None, None
+
+    def close(self) -> None:
+        """Wake an attached stream with the end-of-session marker (None)."""
+        self.emit(None)
+
+
+@dataclass
+class Session:
+    """A client of the agent; everything it registered is reclaimed when it closes or its
+    lease runs out."""
+
+    session_id: str
+    client_name: str
+    lease_seconds: float
+    expires_at: float
+    devices: dict[int, Device] = field(default_factory=dict)
+    events: EventSink = field(default_factory=EventSink)
+    next_region_id: int = ARENA_REGION_ID + 1
+    next_device_id: int = 0
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def touch(self) -> None:
+        self.expires_at = time.monotonic() + self.lease_seconds
+
+    @property
+    def lease_remaining(self) -> float:
+        return max(0.0, self.expires_at - time.monotonic())

@@ -1,0 +1,84 @@
+"""The agent process: gRPC server (with the standard health and reflection services), the
+orchestrator, the lease reaper, and an orderly stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dpu_agent.config import AgentConfig
+from dpu_agent.orchestrator import Orchestrator
+from dpu_agent.service.servicer import DpuAgentServicer
+from dpu_offload.v1 import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger("dpu_agent")
+SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["DpuAgent"].full_name
+
+
+class AgentServer:
+    """One running agent: call :meth:`start`, then :meth:`wait` or :meth:`stop`."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.core: Orchestrator | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self._reaper: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        """Bind every listener and report SERVING; raises (nothing left running) on failure."""
+        self.core = Orchestrator(self.config)
+        opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
+                ("grpc.max_send_message_length", self.config.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=opts)
+        agent_pb2_grpc.add_DpuAgentServicer_to_server(DpuAgentServicer(self.core), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        try:
+            self.port = server.add_insecure_port(self.config.listen_address)
+        except RuntimeError as exc:
+            self.core.shutdown()
+            raise OSError(f"server.listen_address {self.config.listen_address}: cannot bind "
+                          f"({exc})") from exc
+        await server.start()
+        self.server = server
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.create_task(self._reap())
+        log.info("agent serving on %s (port %d)", self.config.listen_address, self.port)
+
+    async def _reap(self) -> None:
+        assert self.core is not None
+        while True:
+            await asyncio.sleep(0.25)
+            for sid in await asyncio.to_thread(self.core.expire_sessions):
+                log.warning("session %s lease expired; its regions and slots are reclaimed",
+                            sid)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self.server is None:
+            return
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._reaper is not None:
+            self._reaper.cancel()
+        assert self.core is not None
+        for s in list(self.core.sessions.values()):
+            s.events.close()
+        await self.server.stop(grace)
+        self.core.shutdown()
+        self.server = None
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+

@@ -1,0 +1,173 @@
+"""The v1 gRPC service: request validation and translation between protobuf and the core.
+
+Every refusal carries a specific status code and a message naming what was wrong; the core
+(:mod:`dpu_agent.orchestrator`) guarantees that a refused request changed nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from dpu_agent import __version__
+from dpu_agent.errors import AgentError, ErrorKind, invalid
+from dpu_agent.orchestrator import Orchestrator, SlotGrant
+from dpu_agent.service.registry import ARENA_REGION_ID
+from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
+from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+_CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
+
+
+def _key(msg: pb.ExpertKey, what: str = "key") -> ExpertKey:
+    if not msg.model:
+        raise invalid(f"{what}.model is empty")
+    return ExpertKey.from_proto(msg)
+
+
+def _manifest(grant: SlotGrant, chunk_bytes: int) -> pb.ExpertManifest:
+    entry = grant.entry
+    return pb.ExpertManifest(
+        key=entry.key.to_proto(), blob_bytes=entry.blob_bytes, chunk_bytes=chunk_bytes,
+        tensors=[pb.TensorEntry(name=t.role, dtype=t.dtype, shape=list(t.shape), offset=t.offset,
+                                nbytes=t.nbytes) for t in entry.tensors],
+        chunk_checksums=list(grant.checksums))
+
+
+class DpuAgentServicer(pb_grpc.DpuAgentServicer):
+    """Implements ``dpu_offload.v1.DpuAgent`` over an :class:`Orchestrator`."""
+
+    def __init__(self, core: Orchestrator) -> None:
+        self.core = core
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T],
+                   *args: Any, blocking: bool = False) -> T:
+        try:
+            if blocking:
+                return await asyncio.to_thread(fn, *args)
+            return fn(*args)
+        except AgentError as exc:
+            await context.abort(_CODES[exc.kind], exc.message)
+            raise  # unreachable: abort raises
+
+    async def CreateSession(self, request: pb.CreateSessionRequest,
+                            context: grpc.aio.ServicerContext) -> pb.CreateSessionResponse:
+        s = await self._run(context, self.core.create_session, request.client_name,
+                            request.lease_seconds)
+        arena = self.core.arena
+        return pb.CreateSessionResponse(
+            session_id=s.session_id, lease_seconds=int(s.lease_seconds),
+            arena=pb.ArenaInfo(shm_name=arena.name, size_bytes=arena.size,
+                               region_id=ARENA_REGION_ID))
+
+    async def KeepAlive(self, request: pb.SessionRef, context: grpc.aio.ServicerContext
+                        ) -> pb.Empty:
+        await self._run(context, self.core.session, request.session_id)
+        return pb.Empty()
+
+    async def CloseSession(self, request: pb.SessionRef, context: grpc.aio.ServicerContext
+                           ) -> pb.Empty:
+        await self._run(context, self.core.close_session, request.session_id)
+        return pb.Empty()
+
+    async def RegisterDevice(self, request: pb.RegisterDeviceRequest,
+                             context: grpc.aio.ServicerContext) -> pb.RegisterDeviceResponse:
+        def call() -> int:
+            s = self.core.session(request.session_id)
+            return self.core.register_device(s, request.kind, request.ordinal,
+                                             request.name).device_id
+        return pb.RegisterDeviceResponse(device_id=await self._run(context, call))
+
+    async def RegisterRegion(self, request: pb.RegisterRegionRequest,
+                             context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
+        def call() -> int:
+            return self.core.register_region(self.core.session(request.session_id), request)
+        return pb.RegisterRegionResponse(region_id=await self._run(context, call))
+
+    async def DeregisterRegion(self, request: pb.RegionRef, context: grpc.aio.ServicerContext
+                               ) -> pb.Empty:
+        def call() -> None:
+            self.core.deregister_region(self.core.session(request.session_id),
+                                        request.region_id)
+        await self._run(context, call)
+        return pb.Empty()
+
+    async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.LoadModelResponse:
+        cat = await self._run(context, self.core.load_model, request.path, request.name,
+                              blocking=True)
+        return pb.LoadModelResponse(
+            model=cat.name, architecture=cat.layout.architecture,
+            moe_layers=list(cat.layout.moe_layers),
+            experts_per_layer=cat.layout.experts_per_layer, expert_bytes=cat.expert_bytes,
+            total_expert_bytes=cat.total_expert_bytes)
+
+    def _acquire(self, session_id: str, device_id: int, key: pb.ExpertKey
+                 ) -> pb.AcquireResponse:
+        s = self.core.session(session_id)
+        grant = self.core.acquire(s, device_id, _key(key))
+        return pb.AcquireResponse(
+            transfer_id=grant.transfer_id, region_id=grant.region_id,
+            slot_index=grant.slot_index, slot_offset=grant.slot_offset,
+            state=pb.SLOT_STATE_READY if grant.ready else pb.SLOT_STATE_FILLING,
+            manifest=_manifest(grant, self.core.config.chunk_bytes))
+
+    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.AcquireResponse:
+        return await self._run(context, self._acquire, request.session_id, request.device_id,
+                               request.key, blocking=True)
+
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.PrefetchResponse:
+        def call() -> pb.PrefetchResponse:
+            for k in request.keys:
+                self.core.expert(_key(k, "keys[]"))
+            return pb.PrefetchResponse(slots=[
+                self._acquire(request.session_id, request.device_id, k) for k in request.keys])
+        return await self._run(context, call, blocking=True)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.Empty:
+        def call() -> None:
+            self.core.release(self.core.session(request.session_id), request.device_id,
+                              _key(request.key))
+        await self._run(context, call)
+        return pb.Empty()
+
+    async def Events(self, request: pb.SessionRef, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.Event]:
+        session = await self._run(context, self.core.session, request.session_id)
+        queue = session.events.attach(asyncio.get_running_loop())
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:
+                    return
+                yield event
+        finally:
+            session.events.detach(queue)
+
+    async def GetStatus(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.StatusResponse:
+        core = self.core
+        sessions = list(core.sessions.values())
+        return pb.StatusResponse(
+            version=__version__, uptime_seconds=time.time() - core.started,
+            sessions=[pb.SessionStatus(
+                session_id=s.session_id, client_name=s.client_name, devices=len(s.devices),
+                regions=sum(len(d.regions) for d in s.devices.values()),
+                slots_ready=sum(p.ready_count() for d in s.devices.values()
+                                for p in d.pools.values()),
+                lease_remaining_seconds=s.lease_remaining) for s in sessions],
+            models=[pb.ModelStatus(model=m.name, architecture=m.layout.architecture,
+                                   experts=len(m.experts)) for m in core.models.values()],
+            arena_bytes=core.arena.size, arena_used_bytes=core.arena.used_bytes,
+            experts_cached=core.cache.resident, cache_hits=core.cache.stats.hits,
+            cache_misses=core.cache.stats.misses, transfers_in_flight=core.tracker.in_flight)

@@ -1,0 +1,179 @@
+"""The DPU-DRAM weight cache: experts staged as blobs in the arena, filled from checkpoint files
+on a miss, pinned while a transfer reads them, evicted by a policy when space runs out.
+
+Fills copy from the shards' memory maps into the arena (the storage-to-DRAM step; on a BlueField
+a DMA from NVMe) and compute the per-chunk checksums that every later delivery is verified
+against. A fill runs outside the lock, so hits are served while misses fill.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from dpu_agent.weights.arena import Arena
+from dpu_agent.weights.catalog import ExpertEntry
+from dpu_agent.weights.policies import EvictionPolicy
+from dpu_agent.weights.safetensors_file import ShardMap
+from dpu_offload.keys import ExpertKey
+from gpu_kernels.checksum import blob_checksums
+
+
+class CacheFullError(RuntimeError):
+    """Every resident expert is pinned and the arena cannot hold another."""
+
+
+@dataclass
+class CachedExpert:
+    """An expert resident in the arena."""
+
+    entry: ExpertEntry
+    offset: int
+    """Byte offset of the blob in the arena."""
+    checksums: list[int] = field(default_factory=list)
+    pins: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    fill_seconds: float = 0.0
+
+
+class WeightCache:
+    """Experts resident in an :class:`Arena`, keyed by :class:`ExpertKey`.
+
+    Args:
+        arena: where blobs live.
+        chunk_bytes: checksum granularity (and descriptor size), bytes, multiple of 16.
+        policy: eviction order.
+    """
+
+    def __init__(self, arena: Arena, chunk_bytes: int, policy: EvictionPolicy) -> None:
+        self.arena = arena
+        self.chunk_bytes = chunk_bytes
+        self.policy = policy
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+        self._resident: dict[ExpertKey, CachedExpert] = {}
+        self._shards = ShardMap()
+        self._orphans: list[CachedExpert] = []
+
+    def acquire(self, entry: ExpertEntry) -> CachedExpert:
+        """Return the expert resident and pinned, filling it first on a miss.
+
+        Blocks the calling thread during a fill (call it from a worker thread).
+
+        Raises:
+            CacheFullError: no room even after evicting every unpinned expert.
+        """
+        key = entry.key
+        with self._lock:
+            cached = self._resident.get(key)
+            if cached is not None:
+                cached.pins += 1
+                self.stats.hits += 1
+                self.policy.on_access(key)
+                fill = False
+            else:
+                self.stats.misses += 1
+                offset = self._allocate(entry.blob_bytes)
+                cached = CachedExpert(entry, offset, pins=1)
+                self._resident[key] = cached
+                self.policy.on_insert(key)
+                fill = True
+        if fill:
+            self._fill(cached)
+        cached.ready.wait()
+        if cached.error is not None:
+            self.release(key)
+            raise cached.error
+        return cached
+
+    def _allocate(self, nbytes: int) -> int:
+        while True:
+            offset = self.arena.alloc(nbytes)
+            if offset is not None:
+                return offset
+            victims = [k for k, c in self._resident.items() if c.pins == 0 and c.ready.is_set()]
+            victim = self.policy.victim(victims)
+            if victim is None:
+                raise CacheFullError(f"arena of {self.arena.size} bytes cannot hold {nbytes} "
+                                     "more: every resident expert is pinned")
+            self._drop(victim)
+            self.stats.evictions += 1
+
+    def _drop(self, key: ExpertKey) -> None:
+        cached = self._resident.pop(key)
+        self.policy.on_remove(key)
+        self.arena.free(cached.offset)
+
+    def _fill(self, cached: CachedExpert) -> None:
+        start = time.perf_counter()
+        try:
+            blob = self.arena.view(cached.offset, cached.entry.blob_bytes)
+            blob[:] = 0
+            for t in cached.entry.tensors:
+                if t.file is None:
+                    raise FileNotFoundError(f"{cached.entry.key}: shard for {t.role} not present")
+                blob[t.offset : t.offset + t.nbytes] = self._shards.bytes_of(t.file,
+                                                                            t.file_offset,
+                                                                            t.nbytes)
+            cached.checksums = blob_checksums(blob, self.chunk_bytes)
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised
+            cached.error = exc
+            with self._lock:
+                if self._resident.get(cached.entry.key) is cached:
+                    self._resident.pop(cached.entry.key)
+                    self.policy.on_remove(cached.entry.key)
+                    self.arena.free(cached.offset)
+        finally:
+            self.stats.fill_seconds += time.perf_counter() - start
+            cached.ready.set()
+
+    def release(self, key: ExpertKey) -> None:
+        """Unpin once (a transfer that read the blob has completed)."""
+        with self._lock:
+            cached = self._resident.get(key)
+            if cached is None:
+                cached = next((c for c in self._orphans if c.entry.key == key), None)
+            if cached is not None and cached.pins > 0:
+                cached.pins -= 1
+                if cached.pins == 0 and cached in self._orphans:
+                    self._orphans.remove(cached)
+                    self.arena.free(cached.offset)
+
+    def invalidate(self, key: ExpertKey) -> None:
+        """Forget an expert's arena copy (it failed verification) so the next acquire refills
+        it from its source; a pinned copy is only forgotten, freed when the last pin goes."""
+        with self._lock:
+            cached = self._resident.get(key)
+            if cached is None:
+                return
+            if cached.pins == 0:
+                self._drop(key)
+            else:
+                self._resident.pop(key)
+                self.policy.on_remove(key)
+                self._orphans.append(cached)
+
+    def drop_model(self, model: str) -> None:
+        """Evict every unpinned expert of a model (it is being unloaded)."""
+        with self._lock:
+            for key in [k for k, c in self._resident.items() if k.model == model and c.pins == 0]:
+                self._drop(key)
+
+    @property
+    def resident(self) -> int:
+        with self._lock:
+            return len(self._resident)
+
+    def pinned(self) -> int:
+        """Total pins held (0 when nothing reads the arena)."""
+        with self._lock:
+            return sum(c.pins for c in self._resident.values())

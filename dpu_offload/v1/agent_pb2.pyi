@@ -1,0 +1,327 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DeviceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEVICE_KIND_UNSPECIFIED: _ClassVar[DeviceKind]
+    DEVICE_KIND_CUDA: _ClassVar[DeviceKind]
+    DEVICE_KIND_CPU_REFERENCE: _ClassVar[DeviceKind]
+
+class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REGION_KIND_UNSPECIFIED: _ClassVar[RegionKind]
+    REGION_KIND_SLOT_POOL: _ClassVar[RegionKind]
+    REGION_KIND_WORK_RING: _ClassVar[RegionKind]
+    REGION_KIND_COMPLETION_RING: _ClassVar[RegionKind]
+    REGION_KIND_RX_RING: _ClassVar[RegionKind]
+    REGION_KIND_TX_RING: _ClassVar[RegionKind]
+
+class SlotState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SLOT_STATE_UNSPECIFIED: _ClassVar[SlotState]
+    SLOT_STATE_FILLING: _ClassVar[SlotState]
+    SLOT_STATE_READY: _ClassVar[SlotState]
+DEVICE_KIND_UNSPECIFIED: DeviceKind
+DEVICE_KIND_CUDA: DeviceKind
+DEVICE_KIND_CPU_REFERENCE: DeviceKind
+REGION_KIND_UNSPECIFIED: RegionKind
+REGION_KIND_SLOT_POOL: RegionKind
+REGION_KIND_WORK_RING: RegionKind
+REGION_KIND_COMPLETION_RING: RegionKind
+REGION_KIND_RX_RING: RegionKind
+REGION_KIND_TX_RING: RegionKind
+SLOT_STATE_UNSPECIFIED: SlotState
+SLOT_STATE_FILLING: SlotState
+SLOT_STATE_READY: SlotState
+
+class ExpertKey(_message.Message):
+    __slots__ = ("model", "layer", "expert")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layer: int
+    expert: int
+    def __init__(self, model: _Optional[str] = ..., layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("client_name", "lease_seconds")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    lease_seconds: int
+    def __init__(self, client_name: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+
+class ArenaInfo(_message.Message):
+    __slots__ = ("shm_name", "size_bytes", "region_id")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    size_bytes: int
+    region_id: int
+    def __init__(self, shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., region_id: _Optional[int] = ...) -> None: ...
+
+class CreateSessionResponse(_message.Message):
+    __slots__ = ("session_id", "lease_seconds", "arena")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_seconds: int
+    arena: ArenaInfo
+    def __init__(self, session_id: _Optional[str] = ..., lease_seconds: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ...) -> None: ...
+
+class SessionRef(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisterDeviceRequest(_message.Message):
+    __slots__ = ("session_id", "kind", "ordinal", "name", "memory_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    kind: DeviceKind
+    ordinal: int
+    name: str
+    memory_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[DeviceKind, str]] = ..., ordinal: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterDeviceResponse(_message.Message):
+    __slots__ = ("device_id",)
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    device_id: int
+    def __init__(self, device_id: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("session_id", "device_id", "kind", "size_bytes", "shm_name", "cuda_ipc_handle", "slot_bytes", "slot_count")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_id: int
+    kind: RegionKind
+    size_bytes: int
+    shm_name: str
+    cuda_ipc_handle: bytes
+    slot_bytes: int
+    slot_count: int
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., size_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionResponse(_message.Message):
+    __slots__ = ("region_id",)
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    def __init__(self, region_id: _Optional[int] = ...) -> None: ...
+
+class RegionRef(_message.Message):
+    __slots__ = ("session_id", "region_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    region_id: int
+    def __init__(self, session_id: _Optional[str] = ..., region_id: _Optional[int] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("path", "name")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    name: str
+    def __init__(self, path: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class TensorEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ExpertManifest(_message.Message):
+    __slots__ = ("key", "blob_bytes", "chunk_bytes", "tensors", "chunk_checksums")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    key: ExpertKey
+    blob_bytes: int
+    chunk_bytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., blob_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., chunk_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("model", "architecture", "moe_layers", "experts_per_layer", "expert_bytes", "total_expert_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    moe_layers: _containers.RepeatedScalarFieldContainer[int]
+    experts_per_layer: int
+    expert_bytes: int
+    total_expert_bytes: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., experts_per_layer: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., total_expert_bytes: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("session_id", "device_id", "key")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_id: int
+    key: ExpertKey
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("transfer_id", "region_id", "slot_index", "slot_offset", "state", "manifest")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    region_id: int
+    slot_index: int
+    slot_offset: int
+    state: SlotState
+    manifest: ExpertManifest
+    def __init__(self, transfer_id: _Optional[int] = ..., region_id: _Optional[int] = ..., slot_index: _Optional[int] = ..., slot_offset: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., manifest: _Optional[_Union[ExpertManifest, _Mapping]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("session_id", "device_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_id: int
+    keys: _containers.RepeatedCompositeFieldContainer[ExpertKey]
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
+    def __init__(self, slots: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "device_id", "key")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_id: int
+    key: ExpertKey
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("transfer_id", "key", "device_id", "region_id", "slot_index", "status", "bytes")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    key: ExpertKey
+    device_id: int
+    region_id: int
+    slot_index: int
+    status: str
+    bytes: int
+    def __init__(self, transfer_id: _Optional[int] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ..., device_id: _Optional[int] = ..., region_id: _Optional[int] = ..., slot_index: _Optional[int] = ..., status: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("transfer_done", "error")
+    TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    transfer_done: TransferDone
+    error: str
+    def __init__(self, transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("session_id", "client_name", "devices", "regions", "slots_ready", "lease_remaining_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_READY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    client_name: str
+    devices: int
+    regions: int
+    slots_ready: int
+    lease_remaining_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., devices: _Optional[int] = ..., regions: _Optional[int] = ..., slots_ready: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ...) -> None: ...
+
+class ModelStatus(_message.Message):
+    __slots__ = ("model", "architecture", "experts")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    experts: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., experts: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "uptime_seconds", "sessions", "models", "arena_bytes", "arena_used_bytes", "experts_cached", "cache_hits", "cache_misses", "transfers_in_flight")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_seconds: float
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    arena_bytes: int
+    arena_used_bytes: int
+    experts_cached: int
+    cache_hits: int
+    cache_misses: int
+    transfers_in_flight: int
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., experts_cached: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,165 @@
+"""The ring ABI: the one memory contract between the agent, the host client and the kernels.
+
+Everything here is plain NumPy so that the agent (aarch64, no CUDA) can import it. The C view of
+the same layout is ``gpu_kernels/include/ring.cuh``; ``tests/test_abi.py`` compiles that header
+and proves every size, offset and constant identical to what this module declares.
+
+A ring is one contiguous buffer: a 256-byte :data:`HEADER_DTYPE` followed by ``capacity``
+entries of ``entry_size`` bytes. Publication is store-only (no CPU-GPU atomics exist on the H200
+host): the producer writes an entry's fields, fences, then writes the entry's ``seq`` word as
+``position + 1``. The consumer polls ``seq`` and alone advances ``consumer``. See docs/ABI.md.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+RING_MAGIC = 0x52555044  # b"DPUR" read little-endian
+ABI_VERSION = 1
+HEADER_BYTES = 256
+CACHE_LINE_BYTES = 64
+COPY_ALIGN_BYTES = 16
+"""Offsets and lengths of COPY descriptors must be multiples of this (one 16-byte vector load)."""
+MAX_REGIONS = 64
+"""Entries of a region table; region ids are indexes into it."""
+
+
+class RingKind(IntEnum):
+    """What a ring carries; recorded in the header so a consumer can refuse the wrong ring."""
+
+    WORK = 1
+    COMPLETION = 2
+    RX_PACKET = 3
+    TX_PACKET = 4
+
+
+class Opcode(IntEnum):
+    """Work descriptor opcodes."""
+
+    NOP = 0
+    COPY = 1
+    PACKET = 2
+    FENCE = 3
+    EXIT = 4
+
+
+class Status(IntEnum):
+    """Completion statuses. Anything but OK means no byte outside the regions was touched and
+    the destination must not be considered valid."""
+
+    OK = 0
+    CHECKSUM_MISMATCH = 1
+    OUT_OF_BOUNDS = 2
+    BAD_OPCODE = 3
+    BAD_ALIGNMENT = 4
+    BAD_REGION = 5
+    BAD_RING = 6
+    CANCELLED = 7
+
+
+class DescriptorFlags(IntEnum):
+    """Bits of a work descriptor's ``flags``."""
+
+    VERIFY = 1
+    """Compute the chunk checksum over the copied bytes and compare it with ``checksum``."""
+
+
+class RegionFlags(IntEnum):
+    """Bits of a region table entry's ``flags``."""
+
+    READABLE = 1
+    WRITABLE = 2
+
+
+HEADER_DTYPE = np.dtype(
+    {
+        "names": ["magic", "version", "kind", "entry_size", "capacity", "exit_flag", "fault",
+                  "producer", "consumer"],
+        "formats": ["<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8"],
+        "offsets": [0, 4, 8, 12, 16, 20, 24, 64, 128],
+        "itemsize": HEADER_BYTES,
+    }
+)
+"""Ring header. ``producer`` and ``consumer`` are monotonically increasing positions (entries,
+not bytes), each on its own cache line and written only by its owner. ``exit_flag`` is set by
+the host to stop a persistent consumer; ``fault`` holds a :class:`Status` a consumer reports
+when the ring itself is unusable (wrong magic or version)."""
+
+DESCRIPTOR_DTYPE = np.dtype(
+    {
+        "names": ["transfer_id", "opcode", "flags", "chunk_index", "chunk_count", "src_region",
+                  "src_offset", "dst_region", "checksum", "dst_offset", "length", "position",
+                  "seq"],
+        "formats": ["<u8", "<u2", "<u2", "<u4", "<u4", "<u4", "<u8", "<u4", "<u4", "<u8", "<u4",
+                    "<u4", "<u8"],
+        "offsets": [0, 8, 10, 12, 16, 20, 24, 32, 36, 40, 48, 52, 56],
+        "itemsize": 64,
+    }
+)
+"""Work descriptor, 64 bytes: move ``length`` bytes from (src_region, src_offset) to
+(dst_region, dst_offset); with the VERIFY flag, check ``checksum`` (see checksum.py) over the
+bytes copied, mixed with ``position``: the chunk's byte offset within its object (an expert
+blob or a message), so a chunk delivered to the wrong place fails."""
+
+COMPLETION_DTYPE = np.dtype(
+    {
+        "names": ["transfer_id", "chunk_index", "status", "nbytes", "seq"],
+        "formats": ["<u8", "<u4", "<u4", "<u8", "<u8"],
+        "offsets": [0, 8, 12, 16, 24],
+        "itemsize": 32,
+    }
+)
+"""Completion entry, 32 bytes: one per consumed descriptor; ``nbytes`` is what was written."""
+
+REGION_DTYPE = np.dtype(
+    {
+        "names": ["base", "size", "flags", "generation"],
+        "formats": ["<u8", "<u8", "<u4", "<u4"],
+        "offsets": [0, 8, 16, 20],
+        "itemsize": 32,
+    }
+)
+"""Region table entry, 32 bytes: a consumer's own address of region ``id`` (device pointer on
+a GPU, offset into a process mapping on the CPU reference device) and its size in bytes. An
+entry with ``size == 0`` is unregistered."""
+
+PACKET_HEADER_DTYPE = np.dtype(
+    {
+        "names": ["message_id", "offset", "length", "flags", "checksum", "layer", "expert",
+                  "model", "total_length", "seq"],
+        "formats": ["<u8", "<u8", "<u4", "<u4", "<u4", "<u2", "<u2", "<u4", "<u8", "<u8"],
+        "offsets": [0, 8, 16, 20, 24, 28, 30, 32, 40, 56],
+        "itemsize": 64,
+    }
+)
+"""Header of an rx/tx packet ring entry; the payload (``length`` bytes, at most the entry size
+minus 64) follows it in the same entry. ``offset`` is the payload's byte position within the
+message of ``total_length`` bytes; ``checksum`` covers the payload mixed with ``offset``."""
+
+
+class PacketFlags(IntEnum):
+    """Bits of a packet header's ``flags``."""
+
+    LAST = 1
+
+
+for _dtype, _size in ((DESCRIPTOR_DTYPE, 64), (COMPLETION_DTYPE, 32), (REGION_DTYPE, 32),
+                      (HEADER_DTYPE, HEADER_BYTES), (PACKET_HEADER_DTYPE, 64)):
+    assert _dtype.itemsize == _size, _dtype
+
+
+def ring_bytes(capacity: int, entry_size: int) -> int:
+    """Total bytes of a ring of ``capacity`` entries of ``entry_size`` bytes, header included."""
+    return HEADER_BYTES + capacity * entry_size
+
+
+def entry_dtype_for(kind: RingKind) -> np.dtype:
+    """The fixed entry layout of a ring kind (packet rings carry a header plus payload)."""
+    return {
+        RingKind.WORK: DESCRIPTOR_DTYPE,
+        RingKind.COMPLETION: COMPLETION_DTYPE,
+        RingKind.RX_PACKET: PACKET_HEADER_DTYPE,
+        RingKind.TX_PACKET: PACKET_HEADER_DTYPE,
+    }[kind]

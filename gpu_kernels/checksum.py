@@ -1,0 +1,58 @@
+"""The chunk checksum, NumPy definition (the CUDA twin is ``dpu_vec_terms`` in ring.cuh).
+
+For a chunk of 32-bit little-endian words ``w[i]`` that starts ``offset`` bytes into its expert
+blob, with ``g = offset // 4 + i``::
+
+    checksum = (sum_i fmix32(w[i] ^ (g * 0x9E3779B1)) mod 2**32) ^ (number of words mod 2**32)
+
+``fmix32`` (MurmurHash3's finaliser) is a bijection, so one flipped bit always changes the sum;
+mixing in ``g`` makes a chunk copied to the wrong place fail; the sum is order-independent so a
+GPU block can reduce it in any order. It is an integrity check, not a cryptographic one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_GOLDEN = np.uint32(0x9E3779B1)
+_M1 = np.uint32(0x85EBCA6B)
+_M2 = np.uint32(0xC2B2AE35)
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h ^= h >> np.uint32(16)
+    h *= _M1
+    h ^= h >> np.uint32(13)
+    h *= _M2
+    h ^= h >> np.uint32(16)
+    return h
+
+
+def chunk_checksum(data: np.ndarray | memoryview | bytes, offset: int) -> int:
+    """Checksum of ``data`` (length a multiple of 4 bytes) placed ``offset`` bytes into its blob.
+
+    Args:
+        data: the chunk's bytes, any contiguous buffer.
+        offset: byte position of the chunk in its blob; a multiple of 4.
+
+    Returns:
+        The 32-bit checksum as a Python int.
+    """
+    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    raw = raw.reshape(-1).view(np.uint8)
+    if raw.size % 4 or offset % 4:
+        raise ValueError(f"checksum needs 4-byte multiples: length {raw.size}, offset {offset}")
+    words = raw.view("<u4")
+    n = words.size
+    index = np.arange(offset // 4, offset // 4 + n, dtype=np.uint64).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        terms = _fmix32(words ^ (index * _GOLDEN))
+        total = int(terms.sum(dtype=np.uint64)) & 0xFFFFFFFF
+    return total ^ (n & 0xFFFFFFFF)
+
+
+def blob_checksums(blob: np.ndarray, chunk_bytes: int) -> list[int]:
+    """Per-chunk checksums of a whole blob cut into ``chunk_bytes`` pieces (the last may be
+    shorter)."""
+    return [chunk_checksum(blob[start:start + chunk_bytes], start)
+            for start in range(0, blob.size, chunk_bytes)]

@@ -1,0 +1,141 @@
+// The ring ABI, C view. The Python view is gpu_kernels/abi.py; tests/test_abi.py compiles this
+// header with a host C compiler and proves every size, offset and constant identical.
+// Plain C structs so that both nvcc/NVRTC and a host compiler accept it.
+#ifndef DPU_OFFLOAD_RING_CUH
+#define DPU_OFFLOAD_RING_CUH
+
+#ifdef __CUDACC_RTC__
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#else
+#include <stdint.h>
+#endif
+
+#define DPU_RING_MAGIC 0x52555044u
+#define DPU_ABI_VERSION 1u
+#define DPU_HEADER_BYTES 256
+#define DPU_CACHE_LINE_BYTES 64
+#define DPU_COPY_ALIGN_BYTES 16
+#define DPU_MAX_REGIONS 64
+
+#define DPU_RING_WORK 1u
+#define DPU_RING_COMPLETION 2u
+#define DPU_RING_RX_PACKET 3u
+#define DPU_RING_TX_PACKET 4u
+
+#define DPU_OP_NOP 0u
+#define DPU_OP_COPY 1u
+#define DPU_OP_PACKET 2u
+#define DPU_OP_FENCE 3u
+#define DPU_OP_EXIT 4u
+
+#define DPU_STATUS_OK 0u
+#define DPU_STATUS_CHECKSUM_MISMATCH 1u
+#define DPU_STATUS_OUT_OF_BOUNDS 2u
+#define DPU_STATUS_BAD_OPCODE 3u
+#define DPU_STATUS_BAD_ALIGNMENT 4u
+#define DPU_STATUS_BAD_REGION 5u
+#define DPU_STATUS_BAD_RING 6u
+#define DPU_STATUS_CANCELLED 7u
+
+#define DPU_DESC_VERIFY 1u
+#define DPU_REGION_READABLE 1u
+#define DPU_REGION_WRITABLE 2u
+#define DPU_PACKET_LAST 1u
+
+typedef struct {
+    uint32_t magic;
+    uint32_t version;
+    uint32_t kind;
+    uint32_t entry_size;
+    uint32_t capacity;
+    uint32_t exit_flag;
+    uint32_t fault;
+    uint8_t pad0[64 - 28];
+    uint64_t producer;
+    uint8_t pad1[64 - 8];
+    uint64_t consumer;
+    uint8_t pad2[128 - 8];
+} dpu_ring_header;
+
+typedef struct {
+    uint64_t transfer_id;
+    uint16_t opcode;
+    uint16_t flags;
+    uint32_t chunk_index;
+    uint32_t chunk_count;
+    uint32_t src_region;
+    uint64_t src_offset;
+    uint32_t dst_region;
+    uint32_t checksum;
+    uint64_t dst_offset;
+    uint32_t length;
+    uint32_t position;
+    uint64_t seq;
+} dpu_descriptor;
+
+typedef struct {
+    uint64_t transfer_id;
+    uint32_t chunk_index;
+    uint32_t status;
+    uint64_t nbytes;
+    uint64_t seq;
+} dpu_completion;
+
+typedef struct {
+    uint64_t base;
+    uint64_t size;
+    uint32_t flags;
+    uint32_t generation;
+    uint64_t reserved;
+} dpu_region;
+
+typedef struct {
+    uint64_t message_id;
+    uint64_t offset;
+    uint32_t length;
+    uint32_t flags;
+    uint32_t checksum;
+    uint16_t layer;
+    uint16_t expert;
+    uint32_t model;
+    uint32_t reserved0;
+    uint64_t total_length;
+    uint64_t reserved1;
+    uint64_t seq;
+} dpu_packet_header;
+
+#ifdef __CUDACC__
+// Checksum of 32-bit little-endian words w[i] whose global word index is g = offset / 4 + i:
+// sum over i of fmix32(w[i] ^ (g * 0x9E3779B1)), mod 2^32, then xor the word count.
+// Order-independent, so any thread partition gives the same result; see checksum.py.
+__device__ __forceinline__ uint32_t dpu_fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+__device__ __forceinline__ uint32_t dpu_word_term(uint32_t w, uint64_t global_word) {
+    return dpu_fmix32(w ^ ((uint32_t)global_word * 0x9E3779B1u));
+}
+
+__device__ __forceinline__ uint32_t dpu_vec_terms(uint4 v, uint64_t global_word) {
+    return dpu_word_term(v.x, global_word) + dpu_word_term(v.y, global_word + 1) +
+           dpu_word_term(v.z, global_word + 2) + dpu_word_term(v.w, global_word + 3);
+}
+
+__device__ __forceinline__ uint64_t dpu_load_volatile_u64(const uint64_t* p) {
+    return *(const volatile uint64_t*)p;
+}
+
+__device__ __forceinline__ uint32_t dpu_load_volatile_u32(const uint32_t* p) {
+    return *(const volatile uint32_t*)p;
+}
+#endif
+
+#endif  // DPU_OFFLOAD_RING_CUH

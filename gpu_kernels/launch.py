@@ -1,0 +1,50 @@
+"""Loading and launching the CUDA kernels through CuPy (imported only here, lazily).
+
+The rules learned from GPUNetIO hold: ``CUDA_MODULE_LOADING=EAGER`` is set before CUDA starts
+(lazy loading can deadlock beside a persistent kernel), every launch goes on a non-blocking
+stream, and nothing here synchronises the whole device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import cupy as cp  # noqa: E402
+
+KERNEL_DIR = Path(__file__).resolve().parent
+INCLUDE_DIR = KERNEL_DIR / "include"
+
+
+def arch_option(device: cp.cuda.Device | None = None) -> str:
+    """``--gpu-architecture`` for the device, real machine code (sm_XX) rather than PTX."""
+    return f"--gpu-architecture=sm_{(device or cp.cuda.Device()).compute_capability}"
+
+
+@functools.lru_cache(maxsize=None)
+def module(name: str, device_id: int = 0) -> cp.RawModule:
+    """Compile ``gpu_kernels/<name>.cu`` for the device (cached per process)."""
+    with cp.cuda.Device(device_id) as dev:
+        code = (KERNEL_DIR / f"{name}.cu").read_text()
+        return cp.RawModule(code=code, options=("-std=c++17", f"-I{INCLUDE_DIR}",
+                                                arch_option(dev)),
+                            name_expressions=None)
+
+
+def kernel(module_name: str, function: str, device_id: int = 0) -> Any:
+    """A compiled kernel function."""
+    return module(module_name, device_id).get_function(function)
+
+
+def non_blocking_stream() -> cp.cuda.Stream:
+    """A stream that never serialises with the legacy default stream."""
+    return cp.cuda.Stream(non_blocking=True)
+
+
+def sm_count(device_id: int = 0) -> int:
+    """Multiprocessors of the device."""
+    return int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])

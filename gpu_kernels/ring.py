@@ -1,0 +1,196 @@
+"""Host-side (Python) producer and consumer of an ABI ring over any writable buffer.
+
+Used by the agent's queues (producer of work, consumer of completions), the CPU reference
+device (the kernel's twin) and the tests. The GPU side is receive.cu over the same bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from gpu_kernels import abi
+
+_FENCE = threading.Lock()
+
+
+def store_fence() -> None:
+    """A full memory barrier: CPython's lock acquire/release are atomic read-modify-writes, which
+    order every earlier store before every later one on x86 and on Arm."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+class RingError(ValueError):
+    """The ring's header is not a valid ring of the expected kind; the message says why."""
+
+
+class Ring:
+    """A ring laid out per :mod:`gpu_kernels.abi` in ``buffer`` (uint8 array of
+    ``ring_bytes(capacity, entry_size)`` bytes).
+
+    Attributes:
+        header: structured scalar view (``HEADER_DTYPE``) of the live header.
+        entries: ``[capacity]`` structured view of each entry's fixed part.
+        payload: ``uint8[capacity, entry_size - 64]`` for packet rings, else None.
+    """
+
+    def __init__(self, buffer: np.ndarray, kind: abi.RingKind) -> None:
+        self.buffer = buffer
+        self._header_arr = np.ndarray((1,), abi.HEADER_DTYPE, buffer=buffer, offset=0)
+        self.header = self._header_arr[0]
+        self.kind = kind
+        self.validate()
+        cap = int(self.header["capacity"])
+        size = int(self.header["entry_size"])
+        self.capacity = cap
+        self.entry_size = size
+        dtype = abi.entry_dtype_for(kind)
+        self.entries = np.ndarray((cap,), dtype, buffer=buffer, offset=abi.HEADER_BYTES,
+                                  strides=(size,))
+        self._seq = np.ndarray((cap,), "<u8", buffer=buffer,
+                               offset=abi.HEADER_BYTES + dtype.fields["seq"][1], strides=(size,))
+        self.payload = None
+        if size > dtype.itemsize:
+            self.payload = np.ndarray((cap, size - dtype.itemsize), np.uint8, buffer=buffer,
+                                      offset=abi.HEADER_BYTES + dtype.itemsize,
+                                      strides=(size, 1))
+        self._producer = int(self.header["producer"])
+        self._consumer = int(self.header["consumer"])
+
+    @classmethod
+    def format(cls, buffer: np.ndarray, kind: abi.RingKind, capacity: int,
+               entry_size: int | None = None) -> Ring:
+        """Write a fresh header and zeroed entries into ``buffer`` and return the ring."""
+        dtype = abi.entry_dtype_for(kind)
+        entry_size = dtype.itemsize if entry_size is None else entry_size
+        if capacity <= 0 or capacity & (capacity - 1):
+            raise RingError(f"ring capacity must be a power of two, got {capacity}")
+        if entry_size < dtype.itemsize or entry_size % abi.COPY_ALIGN_BYTES:
+            raise RingError(f"entry size {entry_size} must be >= {dtype.itemsize} and a "
+                            f"multiple of {abi.COPY_ALIGN_BYTES}")
+        need = abi.ring_bytes(capacity, entry_size)
+        if buffer.size < need:
+            raise RingError(f"ring of {capacity} x {entry_size} B needs {need} bytes, "
+                            f"buffer has {buffer.size}")
+        buffer[:need] = 0
+        header = np.ndarray((1,), abi.HEADER_DTYPE, buffer=buffer, offset=0)[0]
+        header["version"] = abi.ABI_VERSION
+        header["kind"] = int(kind)
+        header["entry_size"] = entry_size
+        header["capacity"] = capacity
+        store_fence()
+        header["magic"] = abi.RING_MAGIC
+        return cls(buffer, kind)
+
+    def validate(self) -> None:
+        """Raise :class:`RingError` unless the header is a valid ring of this kind."""
+        h = self.header
+        if int(h["magic"]) != abi.RING_MAGIC:
+            raise RingError(f"bad ring magic {int(h['magic']):#x}")
+        if int(h["version"]) != abi.ABI_VERSION:
+            raise RingError(f"ring ABI version {int(h['version'])}, expected {abi.ABI_VERSION}")
+        if int(h["kind"]) != int(self.kind):
+            raise RingError(f"ring kind {int(h['kind'])}, expected {int(self.kind)}")
+        cap, size = int(h["capacity"]), int(h["entry_size"])
+        if cap <= 0 or cap & (cap - 1):
+            raise RingError(f"ring capacity {cap} is not a power of two")
+        if size < abi.entry_dtype_for(self.kind).itemsize:
+            raise RingError(f"ring entry size {size} is too small")
+        if self.buffer.size < abi.ring_bytes(cap, size):
+            raise RingError("ring buffer is shorter than its header says")
+
+    # -- producer side ---------------------------------------------------------------------
+    def free_entries(self) -> int:
+        """Entries the producer may publish now without overwriting unconsumed ones."""
+        return self.capacity - (self._producer - int(self.header["consumer"]))
+
+    def push(self, entry: np.void | dict[str, int], payload: np.ndarray | None = None) -> bool:
+        """Publish one entry (its ``seq`` is set here); False, writing nothing, when full."""
+        if self.free_entries() <= 0:
+            return False
+        pos = self._producer
+        i = pos & (self.capacity - 1)
+        self._seq[i] = 0
+        store_fence()
+        slot = self.entries[i : i + 1]
+        if isinstance(entry, dict):
+            slot[0] = 0
+            for name, value in entry.items():
+                if name != "seq":
+                    slot[name] = value
+        else:
+            record = entry.copy()
+            record["seq"] = 0
+            slot[0] = record
+        if payload is not None:
+            assert self.payload is not None, "not a packet ring"
+            self.payload[i, : payload.size] = payload
+        store_fence()
+        self._seq[i] = pos + 1
+        self._producer = pos + 1
+        self.header["producer"] = pos + 1
+        return True
+
+    def push_many(self, records: np.ndarray) -> int:
+        """Publish as many of ``records`` (an entry-dtype array) as fit, in order, with one
+        fence; returns how many were published. Their ``seq`` fields are overwritten."""
+        n = min(int(records.size), self.free_entries())
+        if n <= 0:
+            return 0
+        pos = self._producer
+        idx = (np.arange(pos, pos + n, dtype=np.uint64) & np.uint64(self.capacity - 1)).astype(
+            np.intp)
+        batch = records[:n].copy()
+        batch["seq"] = 0
+        self._seq[idx] = 0
+        store_fence()
+        self.entries[idx] = batch
+        store_fence()
+        self._seq[idx] = np.arange(pos + 1, pos + n + 1, dtype=np.uint64)
+        self._producer = pos + n
+        self.header["producer"] = pos + n
+        return n
+
+    # -- consumer side ---------------------------------------------------------------------
+    def peek(self) -> np.void | None:
+        """The next entry if published, else None. The record is a view: copy before pop."""
+        i = self._consumer & (self.capacity - 1)
+        if int(self._seq[i]) != self._consumer + 1:
+            return None
+        store_fence()
+        return self.entries[i]
+
+    def pop(self) -> np.void | None:
+        """Take the next published entry (a copy) and release its place to the producer."""
+        rec = self.peek()
+        if rec is None:
+            return None
+        out = rec.copy()
+        self.advance()
+        return out
+
+    def advance(self) -> None:
+        """Release the entry last returned by :meth:`peek`."""
+        self._consumer += 1
+        self.header["consumer"] = self._consumer
+
+    @property
+    def consumed(self) -> int:
+        """Entries this consumer has released."""
+        return self._consumer
+
+    @property
+    def produced(self) -> int:
+        """Entries this producer has published."""
+        return self._producer
+
+    def request_exit(self) -> None:
+        """Ask the ring's persistent consumer to stop."""
+        store_fence()
+        self.header["exit_flag"] = 1
+
+    @property
+    def exit_requested(self) -> bool:
+        return int(self.header["exit_flag"]) != 0

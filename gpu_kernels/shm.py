@@ -1,0 +1,101 @@
+"""POSIX shared memory buffers: how the agent's arena and the host client's rings are shared
+between processes here (on a BlueField, doca_mmap exports replace them; see docs/DOCA.md).
+
+Python's ``multiprocessing.shared_memory`` registers every segment with a resource tracker that
+unlinks it when *any* attaching process exits, so the owner here manages lifetime itself.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+class SharedBufferError(RuntimeError):
+    """A shared buffer could not be created or opened; the message names it."""
+
+
+def unique_name(prefix: str) -> str:
+    """A fresh segment name: ``prefix``, the pid and random hex."""
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class SharedBuffer:
+    """A named, mapped shared-memory segment of ``size`` bytes.
+
+    Attributes:
+        name: the segment name (a file under /dev/shm), the export handle other processes open.
+        size: bytes.
+        array: ``uint8[size]`` NumPy view of the mapping.
+        owner: whether this process created it (and unlinks it on :meth:`unlink`).
+    """
+
+    def __init__(self, name: str, size: int | None = None, *, create: bool = False) -> None:
+        if not _NAME_RE.match(name):
+            raise SharedBufferError(f"invalid shared memory name {name!r}")
+        path = os.path.join(SHM_DIR, name)
+        self.name = name
+        self.owner = create
+        try:
+            if create:
+                if size is None or size <= 0:
+                    raise SharedBufferError(f"shared memory {name!r}: size must be positive")
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                except OSError:
+                    os.close(fd)
+                    os.unlink(path)
+                    raise
+            else:
+                fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise SharedBufferError(f"shared memory {name!r} does not exist") from exc
+        except OSError as exc:
+            raise SharedBufferError(f"shared memory {name!r}: {exc.strerror}") from exc
+        try:
+            actual = os.fstat(fd).st_size
+            if size is not None and actual < size:
+                raise SharedBufferError(
+                    f"shared memory {name!r} holds {actual} bytes, {size} expected")
+            self.size = size if size is not None else actual
+            self._mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    @property
+    def address(self) -> int:
+        """Virtual address of the mapping in this process."""
+        return int(self.array.ctypes.data)
+
+    def close(self) -> None:
+        """Unmap. Views handed out must be dropped first; a live view keeps the mapping."""
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view is still exported; the mapping goes when the last view does
+
+    def unlink(self) -> None:
+        """Remove the name (the owner's duty); existing mappings stay valid."""
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> SharedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()

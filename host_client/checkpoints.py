@@ -1,0 +1,172 @@
+"""Small checkpoints in real Hugging Face layouts, with seeded random weights (``expertctl
+make-checkpoint``): config.json, model.safetensors.index.json and sharded .safetensors files
+named exactly as the published models name their tensors. For tests, demos and benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import safetensors
+
+ARCHS = ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v3", "olmoe", "gpt-oss")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Shape of a synthetic checkpoint."""
+
+    arch: str
+    layers: int = 4
+    experts: int = 8
+    hidden: int = 256
+    intermediate: int = 128
+    dtype: str = "bf16"
+    top_k: int = 2
+    seed: int = 0
+    dense_layers: int = 1
+    """DeepSeek only: leading dense layers (``first_k_dense_replace``)."""
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), round to nearest even."""
+    u = x.astype(np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            ).astype(np.uint16)
+
+
+def _weights(rng: np.random.Generator, shape: tuple[int, ...], dtype: str
+             ) -> tuple[str, np.ndarray]:
+    if dtype == "fp8":
+        raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0  # no NaN encodings in E4M3
+        return "F8_E4M3", raw
+    if dtype == "f32":
+        return "F32", (rng.standard_normal(shape, dtype=np.float32) * 0.02)
+    return "BF16", _bf16(rng.standard_normal(shape, dtype=np.float32) * 0.02)
+
+
+def _config(spec: CheckpointSpec) -> dict:
+    torch_dtype = {"bf16": "bfloat16", "fp8": "bfloat16", "f32": "float32"}[spec.dtype]
+    common = {"num_hidden_layers": spec.layers, "hidden_size": spec.hidden,
+              "num_experts_per_tok": spec.top_k, "torch_dtype": torch_dtype,
+              "vocab_size": 1024}
+    if spec.arch == "mixtral":
+        return {**common, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                "num_local_experts": spec.experts, "intermediate_size": spec.intermediate}
+    if spec.arch in ("qwen3-moe", "qwen2-moe"):
+        mt = spec.arch.replace("-", "_")
+        cfg = {**common, "model_type": mt, "num_experts": spec.experts,
+               "moe_intermediate_size": spec.intermediate, "decoder_sparse_step": 1,
+               "mlp_only_layers": [], "intermediate_size": spec.intermediate * 4,
+               "architectures": ["Qwen3MoeForCausalLM" if mt == "qwen3_moe"
+                                 else "Qwen2MoeForCausalLM"]}
+        if mt == "qwen2_moe":
+            cfg["shared_expert_intermediate_size"] = spec.intermediate * 2
+        return cfg
+    if spec.arch == "deepseek-v3":
+        cfg = {**common, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+               "n_routed_experts": spec.experts, "n_shared_experts": 1,
+               "moe_intermediate_size": spec.intermediate, "first_k_dense_replace":
+               spec.dense_layers, "moe_layer_freq": 1, "intermediate_size": spec.intermediate * 4}
+        if spec.dtype == "fp8":
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                          "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}
+        return cfg
+    if spec.arch == "olmoe":
+        return {**common, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"],
+                "num_experts": spec.experts, "intermediate_size": spec.intermediate}
+    if spec.arch == "gpt-oss":
+        return {**common, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                "num_local_experts": spec.experts, "intermediate_size": spec.intermediate}
+    raise ValueError(f"unknown architecture {spec.arch!r}; choose from {', '.join(ARCHS)}")
+
+
+def _layer_tensors(spec: CheckpointSpec, layer: int, rng: np.random.Generator
+                   ) -> Iterator[tuple[str, str, np.ndarray]]:
+    h, i, e = spec.hidden, spec.intermediate, spec.experts
+    p = f"model.layers.{layer}"
+    yield f"{p}.input_layernorm.weight", *_weights(rng, (h,), "bf16")
+    yield f"{p}.self_attn.o_proj.weight", *_weights(rng, (h, h), "bf16")
+    if spec.arch == "deepseek-v3" and layer < spec.dense_layers:
+        for name, shape in (("gate_proj", (4 * i, h)), ("up_proj", (4 * i, h)),
+                            ("down_proj", (h, 4 * i))):
+            yield f"{p}.mlp.{name}.weight", *_weights(rng, shape, "bf16")
+        return
+    if spec.arch == "gpt-oss":
+        q = f"{p}.mlp.experts"
+        yield f"{p}.mlp.router.weight", *_weights(rng, (e, h), "bf16")
+        yield f"{q}.gate_up_proj", *_weights(rng, (e, h, 2 * i), spec.dtype)
+        yield f"{q}.gate_up_proj_bias", *_weights(rng, (e, 2 * i), spec.dtype)
+        yield f"{q}.down_proj", *_weights(rng, (e, i, h), spec.dtype)
+        yield f"{q}.down_proj_bias", *_weights(rng, (e, h), spec.dtype)
+        return
+    if spec.arch == "mixtral":
+        yield f"{p}.block_sparse_moe.gate.weight", *_weights(rng, (e, h), "bf16")
+        names = (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i)))
+        q = f"{p}.block_sparse_moe.experts"
+    else:
+        yield f"{p}.mlp.gate.weight", *_weights(rng, (e, h), "bf16")
+        names = (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))
+        q = f"{p}.mlp.experts"
+    wdtype = spec.dtype
+    for x in range(e):
+        for name, shape in names:
+            yield f"{q}.{x}.{name}.weight", *_weights(rng, shape, wdtype)
+            if spec.dtype == "fp8":
+                scale = (-(-shape[0] // 128), -(-shape[1] // 128))
+                yield (f"{q}.{x}.{name}.weight_scale_inv", "F32",
+                       rng.uniform(0.5, 2.0, size=scale).astype(np.float32))
+    if spec.arch == "qwen2-moe":
+        for name, shape in (("gate_proj", (2 * i, h)), ("up_proj", (2 * i, h)),
+                            ("down_proj", (h, 2 * i))):
+            yield f"{p}.mlp.shared_expert.{name}.weight", *_weights(rng, shape, "bf16")
+    if spec.arch == "deepseek-v3":
+        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            yield f"{p}.mlp.shared_experts.{name}.weight", *_weights(rng, shape, "bf16")
+
+
+_SPEC_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F32": "float32"}
+
+
+def _save(path: Path, tensors: list[tuple[str, str, np.ndarray]]) -> None:
+    specs = {name: safetensors.TensorSpec(dtype=_SPEC_DTYPES[dt], shape=list(arr.shape),
+                                          data_ptr=arr.ctypes.data, data_len=arr.nbytes)
+             for name, dt, arr in tensors}
+    tmp = path.with_suffix(".tmp")
+    safetensors.serialize_file(specs, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def make_checkpoint(directory: str | Path, spec: CheckpointSpec,
+                    layers_per_shard: int = 2) -> Path:
+    """Write the checkpoint; returns its directory. Deterministic for a given spec."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = _config(spec)
+    rng = np.random.default_rng(spec.seed)
+    nshards = -(-spec.layers // layers_per_shard)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for s in range(nshards):
+        fname = f"model-{s + 1:05d}-of-{nshards:05d}.safetensors"
+        tensors = []
+        if s == 0:
+            tensors.append(("model.embed_tokens.weight",
+                            *_weights(rng, (cfg["vocab_size"], spec.hidden), "bf16")))
+        for layer in range(s * layers_per_shard, min(spec.layers, (s + 1) * layers_per_shard)):
+            tensors.extend(_layer_tensors(spec, layer, rng))
+        _save(root / fname, tensors)
+        for name, _, arr in tensors:
+            weight_map[name] = fname
+            total += arr.nbytes
+    (root / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return root

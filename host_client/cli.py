@@ -1,0 +1,77 @@
+"""``expertctl``: the host-side command line (checkpoints for tests and demos, agent status)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from host_client.checkpoints import ARCHS, CheckpointSpec, make_checkpoint
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    spec = CheckpointSpec(args.arch, layers=args.layers, experts=args.experts,
+                          hidden=args.hidden, intermediate=args.intermediate, dtype=args.dtype,
+                          top_k=args.top_k, seed=args.seed)
+    path = make_checkpoint(args.dir, spec)
+    print(f"wrote {spec.arch} checkpoint to {path}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dpu_offload.v1 import agent_pb2 as pb
+    from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.agent) as channel:
+        st = pb_grpc.DpuAgentStub(channel).GetStatus(pb.StatusRequest(), timeout=args.timeout)
+    hit = st.cache_hits / max(1, st.cache_hits + st.cache_misses)
+    print(f"agent {st.version}  up {st.uptime_seconds:.0f} s  "
+          f"arena {st.arena_used_bytes / 2**20:.1f}/{st.arena_bytes / 2**20:.1f} MiB  "
+          f"cached {st.experts_cached}  hit rate {hit:.1%}  in flight {st.transfers_in_flight}")
+    for m in st.models:
+        print(f"model   {m.model:<24} {m.architecture:<12} {m.experts} experts")
+    for s in st.sessions:
+        print(f"session {s.session_id} {s.client_name:<16} devices {s.devices} regions "
+              f"{s.regions} ready slots {s.slots_ready} lease {s.lease_remaining_seconds:.1f} s")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="expertctl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("make-checkpoint", help="write a small checkpoint in a real HF layout")
+    p.add_argument("dir")
+    p.add_argument("--arch", required=True, choices=ARCHS)
+    p.add_argument("--layers", type=_positive, default=4)
+    p.add_argument("--experts", type=_positive, default=8)
+    p.add_argument("--hidden", type=_positive, default=256)
+    p.add_argument("--intermediate", type=_positive, default=128)
+    p.add_argument("--top-k", type=_positive, default=2)
+    p.add_argument("--dtype", choices=("bf16", "fp8", "f32"), default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_checkpoint)
+    p = sub.add_parser("status", help="one screen of the agent's state")
+    p.add_argument("--agent", default="127.0.0.1:50051")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(fn=cmd_status)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except grpc.RpcError as exc:
+        print(f"expertctl: agent: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"expertctl: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""``AgentClient``: the inference process's handle on the DPU agent.
+
+Shape of the API (register -> acquire -> wait -> release)::
+
+    client = AgentClient("127.0.0.1:50051")
+    model = client.load_model("/models/qwen3-30b-a3b")
+    gpu = client.register_device(CudaDevice(0), [SlotPoolSpec(model.expert_bytes, 64)])
+    handle = client.acquire(gpu, ExpertKey(model.model, 0, 5))   # returns at once
+    slot = handle.wait()                     # ExpertSlot: bytes verified in GPU memory
+    w = slot.torch("gate_proj")
+    client.release(gpu, slot.key)
+
+Completions arrive on the agent's event stream; a background thread resolves the handles, and
+another keeps the session's lease alive.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import grpc
+
+from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
+from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
+from gpu_kernels import abi
+from host_client.devices import Device
+from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
+
+
+class AgentUnavailable(ConnectionError):
+    """The agent cannot be reached (or went away)."""
+
+
+class TransferFailed(RuntimeError):
+    """A delivery completed with an error status; the slot was not marked ready."""
+
+
+@dataclass
+class AttachedDevice:
+    """A device registered with the agent: its id there, its rings and pools."""
+
+    device_id: int
+    device: Device
+    work: SharedRing
+    completion: SharedRing
+    pools: dict[int, SlotPoolSpec] = field(default_factory=dict)
+
+
+class AcquireHandle:
+    """A pending (or already satisfied) acquire; :meth:`wait` returns the :class:`ExpertSlot`."""
+
+    def __init__(self, key: ExpertKey, future: Future[ExpertSlot]) -> None:
+        self.key = key
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = 30.0) -> ExpertSlot:
+        """Block until the bytes are verified in the slot; TransferFailed or AgentUnavailable
+        otherwise, TimeoutError after ``timeout`` seconds."""
+        return self._future.result(timeout)
+
+
+class AgentClient:
+    """A session with one agent.
+
+    Args:
+        address: the agent's ``host:port``.
+        client_name: shown on the agent's status screens.
+        lease_seconds: session lease (0: the agent's default); renewed every third of it.
+        connect_timeout: seconds to wait for the agent before AgentUnavailable.
+    """
+
+    def __init__(self, address: str, *, client_name: str = "host-client",
+                 lease_seconds: int = 0, connect_timeout: float = 5.0) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise AgentUnavailable(f"no agent answers at {address} "
+                                   f"(waited {connect_timeout} s)") from None
+        self.stub = pb_grpc.DpuAgentStub(self.channel)
+        resp = self.stub.CreateSession(pb.CreateSessionRequest(client_name=client_name,
+                                                               lease_seconds=lease_seconds))
+        self.session_id = resp.session_id
+        self.lease_seconds = resp.lease_seconds
+        self.arena = resp.arena
+        self._ref = pb.SessionRef(session_id=self.session_id)
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[Future[ExpertSlot], ExpertSlot]] = {}
+        self._early: dict[int, pb.TransferDone] = {}
+        self._closed = threading.Event()
+        self.devices: dict[int, AttachedDevice] = {}
+        self._events = self.stub.Events(self._ref)
+        self._event_thread = threading.Thread(target=self._event_loop, name="agent-events",
+                                              daemon=True)
+        self._event_thread.start()
+        self._keepalive = threading.Thread(target=self._keepalive_loop, name="agent-lease",
+                                           daemon=True)
+        self._keepalive.start()
+
+    # -- models and devices ----------------------------------------------------------------
+    def load_model(self, path: str, name: str = "") -> pb.LoadModelResponse:
+        return self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name))
+
+    def register_device(self, device: Device, pools: list[SlotPoolSpec],
+                        ring_capacity: int = 1024) -> AttachedDevice:
+        """Register a device, its slot pools and its rings; starts its consumer."""
+        if not pools:
+            raise ValueError("register_device needs at least one slot pool")
+        resp = self.stub.RegisterDevice(pb.RegisterDeviceRequest(
+            session_id=self.session_id, kind=device.kind, ordinal=device.ordinal,
+            name=device.name, memory_bytes=device.memory_bytes))
+        work = SharedRing(abi.RingKind.WORK, ring_capacity)
+        completion = SharedRing(abi.RingKind.COMPLETION, ring_capacity)
+        attached = AttachedDevice(resp.device_id, device, work, completion)
+        device.attach(self.arena.shm_name, self.arena.size_bytes, self.arena.region_id,
+                      work.ring, completion.ring)
+        for spec in pools:
+            rid = self.stub.RegisterRegion(pb.RegisterRegionRequest(
+                session_id=self.session_id, device_id=resp.device_id,
+                kind=pb.REGION_KIND_SLOT_POOL, size_bytes=spec.slot_bytes * spec.slot_count,
+                slot_bytes=spec.slot_bytes, slot_count=spec.slot_count)).region_id
+            device.add_slot_pool(rid, spec.slot_bytes * spec.slot_count)
+            attached.pools[rid] = spec
+        device.start()
+        for ring, kind in ((work, pb.REGION_KIND_WORK_RING),
+                           (completion, pb.REGION_KIND_COMPLETION_RING)):
+            self.stub.RegisterRegion(pb.RegisterRegionRequest(
+                session_id=self.session_id, device_id=resp.device_id, kind=kind,
+                size_bytes=ring.size, shm_name=ring.name))
+        self.devices[resp.device_id] = attached
+        return attached
+
+    # -- experts ---------------------------------------------------------------------------
+    def _slot(self, dev: AttachedDevice, resp: pb.AcquireResponse) -> ExpertSlot:
+        blob = dev.device.region_bytes(resp.region_id, resp.slot_offset,
+                                       resp.manifest.blob_bytes)
+        return ExpertSlot(ExpertKey.from_proto(resp.manifest.key), blob, resp.manifest)
+
+    def _handle(self, dev: AttachedDevice, resp: pb.AcquireResponse) -> AcquireHandle:
+        fut: Future[ExpertSlot] = Future()
+        slot = self._slot(dev, resp)
+        if resp.state == pb.SLOT_STATE_READY:
+            fut.set_result(slot)
+        else:
+            with self._lock:
+                early = self._early.pop(resp.transfer_id, None)
+                if early is None:
+                    self._pending[resp.transfer_id] = (fut, slot)
+            if early is not None:
+                self._resolve(fut, slot, early)
+        return AcquireHandle(slot.key, fut)
+
+    def acquire(self, dev: AttachedDevice, key: ExpertKey) -> AcquireHandle:
+        """Ask for ``key`` on ``dev``; the handle resolves when its bytes are verified there."""
+        resp = self.stub.Acquire(pb.AcquireRequest(session_id=self.session_id,
+                                                   device_id=dev.device_id,
+                                                   key=key.to_proto()))
+        return self._handle(dev, resp)
+
+    def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
+        resp = self.stub.Prefetch(pb.PrefetchRequest(session_id=self.session_id,
+                                                     device_id=dev.device_id,
+                                                     keys=[k.to_proto() for k in keys]))
+        return [self._handle(dev, r) for r in resp.slots]
+
+    def release(self, dev: AttachedDevice, key: ExpertKey) -> None:
+        self.stub.Release(pb.ReleaseRequest(session_id=self.session_id,
+                                            device_id=dev.device_id, key=key.to_proto()))
+
+    def status(self) -> pb.StatusResponse:
+        return self.stub.GetStatus(pb.StatusRequest())
+
+    # -- background ------------------------------------------------------------------------
+    @staticmethod
+    def _resolve(fut: Future[ExpertSlot], slot: ExpertSlot, done: pb.TransferDone) -> None:
+        if done.status == "OK":
+            fut.set_result(slot)
+        else:
+            fut.set_exception(TransferFailed(f"{slot.key}: transfer {done.transfer_id} "
+                                             f"completed with {done.status}"))
+
+    def _event_loop(self) -> None:
+        try:
+            for event in self._events:
+                if event.HasField("transfer_done"):
+                    done = event.transfer_done
+                    with self._lock:
+                        entry = self._pending.pop(done.transfer_id, None)
+                        if entry is None:
+                            self._early[done.transfer_id] = done
+                    if entry is not None:
+                        self._resolve(entry[0], entry[1], done)
+        except grpc.RpcError as exc:
+            if not self._closed.is_set():
+                self._fail_all(AgentUnavailable(f"agent event stream ended: {exc.code().name}"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _keepalive_loop(self) -> None:
+        interval = max(0.2, self.lease_seconds / 3)
+        while not self._closed.wait(interval):
+            try:
+                self.stub.KeepAlive(self._ref, timeout=interval)
+            except grpc.RpcError:
+                pass  # the event stream reports the outage
+
+    def close(self) -> None:
+        """Stop devices, end the session, release every shared resource of this client."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self.stub.CloseSession(self._ref, timeout=5)
+        except grpc.RpcError:
+            pass
+        self._events.cancel()
+        for dev in self.devices.values():
+            dev.device.stop()
+            dev.device.close()
+            dev.work.close()
+            dev.completion.close()
+        self._fail_all(AgentUnavailable("client closed"))
+        self.channel.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

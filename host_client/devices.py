@@ -1,0 +1,144 @@
+"""Devices that consume the agent's work ring: the CUDA device (the persistent receive kernel)
+and the CPU reference device (its NumPy twin, on a thread, for machines without a GPU).
+
+Both hold a region table (``REGION_DTYPE[MAX_REGIONS]``): region 0 is the agent's arena, mapped
+from its shared-memory handle; slot pools get the ids the agent assigned at registration.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import abi
+from gpu_kernels.reference import ReceiveKernel
+from gpu_kernels.ring import Ring
+from gpu_kernels.shm import SharedBuffer
+
+RW = abi.RegionFlags.READABLE | abi.RegionFlags.WRITABLE
+
+
+class DeviceFault(RuntimeError):
+    """The device's consumer faulted or stopped answering; the message says how."""
+
+
+class Device(ABC):
+    """A consumer of one work ring and producer of one completion ring."""
+
+    kind: int
+    name: str
+    xp: Any
+    """The array module of this device's memory (numpy or cupy)."""
+
+    def __init__(self, ordinal: int = 0) -> None:
+        self.ordinal = ordinal
+        self.regions = np.zeros(abi.MAX_REGIONS, dtype=abi.REGION_DTYPE)
+        self._arena: SharedBuffer | None = None
+        self.work: Ring | None = None
+        self.completion: Ring | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        return 0
+
+    def attach(self, arena_name: str, arena_size: int, arena_region: int, work: Ring,
+               completion: Ring) -> None:
+        """Map the agent's arena and take the rings this device consumes and produces."""
+        self._arena = SharedBuffer(arena_name, arena_size)
+        self.work, self.completion = work, completion
+        self._set_region(arena_region, self._map_arena(self._arena, arena_region), arena_size,
+                         abi.RegionFlags.READABLE)
+
+    @abstractmethod
+    def _map_arena(self, arena: SharedBuffer, region_id: int) -> int:
+        """Register the arena with this device; returns its base as the consumer sees it."""
+
+    @abstractmethod
+    def add_slot_pool(self, region_id: int, nbytes: int) -> None:
+        """Allocate ``nbytes`` of device memory as region ``region_id``."""
+
+    @abstractmethod
+    def region_bytes(self, region_id: int, offset: int, nbytes: int) -> Any:
+        """``uint8[nbytes]`` view of a region's memory on this device."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start consuming the work ring."""
+
+    @abstractmethod
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop through the exit flag; DeviceFault if the consumer does not exit in time."""
+
+    def check(self) -> None:
+        """Raise DeviceFault if the consumer reported a fault against its rings."""
+        if self.work is not None and int(self.work.header["fault"]):
+            raise DeviceFault(f"{self.name}: receive kernel reported "
+                              f"{abi.Status(int(self.work.header['fault'])).name}")
+
+    def _set_region(self, region_id: int, base: int, size: int, flags: int) -> None:
+        self.regions[region_id] = (base, size, flags, 0)
+        self._publish_regions()
+
+    def _publish_regions(self) -> None:
+        """Make the region table visible to the consumer (a device copy on GPUs)."""
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+
+class CpuReferenceDevice(Device):
+    """The receive kernel's NumPy twin, run by a thread of this process."""
+
+    kind = pb.DEVICE_KIND_CPU_REFERENCE
+    name = "cpu-reference"
+    xp = np
+
+    def __init__(self, ordinal: int = 0) -> None:
+        super().__init__(ordinal)
+        self.memory: dict[int, np.ndarray] = {}
+        self._thread: threading.Thread | None = None
+        self._kernel: ReceiveKernel | None = None
+
+    def _map_arena(self, arena: SharedBuffer, region_id: int) -> int:
+        self.memory[region_id] = arena.array
+        return arena.address
+
+    def add_slot_pool(self, region_id: int, nbytes: int) -> None:
+        mem = np.zeros(nbytes, dtype=np.uint8)
+        self.memory[region_id] = mem
+        self._set_region(region_id, mem.ctypes.data, nbytes, RW)
+
+    def region_bytes(self, region_id: int, offset: int, nbytes: int) -> np.ndarray:
+        return self.memory[region_id][offset : offset + nbytes]
+
+    def start(self) -> None:
+        assert self.work is not None and self.completion is not None, "attach first"
+        self._kernel = ReceiveKernel(self.work, self.completion, self.regions, self.memory)
+        self._thread = threading.Thread(target=self._run, name="cpu-receive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self._kernel is not None and self.work is not None
+        idle = 0
+        while not self.work.exit_requested:
+            if self._kernel.poll():
+                idle = 0
+                continue
+            idle += 1
+            time.sleep(0 if idle < 100 else 0.0002 if idle < 5000 else 0.002)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._thread is None or self.work is None:
+            return
+        self.work.request_exit()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise DeviceFault("cpu-reference: receive thread did not exit")
+        self._thread = None

@@ -1,0 +1,84 @@
+"""Start a local agent as its own process (emulation mode: the agent beside the GPU host) and
+wait until it serves. Used by the demo, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+class AgentProcess:
+    """``dpu-agent serve`` in a subprocess on a free loopback port.
+
+    Args:
+        settings: TOML text of extra config sections (e.g. ``[arena]\\nbytes = "64MiB"``).
+        env: extra environment variables.
+    """
+
+    def __init__(self, settings: str = "", env: dict[str, str] | None = None,
+                 startup_timeout: float = 30.0) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="dpu-agent-")
+        root = Path(self._dir.name)
+        self.config_path = root / "agent.toml"
+        self.config_path.write_text('[server]\nlisten_address = "127.0.0.1:0"\n' + settings)
+        self.ready_file = root / "ready"
+        self.log_path = root / "agent.log"
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> AgentProcess:
+        self.ready_file.unlink(missing_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dpu_agent.cli", "serve", "--config", str(self.config_path),
+             "--ready-file", str(self.ready_file)], stdout=log, stderr=subprocess.STDOUT,
+            env=self.env)
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"agent not ready in {self.startup_timeout} s:\n{self.log()}")
+            time.sleep(0.02)
+        self.port = int(self.ready_file.read_text())
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> AgentProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._dir.cleanup()

@@ -1,0 +1,96 @@
+"""Host-client memory: the rings it allocates for the agent to write into, and the expert slots
+it hands to inference code as array views (NumPy, CuPy, or torch through DLPack; no copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import abi
+from gpu_kernels.ring import Ring
+from gpu_kernels.shm import SharedBuffer, unique_name
+
+NUMPY_DTYPES: dict[str, Any] = {
+    "BF16": np.uint16,  # raw bits; NumPy has no bfloat16 (torch views get the real dtype)
+    "F16": np.float16, "F32": np.float32, "F64": np.float64,
+    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8, "U8": np.uint8, "I8": np.int8,
+    "I32": np.int32, "I64": np.int64,
+}
+TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U8": "uint8"}
+
+
+class SharedRing:
+    """A ring in POSIX shared memory owned by this process; ``name`` is its export handle."""
+
+    def __init__(self, kind: abi.RingKind, capacity: int, entry_size: int | None = None) -> None:
+        size = abi.ring_bytes(capacity, entry_size or abi.entry_dtype_for(kind).itemsize)
+        self.buffer = SharedBuffer(unique_name(f"dpu-ring-{kind.name.lower()}"), size,
+                                   create=True)
+        self.ring = Ring.format(self.buffer.array, kind, capacity, entry_size)
+
+    @property
+    def name(self) -> str:
+        return self.buffer.name
+
+    @property
+    def size(self) -> int:
+        return self.buffer.size
+
+    def close(self) -> None:
+        self.buffer.unlink()
+        self.buffer.close()
+
+
+@dataclass(frozen=True)
+class SlotPoolSpec:
+    """One size class of expert slots on a device."""
+
+    slot_bytes: int
+    """Bytes per slot, a multiple of 256 (the expert blob alignment)."""
+    slot_count: int
+
+
+class ExpertSlot:
+    """An expert's bytes in a device slot, viewed by tensor (shapes and dtypes from the
+    manifest).
+
+    Attributes:
+        key: the expert.
+        blob: ``uint8[blob_bytes]`` view of the slot (NumPy on the CPU reference device, CuPy on
+            a GPU).
+        manifest: the agent's ``ExpertManifest``.
+    """
+
+    def __init__(self, key: ExpertKey, blob: Any, manifest: pb.ExpertManifest) -> None:
+        self.key = key
+        self.blob = blob
+        self.manifest = manifest
+        self._tensors = {t.name: t for t in manifest.tensors}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def raw(self, name: str) -> Any:
+        """``uint8`` view of one tensor's bytes."""
+        t = self._tensors[name]
+        return self.blob[t.offset : t.offset + t.nbytes]
+
+    def tensor(self, name: str) -> Any:
+        """The tensor as an array of its shape; BF16 and FP8 come as raw integer bits."""
+        t = self._tensors[name]
+        return self.raw(name).view(NUMPY_DTYPES[t.dtype]).reshape(tuple(t.shape))
+
+    def torch(self, name: str) -> Any:
+        """The tensor as a torch tensor of its real dtype, sharing memory through DLPack."""
+        import torch
+
+        t = self._tensors[name]
+        raw = torch.from_dlpack(self.raw(name))
+        return raw.view(getattr(torch, TORCH_DTYPES[t.dtype])).reshape(tuple(t.shape))
