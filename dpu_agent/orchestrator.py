@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpu_agent.config import AgentConfig
-from dpu_agent.dataplane.queues import DeviceQueue
+from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.transfers import Transfer, TransferPlan, TransferTracker
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.service.registry import (
@@ -35,6 +35,7 @@ from dpu_agent.weights.safetensors_file import CheckpointError
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
+from gpu_kernels.ring import RingError
 from gpu_kernels.shm import SharedBufferError
 
 log = logging.getLogger("dpu_agent")
@@ -205,6 +206,13 @@ class Orchestrator:
                 if dev.queue is not None:
                     raise AgentError(ErrorKind.ALREADY_EXISTS,
                                      f"device {dev.device_id} already has its rings")
+                ring_kind = (abi.RingKind.WORK if kind == pb.REGION_KIND_WORK_RING
+                             else abi.RingKind.COMPLETION)
+                try:
+                    check_ring(req.shm_name, ring_kind)
+                except (SharedBufferError, RingError) as exc:
+                    raise invalid(f"{ring_kind.name.lower()} ring {req.shm_name!r}: {exc}"
+                                  ) from exc
                 if kind == pb.REGION_KIND_WORK_RING:
                     if dev.work_shm:
                         raise AgentError(ErrorKind.ALREADY_EXISTS, "work ring already registered")

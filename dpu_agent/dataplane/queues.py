@@ -15,6 +15,13 @@ from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer
 
 
+def check_ring(shm_name: str, kind: abi.RingKind) -> None:
+    """Open a ring by its export handle and validate its header (RingError or
+    SharedBufferError naming what is wrong); nothing stays open."""
+    with SharedBuffer(shm_name) as buf:
+        Ring(buf.array, kind)
+
+
 class DeviceQueue:
     """Work and completion rings of one registered device, opened from their export handles.
 

@@ -1,0 +1,73 @@
+"""What every benchmark records: the machine, the date, and a hash of the sources measured."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import socket
+import statistics
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+SOURCE_DIRS = ("gpu_kernels", "host_client", "dpu_agent", "dpu_offload", "proto", "bench")
+
+
+def source_hash() -> str:
+    """sha256 over the project's source files (names and contents), first 16 hex digits."""
+    h = hashlib.sha256()
+    for d in SOURCE_DIRS:
+        for p in sorted((ROOT / d).rglob("*")):
+            if p.is_file() and p.suffix in (".py", ".cu", ".cuh", ".proto") \
+                    and "results" not in p.parts:
+                h.update(str(p.relative_to(ROOT)).encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"host": socket.gethostname(), "arch": platform.machine(),
+                            "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in
+                   Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line)
+        info["cpu"] = cpu
+    except (OSError, StopIteration):
+        pass
+    try:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        info["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) \
+            else props["name"]
+        info["gpus"] = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no GPU is a valid machine
+        info["gpu"] = None
+    return info
+
+
+def envelope(name: str, results: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"benchmark": name, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "source_hash": source_hash(), "machine": machine(), **extra, "results": results}
+
+
+def write(name: str, data: dict[str, Any], suffix: str = "") -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}{suffix}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")

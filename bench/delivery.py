@@ -1,0 +1,250 @@
+"""Delivery benchmark: arena -> GPU slots through the whole system, against baselines measured
+in the same run.
+
+Per expert shape (Qwen3-30B-A3B BF16, 9.4 MB; DeepSeek-V3 FP8, 44 MB; and a small one):
+- ``agent_kernel_pull``: the agent posts chunk descriptors, the persistent receive kernel pulls
+  from the registered arena and verifies checksums, the completion reaches the client. Experts
+  are resident in the arena (second pass) and absent from the GPU (the pool holds half of them).
+- ``copy_engine_arena``: cudaMemcpyAsync from the registered arena, same bytes (no rings).
+- ``pinned_h2d``: cudaMemcpyAsync from pinned host memory (the reference rate).
+- ``pageable_h2d``: ``cupy.asarray`` of a NumPy array.
+- ``http_staged``: Expert Kit style: 1 MiB HTTP chunks into a host buffer, then a copy.
+Also: acquire-to-ready latency of one cold (GPU-absent, arena-resident) expert, host-client CPU
+seconds per GB delivered and agent CPU seconds per GB scheduled.
+
+Usage: python bench/delivery.py [--device cuda|cpu] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import envelope, median, pct, write  # noqa: E402
+from dpu_offload.keys import ExpertKey  # noqa: E402
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec  # noqa: E402
+from host_client.checkpoints import CheckpointSpec, make_checkpoint  # noqa: E402
+from host_client.launcher import AgentProcess  # noqa: E402
+
+SHAPES = {
+    # name: (arch, hidden, intermediate, dtype)
+    "small-2.4MB": ("qwen3-moe", 1024, 768, "bf16"),
+    "qwen3-30b-a3b-9.4MB": ("qwen3-moe", 2048, 768, "bf16"),
+    "deepseek-v3-44MB": ("deepseek-v3", 7168, 2048, "fp8"),
+}
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _ChunkServer(http.server.BaseHTTPRequestHandler):
+    payload = b""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        start = int(self.path.rsplit("/", 1)[1]) << 20
+        body = self.payload[start:start + (1 << 20)]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
+    """GB/s of the host-to-device baselines for ``nbytes``."""
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    out: dict[str, float] = {}
+    _ChunkServer.payload = data.tobytes()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ChunkServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/chunk/"
+    xp = np
+    if gpu:
+        import cupy as cp
+
+        xp = cp
+        pinned_mem = cp.cuda.alloc_pinned_memory(nbytes)
+        pinned = np.frombuffer(pinned_mem, np.uint8, nbytes)
+        pinned[:] = data
+        dst = cp.empty(nbytes, cp.uint8)
+        stream = cp.cuda.Stream(non_blocking=True)
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, pinned.ctypes.data, nbytes, 1, stream.ptr)
+            stream.synchronize()
+            times.append(time.perf_counter() - t0)
+        out["pinned_h2d"] = nbytes / median(times[2:]) / 1e9
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        arr = xp.asarray(data)
+        if gpu:
+            xp.cuda.get_current_stream().synchronize()
+        times.append(time.perf_counter() - t0)
+        del arr
+    out["pageable_h2d"] = nbytes / median(times[1:]) / 1e9
+    times = []
+    host = bytearray(nbytes)
+    for _ in range(max(1, repeats // 2)):
+        t0 = time.perf_counter()
+        for i in range(-(-nbytes // (1 << 20))):
+            with urllib.request.urlopen(f"{url}{i}") as r:
+                chunk = r.read()
+            host[i << 20:(i << 20) + len(chunk)] = chunk
+        arr = xp.asarray(np.frombuffer(host, np.uint8))
+        if gpu:
+            xp.cuda.get_current_stream().synchronize()
+        times.append(time.perf_counter() - t0)
+    out["http_staged"] = nbytes / median(times) / 1e9
+    srv.shutdown()
+    return out
+
+
+def copy_engine_from_arena(client: AgentClient, nbytes: int, repeats: int) -> float:
+    """GB/s of cudaMemcpyAsync from the agent's registered arena into device memory."""
+    import cupy as cp
+
+    from gpu_kernels.shm import SharedBuffer
+
+    arena = SharedBuffer(client.arena.shm_name, client.arena.size_bytes)
+    nbytes = min(nbytes, arena.size)
+    cp.cuda.runtime.hostRegister(arena.address, arena.size, 0x1 | 0x2)
+    try:
+        dst = cp.empty(nbytes, cp.uint8)
+        stream = cp.cuda.Stream(non_blocking=True)
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, arena.address, nbytes, 1, stream.ptr)
+            stream.synchronize()
+            times.append(time.perf_counter() - t0)
+    finally:
+        cp.cuda.runtime.hostUnregister(arena.address)
+        arena.close()
+    return nbytes / median(times[2:]) / 1e9
+
+
+def run_shape(name: str, device_kind: str, experts: int, repeats: int,
+              workdir: Path) -> dict[str, object]:
+    arch, hidden, inter, dtype = SHAPES[name]
+    root = make_checkpoint(workdir / name, CheckpointSpec(
+        arch, layers=1, experts=experts, hidden=hidden, intermediate=inter, dtype=dtype,
+        dense_layers=0), layers_per_shard=1)
+    gpu = device_kind == "cuda"
+    with AgentProcess('[arena]\nbytes = "4GiB"\n') as agent:
+        client = AgentClient(agent.address, client_name="bench-delivery")
+        try:
+            model = client.load_model(str(root), "m")
+            if gpu:
+                from host_client.cuda_device import CudaDevice
+
+                device = CudaDevice(0)
+            else:
+                device = CpuReferenceDevice()
+            half = experts // 2
+            dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, half)],
+                                         ring_capacity=4096)
+            layer = model.moe_layers[0]
+            keys = [ExpertKey("m", layer, e) for e in range(experts)]
+
+            def cycle(batch: list[ExpertKey]) -> float:
+                t0 = time.perf_counter()
+                handles = [client.acquire(dev, k) for k in batch]
+                for h in handles:
+                    h.wait(120)
+                dt = time.perf_counter() - t0
+                for k in batch:
+                    client.release(dev, k)
+                return dt
+
+            cycle(keys[:half])  # cold: checkpoint -> arena -> GPU
+            cycle(keys[half:])  # evicts every GPU slot; arena now holds all experts
+            bw, cpu_client, cpu_agent, nbytes_total = [], 0.0, 0.0, 0
+            for r in range(repeats):
+                batch = keys[:half] if r % 2 == 0 else keys[half:]
+                c0, a0 = time.process_time(), proc_cpu_seconds(agent.proc.pid)
+                dt = cycle(batch)
+                cpu_client += time.process_time() - c0
+                cpu_agent += proc_cpu_seconds(agent.proc.pid) - a0
+                nbytes_total += half * model.expert_bytes
+                bw.append(half * model.expert_bytes / dt / 1e9)
+            lat = []
+            for r in range(max(8, repeats * 2)):
+                k = keys[(r % 2) * half + (r // 2) % half]
+                # Evict it from the GPU first: fill the pool with the other half.
+                t0 = time.perf_counter()
+                client.acquire(dev, k).wait(60)
+                lat.append(time.perf_counter() - t0)
+                client.release(dev, k)
+                cycle([x for x in (keys[half:] if k in keys[:half] else keys[:half])])
+            result: dict[str, object] = {
+                "expert_bytes": model.expert_bytes,
+                "experts_per_batch": half,
+                "agent_kernel_pull_gbps": median(bw),
+                "agent_kernel_pull_gbps_all": bw,
+                "acquire_to_ready_p50_ms": median(lat) * 1e3,
+                "acquire_to_ready_p99_ms": pct(lat, 99) * 1e3,
+                "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
+                "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
+            }
+            if gpu:
+                result["copy_engine_arena_gbps"] = copy_engine_from_arena(
+                    client, half * model.expert_bytes, repeats)
+        finally:
+            client.close()
+    result.update({f"{k}_gbps": v for k, v in
+                   baselines(half * model.expert_bytes, repeats, gpu).items()})
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small shape only, few repeats")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    shapes = ["small-2.4MB"] if args.quick else list(SHAPES)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-delivery-") as tmp:
+        for name in shapes:
+            results[name] = run_shape(name, args.device, args.experts, args.repeats, Path(tmp))
+            r = results[name]
+            print(f"{name:<22} pull {r['agent_kernel_pull_gbps']:6.2f} GB/s  "
+                  f"pinned {r.get('pinned_h2d_gbps', float('nan')):6.2f}  "
+                  f"pageable {r['pageable_h2d_gbps']:6.2f}  http {r['http_staged_gbps']:6.2f}  "
+                  f"p50 {r['acquire_to_ready_p50_ms']:7.3f} ms  "
+                  f"cpu client {r['client_cpu_s_per_gb']:.4f} agent {r['agent_cpu_s_per_gb']:.4f}"
+                  " s/GB", file=sys.stderr)
+    data = envelope("delivery", results, device=args.device,
+                    command=" ".join(["python", "bench/delivery.py", *sys.argv[1:]]),
+                    repeats=args.repeats)
+    path = write("delivery", data, f"-{args.device}")
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# `make gpu-check`: everything that needs the GPU, on the GPU machine (no package registry
+# there): GPU tests, the demo on CUDA, compute-sanitizer on the kernels, then benchmarks.
+# Uses the machine's python3 (CuPy, torch, grpcio...) plus wheels carried in .whl/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+OUT="${OUT:-bench/results/gpu-check}"
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/dpu-site .whl/*.whl || { echo "gpu-check: wheel install failed" >&2; exit 1; }
+  export PYTHONPATH="/tmp/dpu-site:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+STAGES="${GPU_CHECK_STAGES:-tests demo sanitizer bench}"
+fail=0
+stage() { echo "=== $1"; }
+nvidia-smi -L || { echo "gpu-check: no GPU" >&2; exit 1; }
+python3 -c "import cupy, grpc, google.protobuf, zmq; print('cupy', cupy.__version__, 'grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'zmq', zmq.__version__)" || exit 1
+
+for s in $STAGES; do
+  case "$s" in
+  tests)
+    stage "pytest (CPU and GPU tests)"
+    python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+    [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
+  demo)
+    stage "demo on CUDA"
+    python3 examples/demo.py --device cuda 2>&1 | tee "$OUT/demo.log" | tail -8
+    [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
+  sanitizer)
+    stage "compute-sanitizer memcheck and racecheck on the kernel suite"
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+        > "$OUT/sanitizer-$tool.log" 2>&1
+      rc=$?
+      tail -4 "$OUT/sanitizer-$tool.log"
+      if grep -q "Device not supported" "$OUT/sanitizer-$tool.log"; then
+        echo "compute-sanitizer $tool: not supported on this machine's runtime (not run)"
+      elif [ "$rc" != 0 ]; then fail=1; fi
+    done ;;
+  bench)
+    stage "benchmarks"
+    for b in ${GPU_BENCHES:-delivery}; do
+      python3 "bench/$b.py" --device cuda 2>&1 | tee "$OUT/bench-$b.log" | tail -6
+      [ "${PIPESTATUS[0]}" = 0 ] || fail=1
+    done ;;
+  esac
+done
+cp bench/results/*.json bench/results/*.png "$OUT"/ 2>/dev/null
+( cd "$OUT" && tar czf ../gpu-check-results.tgz . ) && mv "bench/results/gpu-check-results.tgz" "$OUT/" 2>/dev/null
+echo "=== gpu-check: $([ $fail = 0 ] && echo PASSED || echo FAILED)"
+exit $fail

@@ -1,0 +1,35 @@
+"""Shared fixtures: real checkpoints on disk, a real agent process on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import safetensors
+
+from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from host_client.launcher import AgentProcess
+
+
+@pytest.fixture(scope="session")
+def qwen_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen",
+                           CheckpointSpec("qwen3-moe", layers=3, experts=6, hidden=256,
+                                          intermediate=192))
+
+
+@pytest.fixture(scope="session")
+def agent() -> Iterator[AgentProcess]:
+    with AgentProcess('[arena]\nbytes = "64MiB"\n[sessions]\ndefault_lease_seconds = 3\n'
+                      ) as proc:
+        yield proc
+
+
+def checkpoint_bytes(root: Path) -> dict[str, bytes]:
+    """Every tensor's bytes, read by the safetensors library (independent of the agent)."""
+    out: dict[str, bytes] = {}
+    for shard in sorted(root.glob("*.safetensors")):
+        for name, spec in safetensors.deserialize(shard.read_bytes()):
+            out[name] = bytes(spec["data"])
+    return out

@@ -1,0 +1,157 @@
+"""The thin slice through the whole system: checkpoint -> agent process -> rings -> CPU
+reference device -> slots, with bytes checked against the checkpoint files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
+from host_client import AgentClient, AgentUnavailable, CpuReferenceDevice, SlotPoolSpec
+from host_client.launcher import AgentProcess
+from tests.conftest import checkpoint_bytes
+
+
+@pytest.fixture
+def client(agent: AgentProcess) -> AgentClient:
+    c = AgentClient(agent.address, client_name="pytest")
+    yield c
+    c.close()
+
+
+def test_every_expert_lands_byte_for_byte(client: AgentClient, qwen_ckpt: Path) -> None:
+    truth = checkpoint_bytes(qwen_ckpt)
+    model = client.load_model(str(qwen_ckpt), "qwen-e2e")
+    assert model.architecture == "qwen3_moe" and list(model.moe_layers) == [0, 1, 2]
+    keys = [ExpertKey("qwen-e2e", layer, e) for layer in model.moe_layers for e in range(6)]
+    dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 18)])
+    slots = [h.wait(10) for h in [client.acquire(dev, k) for k in keys]]
+    for slot in slots:
+        for role in ("gate_proj", "up_proj", "down_proj"):
+            name = f"model.layers.{slot.key.layer}.mlp.experts.{slot.key.expert}.{role}.weight"
+            assert slot.raw(role).tobytes() == truth[name], (slot.key, role)
+        assert slot.tensor("down_proj").shape == (256, 192)
+    # A second acquire of a resident expert is a hit: READY at once, same bytes.
+    again = client.acquire(dev, keys[0])
+    assert again.done()
+    np.testing.assert_array_equal(again.wait(1).blob, slots[0].blob)
+    st = client.status()
+    assert st.sessions and any(s.slots_ready == 18 for s in st.sessions)
+
+
+def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) -> None:
+    truth = checkpoint_bytes(qwen_ckpt)
+    model = client.load_model(str(qwen_ckpt), "qwen-evict")
+    dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+    for e in range(6):
+        key = ExpertKey("qwen-evict", 1, e)
+        slot = client.acquire(dev, key).wait(10)
+        name = f"model.layers.1.mlp.experts.{e}.up_proj.weight"
+        assert slot.raw("up_proj").tobytes() == truth[name]
+        client.release(dev, key)
+    # Two held experts fill the pool: a third is refused, and nothing changes.
+    held = [ExpertKey("qwen-evict", 2, e) for e in range(2)]
+    for k in held:
+        client.acquire(dev, k).wait(10)
+    with pytest.raises(grpc.RpcError) as err:
+        client.acquire(dev, ExpertKey("qwen-evict", 2, 5))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("mutate,code", [
+    (lambda r: r.key.__setattr__("model", "nope"), grpc.StatusCode.NOT_FOUND),
+    (lambda r: r.key.__setattr__("expert", 99), grpc.StatusCode.NOT_FOUND),
+    (lambda r: r.key.__setattr__("layer", 7), grpc.StatusCode.NOT_FOUND),
+    (lambda r: r.key.__setattr__("model", ""), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: r.__setattr__("device_id", 42), grpc.StatusCode.FAILED_PRECONDITION),
+    (lambda r: r.__setattr__("session_id", "feedface"), grpc.StatusCode.NOT_FOUND),
+])
+def test_bad_acquire_gets_specific_status(client: AgentClient, qwen_ckpt: Path, mutate,
+                                          code: grpc.StatusCode) -> None:
+    client.load_model(str(qwen_ckpt), "qwen-bad")
+    dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(1 << 20, 2)])
+    req = pb.AcquireRequest(session_id=client.session_id, device_id=dev.device_id,
+                            key=pb.ExpertKey(model="qwen-bad", layer=0, expert=0))
+    mutate(req)
+    before = client.status()
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.Acquire(req)
+    assert err.value.code() == code, err.value.details()
+    assert err.value.details()
+    after = client.status()
+    assert (after.cache_misses, after.transfers_in_flight) == (before.cache_misses,
+                                                               before.transfers_in_flight)
+
+
+def test_load_model_refusals(client: AgentClient, tmp_path: Path, qwen_ckpt: Path) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        client.load_model(str(tmp_path / "missing"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(grpc.RpcError) as err:
+        client.load_model(str(tmp_path), "bert")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bert" in err.value.details()
+    names = [m.model for m in client.status().models]
+    assert "bert" not in names
+
+
+def test_unregistered_ring_and_pool_refusals(client: AgentClient) -> None:
+    dev = client.stub.RegisterDevice(pb.RegisterDeviceRequest(
+        session_id=client.session_id, kind=pb.DEVICE_KIND_CPU_REFERENCE, ordinal=5))
+    for req, code in [
+        (pb.RegisterRegionRequest(session_id=client.session_id, device_id=dev.device_id,
+                                  kind=pb.REGION_KIND_SLOT_POOL, size_bytes=100, slot_bytes=100,
+                                  slot_count=1), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.RegisterRegionRequest(session_id=client.session_id, device_id=dev.device_id,
+                                  kind=pb.REGION_KIND_WORK_RING, shm_name="no-such-ring"),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.RegisterRegionRequest(session_id=client.session_id, device_id=99,
+                                  kind=pb.REGION_KIND_SLOT_POOL, size_bytes=256, slot_bytes=256,
+                                  slot_count=1), grpc.StatusCode.FAILED_PRECONDITION),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.RegisterRegion(req)
+        assert err.value.code() == code, err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.Acquire(pb.AcquireRequest(session_id=client.session_id,
+                                              device_id=dev.device_id,
+                                              key=pb.ExpertKey(model="m", layer=0, expert=0)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_unreachable_agent_is_a_clear_error() -> None:
+    with pytest.raises(AgentUnavailable, match="127.0.0.1:9"):
+        AgentClient("127.0.0.1:9", connect_timeout=0.5)
+
+
+def test_health_service_reports_serving(agent: AgentProcess) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(agent.address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="dpu_offload.v1.DpuAgent"), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_expired_lease_reclaims_session(agent: AgentProcess, qwen_ckpt: Path) -> None:
+    c = AgentClient(agent.address, client_name="vanishing", lease_seconds=1)
+    model = c.load_model(str(qwen_ckpt), "qwen-lease")
+    dev = c.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+    c.acquire(dev, ExpertKey("qwen-lease", 0, 0)).wait(10)
+    c._closed.set()  # the process "dies": no more keep-alives
+    import time
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if c.session_id not in [s.session_id for s in c.status().sessions]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("session not reclaimed after its lease")
+    c.close()

@@ -1,0 +1,82 @@
+"""Ring publication semantics and the chunk checksum's properties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_kernels import abi
+from gpu_kernels.checksum import blob_checksums, chunk_checksum
+from gpu_kernels.ring import Ring, RingError
+
+
+def _ring(kind: abi.RingKind = abi.RingKind.WORK, capacity: int = 8) -> Ring:
+    buf = np.zeros(abi.ring_bytes(capacity, abi.entry_dtype_for(kind).itemsize), np.uint8)
+    return Ring.format(buf, kind, capacity)
+
+
+def test_push_pop_in_order_and_full() -> None:
+    r = _ring(capacity=4)
+    consumer = Ring(r.buffer, abi.RingKind.WORK)
+    for i in range(4):
+        assert r.push({"transfer_id": i, "opcode": abi.Opcode.COPY})
+    assert not r.push({"transfer_id": 99}), "a full ring must refuse, not overwrite"
+    assert consumer.pop()["transfer_id"] == 0
+    assert r.push({"transfer_id": 4})
+    got = [int(consumer.pop()["transfer_id"]) for _ in range(4)]
+    assert got == [1, 2, 3, 4]
+    assert consumer.pop() is None
+
+
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_push_many_wraps_and_preserves_order(batches: list[int]) -> None:
+    r = _ring(capacity=8)
+    consumer = Ring(r.buffer, abi.RingKind.WORK)
+    sent, got = 0, []
+    for n in batches:
+        recs = np.zeros(n, abi.DESCRIPTOR_DTYPE)
+        recs["transfer_id"] = np.arange(sent, sent + n)
+        pushed = r.push_many(recs)
+        assert pushed == min(n, 8 - (sent - len(got)))
+        sent += pushed
+        while (rec := consumer.pop()) is not None:
+            got.append(int(rec["transfer_id"]))
+    assert got == list(range(sent))
+
+
+@pytest.mark.parametrize("field,value,msg", [("magic", 0, "magic"), ("version", 9, "version"),
+                                              ("kind", 2, "kind"), ("capacity", 6, "power")])
+def test_bad_header_refused(field: str, value: int, msg: str) -> None:
+    r = _ring()
+    r.header[field] = value
+    with pytest.raises(RingError, match=msg):
+        Ring(r.buffer, abi.RingKind.WORK)
+
+
+def test_checksum_catches_every_single_bit_flip() -> None:
+    data = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
+    base = chunk_checksum(data, 0)
+    for bit in range(0, 4096 * 8, 97):
+        flipped = data.copy()
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        assert chunk_checksum(flipped, 0) != base
+
+
+def test_checksum_depends_on_position_and_is_partitionable() -> None:
+    data = np.random.default_rng(2).integers(0, 256, 8192, dtype=np.uint8)
+    assert chunk_checksum(data, 0) != chunk_checksum(data, 8192)
+    # The checksum is a sum of per-word terms: any split gives the same total.
+    whole = chunk_checksum(data, 256)
+    a = chunk_checksum(data[:4096], 256) ^ 1024
+    b = chunk_checksum(data[4096:], 256 + 4096) ^ 1024
+    assert ((a + b) & 0xFFFFFFFF) ^ 2048 == whole
+
+
+def test_blob_checksums_cover_every_chunk() -> None:
+    blob = np.arange(10_000, dtype=np.uint32).view(np.uint8)
+    sums = blob_checksums(blob, 16_384)
+    assert len(sums) == 3
+    assert sums[2] == chunk_checksum(blob[32_768:], 32_768)
