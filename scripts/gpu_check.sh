@@ -50,7 +50,6 @@ for s in $STAGES; do
     done ;;
   esac
 done
-cp bench/results/*.json bench/results/*.png "$OUT"/ 2>/dev/null
-( cd "$OUT" && tar czf ../gpu-check-results.tgz . ) && mv "bench/results/gpu-check-results.tgz" "$OUT/" 2>/dev/null
+tar czf "$OUT/results.tgz" -C bench/results --exclude gpu-check . 2>/dev/null
 echo "=== gpu-check: $([ $fail = 0 ] && echo PASSED || echo FAILED)"
 exit $fail
