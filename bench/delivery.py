@@ -32,11 +32,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, median, pct, write  # noqa: E402
-from dpu_offload.keys import ExpertKey  # noqa: E402
-from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec  # noqa: E402
-from host_client.checkpoints import CheckpointSpec, make_checkpoint  # noqa: E402
-from host_client.launcher import AgentProcess  # noqa: E402
+from bench.common import envelope, median, pct, write
+from dpu_offload.keys import ExpertKey
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from host_client.launcher import AgentProcess
 
 SHAPES = {
     # name: (arch, hidden, intermediate, dtype)
@@ -54,7 +54,7 @@ def proc_cpu_seconds(pid: int) -> float:
 class _ChunkServer(http.server.BaseHTTPRequestHandler):
     payload = b""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         start = int(self.path.rsplit("/", 1)[1]) << 20
         body = self.payload[start:start + (1 << 20)]
         self.send_response(200)
@@ -108,10 +108,11 @@ def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
             with urllib.request.urlopen(f"{url}{i}") as r:
                 chunk = r.read()
             host[i << 20:(i << 20) + len(chunk)] = chunk
-        arr = xp.asarray(np.frombuffer(host, np.uint8))
+        staged = xp.asarray(np.frombuffer(host, np.uint8))
         if gpu:
             xp.cuda.get_current_stream().synchronize()
         times.append(time.perf_counter() - t0)
+        del staged
     out["http_staged"] = nbytes / median(times) / 1e9
     srv.shutdown()
     return out

@@ -77,7 +77,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{info['shared_experts_per_layer']} shared")
     print(f"expert {first.key}:")
     for t in info["expert_tensors"]:
-        print(f"  {t['name']:<22} {t['dtype']:<8} {str(t['shape']):<16} {t['nbytes']:>12} B")
+        print(f"  {t['name']:<22} {t['dtype']:<8} {t['shape']!s:<16} {t['nbytes']:>12} B")
     print(f"bytes per expert  {info['expert_bytes']} (from {info['bytes_from']})")
     print(f"bytes, all        {info['total_expert_bytes']} "
           f"({info['total_expert_bytes'] / 1e9:.2f} GB)")

@@ -14,7 +14,7 @@ from typing import Any
 
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
-import cupy as cp  # noqa: E402
+import cupy as cp
 
 KERNEL_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = KERNEL_DIR / "include"
@@ -25,7 +25,7 @@ def arch_option(device: cp.cuda.Device | None = None) -> str:
     return f"--gpu-architecture=sm_{(device or cp.cuda.Device()).compute_capability}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module(name: str, device_id: int = 0) -> cp.RawModule:
     """Compile ``gpu_kernels/<name>.cu`` for the device (cached per process)."""
     with cp.cuda.Device(device_id) as dev:
@@ -35,6 +35,7 @@ def module(name: str, device_id: int = 0) -> cp.RawModule:
                             name_expressions=None)
 
 
+@functools.cache
 def kernel(module_name: str, function: str, device_id: int = 0) -> Any:
     """A compiled kernel function."""
     return module(module_name, device_id).get_function(function)
@@ -45,6 +46,7 @@ def non_blocking_stream() -> cp.cuda.Stream:
     return cp.cuda.Stream(non_blocking=True)
 
 
+@functools.cache
 def sm_count(device_id: int = 0) -> int:
     """Multiprocessors of the device."""
     return int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])

@@ -11,6 +11,7 @@ import numpy as np
 from gpu_kernels import abi
 from gpu_kernels.checksum import chunk_checksum
 from gpu_kernels.ring import Ring
+from gpu_kernels.routing import DispatchPlan
 
 
 def check_descriptor(desc: np.void, regions: np.ndarray) -> abi.Status:
@@ -104,3 +105,54 @@ class ReceiveKernel:
         while self.poll():
             n += 1
         return n
+
+
+# -- MoE helpers and packets: twins of moe_ops.cu and send.cu ------------------------------
+
+def dispatch(hidden: np.ndarray, plan: DispatchPlan) -> np.ndarray:
+    """Twin of ``dpu_dispatch_rows``: ``hidden[tokens, d]`` -> ``packed[tokens * top_k, d]``,
+    rows grouped by expert as ``plan`` says."""
+    return hidden[plan.order // plan.top_k]
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            ).astype(np.uint16)
+
+
+def combine_bf16(expert_out: np.ndarray, plan: DispatchPlan, weights: np.ndarray
+                 ) -> np.ndarray:
+    """Twin of ``dpu_combine_bf16``: ``expert_out`` (bf16 bits, ``uint16[tokens*top_k, d]``)
+    weighted by ``weights`` (``float32[tokens, top_k]``) and summed over k in order, in fp32
+    without fused multiply-add; returns bf16 bits ``uint16[tokens, d]``."""
+    tokens, top_k = weights.shape
+    acc = np.zeros((tokens, expert_out.shape[1]), np.float32)
+    rows = plan.inverse.reshape(tokens, top_k)
+    for k in range(top_k):
+        acc += weights[:, k:k + 1].astype(np.float32) * bf16_to_f32(expert_out[rows[:, k]])
+    return f32_to_bf16(acc)
+
+
+def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer: int,
+                 expert: int) -> int:
+    """Twin of ``dpu_send``: publish ``data`` (uint8, length a multiple of 16) as packets on
+    ``tx``; returns packets written. Raises BufferError when the ring lacks room for them
+    all (the kernel would wait instead)."""
+    assert tx.payload is not None, "not a packet ring"
+    room = tx.payload.shape[1]
+    packets = -(-data.size // room)
+    if tx.free_entries() < packets:
+        raise BufferError(f"{packets} packets, {tx.free_entries()} free entries")
+    for p in range(packets):
+        off = p * room
+        chunk = data[off:off + room]
+        tx.push({"message_id": message_id, "offset": off, "length": chunk.size,
+                 "flags": int(abi.PacketFlags.LAST) if off + chunk.size == data.size else 0,
+                 "checksum": chunk_checksum(chunk, off), "layer": layer, "expert": expert,
+                 "model": model, "total_length": data.size}, payload=chunk)
+    return packets

@@ -153,6 +153,12 @@ class Ring:
         self.header["producer"] = pos + n
         return n
 
+    def advance_producer(self, n: int) -> None:
+        """Account for ``n`` entries published by another agent of this producer (a kernel
+        launched on our behalf), in order from the current position."""
+        self._producer += n
+        self.header["producer"] = self._producer
+
     # -- consumer side ---------------------------------------------------------------------
     def peek(self) -> np.void | None:
         """The next entry if published, else None. The record is a view: copy before pop."""

@@ -8,12 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from gpu_kernels import abi
+from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import abi, launch
 from gpu_kernels.shm import SharedBuffer
 from host_client.devices import RW, Device, DeviceFault
-from dpu_offload.v1 import agent_pb2 as pb
 
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
+
+
+def device_pointer(host_address: int) -> int:
+    """The device address of registered (mapped) host memory."""
+    return int(launch.cp.cuda.runtime.pointerGetAttributes(host_address).devicePointer)
 
 
 class CudaDevice(Device):
@@ -29,8 +34,6 @@ class CudaDevice(Device):
     kind = pb.DEVICE_KIND_CUDA
 
     def __init__(self, ordinal: int = 0, blocks: int | None = None, threads: int = 512) -> None:
-        from gpu_kernels import launch
-
         super().__init__(ordinal)
         self._launch = launch
         self.cp = launch.cp
@@ -62,7 +65,7 @@ class CudaDevice(Device):
         with self.dev:
             rt.hostRegister(address, nbytes, 0x1 | 0x2)  # Portable | Mapped
             self._registered.append(address)
-            return int(rt.hostGetDevicePointer(address, 0))
+            return device_pointer(address)
 
     def _map_arena(self, arena: SharedBuffer, region_id: int) -> int:
         return self._register_host(arena.address, arena.size)

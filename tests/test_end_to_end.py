@@ -126,7 +126,7 @@ def test_unregistered_ring_and_pool_refusals(client: AgentClient) -> None:
 
 
 def test_unreachable_agent_is_a_clear_error() -> None:
-    with pytest.raises(AgentUnavailable, match="127.0.0.1:9"):
+    with pytest.raises(AgentUnavailable, match=r"127\.0\.0\.1:9"):
         AgentClient("127.0.0.1:9", connect_timeout=0.5)
 
 

@@ -8,6 +8,7 @@ field is validated against the file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -99,7 +100,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], int]:
                                   f"past the end of the file ({size} bytes)")
         tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, end - begin)
     spans = sorted((t.start, t.start + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+    for (_, end_a, a), (start_b, _, b) in itertools.pairwise(spans):
         if start_b < end_a:
             raise CheckpointError(f"{path}: tensors {a!r} and {b!r} overlap")
     return tensors, size

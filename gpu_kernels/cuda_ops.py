@@ -1,0 +1,84 @@
+"""CuPy launchers of the MoE helpers, the checksum and the send kernel; each has a twin of the
+same name and meaning in :mod:`gpu_kernels.reference`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpu_kernels import abi, launch
+from gpu_kernels.ring import Ring
+from gpu_kernels.routing import DispatchPlan
+
+cp = launch.cp
+THREADS = 256
+
+
+def _grid(n: int, device_id: int = 0) -> int:
+    return max(1, min(n, launch.sm_count(device_id) * 8))
+
+
+def dispatch(hidden: Any, plan: DispatchPlan, stream: Any = None, out: Any = None) -> Any:
+    """``hidden[tokens, d]`` (any dtype, rows a multiple of 16 bytes) -> packed rows
+    ``[tokens * top_k, d]`` (into ``out`` when given)."""
+    rows = int(plan.order.size)
+    row_bytes = hidden.shape[1] * hidden.dtype.itemsize
+    if row_bytes % 16:
+        raise ValueError(f"rows of {row_bytes} bytes are not a multiple of 16")
+    if out is None:
+        out = cp.empty((rows, hidden.shape[1]), hidden.dtype)
+    k = launch.kernel("moe_ops", "dpu_dispatch_rows")
+    k((_grid(rows),), (THREADS,), (cp.ascontiguousarray(hidden), plan.order,
+                                   np.int32(plan.top_k), np.int64(rows),
+                                   np.int64(row_bytes // 16), out), stream=stream)
+    return out
+
+
+def combine_bf16(expert_out: Any, plan: DispatchPlan, weights: Any, stream: Any = None,
+                 out: Any = None) -> Any:
+    """bf16 bits ``uint16[tokens*top_k, d]`` x ``float32[tokens, top_k]`` ->
+    ``uint16[tokens, d]`` (into ``out`` when given)."""
+    tokens, top_k = weights.shape
+    d = expert_out.shape[1]
+    if d % 8:
+        raise ValueError(f"row width {d} is not a multiple of 8 bf16 values")
+    if out is None:
+        out = cp.empty((tokens, d), cp.uint16)
+    k = launch.kernel("moe_ops", "dpu_combine_bf16")
+    k((_grid(tokens),), (THREADS,), (cp.ascontiguousarray(expert_out), plan.inverse,
+                                     cp.ascontiguousarray(weights, dtype=cp.float32),
+                                     np.int32(top_k), np.int64(tokens), np.int64(d // 8), out),
+      stream=stream)
+    return out
+
+
+def checksum(data: Any, position: int) -> int:
+    """Checksum of a device buffer (length a multiple of 16), as checksum.chunk_checksum."""
+    raw = data.reshape(-1).view(cp.uint8)
+    if raw.size % 16 or position % 4:
+        raise ValueError("checksum kernel needs a 16-byte multiple and a 4-byte position")
+    out = cp.zeros(1, cp.uint32)
+    n16 = raw.size // 16
+    k = launch.kernel("moe_ops", "dpu_checksum")
+    k((_grid(max(1, n16 // THREADS)),), (THREADS,), (raw, np.uint64(n16), np.uint64(position),
+                                                     out))
+    return int(out.get()[0]) ^ ((raw.size // 4) & 0xFFFFFFFF)
+
+
+def send_packets(tx: Ring, tx_device_ptr: int, data: Any, message_id: int, model: int,
+                 layer: int, expert: int, stream: Any = None) -> int:
+    """Launch ``dpu_send`` for ``data`` (device uint8, 16-byte multiple) into ``tx`` (a packet
+    ring in registered host memory whose device address is ``tx_device_ptr``). Returns the
+    packets it will publish; the host's producer count advances by that many."""
+    room = tx.entry_size - abi.PACKET_HEADER_DTYPE.itemsize
+    packets = -(-int(data.size) // room)
+    first = tx.produced
+    k = launch.kernel("send", "dpu_send")
+    k((_grid(packets),), (THREADS,), (np.uint64(tx_device_ptr),
+                                      np.uint64(tx_device_ptr + abi.HEADER_BYTES), data,
+                                      np.uint64(data.size), np.uint64(first),
+                                      np.uint64(message_id), np.uint32(model), np.uint32(layer),
+                                      np.uint32(expert)), stream=stream)
+    tx.advance_producer(packets)
+    return packets

@@ -1,0 +1,127 @@
+"""MoE dispatch/combine, the checksum kernel and the send kernel against their twins."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gpu_kernels import abi, reference
+from gpu_kernels.checksum import chunk_checksum
+from gpu_kernels.ring import Ring
+from gpu_kernels.routing import dispatch_plan
+
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _backend(name: str) -> SimpleNamespace:
+    if name == "cpu":
+        return SimpleNamespace(xp=np, ops=reference, get=np.asarray)
+    cp = pytest.importorskip("cupy")
+    from gpu_kernels import cuda_ops
+
+    return SimpleNamespace(xp=cp, ops=cuda_ops, get=cp.asnumpy)
+
+
+def _routing(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    w = rng.random((tokens, top_k), dtype=np.float32)
+    w /= w.sum(1, keepdims=True)
+    x = reference.f32_to_bf16(rng.standard_normal((tokens, hidden), dtype=np.float32))
+    return ids.astype(np.int32), w, x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens,experts,top_k,hidden", [(1, 4, 1, 8), (37, 16, 4, 64),
+                                                         (128, 256, 8, 7168)])
+def test_dispatch_then_combine(backend: str, tokens: int, experts: int, top_k: int,
+                               hidden: int) -> None:
+    b = _backend(backend)
+    ids, w, x = _routing(tokens, experts, top_k, hidden, seed=tokens)
+    plan = dispatch_plan(b.xp, b.xp.asarray(ids), experts)
+    packed = b.get(b.ops.dispatch(b.xp.asarray(x), plan))
+    offsets = b.get(plan.offsets)
+    # Every expert's rows are exactly the tokens that chose it, in token order.
+    for e in range(experts):
+        tokens_of_e = [t for t in range(tokens) if e in ids[t]]
+        np.testing.assert_array_equal(packed[offsets[e]:offsets[e + 1]], x[tokens_of_e])
+    # "Expert compute" = scale rows by (expert + 1); combine must equal the dense formula.
+    order = b.get(plan.order)
+    scale = (ids.reshape(-1)[order] + 1).astype(np.float32)[:, None]
+    outputs = reference.f32_to_bf16(reference.bf16_to_f32(packed) * scale)
+    combined = b.get(b.ops.combine_bf16(b.xp.asarray(outputs), plan, b.xp.asarray(w)))
+    ref_plan = dispatch_plan(np, ids, experts)
+    np.testing.assert_array_equal(combined, reference.combine_bf16(outputs, ref_plan, w))
+    dense = sum(w[:, k:k + 1].astype(np.float64)
+                * reference.bf16_to_f32(x).astype(np.float64) * (ids[:, k:k + 1] + 1)
+                for k in range(top_k))
+    got = reference.bf16_to_f32(combined).astype(np.float64)
+    assert np.linalg.norm(got - dense) / max(np.linalg.norm(dense), 1e-30) < 1e-2
+
+
+def test_dispatch_plan_refuses_bad_ids() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        dispatch_plan(np, np.array([[0, 9]]), 4)
+    with pytest.raises(ValueError, match="tokens, top_k"):
+        dispatch_plan(np, np.array([1, 2]), 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("nbytes,position", [(16, 0), (4096, 256), (1 << 20, 12345 * 16)])
+def test_checksum_kernel_matches_definition(backend: str, nbytes: int, position: int) -> None:
+    b = _backend(backend)
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    expected = chunk_checksum(data, position)
+    got = (chunk_checksum(data, position) if backend == "cpu"
+           else b.ops.checksum(b.xp.asarray(data), position))
+    assert got == expected
+
+
+def _decode(tx: Ring, count: int) -> tuple[np.ndarray, list[dict]]:
+    consumer = Ring(tx.buffer, abi.RingKind.TX_PACKET)
+    total = None
+    out, headers = None, []
+    for _ in range(count):
+        h = consumer.peek()
+        assert h is not None
+        i = (consumer.consumed) & (consumer.capacity - 1)
+        hdr = {k: int(h[k]) for k in abi.PACKET_HEADER_DTYPE.names if k != "seq"}
+        payload = consumer.payload[i, :hdr["length"]].copy()
+        assert chunk_checksum(payload, hdr["offset"]) == hdr["checksum"]
+        if out is None:
+            total = hdr["total_length"]
+            out = np.zeros(total, np.uint8)
+        out[hdr["offset"]:hdr["offset"] + hdr["length"]] = payload
+        headers.append(hdr)
+        consumer.advance()
+    return out, headers
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_send_packetizes_with_checksums(backend: str) -> None:
+    b = _backend(backend)
+    entry = 64 + 4096
+    data = np.random.default_rng(3).integers(0, 256, 4096 * 5 + 512, dtype=np.uint8)
+    buf = np.zeros(abi.ring_bytes(16, entry), np.uint8)
+    tx = Ring.format(buf, abi.RingKind.TX_PACKET, 16, entry)
+    if backend == "cpu":
+        n = reference.send_packets(tx, data, 77, 1, 2, 3)
+    else:
+        cp = b.xp
+        cp.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, 0x1 | 0x2)
+        try:
+            from host_client.cuda_device import device_pointer
+
+            ptr = device_pointer(buf.ctypes.data)
+            n = b.ops.send_packets(tx, ptr, cp.asarray(data), 77, 1, 2, 3)
+            cp.cuda.runtime.deviceSynchronize()
+        finally:
+            cp.cuda.runtime.hostUnregister(buf.ctypes.data)
+    assert n == 6
+    got, headers = _decode(tx, n)
+    np.testing.assert_array_equal(got, data)
+    assert [h["flags"] for h in headers] == [0] * 5 + [abi.PacketFlags.LAST]
+    assert {(h["message_id"], h["model"], h["layer"], h["expert"]) for h in headers} == {
+        (77, 1, 2, 3)}
