@@ -46,6 +46,10 @@ SHAPES = {
 }
 
 
+def log(msg: str) -> None:
+    print(f"[delivery] {msg}", file=sys.stderr, flush=True)
+
+
 def proc_cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -149,7 +153,8 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
         arch, layers=1, experts=experts, hidden=hidden, intermediate=inter, dtype=dtype,
         dense_layers=0), layers_per_shard=1)
     gpu = device_kind == "cuda"
-    with AgentProcess('[arena]\nbytes = "4GiB"\n') as agent:
+    log(f"{name}: checkpoint written")
+    with AgentProcess('[arena]\nbytes = "1GiB"\n') as agent:
         client = AgentClient(agent.address, client_name="bench-delivery")
         try:
             model = client.load_model(str(root), "m")
@@ -177,6 +182,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
 
             cycle(keys[:half])  # cold: checkpoint -> arena -> GPU
             cycle(keys[half:])  # evicts every GPU slot; arena now holds all experts
+            log(f"{name}: arena warm")
             bw, cpu_client, cpu_agent, nbytes_total = [], 0.0, 0.0, 0
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
@@ -186,15 +192,19 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 cpu_agent += proc_cpu_seconds(agent.proc.pid) - a0
                 nbytes_total += half * model.expert_bytes
                 bw.append(half * model.expert_bytes / dt / 1e9)
+            log(f"{name}: bandwidth {bw}")
             lat = []
+            resident, other = keys[half:], keys[:half]  # the last cycle loaded keys[half:]
+            if repeats % 2:
+                resident, other = other, resident
             for r in range(max(8, repeats * 2)):
-                k = keys[(r % 2) * half + (r // 2) % half]
-                # Evict it from the GPU first: fill the pool with the other half.
+                k = other[r % half]  # in the arena, not on the GPU
                 t0 = time.perf_counter()
                 client.acquire(dev, k).wait(60)
                 lat.append(time.perf_counter() - t0)
                 client.release(dev, k)
-                cycle([x for x in (keys[half:] if k in keys[:half] else keys[:half])])
+                cycle(resident)  # evicts k again
+            log(f"{name}: latency done")
             result: dict[str, object] = {
                 "expert_bytes": model.expert_bytes,
                 "experts_per_batch": half,
@@ -208,6 +218,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             if gpu:
                 result["copy_engine_arena_gbps"] = copy_engine_from_arena(
                     client, half * model.expert_bytes, repeats)
+                log(f"{name}: copy engine done")
         finally:
             client.close()
     result.update({f"{k}_gbps": v for k, v in

@@ -159,13 +159,13 @@ extern "C" __global__ void dpu_receive(dpu_ring_header* work_hdr, dpu_descriptor
             c->chunk_index = d.chunk_index;
             c->status = status;
             c->nbytes = nbytes;
+            // An EXIT raises the flag before its completion is visible, so whoever sees the
+            // completion also sees the flag.
+            if (d.opcode == DPU_OP_EXIT && status == DPU_STATUS_OK)
+                *(volatile uint32_t*)&work_hdr->exit_flag = 1;
             __threadfence_system();
             c->seq = cpos + 1;
             atomicAdd(&state->descriptors_done, 1ull);
-            if (d.opcode == DPU_OP_EXIT && status == DPU_STATUS_OK) {
-                __threadfence_system();
-                *(volatile uint32_t*)&work_hdr->exit_flag = 1;
-            }
         }
         __syncthreads();
     }

@@ -73,11 +73,14 @@ class AgentClient:
         client_name: shown on the agent's status screens.
         lease_seconds: session lease (0: the agent's default); renewed every third of it.
         connect_timeout: seconds to wait for the agent before AgentUnavailable.
+        rpc_timeout: deadline of every unary call, seconds.
     """
 
     def __init__(self, address: str, *, client_name: str = "host-client",
-                 lease_seconds: int = 0, connect_timeout: float = 5.0) -> None:
+                 lease_seconds: int = 0, connect_timeout: float = 5.0,
+                 rpc_timeout: float = 60.0) -> None:
         self.address = address
+        self.rpc_timeout = rpc_timeout
         self.channel = grpc.insecure_channel(address)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)
@@ -87,7 +90,8 @@ class AgentClient:
                                    f"(waited {connect_timeout} s)") from None
         self.stub = pb_grpc.DpuAgentStub(self.channel)
         resp = self.stub.CreateSession(pb.CreateSessionRequest(client_name=client_name,
-                                                               lease_seconds=lease_seconds))
+                                                               lease_seconds=lease_seconds),
+                                          timeout=rpc_timeout)
         self.session_id = resp.session_id
         self.lease_seconds = resp.lease_seconds
         self.arena = resp.arena
@@ -107,7 +111,7 @@ class AgentClient:
 
     # -- models and devices ----------------------------------------------------------------
     def load_model(self, path: str, name: str = "") -> pb.LoadModelResponse:
-        return self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name))
+        return self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name), timeout=self.rpc_timeout)
 
     def register_device(self, device: Device, pools: list[SlotPoolSpec],
                         ring_capacity: int = 1024) -> AttachedDevice:
@@ -116,7 +120,7 @@ class AgentClient:
             raise ValueError("register_device needs at least one slot pool")
         resp = self.stub.RegisterDevice(pb.RegisterDeviceRequest(
             session_id=self.session_id, kind=device.kind, ordinal=device.ordinal,
-            name=device.name, memory_bytes=device.memory_bytes))
+            name=device.name, memory_bytes=device.memory_bytes), timeout=self.rpc_timeout)
         work = SharedRing(abi.RingKind.WORK, ring_capacity)
         completion = SharedRing(abi.RingKind.COMPLETION, ring_capacity)
         attached = AttachedDevice(resp.device_id, device, work, completion)
@@ -126,7 +130,8 @@ class AgentClient:
             rid = self.stub.RegisterRegion(pb.RegisterRegionRequest(
                 session_id=self.session_id, device_id=resp.device_id,
                 kind=pb.REGION_KIND_SLOT_POOL, size_bytes=spec.slot_bytes * spec.slot_count,
-                slot_bytes=spec.slot_bytes, slot_count=spec.slot_count)).region_id
+                slot_bytes=spec.slot_bytes, slot_count=spec.slot_count),
+                timeout=self.rpc_timeout).region_id
             device.add_slot_pool(rid, spec.slot_bytes * spec.slot_count)
             attached.pools[rid] = spec
         device.start()
@@ -134,7 +139,7 @@ class AgentClient:
                            (completion, pb.REGION_KIND_COMPLETION_RING)):
             self.stub.RegisterRegion(pb.RegisterRegionRequest(
                 session_id=self.session_id, device_id=resp.device_id, kind=kind,
-                size_bytes=ring.size, shm_name=ring.name))
+                size_bytes=ring.size, shm_name=ring.name), timeout=self.rpc_timeout)
         self.devices[resp.device_id] = attached
         return attached
 
@@ -162,21 +167,24 @@ class AgentClient:
         """Ask for ``key`` on ``dev``; the handle resolves when its bytes are verified there."""
         resp = self.stub.Acquire(pb.AcquireRequest(session_id=self.session_id,
                                                    device_id=dev.device_id,
-                                                   key=key.to_proto()))
+                                                   key=key.to_proto()),
+                                 timeout=self.rpc_timeout)
         return self._handle(dev, resp)
 
     def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
         resp = self.stub.Prefetch(pb.PrefetchRequest(session_id=self.session_id,
                                                      device_id=dev.device_id,
-                                                     keys=[k.to_proto() for k in keys]))
+                                                     keys=[k.to_proto() for k in keys]),
+                                  timeout=self.rpc_timeout)
         return [self._handle(dev, r) for r in resp.slots]
 
     def release(self, dev: AttachedDevice, key: ExpertKey) -> None:
         self.stub.Release(pb.ReleaseRequest(session_id=self.session_id,
-                                            device_id=dev.device_id, key=key.to_proto()))
+                                            device_id=dev.device_id, key=key.to_proto()),
+                         timeout=self.rpc_timeout)
 
     def status(self) -> pb.StatusResponse:
-        return self.stub.GetStatus(pb.StatusRequest())
+        return self.stub.GetStatus(pb.StatusRequest(), timeout=self.rpc_timeout)
 
     # -- background ------------------------------------------------------------------------
     @staticmethod
