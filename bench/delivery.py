@@ -122,27 +122,22 @@ def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
     return out
 
 
-def copy_engine_from_arena(client: AgentClient, nbytes: int, repeats: int) -> float:
-    """GB/s of cudaMemcpyAsync from the agent's registered arena into device memory."""
+def copy_engine_from_arena(device: object, arena_region: int, nbytes: int,
+                           repeats: int) -> float:
+    """GB/s of cudaMemcpyAsync from the agent's arena (already registered by the CUDA device)
+    into device memory: the copy-engine mechanism, without rings."""
     import cupy as cp
 
-    from gpu_kernels.shm import SharedBuffer
-
-    arena = SharedBuffer(client.arena.shm_name, client.arena.size_bytes)
-    nbytes = min(nbytes, arena.size)
-    cp.cuda.runtime.hostRegister(arena.address, arena.size, 0x1 | 0x2)
-    try:
-        dst = cp.empty(nbytes, cp.uint8)
-        stream = cp.cuda.Stream(non_blocking=True)
-        times = []
-        for _ in range(repeats + 2):
-            t0 = time.perf_counter()
-            cp.cuda.runtime.memcpyAsync(dst.data.ptr, arena.address, nbytes, 1, stream.ptr)
-            stream.synchronize()
-            times.append(time.perf_counter() - t0)
-    finally:
-        cp.cuda.runtime.hostUnregister(arena.address)
-        arena.close()
+    src = int(device.regions[arena_region]["base"])  # type: ignore[attr-defined]
+    nbytes = min(nbytes, int(device.regions[arena_region]["size"]))  # type: ignore[attr-defined]
+    dst = cp.empty(nbytes, cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    times = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src, nbytes, 1, stream.ptr)
+        stream.synchronize()
+        times.append(time.perf_counter() - t0)
     return nbytes / median(times[2:]) / 1e9
 
 
@@ -171,8 +166,10 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             keys = [ExpertKey("m", layer, e) for e in range(experts)]
 
             def cycle(batch: list[ExpertKey]) -> float:
+                """One Prefetch RPC for the batch (as a layer's experts are asked for), then
+                wait for every slot; returns seconds."""
                 t0 = time.perf_counter()
-                handles = [client.acquire(dev, k) for k in batch]
+                handles = client.prefetch(dev, batch)
                 for h in handles:
                     h.wait(120)
                 dt = time.perf_counter() - t0
@@ -217,7 +214,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             }
             if gpu:
                 result["copy_engine_arena_gbps"] = copy_engine_from_arena(
-                    client, half * model.expert_bytes, repeats)
+                    device, client.arena.region_id, half * model.expert_bytes, repeats)
                 log(f"{name}: copy engine done")
         finally:
             client.close()

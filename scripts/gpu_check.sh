@@ -45,7 +45,7 @@ for s in $STAGES; do
   bench)
     stage "benchmarks"
     for b in ${GPU_BENCHES:-delivery moe_kernels}; do
-      timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" --device cuda ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$b.log" | tail -6
+      timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" --device cuda $([ "$b" = delivery ] && echo "${DELIVERY_ARGS:-}") 2>&1 | tee "$OUT/bench-$b.log" | tail -6
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
     done ;;
   esac
