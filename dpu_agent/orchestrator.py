@@ -70,6 +70,7 @@ class Orchestrator:
         self.tracker = TransferTracker()
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
         self._poller = threading.Thread(target=self._poll_loop, name="completions", daemon=True)
         self.poller_heartbeat = time.monotonic()
@@ -315,6 +316,7 @@ class Orchestrator:
             pool.transfer[idx] = transfer.transfer_id
         assert dev.queue is not None
         dev.queue.submit(plan.descriptors(transfer.transfer_id))
+        self._wake.set()
         return transfer
 
     def _on_delivered(self, session: Session, dev: Device, pool: SlotPool, idx: int,
@@ -373,25 +375,26 @@ class Orchestrator:
                 if d.queue is not None]
 
     def _poll_loop(self) -> None:
-        idle_since = time.monotonic()
         while not self._stop.is_set():
             self.poller_heartbeat = time.monotonic()
             busy = False
             for q in self._queues():
                 try:
                     q.flush()
-                    for rec in q.poll_completions():
+                    recs = q.poll_completions()
+                    if recs.size:
                         busy = True
-                        self.tracker.complete(rec)
+                        self.tracker.complete_many(recs)
                 except (ValueError, OSError) as exc:  # a queue closed under us
                     log.debug("poller: %s", exc)
-            now = time.monotonic()
-            if busy:
-                idle_since = now
-            elif now - idle_since < 0.002 and self.tracker.in_flight:
-                time.sleep(0)
-            else:
-                time.sleep(0.0002 if self.tracker.in_flight else 0.002)
+            if not busy:
+                # Short naps while work is in flight keep latency low without holding the
+                # GIL away from the gRPC threads; long ones when idle.
+                if self.tracker.in_flight:
+                    time.sleep(0.00005)
+                else:
+                    self._wake.wait(0.01)
+                    self._wake.clear()
 
     def shutdown(self) -> None:
         self._stop.set()

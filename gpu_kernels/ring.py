@@ -177,6 +177,23 @@ class Ring:
         self.advance()
         return out
 
+    def pop_many(self, limit: int | None = None) -> np.ndarray:
+        """Take every published entry, oldest first (at most ``limit``), as a copied array,
+        releasing their places with one consumer-index store."""
+        n_max = min(self.capacity, limit or self.capacity)
+        pos = self._consumer
+        want = np.arange(pos + 1, pos + n_max + 1, dtype=np.uint64)
+        idx = ((want - np.uint64(1)) & np.uint64(self.capacity - 1)).astype(np.intp)
+        ready = self._seq[idx] == want
+        n = n_max if ready.all() else int(np.argmin(ready))
+        if n == 0:
+            return self.entries[:0].copy()
+        store_fence()
+        out = self.entries[idx[:n]].copy()
+        self._consumer = pos + n
+        self.header["consumer"] = self._consumer
+        return out
+
     def advance(self) -> None:
         """Release the entry last returned by :meth:`peek`."""
         self._consumer += 1

@@ -111,7 +111,8 @@ class AgentClient:
 
     # -- models and devices ----------------------------------------------------------------
     def load_model(self, path: str, name: str = "") -> pb.LoadModelResponse:
-        return self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name), timeout=self.rpc_timeout)
+        return self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
+                                   timeout=self.rpc_timeout)
 
     def register_device(self, device: Device, pools: list[SlotPoolSpec],
                         ring_capacity: int = 1024) -> AttachedDevice:

@@ -66,15 +66,9 @@ class DeviceQueue:
             self._backlog.popleft()
         return sum(int(b.size) for b in self._backlog)
 
-    def poll_completions(self, limit: int = 1024) -> list[np.void]:
-        """Completed entries, oldest first (at most ``limit``)."""
-        out = []
-        while len(out) < limit:
-            rec = self.completion.pop()
-            if rec is None:
-                break
-            out.append(rec)
-        return out
+    def poll_completions(self, limit: int = 4096) -> np.ndarray:
+        """Completed entries (``COMPLETION_DTYPE[n]``), oldest first, at most ``limit``."""
+        return self.completion.pop_many(limit)
 
     @property
     def depth(self) -> int:
