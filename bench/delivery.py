@@ -142,14 +142,15 @@ def copy_engine_from_arena(device: object, arena_region: int, nbytes: int,
 
 
 def run_shape(name: str, device_kind: str, experts: int, repeats: int,
-              workdir: Path) -> dict[str, object]:
+              workdir: Path, chunk_bytes: int) -> dict[str, object]:
     arch, hidden, inter, dtype = SHAPES[name]
     root = make_checkpoint(workdir / name, CheckpointSpec(
         arch, layers=1, experts=experts, hidden=hidden, intermediate=inter, dtype=dtype,
         dense_layers=0), layers_per_shard=1)
     gpu = device_kind == "cuda"
     log(f"{name}: checkpoint written")
-    with AgentProcess('[arena]\nbytes = "1GiB"\n') as agent:
+    settings = f'[arena]\nbytes = "1GiB"\n[transfer]\nchunk_bytes = {chunk_bytes}\n'
+    with AgentProcess(settings) as agent:
         client = AgentClient(agent.address, client_name="bench-delivery")
         try:
             model = client.load_model(str(root), "m")
@@ -204,6 +205,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             log(f"{name}: latency done")
             result: dict[str, object] = {
                 "expert_bytes": model.expert_bytes,
+                "chunk_bytes": chunk_bytes,
                 "experts_per_batch": half,
                 "agent_kernel_pull_gbps": median(bw),
                 "agent_kernel_pull_gbps_all": bw,
@@ -230,13 +232,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small shape only, few repeats")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--chunk-bytes", type=int, default=256 << 10)
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    shapes = ["small-2.4MB"] if args.quick else list(SHAPES)
+    shapes = args.shapes or (["small-2.4MB"] if args.quick else list(SHAPES))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-delivery-") as tmp:
         for name in shapes:
-            results[name] = run_shape(name, args.device, args.experts, args.repeats, Path(tmp))
+            results[name] = run_shape(name, args.device, args.experts, args.repeats, Path(tmp),
+                                      args.chunk_bytes)
             r = results[name]
             print(f"{name:<22} pull {r['agent_kernel_pull_gbps']:6.2f} GB/s  "
                   f"pinned {r.get('pinned_h2d_gbps', float('nan')):6.2f}  "
@@ -247,7 +252,9 @@ def main() -> int:
     data = envelope("delivery", results, device=args.device,
                     command=" ".join(["python", "bench/delivery.py", *sys.argv[1:]]),
                     repeats=args.repeats)
-    path = write("delivery", data, f"-{args.device}")
+    suffix = f"-{args.device}" + ("" if args.chunk_bytes == 256 << 10
+                                  else f"-chunk{args.chunk_bytes >> 10}k")
+    path = write("delivery", data, suffix)
     if args.json:
         print(json.dumps(data))
     else:
