@@ -232,7 +232,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small shape only, few repeats")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--chunk-bytes", type=int, default=256 << 10)
+    ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -252,7 +252,7 @@ def main() -> int:
     data = envelope("delivery", results, device=args.device,
                     command=" ".join(["python", "bench/delivery.py", *sys.argv[1:]]),
                     repeats=args.repeats)
-    suffix = f"-{args.device}" + ("" if args.chunk_bytes == 256 << 10
+    suffix = f"-{args.device}" + ("" if args.chunk_bytes == 1 << 20
                                   else f"-chunk{args.chunk_bytes >> 10}k")
     path = write("delivery", data, suffix)
     if args.json:

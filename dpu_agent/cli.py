@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await agent.start()
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
-            tmp.write_text(f"{agent.port}\n")
+            tmp.write_text(f"{agent.port} {agent.metrics_port}\n")
             os.replace(tmp, args.ready_file)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the agent")
     p.add_argument("--config", help=f"TOML file (default {DEFAULT_PATH} if present)")
-    p.add_argument("--ready-file", help="write the bound gRPC port here once serving")
+    p.add_argument("--ready-file",
+                   help="once serving, write 'GRPC_PORT METRICS_PORT' here (atomically)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("check-config", help="validate a config and list every problem")
     p.add_argument("file", nargs="?")

@@ -39,12 +39,10 @@ class AgentConfig:
     max_message_bytes: int = 16 * 2**20
     arena_bytes: int = 1 * 2**30
     cache_policy: str = "lru"
-    chunk_bytes: int = 256 * 2**10
+    chunk_bytes: int = 1 * 2**20
     default_lease_seconds: int = 10
     max_lease_seconds: int = 300
     metrics_address: str = ""
-    state_dir: str = ""
-    log_format: str = "auto"
 
 
 # (section, key) -> (field, parser description, parser)
@@ -83,8 +81,6 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
     ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
     ("metrics", "listen_address"): ("metrics_address", _str),
-    ("state", "dir"): ("state_dir", _str),
-    ("logging", "format"): ("log_format", _str),
 }
 
 
@@ -113,8 +109,6 @@ def _check(cfg: AgentConfig) -> list[str]:
                         f"max_lease_seconds ({cfg.max_lease_seconds})")
     if cfg.max_message_bytes < 2**16:
         problems.append("server.max_message_bytes: must be at least 64 KiB")
-    if cfg.log_format not in ("auto", "json", "text"):
-        problems.append(f"logging.format: {cfg.log_format!r} is not auto, json or text")
     return problems
 
 
@@ -146,12 +140,12 @@ def from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         known = {f"DPU_AGENT_{s}_{k}".upper() for s, k in KEYS}
         problems += [f"{v}: unknown variable" for v in env
                      if v.startswith("DPU_AGENT_") and v not in known]
-    if not problems:
-        cfg = AgentConfig(**values)
-        problems = _check(cfg)
-        if not problems:
-            return cfg
-    raise ConfigError(problems)
+    cfg = AgentConfig(**values)
+    flagged = {p.split(":", 1)[0] for p in problems}
+    problems += [p for p in _check(cfg) if p.split(":", 1)[0] not in flagged]
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> AgentConfig:

@@ -31,6 +31,7 @@ class AgentProcess:
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.metrics_port = 0
 
     @property
     def address(self) -> str:
@@ -52,7 +53,8 @@ class AgentProcess:
                 self.stop()
                 raise TimeoutError(f"agent not ready in {self.startup_timeout} s:\n{self.log()}")
             time.sleep(0.02)
-        self.port = int(self.ready_file.read_text())
+        grpc_port, metrics_port = self.ready_file.read_text().split()
+        self.port, self.metrics_port = int(grpc_port), int(metrics_port)
         return self
 
     def log(self) -> str:

@@ -22,6 +22,7 @@ def qwen_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def agent() -> Iterator[AgentProcess]:
     with AgentProcess('[arena]\nbytes = "64MiB"\n[sessions]\ndefault_lease_seconds = 3\n'
+                      '[metrics]\nlisten_address = "127.0.0.1:0"\n'
                       ) as proc:
         yield proc
 

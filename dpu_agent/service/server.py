@@ -9,9 +9,11 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.orchestrator import Orchestrator
+from dpu_agent.service.metrics import AgentCollector
 from dpu_agent.service.servicer import DpuAgentServicer
 from dpu_offload.v1 import agent_pb2, agent_pb2_grpc
 
@@ -28,6 +30,8 @@ class AgentServer:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0
+        self.metrics_port = 0
+        self._metrics_server = None
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
 
@@ -51,10 +55,30 @@ class AgentServer:
                           f"({exc})") from exc
         await server.start()
         self.server = server
+        if self.config.metrics_address:
+            try:
+                self._start_metrics()
+            except OSError:
+                await server.stop(None)
+                self.core.shutdown()
+                raise
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
         log.info("agent serving on %s (port %d)", self.config.listen_address, self.port)
+
+    def _start_metrics(self) -> None:
+        assert self.core is not None
+        host, port = self.config.metrics_address.rsplit(":", 1)
+        registry = CollectorRegistry()
+        registry.register(AgentCollector(self.core))
+        try:
+            self._metrics_server, _ = start_http_server(int(port), host.strip("[]"),
+                                                        registry=registry)
+        except OSError as exc:
+            raise OSError(f"metrics.listen_address {self.config.metrics_address}: cannot bind "
+                          f"({exc.strerror})") from exc
+        self.metrics_port = self._metrics_server.server_port
 
     async def _reap(self) -> None:
         assert self.core is not None
@@ -76,6 +100,8 @@ class AgentServer:
             s.events.close()
         await self.server.stop(grace)
         self.core.shutdown()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         self.server = None
         self._stopped.set()
 

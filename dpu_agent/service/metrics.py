@@ -1,0 +1,50 @@
+"""Prometheus metrics of the agent, read from the core at scrape time (no counters to keep in
+step: the collector reports what the cache, tracker and sessions hold). Names follow Prometheus
+conventions: ``dpu_agent_`` prefix, base units, ``_total`` for counters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dpu_agent.orchestrator import Orchestrator
+
+
+class AgentCollector(Collector):
+    """Cache, arena, transfer and session figures of one :class:`Orchestrator`."""
+
+    def __init__(self, core: Orchestrator) -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        core = self.core
+        stats = core.cache.stats
+        yield CounterMetricFamily("dpu_agent_cache_hits", "Acquires served from the arena.",
+                                  value=stats.hits)
+        yield CounterMetricFamily("dpu_agent_cache_misses",
+                                  "Acquires that filled the arena from checkpoint files.",
+                                  value=stats.misses)
+        yield CounterMetricFamily("dpu_agent_cache_evictions",
+                                  "Experts evicted from the arena.", value=stats.evictions)
+        yield CounterMetricFamily("dpu_agent_cache_fill_seconds",
+                                  "Seconds spent filling the arena from checkpoint files.",
+                                  value=stats.fill_seconds)
+        yield GaugeMetricFamily("dpu_agent_cache_resident_experts",
+                                "Experts resident in the arena.", value=core.cache.resident)
+        yield GaugeMetricFamily("dpu_agent_arena_bytes", "Arena size.", value=core.arena.size)
+        yield GaugeMetricFamily("dpu_agent_arena_used_bytes", "Arena bytes allocated.",
+                                value=core.arena.used_bytes)
+        yield GaugeMetricFamily("dpu_agent_arena_fragmentation_ratio",
+                                "1 - largest free block / free bytes.",
+                                value=core.arena.fragmentation)
+        yield GaugeMetricFamily("dpu_agent_transfers_in_flight", "Deliveries in flight.",
+                                value=core.tracker.in_flight)
+        yield CounterMetricFamily("dpu_agent_checksum_failures",
+                                  "Deliveries that failed chunk verification.",
+                                  value=core.verify_failures)
+        yield GaugeMetricFamily("dpu_agent_sessions", "Open sessions.",
+                                value=len(core.sessions))
+        yield GaugeMetricFamily("dpu_agent_models_loaded", "Models in the catalog.",
+                                value=len(core.models))

@@ -1,0 +1,85 @@
+"""Configuration validation, the check-config verb, and a real Prometheus scrape."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dpu_agent.config import ConfigError, from_mapping, load
+from dpu_offload.keys import ExpertKey
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.launcher import AgentProcess
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "agent.toml"
+
+
+def test_example_config_is_valid_and_documents_every_key() -> None:
+    from dpu_agent.config import KEYS
+
+    cfg = load(EXAMPLE, env={})
+    assert cfg.arena_bytes == 8 * 2**30 and cfg.chunk_bytes == 2**20
+    text = EXAMPLE.read_text()
+    for section, key in KEYS:
+        assert f"[{section}]" in text and f"\n{key} =" in text, f"{section}.{key} undocumented"
+
+
+def test_every_problem_is_listed_with_its_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"server": {"listen_address": "nohost", "bogus": 1},
+                      "arena": {"bytes": "lots"}, "transfer": {"chunk_bytes": 17},
+                      "cache": {"policy": "random"}, "weird": 3}, env={})
+    text = "\n".join(err.value.problems)
+    for needle in ("server.listen_address", "server.bogus: unknown key", "arena.bytes",
+                   "weird: expected a [weird] table"):
+        assert needle in text, text
+
+
+def test_environment_overrides_and_rejects_unknown_variables() -> None:
+    cfg = from_mapping({}, env={"DPU_AGENT_ARENA_BYTES": "2GiB"})
+    assert cfg.arena_bytes == 2 * 2**30
+    with pytest.raises(ConfigError, match="DPU_AGENT_ARENA_SIZE: unknown variable"):
+        from_mapping({}, env={"DPU_AGENT_ARENA_SIZE": "1"})
+
+
+def test_check_config_cli_exit_codes(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[arena]\nbytes = -5\n[server]\nlisten_address = "x"\n')
+    run = [sys.executable, "-m", "dpu_agent.cli", "check-config"]
+    res = subprocess.run([*run, str(bad)], capture_output=True, text=True)
+    assert res.returncode == 2 and "arena.bytes" in res.stderr and "server.listen_address" \
+        in res.stderr
+    res = subprocess.run([*run, str(tmp_path / "missing.toml")], capture_output=True, text=True)
+    assert res.returncode == 2 and "no such file" in res.stderr
+    assert subprocess.run([*run, str(EXAMPLE)], capture_output=True).returncode == 0
+
+
+def test_agent_refuses_to_start_on_a_port_in_use() -> None:
+    with AgentProcess() as first:
+        second = AgentProcess(f'[metrics]\nlisten_address = "127.0.0.1:{first.port}"\n')
+        with pytest.raises(RuntimeError, match="metrics.listen_address"):
+            second.start()
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples}
+
+
+def test_metrics_scrape_reflects_activity(agent: AgentProcess, qwen_ckpt: Path) -> None:
+    before = scrape(agent.metrics_port)
+    with AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qwen-metrics")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 4)])
+        for e in range(3):
+            client.acquire(dev, ExpertKey("qwen-metrics", 2, e)).wait(10)
+        during = scrape(agent.metrics_port)
+    assert during["dpu_agent_cache_misses_total"] == before["dpu_agent_cache_misses_total"] + 3
+    assert during["dpu_agent_sessions"] >= 1
+    assert during["dpu_agent_arena_used_bytes"] >= 3 * model.expert_bytes
+    assert during["dpu_agent_models_loaded"] >= 1
