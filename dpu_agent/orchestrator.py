@@ -367,6 +367,22 @@ class Orchestrator:
                     return
         raise precondition(f"{key} is not held on device {device_id}")
 
+    def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]]) -> None:
+        """Feed observed routing (layer, {expert: tokens}) to the cache policy, in order."""
+        catalog = self.models.get(model)
+        if catalog is None:
+            raise not_found(f"model {model!r} is not loaded")
+        layers = set(catalog.layout.moe_layers)
+        for layer, counts in steps:
+            if layer not in layers:
+                raise invalid(f"layer {layer} is not an MoE layer of {model!r}")
+            bad = [e for e in counts if e >= catalog.layout.experts_per_layer]
+            if bad:
+                raise invalid(f"expert {bad[0]} out of range for {model!r} "
+                              f"({catalog.layout.experts_per_layer} per layer)")
+        for layer, counts in steps:
+            self.cache.observe(model, layer, counts)
+
     # -- data plane ------------------------------------------------------------------------
     def _queues(self) -> list[DeviceQueue]:
         with self._lock:

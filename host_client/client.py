@@ -184,6 +184,13 @@ class AgentClient:
                                             device_id=dev.device_id, key=key.to_proto()),
                          timeout=self.rpc_timeout)
 
+    def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]]) -> None:
+        """Tell the agent which experts the last steps selected: (layer, {expert: tokens})."""
+        self.stub.ReportRouting(pb.ReportRoutingRequest(
+            session_id=self.session_id, model=model,
+            steps=[pb.RoutingStep(layer=layer, experts=list(c), tokens=list(c.values()))
+                   for layer, c in steps]), timeout=self.rpc_timeout)
+
     def status(self) -> pb.StatusResponse:
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.rpc_timeout)
 

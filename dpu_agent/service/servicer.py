@@ -141,6 +141,22 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         await self._run(context, call)
         return pb.Empty()
 
+    async def ReportRouting(self, request: pb.ReportRoutingRequest,
+                            context: grpc.aio.ServicerContext) -> pb.Empty:
+        def call() -> None:
+            self.core.session(request.session_id)
+            if len(request.steps) > 4096:
+                raise invalid(f"{len(request.steps)} steps in one call; at most 4096")
+            steps = []
+            for i, step in enumerate(request.steps):
+                if len(step.experts) != len(step.tokens):
+                    raise invalid(f"steps[{i}]: {len(step.experts)} experts but "
+                                  f"{len(step.tokens)} token counts")
+                steps.append((step.layer, dict(zip(step.experts, step.tokens, strict=True))))
+            self.core.report_routing(request.model, steps)
+        await self._run(context, call)
+        return pb.Empty()
+
     async def Events(self, request: pb.SessionRef, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.Event]:
         session = await self._run(context, self.core.session, request.session_id)

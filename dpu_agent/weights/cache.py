@@ -148,6 +148,11 @@ class WeightCache:
                     self._orphans.remove(cached)
                     self.arena.free(cached.offset)
 
+    def observe(self, model: str, layer: int, tokens: dict[int, int]) -> None:
+        """Routing statistics for the policy (one step at one layer)."""
+        with self._lock:
+            self.policy.observe(model, layer, tokens)
+
     def invalidate(self, key: ExpertKey) -> None:
         """Forget an expert's arena copy (it failed verification) so the next acquire refills
         it from its source; a pinned copy is only forgotten, freed when the last pin goes."""

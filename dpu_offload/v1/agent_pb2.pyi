@@ -272,6 +272,26 @@ class Event(_message.Message):
     error: str
     def __init__(self, transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
+class RoutingStep(_message.Message):
+    __slots__ = ("layer", "experts", "tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReportRoutingRequest(_message.Message):
+    __slots__ = ("session_id", "model", "steps")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    steps: _containers.RepeatedCompositeFieldContainer[RoutingStep]
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[RoutingStep, _Mapping]]] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -84,6 +84,11 @@ class DpuAgentStub:
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ReportRouting = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/ReportRouting',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.ReportRoutingRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
+                _registered_method=True)
         self.Events = channel.unary_stream(
                 '/dpu_offload.v1.DpuAgent/Events',
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.SessionRef.SerializeToString,
@@ -159,6 +164,12 @@ class DpuAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportRouting(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Events(self, request, context):
         """Completions and errors of this session, in order, until the session ends.
         """
@@ -223,6 +234,11 @@ def add_DpuAgentServicer_to_server(servicer, server):
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ReleaseRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.SerializeToString,
+            ),
+            'ReportRouting': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRouting,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ReportRoutingRequest.FromString,
                     response_serializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.SerializeToString,
             ),
             'Events': grpc.unary_stream_rpc_method_handler(
@@ -505,6 +521,33 @@ class DpuAgent:
             target,
             '/dpu_offload.v1.DpuAgent/Release',
             dpu__offload_dot_v1_dot_agent__pb2.ReleaseRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRouting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/ReportRouting',
+            dpu__offload_dot_v1_dot_agent__pb2.ReportRoutingRequest.SerializeToString,
             dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
             options,
             channel_credentials,

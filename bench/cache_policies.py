@@ -1,0 +1,155 @@
+"""Replay a routing trace through the weight cache's eviction policies.
+
+Per cache size (in experts): hit rate of LRU, LFU, the routing-aware policy, and Belady's MIN
+(the offline optimum, as the ceiling). Each step's distinct experts are accessed together (they
+cannot evict each other); the step is then reported to the policies as routing statistics, as
+clients do with ReportRouting. Trace format: docs/LAYOUT.md.
+
+Usage:
+  python bench/cache_policies.py --trace FILE [--cache-experts N ...] [--json] [--plot PNG]
+  python bench/cache_policies.py --generate LAYERS EXPERTS TOPK TOKENS ...   (shipped generator)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import RESULTS, envelope, write  # noqa: E402
+from dpu_agent.planning.traces import RoutingStep, generate_trace, read_trace  # noqa: E402
+from dpu_agent.weights.policies import POLICIES  # noqa: E402
+from dpu_offload.keys import ExpertKey  # noqa: E402
+
+MODEL = "trace"
+
+
+def simulate(steps: list[RoutingStep], policy_name: str, size: int) -> float:
+    """Hit rate of one policy at one cache size."""
+    policy = POLICIES[policy_name]()
+    resident: set[ExpertKey] = set()
+    hits = total = 0
+    for step in steps:
+        want = {ExpertKey(MODEL, step.layer, e) for e in step.experts}
+        for key in sorted(want):
+            total += 1
+            if key in resident:
+                hits += 1
+                policy.on_access(key)
+                continue
+            if len(resident) >= size:
+                victim = policy.victim(resident - want)
+                if victim is None:
+                    continue  # the step alone overfills the cache: serve without caching
+                resident.discard(victim)
+                policy.on_remove(victim)
+            resident.add(key)
+            policy.on_insert(key)
+        counts: dict[int, int] = defaultdict(int)
+        for e in step.experts:
+            counts[e] += 1
+        policy.observe(MODEL, step.layer, counts)
+    return hits / max(1, total)
+
+
+def simulate_min(steps: list[RoutingStep], size: int) -> float:
+    """Belady's MIN: evict the resident expert whose next use is furthest in the future."""
+    accesses = [[(s.layer, e) for e in sorted(set(s.experts))] for s in steps]
+    next_use: list[list[int]] = []
+    upcoming: dict[tuple[int, int], int] = {}
+    for i in range(len(accesses) - 1, -1, -1):
+        next_use.append([upcoming.get(k, 1 << 60) for k in accesses[i]])
+        for k in accesses[i]:
+            upcoming[k] = i
+    next_use.reverse()
+    resident: dict[tuple[int, int], int] = {}
+    hits = total = 0
+    for i, keys in enumerate(accesses):
+        current = set(keys)
+        for k, nxt in zip(keys, next_use[i], strict=True):
+            total += 1
+            if k in resident:
+                hits += 1
+            elif len(resident) >= size:
+                victim = max((r for r in resident if r not in current), key=resident.get,
+                             default=None)
+                if victim is None:
+                    continue
+                del resident[victim]
+            resident[k] = nxt
+    return hits / max(1, total)
+
+
+def run(steps: list[RoutingStep], sizes: list[int]) -> dict[str, object]:
+    rates: dict[str, list[float]] = {name: [simulate(steps, name, s) for s in sizes]
+                                     for name in POLICIES}
+    rates["min"] = [simulate_min(steps, s) for s in sizes]
+    return {"sizes": sizes, "hit_rate": rates}
+
+
+def plot(result: dict[str, object], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rates in result["hit_rate"].items():  # type: ignore[union-attr]
+        ax.plot(result["sizes"], rates, marker="o", label=name,  # type: ignore[arg-type]
+                linestyle="--" if name == "min" else "-")
+    ax.set_xlabel("cache size (experts)")
+    ax.set_ylabel("hit rate")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", type=Path)
+    src.add_argument("--generate", nargs=4, type=int,
+                     metavar=("LAYERS", "EXPERTS", "TOPK", "TOKENS"))
+    ap.add_argument("--cache-experts", nargs="+", type=int)
+    ap.add_argument("--json", action="store_true", help="print the result object only")
+    ap.add_argument("--plot", type=Path, help="PNG path (default bench/results/cache-NAME.png)")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    if args.trace:
+        steps, name = read_trace(args.trace), args.trace.stem
+    else:
+        layers, experts, top_k, tokens = args.generate
+        if min(layers, experts, top_k, tokens) <= 0 or top_k > experts:
+            ap.error("--generate needs positive LAYERS EXPERTS TOPK TOKENS with TOPK <= EXPERTS")
+        steps = list(generate_trace(layers, experts, top_k, tokens))
+        name = f"generated-{layers}x{experts}-top{top_k}"
+    distinct = len({(s.layer, e) for s in steps for e in s.experts})
+    sizes = args.cache_experts or sorted({max(1, distinct * f // 16) for f in (2, 4, 6, 8, 12)})
+    if any(s <= 0 for s in sizes):
+        ap.error("--cache-experts must be positive")
+    result = run(steps, sizes)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for i, s in enumerate(sizes):
+            print(f"{name} size {s:4d}: " + "  ".join(
+                f"{p} {r[i]:.3f}" for p, r in result["hit_rate"].items()))
+    if not args.no_save:
+        write("cache", envelope("cache_policies", result, trace=name, steps=len(steps),
+                                command=" ".join(["python", "bench/cache_policies.py",
+                                                  *sys.argv[1:]])), f"-{name}")
+        plot(result, f"{name}: hit rate vs cache size",
+             args.plot or RESULTS / f"cache-{name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
