@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, envelope, write  # noqa: E402
-from dpu_agent.planning.traces import RoutingStep, generate_trace, read_trace  # noqa: E402
-from dpu_agent.weights.policies import POLICIES  # noqa: E402
-from dpu_offload.keys import ExpertKey  # noqa: E402
+from bench.common import RESULTS, envelope, write
+from dpu_agent.planning.traces import RoutingStep, generate_trace, read_trace
+from dpu_agent.weights.policies import POLICIES
+from dpu_offload.keys import ExpertKey
 
 MODEL = "trace"
 

@@ -61,7 +61,7 @@ def test_check_config_cli_exit_codes(tmp_path: Path) -> None:
 def test_agent_refuses_to_start_on_a_port_in_use() -> None:
     with AgentProcess() as first:
         second = AgentProcess(f'[metrics]\nlisten_address = "127.0.0.1:{first.port}"\n')
-        with pytest.raises(RuntimeError, match="metrics.listen_address"):
+        with pytest.raises(RuntimeError, match=r"metrics\.listen_address"):
             second.start()
 
 

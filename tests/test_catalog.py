@@ -1,0 +1,190 @@
+"""The catalog reads every listed layout in its real naming, refuses broken checkpoints with
+messages naming file and tensor, and leaves nothing half-registered."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dpu_agent.weights.catalog import BLOB_ALIGN, build_catalog
+from dpu_agent.weights.layouts import LayoutError
+from dpu_agent.weights.safetensors_file import CheckpointError
+from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from tests.conftest import checkpoint_bytes
+
+LAYOUTS = [
+    # spec, moe layers, roles, tensor-name pattern of role 0 for (layer, expert)
+    (CheckpointSpec("qwen3-moe", layers=3, experts=4), [0, 1, 2], 3,
+     "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"),
+    (CheckpointSpec("qwen2-moe", layers=2, experts=4), [0, 1], 3,
+     "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"),
+    (CheckpointSpec("mixtral", layers=2, experts=4), [0, 1], 3,
+     "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight"),
+    (CheckpointSpec("deepseek-v3", layers=3, experts=4, dense_layers=1), [1, 2], 3,
+     "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"),
+    (CheckpointSpec("deepseek-v3", layers=3, experts=4, dtype="fp8", hidden=256,
+                    intermediate=256), [1, 2], 6,
+     "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"),
+    (CheckpointSpec("olmoe", layers=2, experts=4), [0, 1], 3,
+     "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"),
+    (CheckpointSpec("gpt-oss", layers=2, experts=4), [0, 1], 4, None),
+]
+
+
+@pytest.mark.parametrize("spec,moe,roles,name0", LAYOUTS,
+                         ids=[f"{s.arch}-{s.dtype}" for s, *_ in LAYOUTS])
+def test_layouts_split_into_exact_blobs(tmp_path: Path, spec: CheckpointSpec, moe: list[int],
+                                        roles: int, name0: str | None) -> None:
+    root = make_checkpoint(tmp_path / spec.arch, spec)
+    cat = build_catalog(root)
+    assert list(cat.layout.moe_layers) == moe
+    assert len(cat.experts) == len(moe) * spec.experts
+    truth = checkpoint_bytes(root)
+    for entry in cat.experts.values():
+        assert len(entry.tensors) == roles and entry.blob_bytes % BLOB_ALIGN == 0
+        for t in entry.tensors:
+            assert t.offset % BLOB_ALIGN == 0
+            got = t.file.read_bytes()[t.file_offset:t.file_offset + t.nbytes]
+            if spec.arch == "gpt-oss":
+                stacked = truth[f"model.layers.{entry.key.layer}.mlp.experts.{t.role}"]
+                want = stacked[entry.key.expert * t.nbytes:(entry.key.expert + 1) * t.nbytes]
+            else:
+                want = None
+            if want is not None:
+                assert got == want, (entry.key, t.role)
+        if name0:
+            name = name0.format(l=entry.key.layer, e=entry.key.expert)
+            t0 = entry.tensors[0]
+            assert t0.file.read_bytes()[t0.file_offset:t0.file_offset + t0.nbytes] == truth[name]
+    if spec.arch == "qwen2-moe":
+        assert cat.layout.shared_experts_per_layer == 1
+
+
+def _ckpt(tmp_path: Path, **kw: object) -> Path:
+    return make_checkpoint(tmp_path / "m", CheckpointSpec("qwen3-moe", layers=2, experts=3, **kw))
+
+
+def _edit_index(root: Path, fn) -> None:
+    p = root / "model.safetensors.index.json"
+    idx = json.loads(p.read_text())
+    fn(idx["weight_map"])
+    p.write_text(json.dumps(idx))
+
+
+def test_refusals_name_file_and_tensor(tmp_path: Path) -> None:
+    root = _ckpt(tmp_path)
+    shard = sorted(root.glob("*.safetensors"))[0]
+
+    broken = tmp_path / "truncated"
+    shutil.copytree(root, broken)
+    (broken / shard.name).write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*past the end"):
+        build_catalog(broken)
+
+    bad_header = tmp_path / "header"
+    shutil.copytree(root, bad_header)
+    raw = bytearray(shard.read_bytes())
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    raw[:8] = struct.pack("<Q", hlen + 10**9)
+    (bad_header / shard.name).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="header length"):
+        build_catalog(bad_header)
+
+    missing = tmp_path / "missing"
+    shutil.copytree(root, missing)
+    _edit_index(missing, lambda wm: wm.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"l1-e2 lacks tensor .*up_proj"):
+        build_catalog(missing)
+
+    absent = tmp_path / "absent"
+    shutil.copytree(root, absent)
+    _edit_index(absent, lambda wm: wm.__setitem__("extra.weight",
+                                                  "model-00009-of-00009.safetensors"))
+    with pytest.raises(CheckpointError, match="absent shard"):
+        build_catalog(absent)
+
+    dup = tmp_path / "dup"
+    shutil.copytree(root, dup)
+    text = (dup / "model.safetensors.index.json").read_text()
+    (dup / "model.safetensors.index.json").write_text(
+        text.replace('"weight_map": {', '"weight_map": {"model.embed_tokens.weight": "x",', 1))
+    with pytest.raises(CheckpointError, match=r"duplicated key 'model\.embed_tokens\.weight'"):
+        build_catalog(dup)
+
+    wrong_shape = tmp_path / "shape"
+    shutil.copytree(root, wrong_shape)
+    cfg = json.loads((wrong_shape / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 64
+    (wrong_shape / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"gate_proj.weight' has shape .*config implies"):
+        build_catalog(wrong_shape)
+
+    unknown = tmp_path / "unknown"
+    shutil.copytree(root, unknown)
+    (unknown / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(LayoutError, match="unrecognised model_type 'bert'"):
+        build_catalog(unknown)
+
+
+def test_fp8_config_with_bf16_weights_is_refused(tmp_path: Path) -> None:
+    root = make_checkpoint(tmp_path / "ds", CheckpointSpec("deepseek-v3", layers=2, experts=2))
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8"}
+    (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="is BF16, config says fp8"):
+        build_catalog(root)
+
+
+def _deepseek_v3_index(root: Path) -> Path:
+    root.mkdir(parents=True)
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3,
+           "moe_layer_freq": 1, "n_routed_experts": 256, "n_shared_experts": 1,
+           "hidden_size": 7168, "moe_intermediate_size": 2048, "num_experts_per_tok": 8,
+           "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    (root / "config.json").write_text(json.dumps(cfg))
+    wm = {}
+    for layer in range(3, 61):
+        for e in range(256):
+            for role in ("gate_proj", "up_proj", "down_proj"):
+                for suffix in ("weight", "weight_scale_inv"):
+                    wm[f"model.layers.{layer}.mlp.experts.{e}.{role}.{suffix}"] = \
+                        f"model-{layer:05d}-of-00163.safetensors"
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return root
+
+
+def test_inspect_deepseek_v3_index_only_fast_and_small(tmp_path: Path) -> None:
+    root = _deepseek_v3_index(tmp_path / "dsv3")
+    t0 = time.perf_counter()
+    cat = build_catalog(root, require_shards=False)
+    elapsed = time.perf_counter() - t0
+    assert len(cat.experts) == 58 * 256
+    assert elapsed < 2.0, f"catalog took {elapsed:.2f} s"
+    code = ("import resource, sys; from dpu_agent.weights.catalog import build_catalog; "
+            f"c = build_catalog({str(root)!r}, require_shards=False); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    rss_kb = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                check=True).stdout)
+    assert rss_kb < 300 * 1024, f"{rss_kb / 1024:.0f} MB resident"
+    out = subprocess.run([sys.executable, "-m", "dpu_agent.cli", "inspect", str(root), "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    info = json.loads(out)
+    assert info["architecture"] == "deepseek_v3"
+    assert info["moe_layers"] == list(range(3, 61))
+    assert info["experts_per_layer"] == 256 and info["shared_experts_per_layer"] == 1
+    # 3 x 7168 x 2048 FP8 bytes + 3 F32 scale tensors of 16 x 56 (3584 B, already aligned).
+    assert info["expert_bytes"] == 3 * 7168 * 2048 + 3 * 3584
+    assert info["total_expert_bytes"] == info["expert_bytes"] * 58 * 256
+
+
+def test_inspect_refuses_non_checkpoint(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "dpu_agent.cli", "inspect", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "config.json: missing" in res.stderr
