@@ -84,6 +84,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from dpu_agent.weights.ingest import ingest, write_manifest
+
+    if args.chunk_bytes <= 0 or args.chunk_bytes % 16:
+        raise ConfigError([f"--chunk-bytes: {args.chunk_bytes} is not a positive multiple of 16"])
+    cat = build_catalog(args.dir)
+    manifest = ingest(cat, args.chunk_bytes, show_progress=sys.stderr.isatty())
+    write_manifest(manifest, Path(args.out))
+    gb = cat.total_expert_bytes / 1e9
+    print(f"ingested {len(cat.experts)} experts, {gb:.3f} GB in {manifest['seconds']:.2f} s "
+          f"({gb / max(manifest['seconds'], 1e-9):.2f} GB/s) -> {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpu-agent", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
@@ -100,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("ingest", help="checksum every expert and write the manifests")
+    p.add_argument("dir")
+    p.add_argument("--out", required=True, help="manifest JSON to write (atomically)")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    p.set_defaults(fn=cmd_ingest)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -155,3 +155,21 @@ def test_expired_lease_reclaims_session(agent: AgentProcess, qwen_ckpt: Path) ->
     else:
         pytest.fail("session not reclaimed after its lease")
     c.close()
+
+
+def test_report_routing_validates(client: AgentClient, qwen_ckpt: Path) -> None:
+    client.load_model(str(qwen_ckpt), "qwen-routing")
+    client.report_routing("qwen-routing", [(0, {1: 3, 2: 1}), (1, {5: 4})])
+    for model, steps, code in [
+        ("qwen-routing", [(9, {1: 1})], grpc.StatusCode.INVALID_ARGUMENT),
+        ("qwen-routing", [(0, {6: 1})], grpc.StatusCode.INVALID_ARGUMENT),
+        ("nope", [(0, {1: 1})], grpc.StatusCode.NOT_FOUND),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            client.report_routing(model, steps)
+        assert err.value.code() == code, err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.ReportRouting(pb.ReportRoutingRequest(
+            session_id=client.session_id, model="qwen-routing",
+            steps=[pb.RoutingStep(layer=0, experts=[1, 2], tokens=[1])]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

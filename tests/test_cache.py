@@ -1,0 +1,113 @@
+"""Arena allocator under churn, and the weight cache under concurrent hits, misses and
+evictions: bytes served always equal the checkpoint's."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpu_agent.weights.arena import ARENA_ALIGN, Arena
+from dpu_agent.weights.cache import CacheFullError, WeightCache
+from dpu_agent.weights.catalog import build_catalog
+from dpu_agent.weights.policies import POLICIES
+from gpu_kernels.checksum import blob_checksums
+from host_client.checkpoints import CheckpointSpec, make_checkpoint
+
+
+def test_allocator_survives_churn_and_coalesces() -> None:
+    arena = Arena(64 << 20)
+    rng = random.Random(5)
+    live: dict[int, int] = {}
+    try:
+        for _ in range(4000):
+            if live and (rng.random() < 0.5 or arena.free_bytes < 4 << 20):
+                off = rng.choice(list(live))
+                arena.free(off)
+                del live[off]
+            else:
+                n = rng.choice([300_000, 1_100_000, 2_500_000, 4_000_000])
+                off = arena.alloc(n)
+                if off is not None:
+                    assert off % ARENA_ALIGN == 0
+                    for o, m in live.items():
+                        assert off + n <= o or o + m <= off, "overlap"
+                    live[off] = n
+        assert 0.0 <= arena.fragmentation < 1.0
+        for off in list(live):
+            arena.free(off)
+        assert arena.used_bytes == 0 and arena.fragmentation == 0.0
+        assert arena.alloc(arena.size) == 0, "free space must coalesce back into one block"
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_concurrent_hits_misses_evictions_serve_true_bytes(tmp_path: Path, policy: str) -> None:
+    root = make_checkpoint(tmp_path / "m", CheckpointSpec("mixtral", layers=2, experts=8,
+                                                          hidden=256, intermediate=128))
+    cat = build_catalog(root)
+    entries = list(cat.experts.values())
+    truth = {}
+    for e in entries:
+        blob = np.zeros(e.blob_bytes, np.uint8)
+        for t in e.tensors:
+            blob[t.offset:t.offset + t.nbytes] = np.frombuffer(
+                t.file.read_bytes()[t.file_offset:t.file_offset + t.nbytes], np.uint8)
+        truth[e.key] = blob
+    arena = Arena(6 * cat.expert_bytes)  # 6 of 16 experts fit: constant eviction
+    cache = WeightCache(arena, 64 << 10, POLICIES[policy]())
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(150):
+            e = rng.choice(entries)
+            try:
+                c = cache.acquire(e)
+            except CacheFullError:
+                continue
+            got = arena.view(c.offset, e.blob_bytes)
+            if not np.array_equal(got, truth[e.key]):
+                errors.append(f"{e.key}: wrong bytes")
+            if c.checksums != blob_checksums(truth[e.key], 64 << 10):
+                errors.append(f"{e.key}: wrong checksums")
+            cache.release(e.key)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors, errors[:5]
+        assert cache.stats.evictions > 0 and cache.stats.hits > 0
+        assert cache.pinned() == 0
+    finally:
+        arena.close()
+
+
+def test_ingest_writes_manifest(tmp_path: Path) -> None:
+    root = make_checkpoint(tmp_path / "q", CheckpointSpec("qwen3-moe", layers=1, experts=3))
+    out = tmp_path / "manifest.json"
+    res = subprocess.run([sys.executable, "-m", "dpu_agent.cli", "ingest", str(root), "--out",
+                          str(out), "--chunk-bytes", "65536"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    manifest = json.loads(out.read_text())
+    assert set(manifest["experts"]) == {f"q/l0-e{e}" for e in range(3)}
+    cat = build_catalog(root)
+    entry = cat.experts[next(iter(cat.experts))]
+    blob = np.zeros(entry.blob_bytes, np.uint8)
+    for t in entry.tensors:
+        blob[t.offset:t.offset + t.nbytes] = np.frombuffer(
+            t.file.read_bytes()[t.file_offset:t.file_offset + t.nbytes], np.uint8)
+    assert manifest["experts"][str(entry.key)]["chunk_checksums"] == blob_checksums(blob, 65536)
+    bad = subprocess.run([sys.executable, "-m", "dpu_agent.cli", "ingest", str(root), "--out",
+                          str(out), "--chunk-bytes", "10"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--chunk-bytes" in bad.stderr
