@@ -37,6 +37,40 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    # Offline planning runs the agent's planner in-process: the one place this CLI reaches
+    # into dpu_agent (the library in host_client never does).
+    import json
+
+    import numpy as np
+
+    from dpu_agent.planning.placement import PlacementError, plan
+
+    try:
+        load = np.load(args.load, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--load {args.load}: not a .npy array ({exc})") from exc
+    current = None
+    if args.current:
+        try:
+            current = json.loads(open(args.current).read())
+            current = current.get("assignment", current) if isinstance(current, dict) \
+                else current
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--current {args.current}: not a placement JSON ({exc})") from exc
+    try:
+        p = plan(load, args.gpus, replicas=args.replicas, current=current,
+                 expert_bytes=args.expert_bytes)
+    except PlacementError as exc:
+        raise ValueError(f"plan: {exc}") from exc
+    if args.json:
+        print(json.dumps(p.to_json()))
+    else:
+        print(f"max_load_ratio {p.max_load_ratio:.4f}  copies moved {p.copies_moved}  "
+              f"bytes moved {p.bytes_moved}")
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -62,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("plan", help="plan a placement from a [layers, experts] load array")
+    p.add_argument("--load", required=True, help=".npy file, shape [layers, experts]")
+    p.add_argument("--gpus", required=True, type=_positive)
+    p.add_argument("--replicas", type=int, default=0)
+    p.add_argument("--current", help="JSON placement in force ([layers][experts] -> GPUs)")
+    p.add_argument("--expert-bytes", type=_positive, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
