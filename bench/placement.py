@@ -88,8 +88,9 @@ def main() -> int:
             print(f"{gpus:3d} GPUs +{replicas:3d} replicas: ratio {r['max_load_ratio']:.4f} "
                   f"(LPT {r['lpt_max_load_ratio']:.4f}, x{r['balance_vs_lpt']:.4f})  moved "
                   f"{r['bytes_moved'] / 1e9:7.1f} GB vs scratch "
-                  f"{r['scratch_bytes_moved'] / 1e9:7.1f} ({r['moved_vs_scratch']:.2f})  plan {r['plan_ms']:.0f} ms  rebalance "
-                  f"{r['rebalance_ms']:.0f} ms", file=sys.stderr)
+                  f"{r['scratch_bytes_moved'] / 1e9:7.1f} ({r['moved_vs_scratch']:.2f})  "
+                  f"plan {r['plan_ms']:.0f} ms  rebalance {r['rebalance_ms']:.0f} ms",
+                  file=sys.stderr)
     data = envelope("placement", {"cases": rows}, windows=len(loads),
                     command="python bench/placement.py " + " ".join(sys.argv[1:]))
     path = write("placement", data)
