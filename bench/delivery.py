@@ -2,8 +2,9 @@
 in the same run.
 
 Per expert shape (Qwen3-30B-A3B BF16, 9.4 MB; DeepSeek-V3 FP8, 44 MB; and a small one):
-- ``agent_kernel_pull``: the agent posts chunk descriptors, the persistent receive kernel pulls
-  from the registered arena and verifies checksums, the completion reaches the client. Experts
+- ``agent_delivery``: the agent posts chunk descriptors; the device's mechanism (the persistent
+  receive kernel pulling from the registered arena, or the copy engine driven by a host thread;
+  ``--mechanisms``) moves and verifies the chunks; the completion reaches the client. Experts
   are resident in the arena (second pass) and absent from the GPU (the pool holds half of them).
 - ``copy_engine_arena``: cudaMemcpyAsync from the registered arena, same bytes (no rings).
 - ``pinned_h2d``: cudaMemcpyAsync from pinned host memory (the reference rate).
@@ -142,7 +143,7 @@ def copy_engine_from_arena(device: object, arena_region: int, nbytes: int,
 
 
 def run_shape(name: str, device_kind: str, experts: int, repeats: int,
-              workdir: Path, chunk_bytes: int) -> dict[str, object]:
+              workdir: Path, chunk_bytes: int, mechanism: str = "auto") -> dict[str, object]:
     arch, hidden, inter, dtype = SHAPES[name]
     root = make_checkpoint(workdir / name, CheckpointSpec(
         arch, layers=1, experts=experts, hidden=hidden, intermediate=inter, dtype=dtype,
@@ -157,7 +158,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             if gpu:
                 from host_client.cuda_device import CudaDevice
 
-                device = CudaDevice(0)
+                device = CudaDevice(0, mechanism=mechanism)
             else:
                 device = CpuReferenceDevice()
             half = experts // 2
@@ -207,13 +208,15 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "expert_bytes": model.expert_bytes,
                 "chunk_bytes": chunk_bytes,
                 "experts_per_batch": half,
-                "agent_kernel_pull_gbps": median(bw),
-                "agent_kernel_pull_gbps_all": bw,
+                "agent_delivery_gbps": median(bw),
+                "agent_delivery_gbps_all": bw,
                 "acquire_to_ready_p50_ms": median(lat) * 1e3,
                 "acquire_to_ready_p99_ms": pct(lat, 99) * 1e3,
                 "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
                 "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
             }
+            result["mechanism"] = getattr(device, "mechanism", "cpu-reference")
+            result["mechanism_probe"] = getattr(device, "probe", {})
             if gpu:
                 result["copy_engine_arena_gbps"] = copy_engine_from_arena(
                     device, client.arena.region_id, half * model.expert_bytes, repeats)
@@ -234,21 +237,24 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES))
+    ap.add_argument("--mechanisms", nargs="+", default=["auto"],
+                    choices=["auto", "kernel", "copy_engine"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     shapes = args.shapes or (["small-2.4MB"] if args.quick else list(SHAPES))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-delivery-") as tmp:
         for name in shapes:
-            results[name] = run_shape(name, args.device, args.experts, args.repeats, Path(tmp),
-                                      args.chunk_bytes)
-            r = results[name]
-            print(f"{name:<22} pull {r['agent_kernel_pull_gbps']:6.2f} GB/s  "
-                  f"pinned {r.get('pinned_h2d_gbps', float('nan')):6.2f}  "
-                  f"pageable {r['pageable_h2d_gbps']:6.2f}  http {r['http_staged_gbps']:6.2f}  "
-                  f"p50 {r['acquire_to_ready_p50_ms']:7.3f} ms  "
-                  f"cpu client {r['client_cpu_s_per_gb']:.4f} agent {r['agent_cpu_s_per_gb']:.4f}"
-                  " s/GB", file=sys.stderr)
+            for mech in args.mechanisms:
+                key = name if mech == "auto" else f"{name}/{mech}"
+                r = results[key] = run_shape(name, args.device, args.experts, args.repeats,
+                                             Path(tmp), args.chunk_bytes, mech)
+                print(f"{key:<32} {r['mechanism']:<12} {r['agent_delivery_gbps']:6.2f} GB/s "
+                      f"pinned {r.get('pinned_h2d_gbps', float('nan')):6.2f}  "
+                      f"pageable {r['pageable_h2d_gbps']:6.2f}  http "
+                      f"{r['http_staged_gbps']:6.2f}  p50 {r['acquire_to_ready_p50_ms']:7.3f} ms"
+                      f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
+                      f"{r['agent_cpu_s_per_gb']:.4f} s/GB", file=sys.stderr)
     data = envelope("delivery", results, device=args.device,
                     command=" ".join(["python", "bench/delivery.py", *sys.argv[1:]]),
                     repeats=args.repeats)

@@ -40,6 +40,7 @@ class AgentConfig:
     arena_bytes: int = 1 * 2**30
     cache_policy: str = "lru"
     chunk_bytes: int = 1 * 2**20
+    transfer_timeout_seconds: int = 30
     default_lease_seconds: int = 10
     max_lease_seconds: int = 300
     metrics_address: str = ""
@@ -78,6 +79,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("arena", "bytes"): ("arena_bytes", _size),
     ("cache", "policy"): ("cache_policy", _str),
     ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
+    ("transfer", "timeout_seconds"): ("transfer_timeout_seconds", _int),
     ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
     ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
     ("metrics", "listen_address"): ("metrics_address", _str),
@@ -99,6 +101,8 @@ def _check(cfg: AgentConfig) -> list[str]:
     if cfg.chunk_bytes <= 0 or cfg.chunk_bytes % 16 or cfg.chunk_bytes > 2**31:
         problems.append(f"transfer.chunk_bytes: {cfg.chunk_bytes} must be a positive multiple "
                         "of 16 below 2 GiB")
+    if cfg.transfer_timeout_seconds <= 0:
+        problems.append("transfer.timeout_seconds: must be positive")
     if cfg.arena_bytes < max(cfg.chunk_bytes, 2**20):
         problems.append(f"arena.bytes: {cfg.arena_bytes} is smaller than 1 MiB")
     if cfg.cache_policy not in POLICIES:

@@ -193,6 +193,9 @@ class Orchestrator:
                 raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
                                  f"session holds the maximum of {abi.MAX_REGIONS} regions")
             if kind == pb.REGION_KIND_SLOT_POOL:
+                if req.cuda_ipc_handle and len(req.cuda_ipc_handle) != 64:
+                    raise invalid(f"cuda_ipc_handle must be 64 bytes (cudaIpcMemHandle_t), got "
+                                  f"{len(req.cuda_ipc_handle)}")
                 if req.slot_bytes == 0 or req.slot_bytes % 256 or req.slot_count == 0:
                     raise invalid(f"slot pool needs slot_bytes a positive multiple of 256 and "
                                   f"slot_count > 0 (got {req.slot_bytes}, {req.slot_count})")
@@ -200,7 +203,8 @@ class Orchestrator:
                     raise invalid(f"slot pool of {req.slot_count} x {req.slot_bytes} bytes does "
                                   f"not fit in size_bytes {req.size_bytes}")
                 rid = session.next_region_id
-                dev.pools[rid] = SlotPool(rid, req.slot_bytes, req.slot_count)
+                dev.pools[rid] = SlotPool(rid, req.slot_bytes, req.slot_count,
+                                          ipc_handle=bytes(req.cuda_ipc_handle))
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
                 if not req.shm_name:
                     raise invalid("a ring region needs shm_name (its export handle)")
@@ -232,6 +236,20 @@ class Orchestrator:
                         else:
                             dev.completion_shm = ""
                         raise invalid(f"cannot open device {dev.device_id} rings: {exc}") from exc
+                rid = session.next_region_id
+            elif kind in (pb.REGION_KIND_RX_RING, pb.REGION_KIND_TX_RING):
+                ring_kind = (abi.RingKind.RX_PACKET if kind == pb.REGION_KIND_RX_RING
+                             else abi.RingKind.TX_PACKET)
+                if kind in dev.regions.values():
+                    raise AgentError(ErrorKind.ALREADY_EXISTS,
+                                     f"device {dev.device_id} already has its "
+                                     f"{ring_kind.name.lower()} ring")
+                try:
+                    check_ring(req.shm_name, ring_kind)
+                except (SharedBufferError, RingError) as exc:
+                    raise invalid(f"{ring_kind.name.lower()} ring {req.shm_name!r}: {exc}"
+                                  ) from exc
+                dev.packet_rings[ring_kind] = req.shm_name
                 rid = session.next_region_id
             else:
                 raise invalid(f"region kind {kind} is not supported by this agent")
@@ -390,9 +408,21 @@ class Orchestrator:
         return [d.queue for s in sessions for d in list(s.devices.values())
                 if d.queue is not None]
 
+    def _cancel_stuck(self) -> None:
+        limit = self.config.transfer_timeout_seconds
+        now = time.monotonic()
+        stuck = self.tracker.cancel(lambda t: now - t.started > limit)
+        for t in stuck:
+            log.error("transfer %d cancelled: no completion within %d s (device consumer "
+                      "stuck or gone)", t.transfer_id, limit)
+
     def _poll_loop(self) -> None:
+        last_sweep = time.monotonic()
         while not self._stop.is_set():
             self.poller_heartbeat = time.monotonic()
+            if self.poller_heartbeat - last_sweep > 0.5:
+                last_sweep = self.poller_heartbeat
+                self._cancel_stuck()
             busy = False
             for q in self._queues():
                 try:

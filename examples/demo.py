@@ -98,7 +98,8 @@ def main() -> int:
                     client.release(dev, slot.key)
             finally:
                 client.close()
-    print(f"device      {device.name} ({'CUDA' if device.xp is not np else 'CPU reference'})")
+    kind = f"CUDA, {device.mechanism}" if device.xp is not np else "CPU reference"
+    print(f"device      {device.name} ({kind})")
     print(f"model       {model.architecture}, {len(model.moe_layers)} MoE layers x "
           f"{model.experts_per_layer} experts, {model.expert_bytes / 2**20:.2f} MiB/expert")
     print(f"verified    {len(slots) - bad}/{len(slots)} experts byte for byte")

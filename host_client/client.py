@@ -17,7 +17,9 @@ another keeps the session's lease alive.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,6 +30,10 @@ from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
 from host_client.devices import Device
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
+
+PACKET_RING_CAPACITY = 256
+PACKET_ENTRY_BYTES = 64 + 4096
+"""Packet rings (rx / tx, the activation path): 256 entries of a 64-byte header + 4 KiB."""
 
 
 class AgentUnavailable(ConnectionError):
@@ -46,23 +52,36 @@ class AttachedDevice:
     device: Device
     work: SharedRing
     completion: SharedRing
+    rx: SharedRing
+    tx: SharedRing
     pools: dict[int, SlotPoolSpec] = field(default_factory=dict)
 
 
 class AcquireHandle:
     """A pending (or already satisfied) acquire; :meth:`wait` returns the :class:`ExpertSlot`."""
 
-    def __init__(self, key: ExpertKey, future: Future[ExpertSlot]) -> None:
+    def __init__(self, key: ExpertKey, future: Future[ExpertSlot], device: Device) -> None:
         self.key = key
         self._future = future
+        self._device = device
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = 30.0) -> ExpertSlot:
-        """Block until the bytes are verified in the slot; TransferFailed or AgentUnavailable
-        otherwise, TimeoutError after ``timeout`` seconds."""
-        return self._future.result(timeout)
+        """Block until the bytes are verified in the slot. Raises TransferFailed (an error
+        status), AgentUnavailable (the agent went away), DeviceFault (the device's consumer
+        faulted or stopped: checked while waiting, so a dead kernel is an error, not a hang),
+        or TimeoutError after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+            try:
+                return self._future.result(step)
+            except FutureTimeout:
+                self._device.check()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self.key} not ready after {timeout} s") from None
 
 
 class AgentClient:
@@ -124,20 +143,28 @@ class AgentClient:
             name=device.name, memory_bytes=device.memory_bytes), timeout=self.rpc_timeout)
         work = SharedRing(abi.RingKind.WORK, ring_capacity)
         completion = SharedRing(abi.RingKind.COMPLETION, ring_capacity)
-        attached = AttachedDevice(resp.device_id, device, work, completion)
+        rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
+        tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
+        attached = AttachedDevice(resp.device_id, device, work, completion, rx, tx)
         device.attach(self.arena.shm_name, self.arena.size_bytes, self.arena.region_id,
                       work.ring, completion.ring)
         for spec in pools:
+            nbytes = spec.slot_bytes * spec.slot_count
+            memory = device.allocate(nbytes)
             rid = self.stub.RegisterRegion(pb.RegisterRegionRequest(
                 session_id=self.session_id, device_id=resp.device_id,
-                kind=pb.REGION_KIND_SLOT_POOL, size_bytes=spec.slot_bytes * spec.slot_count,
-                slot_bytes=spec.slot_bytes, slot_count=spec.slot_count),
+                kind=pb.REGION_KIND_SLOT_POOL, size_bytes=nbytes,
+                slot_bytes=spec.slot_bytes, slot_count=spec.slot_count,
+                cuda_ipc_handle=device.export_handle(memory)),
                 timeout=self.rpc_timeout).region_id
-            device.add_slot_pool(rid, spec.slot_bytes * spec.slot_count)
+            device.bind(rid, memory)
             attached.pools[rid] = spec
         device.start()
+        for ring in (rx, tx):
+            device.register_host_ring(ring.buffer.array)
         for ring, kind in ((work, pb.REGION_KIND_WORK_RING),
-                           (completion, pb.REGION_KIND_COMPLETION_RING)):
+                           (completion, pb.REGION_KIND_COMPLETION_RING),
+                           (rx, pb.REGION_KIND_RX_RING), (tx, pb.REGION_KIND_TX_RING)):
             self.stub.RegisterRegion(pb.RegisterRegionRequest(
                 session_id=self.session_id, device_id=resp.device_id, kind=kind,
                 size_bytes=ring.size, shm_name=ring.name), timeout=self.rpc_timeout)
@@ -162,7 +189,7 @@ class AgentClient:
                     self._pending[resp.transfer_id] = (fut, slot)
             if early is not None:
                 self._resolve(fut, slot, early)
-        return AcquireHandle(slot.key, fut)
+        return AcquireHandle(slot.key, fut, dev.device)
 
     def acquire(self, dev: AttachedDevice, key: ExpertKey) -> AcquireHandle:
         """Ask for ``key`` on ``dev``; the handle resolves when its bytes are verified there."""
@@ -246,8 +273,8 @@ class AgentClient:
         for dev in self.devices.values():
             dev.device.stop()
             dev.device.close()
-            dev.work.close()
-            dev.completion.close()
+            for ring in (dev.work, dev.completion, dev.rx, dev.tx):
+                ring.close()
         self._fail_all(AgentUnavailable("client closed"))
         self.channel.close()
 

@@ -3,6 +3,7 @@ consuming the agent's work ring from registered host memory."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -10,10 +11,13 @@ import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, launch
+from gpu_kernels.reference import check_descriptor
 from gpu_kernels.shm import SharedBuffer
 from host_client.devices import RW, Device, DeviceFault
 
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
+MECHANISMS = ("kernel", "copy_engine", "auto")
+PROBE_BYTES = 64 << 20
 
 
 def device_pointer(host_address: int) -> int:
@@ -25,16 +29,33 @@ class CudaDevice(Device):
     """One GPU. Host regions (arena, rings) are registered mapped, so the kernel reads them in
     place (``canUseHostPointerForRegisteredMem``); slot pools are ``cudaMalloc`` memory.
 
+    Two delivery mechanisms consume the same work ring:
+
+    - ``kernel``: the persistent receive kernel pulls each chunk from the registered arena with
+      16-byte loads and verifies it (the GPUNetIO shape; no host CPU per byte or descriptor).
+    - ``copy_engine``: a host thread takes descriptors, checks them against the region table,
+      issues ``cudaMemcpyAsync`` per chunk, verifies with the checksum kernel and publishes the
+      completions (host CPU per descriptor, none per byte).
+    - ``auto``: at start, time both reading the arena (``PROBE_BYTES``) and take the faster;
+      ``mechanism`` and ``probe`` say which and why.
+
     Args:
         ordinal: CUDA device ordinal.
         blocks: persistent blocks (default: one per multiprocessor).
         threads: threads per block.
+        mechanism: one of ``MECHANISMS``.
     """
 
     kind = pb.DEVICE_KIND_CUDA
 
-    def __init__(self, ordinal: int = 0, blocks: int | None = None, threads: int = 512) -> None:
+    def __init__(self, ordinal: int = 0, blocks: int | None = None, threads: int = 512,
+                 mechanism: str = "auto") -> None:
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
         super().__init__(ordinal)
+        self.mechanism = mechanism
+        self.probe: dict[str, float] = {}
+        self._copier: threading.Thread | None = None
         self._launch = launch
         self.cp = launch.cp
         self.xp = self.cp
@@ -70,11 +91,25 @@ class CudaDevice(Device):
     def _map_arena(self, arena: SharedBuffer, region_id: int) -> int:
         return self._register_host(arena.address, arena.size)
 
-    def add_slot_pool(self, region_id: int, nbytes: int) -> None:
+    def allocate(self, nbytes: int) -> Any:
         with self.dev:
-            mem = self.cp.zeros(nbytes, dtype=self.cp.uint8)
-        self._pools[region_id] = mem
-        self._set_region(region_id, int(mem.data.ptr), nbytes, RW)
+            # Its own cudaMalloc, not a pool sub-allocation, so a CUDA IPC handle covers it.
+            mem = self.cp.cuda.memory.Memory(nbytes)
+            arr = self.cp.ndarray(nbytes, self.cp.uint8,
+                                  self.cp.cuda.MemoryPointer(mem, 0))
+            arr.fill(0)
+            return arr
+
+    def bind(self, region_id: int, memory: Any) -> None:
+        self._pools[region_id] = memory
+        self._set_region(region_id, int(memory.data.ptr), int(memory.size), RW)
+
+    def export_handle(self, memory: Any) -> bytes:
+        with self.dev:
+            return bytes(self.cp.cuda.runtime.ipcGetMemHandle(int(memory.data.ptr)))
+
+    def register_host_ring(self, buffer: np.ndarray) -> int:
+        return self._register_host(int(buffer.ctypes.data), int(buffer.size))
 
     def region_bytes(self, region_id: int, offset: int, nbytes: int) -> Any:
         return self._pools[region_id][offset : offset + nbytes]
@@ -114,6 +149,14 @@ class CudaDevice(Device):
 
     def start(self) -> None:
         self.warm_up()
+        if self.mechanism == "auto":
+            self.mechanism = self._choose_mechanism()
+        if self.mechanism == "copy_engine":
+            self._copier = threading.Thread(target=self._copy_engine_loop, daemon=True,
+                                            name=f"copy-engine-{self.ordinal}")
+            self._running = True
+            self._copier.start()
+            return
         wh, we, ch, ce = self._ring_pointers()
         with self.dev:
             self._state.fill(0)
@@ -125,8 +168,89 @@ class CudaDevice(Device):
             self._done_event.record(self.stream)
         self._running = True
 
+    def _arena_region(self) -> int:
+        readable_only = np.flatnonzero((self.regions["size"] > 0)
+                                       & (self.regions["flags"] == abi.RegionFlags.READABLE))
+        return int(readable_only[0])
+
+    def _choose_mechanism(self) -> str:
+        """Time a kernel read and a copy-engine read of the arena; the faster wins."""
+        cp = self.cp
+        arena = self.regions[self._arena_region()]
+        n = min(PROBE_BYTES, int(arena["size"])) // 16 * 16
+        src = int(arena["base"])
+        with self.dev:
+            scratch = cp.empty(n, cp.uint8)
+            out = cp.zeros(1, cp.uint32)
+            checksum = self._launch.kernel("moe_ops", "dpu_checksum", self.ordinal)
+
+            def kernel_read() -> None:
+                checksum((self.blocks * 4,), (256,), (np.uint64(src), np.uint64(n // 16),
+                                                      np.uint64(0), out), stream=self.stream)
+
+            def copy_read() -> None:
+                cp.cuda.runtime.memcpyAsync(scratch.data.ptr, src, n, 4, self.stream.ptr)
+
+            for name, fn in (("kernel", kernel_read), ("copy_engine", copy_read)):
+                fn()
+                self.stream.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    fn()
+                self.stream.synchronize()
+                self.probe[f"{name}_gbps"] = 3 * n / (time.perf_counter() - t0) / 1e9
+        return max(("kernel", "copy_engine"), key=lambda m: self.probe[f"{m}_gbps"])
+
+    def _copy_engine_loop(self) -> None:
+        assert self.work is not None and self.completion is not None
+        cp = self.cp
+        checksum = self._launch.kernel("moe_ops", "dpu_checksum", self.ordinal)
+        idle = 0
+        with self.dev:
+            sums = cp.zeros(self.work.capacity, cp.uint32)
+            while not self.work.exit_requested:
+                batch = self.work.pop_many(min(self.work.capacity,
+                                               max(1, self.completion.free_entries())))
+                if batch.size == 0:
+                    idle += 1
+                    time.sleep(0 if idle < 100 else 0.0002)
+                    continue
+                idle = 0
+                status = np.array([check_descriptor(d, self.regions) for d in batch], np.uint32)
+                copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
+                verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
+                sums[:batch.size].fill(0)
+                for i in np.flatnonzero(copy).tolist():
+                    d = batch[i]
+                    dst = int(self.regions[int(d["dst_region"])]["base"]) + int(d["dst_offset"])
+                    src = int(self.regions[int(d["src_region"])]["base"]) + int(d["src_offset"])
+                    cp.cuda.runtime.memcpyAsync(dst, src, int(d["length"]), 4, self.stream.ptr)
+                    if verify[i]:
+                        n16 = int(d["length"]) // 16
+                        checksum((max(1, min(n16 // 256, self.blocks * 4)),), (256,),
+                                 (np.uint64(dst), np.uint64(n16), np.uint64(int(d["position"])),
+                                  np.uint64(sums.data.ptr + 4 * i)), stream=self.stream)
+                self.stream.synchronize()
+                got = sums[:batch.size].get() ^ (batch["length"] // 4).astype(np.uint32)
+                status[verify & (got != batch["checksum"])] = abi.Status.CHECKSUM_MISMATCH
+                out = np.zeros(batch.size, abi.COMPLETION_DTYPE)
+                out["transfer_id"] = batch["transfer_id"]
+                out["chunk_index"] = batch["chunk_index"]
+                out["status"] = status
+                out["nbytes"] = np.where(copy, batch["length"], 0)
+                sent = 0
+                while sent < out.size:
+                    sent += self.completion.push_many(out[sent:])
+                if np.any((batch["opcode"] == abi.Opcode.EXIT) & (status == 0)):
+                    self.work.request_exit()
+
     def check(self) -> None:
         super().check()
+        if self._copier is not None:
+            if self._running and not self._copier.is_alive() and not (
+                    self.work and self.work.exit_requested):
+                raise DeviceFault(f"{self.name}: copy-engine consumer stopped unasked")
+            return
         if self._done_event is not None and self._running:
             try:
                 if self._done_event.done:
@@ -140,6 +264,12 @@ class CudaDevice(Device):
         if not self._running or self.work is None:
             return
         self.work.request_exit()
+        if self._copier is not None:
+            self._copier.join(timeout)
+            if self._copier.is_alive():
+                raise DeviceFault(f"{self.name}: copy-engine consumer did not exit")
+            self._running = False
+            return
         deadline = time.monotonic() + timeout
         while not self._done_event.done:
             if time.monotonic() > deadline:

@@ -59,8 +59,25 @@ class Device(ABC):
         """Register the arena with this device; returns its base as the consumer sees it."""
 
     @abstractmethod
+    def allocate(self, nbytes: int) -> Any:
+        """``nbytes`` of zeroed device memory (``uint8`` array of this device's xp)."""
+
+    @abstractmethod
+    def bind(self, region_id: int, memory: Any) -> None:
+        """Make ``memory`` region ``region_id`` (readable and writable)."""
+
     def add_slot_pool(self, region_id: int, nbytes: int) -> None:
         """Allocate ``nbytes`` of device memory as region ``region_id``."""
+        self.bind(region_id, self.allocate(nbytes))
+
+    def export_handle(self, memory: Any) -> bytes:
+        """Handle another process can open ``memory`` with (CUDA IPC); empty where the memory
+        is private to this process (the CPU reference device)."""
+        return b""
+
+    def register_host_ring(self, buffer: np.ndarray) -> int:
+        """Make a host ring visible to this device's kernels; returns its device address."""
+        return int(buffer.ctypes.data)
 
     @abstractmethod
     def region_bytes(self, region_id: int, offset: int, nbytes: int) -> Any:
@@ -110,10 +127,12 @@ class CpuReferenceDevice(Device):
         self.memory[region_id] = arena.array
         return arena.address
 
-    def add_slot_pool(self, region_id: int, nbytes: int) -> None:
-        mem = np.zeros(nbytes, dtype=np.uint8)
-        self.memory[region_id] = mem
-        self._set_region(region_id, mem.ctypes.data, nbytes, RW)
+    def allocate(self, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes, dtype=np.uint8)
+
+    def bind(self, region_id: int, memory: np.ndarray) -> None:
+        self.memory[region_id] = memory
+        self._set_region(region_id, memory.ctypes.data, memory.size, RW)
 
     def region_bytes(self, region_id: int, offset: int, nbytes: int) -> np.ndarray:
         return self.memory[region_id][offset : offset + nbytes]
@@ -133,6 +152,12 @@ class CpuReferenceDevice(Device):
                 continue
             idle += 1
             time.sleep(0 if idle < 100 else 0.0002 if idle < 5000 else 0.002)
+
+    def check(self) -> None:
+        super().check()
+        if self._thread is not None and not self._thread.is_alive() and self.work is not None \
+                and not self.work.exit_requested:
+            raise DeviceFault("cpu-reference: receive thread died")
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._thread is None or self.work is None:

@@ -19,10 +19,11 @@ DST_REGION = 1
 
 
 def make_device(backend: str) -> Device:
-    if backend == "cuda":
+    if backend.startswith("cuda"):
         from host_client.cuda_device import CudaDevice
 
-        return CudaDevice(0, blocks=16, threads=256)
+        mechanism = "copy_engine" if backend == "cuda-copy" else "kernel"
+        return CudaDevice(0, blocks=16, threads=256, mechanism=mechanism)
     return CpuReferenceDevice()
 
 

@@ -173,3 +173,20 @@ def test_report_routing_validates(client: AgentClient, qwen_ckpt: Path) -> None:
             session_id=client.session_id, model="qwen-routing",
             steps=[pb.RoutingStep(layer=0, experts=[1, 2], tokens=[1])]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_stuck_consumer_is_an_error_not_a_hang(qwen_ckpt: Path) -> None:
+    from host_client import TransferFailed
+
+    with AgentProcess('[transfer]\ntimeout_seconds = 1\n') as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qwen-stuck")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        dev.device.stop()  # the consumer is gone; descriptors will never complete
+        handle = client.acquire(dev, ExpertKey("qwen-stuck", 0, 1))
+        with pytest.raises(TransferFailed, match="CANCELLED"):
+            handle.wait(10)
+        # The slot was freed: nothing is READY, and the pool can be used again.
+        st = client.status()
+        assert st.transfers_in_flight == 0
+        assert all(s.slots_ready == 0 for s in st.sessions)

@@ -10,7 +10,8 @@ from gpu_kernels import abi
 from gpu_kernels.checksum import chunk_checksum
 from tests.kernel_harness import GUARD, GUARD_BYTE, Harness
 
-BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
+            pytest.param("cuda-copy", marks=pytest.mark.gpu)]
 SRC = 1 << 20
 DST = 1 << 20
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class Transfer:
     """What the transfer serves (the agent's Device); cancellation selects by it."""
     first_id: int = 0
     """For a retry, the id of the transfer it replaces (what the client waits on)."""
+    started: float = field(default_factory=time.monotonic)
+    """When the descriptors were posted (monotonic seconds)."""
 
     @property
     def chunk_count(self) -> int:

@@ -30,6 +30,8 @@ class SlotPool:
     region_id: int
     slot_bytes: int
     slot_count: int
+    ipc_handle: bytes = b""
+    """CUDA IPC handle of the pool's device memory, for a process that must open it."""
     state: list[SlotState] = field(default_factory=list)
     keys: list[ExpertKey | None] = field(default_factory=list)
     refs: list[int] = field(default_factory=list)
@@ -88,6 +90,8 @@ class Device:
     pools: dict[int, SlotPool] = field(default_factory=dict)
     regions: dict[int, int] = field(default_factory=dict)
     """region id -> RegionKind of every region registered on this device."""
+    packet_rings: dict[int, str] = field(default_factory=dict)
+    """RingKind (RX_PACKET / TX_PACKET) -> export handle; the activation path's rings."""
 
 
 class EventSink:
