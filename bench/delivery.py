@@ -168,10 +168,10 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             keys = [ExpertKey("m", layer, e) for e in range(experts)]
 
             def cycle(batch: list[ExpertKey]) -> float:
-                """One Prefetch RPC for the batch (as a layer's experts are asked for), then
+                """One AcquireBatch RPC for the batch (as a layer's experts are asked for), then
                 wait for every slot; returns seconds."""
                 t0 = time.perf_counter()
-                handles = client.prefetch(dev, batch)
+                handles = client.acquire_batch(dev, batch)
                 for h in handles:
                     h.wait(120)
                 dt = time.perf_counter() - t0

@@ -41,6 +41,8 @@ class AgentConfig:
     cache_policy: str = "lru"
     chunk_bytes: int = 1 * 2**20
     transfer_timeout_seconds: int = 30
+    link_concurrency: int = 4
+    rebalance_interval_seconds: int = 0
     default_lease_seconds: int = 10
     max_lease_seconds: int = 300
     metrics_address: str = ""
@@ -80,6 +82,8 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("cache", "policy"): ("cache_policy", _str),
     ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
     ("transfer", "timeout_seconds"): ("transfer_timeout_seconds", _int),
+    ("transfer", "link_concurrency"): ("link_concurrency", _int),
+    ("placement", "rebalance_interval_seconds"): ("rebalance_interval_seconds", _int),
     ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
     ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
     ("metrics", "listen_address"): ("metrics_address", _str),
@@ -101,6 +105,10 @@ def _check(cfg: AgentConfig) -> list[str]:
     if cfg.chunk_bytes <= 0 or cfg.chunk_bytes % 16 or cfg.chunk_bytes > 2**31:
         problems.append(f"transfer.chunk_bytes: {cfg.chunk_bytes} must be a positive multiple "
                         "of 16 below 2 GiB")
+    if cfg.link_concurrency <= 0:
+        problems.append("transfer.link_concurrency: must be positive")
+    if cfg.rebalance_interval_seconds < 0:
+        problems.append("placement.rebalance_interval_seconds: must be >= 0 (0 = off)")
     if cfg.transfer_timeout_seconds <= 0:
         problems.append("transfer.timeout_seconds: must be positive")
     if cfg.arena_bytes < max(cfg.chunk_bytes, 2**20):

@@ -11,6 +11,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,9 @@ from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.transfers import Transfer, TransferPlan, TransferTracker
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
+from dpu_agent.planning.apply import PlacementExecutor
+from dpu_agent.planning.routing_stats import RoutingStats
+from dpu_agent.planning.scheduler import Priority, Scheduler
 from dpu_agent.service.registry import (
     ARENA_REGION_ID,
     Device,
@@ -75,6 +79,10 @@ class Orchestrator:
         self._poller = threading.Thread(target=self._poll_loop, name="completions", daemon=True)
         self.poller_heartbeat = time.monotonic()
         self.verify_failures = 0
+        self._waiters: dict[tuple[int, int, ExpertKey], list[Callable[[bool], None]]] = {}
+        self.scheduler = Scheduler(config.link_concurrency)
+        self.placements = PlacementExecutor(self)
+        self.routing = RoutingStats()
         self._poller.start()
 
     # -- models ----------------------------------------------------------------------------
@@ -151,6 +159,8 @@ class Orchestrator:
         if session is None:
             raise not_found(f"session {session_id!r} does not exist")
         devices = set(session.devices.values())
+        self.scheduler.cancel(lambda job: job.link[0] == session_id)
+        self.placements.forget_session(session_id)
         self.tracker.cancel(lambda t: t.owner in devices)
         for dev in devices:
             if dev.queue is not None:
@@ -274,39 +284,107 @@ class Orchestrator:
 
     # -- acquire / release -----------------------------------------------------------------
     def acquire(self, session: Session, device_id: int, key: ExpertKey) -> SlotGrant:
-        """Grant a slot holding ``key`` on the device, starting its delivery if needed."""
+        """Grant a slot holding ``key`` on the device (one reference), starting its delivery
+        if needed."""
+        dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs=1)
+        if not fresh:
+            return self._grant(pool, idx, entry, ())
+        transfer = self._deliver_fresh(session, dev, pool, idx, entry)
+        return self._grant(pool, idx, entry, transfer.plan.checksums)
+
+    def _reserve(self, session: Session, device_id: int, key: ExpertKey, refs: int
+                 ) -> tuple[Device, SlotPool, int, ExpertEntry, bool]:
+        """Find the slot holding ``key`` or allocate one (FILLING); adds ``refs`` references.
+        Returns (device, pool, slot, entry, whether a delivery must start)."""
         dev = self.device(session, device_id)
         if dev.queue is None:
             raise precondition(f"device {device_id} has no work and completion rings registered")
         entry = self.expert(key)
         with session.lock:
-            fitting = [p for p in dev.pools.values() if p.slot_bytes >= entry.blob_bytes]
+            fitting = sorted((p for p in dev.pools.values() if p.slot_bytes >= entry.blob_bytes),
+                             key=lambda p: p.slot_bytes)
             if not fitting:
                 raise precondition(f"no slot pool on device {device_id} holds {key} "
                                    f"({entry.blob_bytes} bytes)")
             for pool in fitting:
                 idx = pool.by_key.get(key)
                 if idx is not None:
-                    pool.refs[idx] += 1
-                    pool.idle.pop(idx, None)
-                    return self._grant(pool, idx, entry, ())
-            pool = min(fitting, key=lambda p: (p.slot_bytes, -p.state.count(SlotState.FREE)))
-            idx = None
-            for candidate in sorted(fitting, key=lambda p: p.slot_bytes):
-                idx = candidate.allocate(key)
+                    pool.refs[idx] += refs
+                    if pool.refs[idx]:
+                        pool.idle.pop(idx, None)
+                    return dev, pool, idx, entry, False
+            for pool in fitting:
+                idx = pool.allocate(key)
                 if idx is not None:
-                    pool = candidate
-                    break
-            if idx is None:
-                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                                 f"every slot that fits {key} on device {device_id} is held")
+                    pool.refs[idx] = refs
+                    return dev, pool, idx, entry, True
+        raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
+                         f"every slot that fits {key} on device {device_id} is held")
+
+    def _deliver_fresh(self, session: Session, dev: Device, pool: SlotPool, idx: int,
+                       entry: ExpertEntry) -> Transfer:
         try:
-            transfer = self._deliver(session, dev, pool, idx, entry, attempt=0)
+            return self._deliver(session, dev, pool, idx, entry, attempt=0)
         except BaseException:
             with session.lock:
                 pool.free(idx)
             raise
-        return self._grant(pool, idx, entry, transfer.plan.checksums)
+
+    def prefetch(self, session: Session, device_id: int, keys: list[ExpertKey]) -> int:
+        """Queue deliveries of ``keys`` at prefetch priority, holding no reference."""
+        self.device(session, device_id)
+        for key in keys:
+            self.expert(key)
+        for key in keys:
+            self.start_background(session, device_id, key, Priority.PREFETCH, order=key.layer)
+        return len(keys)
+
+    def start_background(self, session: Session, device_id: int, key: ExpertKey,
+                         priority: Priority, *, refs: int = 0, order: int = 0,
+                         tag: object = None,
+                         on_ready: Callable[[bool], None] | None = None) -> None:
+        """Queue a delivery of ``key`` to the device on the scheduler. ``refs`` references are
+        taken when it starts; ``on_ready(ok)`` is called when the copy is verified (or at once
+        if it already was) or has failed."""
+        link = (session.session_id, device_id)
+
+        def start() -> bool:
+            try:
+                dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs)
+            except AgentError as exc:
+                session.events.emit(pb.Event(error=f"background delivery of {key}: "
+                                                   f"{exc.message}"))
+                if on_ready:
+                    on_ready(False)
+                return False
+            if not fresh:
+                if on_ready:
+                    if pool.state[idx] == SlotState.READY:
+                        on_ready(True)
+                    else:
+                        self.when_ready(dev, key, on_ready)
+                return False
+            self.when_ready(dev, key, lambda ok: self._fills.submit(self.scheduler.finished,
+                                                                    link))
+            if on_ready:
+                self.when_ready(dev, key, on_ready)
+            try:
+                self._deliver_fresh(session, dev, pool, idx, entry)
+            except AgentError as exc:
+                with self._lock:
+                    waiters = self._waiters.pop((dev.device_id, id(dev), key), [])
+                for callback in waiters:
+                    callback(False)
+                session.events.emit(pb.Event(error=f"background delivery of {key}: "
+                                                   f"{exc.message}"))
+            return True
+
+        self.scheduler.submit(link, priority, start, order=order, tag=tag)
+
+    def when_ready(self, dev: Device, key: ExpertKey, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(ok)`` once the delivery of ``key`` in flight to ``dev`` ends."""
+        with self._lock:
+            self._waiters.setdefault((dev.device_id, id(dev), key), []).append(callback)
 
     def _grant(self, pool: SlotPool, idx: int, entry: ExpertEntry,
                checksums: tuple[int, ...]) -> SlotGrant:
@@ -358,6 +436,10 @@ class Orchestrator:
                         pool.idle[idx] = None
                 else:
                     pool.free(idx)
+        with self._lock:
+            waiters = self._waiters.pop((dev.device_id, id(dev), entry.key), [])
+        for callback in waiters:
+            callback(status == abi.Status.OK)
         session.events.emit(pb.Event(transfer_done=pb.TransferDone(
             transfer_id=t.first_id or t.transfer_id, key=entry.key.to_proto(),
             device_id=dev.device_id, region_id=pool.region_id, slot_index=idx,
@@ -371,6 +453,10 @@ class Orchestrator:
         except AgentError as exc:
             with session.lock:
                 pool.free(idx)
+            with self._lock:
+                waiters = self._waiters.pop((dev.device_id, id(dev), entry.key), [])
+            for callback in waiters:
+                callback(False)
             session.events.emit(pb.Event(error=f"refetch of {entry.key} failed: {exc.message}"))
 
     def release(self, session: Session, device_id: int, key: ExpertKey) -> None:
@@ -385,8 +471,11 @@ class Orchestrator:
                     return
         raise precondition(f"{key} is not held on device {device_id}")
 
-    def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]]) -> None:
-        """Feed observed routing (layer, {expert: tokens}) to the cache policy, in order."""
+    def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
+                       prefetch: tuple[Session, int, int] | None = None) -> int:
+        """Feed observed routing (layer, {expert: tokens}) to the cache policy and the routing
+        statistics, in order. With ``prefetch = (session, device_id, k)``, queue the k most
+        selected experts of the MoE layer after the last step's; returns how many."""
         catalog = self.models.get(model)
         if catalog is None:
             raise not_found(f"model {model!r} is not loaded")
@@ -398,8 +487,18 @@ class Orchestrator:
             if bad:
                 raise invalid(f"expert {bad[0]} out of range for {model!r} "
                               f"({catalog.layout.experts_per_layer} per layer)")
+        if prefetch is not None:
+            self.device(prefetch[0], prefetch[1])
         for layer, counts in steps:
             self.cache.observe(model, layer, counts)
+            self.routing.observe(catalog, layer, counts)
+        if prefetch is None or not steps:
+            return 0
+        session, device_id, k = prefetch
+        moe = list(catalog.layout.moe_layers)
+        nxt = (moe.index(steps[-1][0]) + 1) % len(moe)
+        keys = [ExpertKey(model, moe[nxt], e) for e in self.routing.top_experts(model, nxt, k)]
+        return self.prefetch(session, device_id, keys)
 
     # -- data plane ------------------------------------------------------------------------
     def _queues(self) -> list[DeviceQueue]:

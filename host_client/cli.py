@@ -71,6 +71,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    from dpu_offload.v1 import agent_pb2 as pb
+    from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.agent) as channel:
+        r = pb_grpc.DpuAgentStub(channel).Rebalance(pb.RebalanceRequest(
+            session_id=args.session, model=args.model, replicas=args.replicas),
+            timeout=args.timeout)
+    print(f"placement {r.placement_id}: max_load_ratio {r.max_load_ratio:.4f}, "
+          f"{r.copies_to_add} copies to add, {r.copies_to_drop} to drop, "
+          f"{r.bytes_moved} bytes to move (progress on the session's event stream)")
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -96,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("rebalance", help="re-plan a session's model from its reported routing")
+    p.add_argument("--agent", default="127.0.0.1:50051")
+    p.add_argument("--session", required=True, help="session id (expertctl status lists them)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--replicas", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.set_defaults(fn=cmd_rebalance)
     p = sub.add_parser("plan", help="plan a placement from a [layers, experts] load array")
     p.add_argument("--load", required=True, help=".npy file, shape [layers, experts]")
     p.add_argument("--gpus", required=True, type=_positive)

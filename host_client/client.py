@@ -118,6 +118,7 @@ class AgentClient:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future[ExpertSlot], ExpertSlot]] = {}
         self._early: dict[int, pb.TransferDone] = {}
+        self._placements: dict[int, pb.PlacementProgress] = {}
         self._closed = threading.Event()
         self.devices: dict[int, AttachedDevice] = {}
         self._events = self.stub.Events(self._ref)
@@ -199,24 +200,57 @@ class AgentClient:
                                  timeout=self.rpc_timeout)
         return self._handle(dev, resp)
 
-    def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
-        resp = self.stub.Prefetch(pb.PrefetchRequest(session_id=self.session_id,
-                                                     device_id=dev.device_id,
-                                                     keys=[k.to_proto() for k in keys]),
-                                  timeout=self.rpc_timeout)
+    def acquire_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
+        """Acquire several experts in one call (a layer's experts); each must be released."""
+        resp = self.stub.AcquireBatch(pb.AcquireBatchRequest(
+            session_id=self.session_id, device_id=dev.device_id,
+            keys=[k.to_proto() for k in keys]), timeout=self.rpc_timeout)
         return [self._handle(dev, r) for r in resp.slots]
+
+    def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> int:
+        """Have the agent deliver ``keys`` ahead of use (nothing held); returns how many it
+        queued."""
+        return self.stub.Prefetch(pb.PrefetchRequest(
+            session_id=self.session_id, device_id=dev.device_id,
+            keys=[k.to_proto() for k in keys]), timeout=self.rpc_timeout).scheduled
+
+    def apply_placement(self, model: str, assignment: list[list[list[int]]]
+                        ) -> pb.ApplyPlacementResponse:
+        """Place ``assignment[moe layer position][expert]`` -> device ids, make-before-break;
+        progress arrives as ``placement_progress`` events (see :meth:`placement_progress`)."""
+        return self.stub.ApplyPlacement(pb.ApplyPlacementRequest(
+            session_id=self.session_id, model=model,
+            layers=[pb.LayerPlacement(experts=[pb.DeviceList(device_ids=d) for d in row])
+                    for row in assignment]), timeout=self.rpc_timeout)
+
+    def rebalance(self, model: str, replicas: int = 0) -> pb.RebalanceResponse:
+        """Re-plan ``model`` over this session's devices from reported routing and apply it."""
+        return self.stub.Rebalance(pb.RebalanceRequest(
+            session_id=self.session_id, model=model, replicas=replicas),
+            timeout=self.rpc_timeout)
+
+    def placement_progress(self, placement_id: int) -> pb.PlacementProgress | None:
+        """The latest progress event seen for a placement."""
+        with self._lock:
+            return self._placements.get(placement_id)
 
     def release(self, dev: AttachedDevice, key: ExpertKey) -> None:
         self.stub.Release(pb.ReleaseRequest(session_id=self.session_id,
                                             device_id=dev.device_id, key=key.to_proto()),
                          timeout=self.rpc_timeout)
 
-    def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]]) -> None:
-        """Tell the agent which experts the last steps selected: (layer, {expert: tokens})."""
+    def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
+                       prefetch_to: AttachedDevice | None = None, prefetch_top_k: int = 0
+                       ) -> None:
+        """Tell the agent which experts the last steps selected: (layer, {expert: tokens});
+        optionally have it prefetch the likeliest experts of the next MoE layer."""
         self.stub.ReportRouting(pb.ReportRoutingRequest(
             session_id=self.session_id, model=model,
             steps=[pb.RoutingStep(layer=layer, experts=list(c), tokens=list(c.values()))
-                   for layer, c in steps]), timeout=self.rpc_timeout)
+                   for layer, c in steps],
+            prefetch_top_k=prefetch_top_k if prefetch_to is not None else 0,
+            prefetch_device_id=prefetch_to.device_id if prefetch_to is not None else 0),
+            timeout=self.rpc_timeout)
 
     def status(self) -> pb.StatusResponse:
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.rpc_timeout)
@@ -233,6 +267,10 @@ class AgentClient:
     def _event_loop(self) -> None:
         try:
             for event in self._events:
+                if event.HasField("placement_progress"):
+                    with self._lock:
+                        self._placements[event.placement_progress.placement_id] = \
+                            event.placement_progress
                 if event.HasField("transfer_done"):
                     done = event.transfer_done
                     with self._lock:

@@ -82,8 +82,14 @@ class AgentServer:
 
     async def _reap(self) -> None:
         assert self.core is not None
+        interval = self.config.rebalance_interval_seconds
+        loop = asyncio.get_running_loop()
+        next_rebalance = loop.time() + interval
         while True:
             await asyncio.sleep(0.25)
+            if interval and loop.time() >= next_rebalance:
+                next_rebalance = loop.time() + interval
+                await asyncio.to_thread(self.core.placements.rebalance_all)
             for sid in await asyncio.to_thread(self.core.expire_sessions):
                 log.warning("session %s lease expired; its regions and slots are reclaimed",
                             sid)

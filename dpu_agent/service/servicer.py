@@ -124,13 +124,46 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         return await self._run(context, self._acquire, request.session_id, request.device_id,
                                request.key, blocking=True)
 
+    async def AcquireBatch(self, request: pb.AcquireBatchRequest,
+                           context: grpc.aio.ServicerContext) -> pb.AcquireBatchResponse:
+        def call() -> pb.AcquireBatchResponse:
+            for k in request.keys:
+                self.core.expert(_key(k, "keys[]"))
+            return pb.AcquireBatchResponse(slots=[
+                self._acquire(request.session_id, request.device_id, k) for k in request.keys])
+        return await self._run(context, call, blocking=True)
+
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
                        ) -> pb.PrefetchResponse:
         def call() -> pb.PrefetchResponse:
-            for k in request.keys:
-                self.core.expert(_key(k, "keys[]"))
-            return pb.PrefetchResponse(slots=[
-                self._acquire(request.session_id, request.device_id, k) for k in request.keys])
+            keys = [_key(k, "keys[]") for k in request.keys]
+            n = self.core.prefetch(self.core.session(request.session_id), request.device_id,
+                                   keys)
+            return pb.PrefetchResponse(scheduled=n)
+        return await self._run(context, call, blocking=True)
+
+    async def ApplyPlacement(self, request: pb.ApplyPlacementRequest,
+                             context: grpc.aio.ServicerContext) -> pb.ApplyPlacementResponse:
+        def call() -> pb.ApplyPlacementResponse:
+            session = self.core.session(request.session_id)
+            assignment = [[list(devs.device_ids) for devs in layer.experts]
+                          for layer in request.layers]
+            state = self.core.placements.apply(session, request.model, assignment)
+            return pb.ApplyPlacementResponse(
+                placement_id=state.placement_id, copies_to_add=state.total,
+                copies_to_drop=sum(len(v) for v in state.retire.values()) + state.dropped)
+        return await self._run(context, call, blocking=True)
+
+    async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.RebalanceResponse:
+        def call() -> pb.RebalanceResponse:
+            session = self.core.session(request.session_id)
+            state, ratio, moved = self.core.placements.rebalance(session, request.model,
+                                                                 request.replicas)
+            return pb.RebalanceResponse(
+                placement_id=state.placement_id, max_load_ratio=ratio, bytes_moved=moved,
+                copies_to_add=state.total,
+                copies_to_drop=sum(len(v) for v in state.retire.values()) + state.dropped)
         return await self._run(context, call, blocking=True)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -153,8 +186,12 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                     raise invalid(f"steps[{i}]: {len(step.experts)} experts but "
                                   f"{len(step.tokens)} token counts")
                 steps.append((step.layer, dict(zip(step.experts, step.tokens, strict=True))))
-            self.core.report_routing(request.model, steps)
-        await self._run(context, call)
+            prefetch = None
+            if request.prefetch_top_k:
+                prefetch = (self.core.session(request.session_id), request.prefetch_device_id,
+                            request.prefetch_top_k)
+            self.core.report_routing(request.model, steps, prefetch)
+        await self._run(context, call, blocking=True)
         return pb.Empty()
 
     async def Events(self, request: pb.SessionRef, context: grpc.aio.ServicerContext

@@ -220,6 +220,22 @@ class AcquireResponse(_message.Message):
     manifest: ExpertManifest
     def __init__(self, transfer_id: _Optional[int] = ..., region_id: _Optional[int] = ..., slot_index: _Optional[int] = ..., slot_offset: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., manifest: _Optional[_Union[ExpertManifest, _Mapping]] = ...) -> None: ...
 
+class AcquireBatchRequest(_message.Message):
+    __slots__ = ("session_id", "device_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_id: int
+    keys: _containers.RepeatedCompositeFieldContainer[ExpertKey]
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
+
+class AcquireBatchResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
+    def __init__(self, slots: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
+
 class PrefetchRequest(_message.Message):
     __slots__ = ("session_id", "device_id", "keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -231,10 +247,82 @@ class PrefetchRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
-    __slots__ = ("slots",)
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
-    slots: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
-    def __init__(self, slots: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("scheduled",)
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    scheduled: int
+    def __init__(self, scheduled: _Optional[int] = ...) -> None: ...
+
+class DeviceList(_message.Message):
+    __slots__ = ("device_ids",)
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    device_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, device_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LayerPlacement(_message.Message):
+    __slots__ = ("experts",)
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    experts: _containers.RepeatedCompositeFieldContainer[DeviceList]
+    def __init__(self, experts: _Optional[_Iterable[_Union[DeviceList, _Mapping]]] = ...) -> None: ...
+
+class ApplyPlacementRequest(_message.Message):
+    __slots__ = ("session_id", "model", "layers")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    layers: _containers.RepeatedCompositeFieldContainer[LayerPlacement]
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ...) -> None: ...
+
+class ApplyPlacementResponse(_message.Message):
+    __slots__ = ("placement_id", "copies_to_add", "copies_to_drop")
+    PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    COPIES_TO_ADD_FIELD_NUMBER: _ClassVar[int]
+    COPIES_TO_DROP_FIELD_NUMBER: _ClassVar[int]
+    placement_id: int
+    copies_to_add: int
+    copies_to_drop: int
+    def __init__(self, placement_id: _Optional[int] = ..., copies_to_add: _Optional[int] = ..., copies_to_drop: _Optional[int] = ...) -> None: ...
+
+class RebalanceRequest(_message.Message):
+    __slots__ = ("session_id", "model", "replicas")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    replicas: int
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class RebalanceResponse(_message.Message):
+    __slots__ = ("placement_id", "max_load_ratio", "bytes_moved", "copies_to_add", "copies_to_drop")
+    PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    COPIES_TO_ADD_FIELD_NUMBER: _ClassVar[int]
+    COPIES_TO_DROP_FIELD_NUMBER: _ClassVar[int]
+    placement_id: int
+    max_load_ratio: float
+    bytes_moved: int
+    copies_to_add: int
+    copies_to_drop: int
+    def __init__(self, placement_id: _Optional[int] = ..., max_load_ratio: _Optional[float] = ..., bytes_moved: _Optional[int] = ..., copies_to_add: _Optional[int] = ..., copies_to_drop: _Optional[int] = ...) -> None: ...
+
+class PlacementProgress(_message.Message):
+    __slots__ = ("placement_id", "model", "done", "failed", "total", "dropped")
+    PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    placement_id: int
+    model: str
+    done: int
+    failed: int
+    total: int
+    dropped: int
+    def __init__(self, placement_id: _Optional[int] = ..., model: _Optional[str] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., total: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "device_id", "key")
@@ -265,12 +353,14 @@ class TransferDone(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ..., device_id: _Optional[int] = ..., region_id: _Optional[int] = ..., slot_index: _Optional[int] = ..., status: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("transfer_done", "error")
+    __slots__ = ("transfer_done", "error", "placement_progress")
     TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     transfer_done: TransferDone
     error: str
-    def __init__(self, transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    placement_progress: PlacementProgress
+    def __init__(self, transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., error: _Optional[str] = ..., placement_progress: _Optional[_Union[PlacementProgress, _Mapping]] = ...) -> None: ...
 
 class RoutingStep(_message.Message):
     __slots__ = ("layer", "experts", "tokens")
@@ -283,14 +373,18 @@ class RoutingStep(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportRoutingRequest(_message.Message):
-    __slots__ = ("session_id", "model", "steps")
+    __slots__ = ("session_id", "model", "steps", "prefetch_top_k", "prefetch_device_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     steps: _containers.RepeatedCompositeFieldContainer[RoutingStep]
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[RoutingStep, _Mapping]]] = ...) -> None: ...
+    prefetch_top_k: int
+    prefetch_device_id: int
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[RoutingStep, _Mapping]]] = ..., prefetch_top_k: _Optional[int] = ..., prefetch_device_id: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

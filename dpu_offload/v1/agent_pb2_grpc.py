@@ -74,10 +74,25 @@ class DpuAgentStub:
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireRequest.SerializeToString,
                 response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireResponse.FromString,
                 _registered_method=True)
+        self.AcquireBatch = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/AcquireBatch',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireBatchRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireBatchResponse.FromString,
+                _registered_method=True)
         self.Prefetch = channel.unary_unary(
                 '/dpu_offload.v1.DpuAgent/Prefetch',
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
+        self.ApplyPlacement = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/ApplyPlacement',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.ApplyPlacementRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ApplyPlacementResponse.FromString,
+                _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/Rebalance',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.RebalanceResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/dpu_offload.v1.DpuAgent/Release',
@@ -152,7 +167,25 @@ class DpuAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AcquireBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Prefetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ApplyPlacement(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rebalance(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -226,10 +259,25 @@ def add_DpuAgentServicer_to_server(servicer, server):
                     request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireRequest.FromString,
                     response_serializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireResponse.SerializeToString,
             ),
+            'AcquireBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireBatch,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireBatchRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireBatchResponse.SerializeToString,
+            ),
             'Prefetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefetch,
                     request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.PrefetchRequest.FromString,
                     response_serializer=dpu__offload_dot_v1_dot_agent__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'ApplyPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyPlacement,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ApplyPlacementRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.ApplyPlacementResponse.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.RebalanceRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.RebalanceResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -479,6 +527,33 @@ class DpuAgent:
             _registered_method=True)
 
     @staticmethod
+    def AcquireBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/AcquireBatch',
+            dpu__offload_dot_v1_dot_agent__pb2.AcquireBatchRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.AcquireBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Prefetch(request,
             target,
             options=(),
@@ -495,6 +570,60 @@ class DpuAgent:
             '/dpu_offload.v1.DpuAgent/Prefetch',
             dpu__offload_dot_v1_dot_agent__pb2.PrefetchRequest.SerializeToString,
             dpu__offload_dot_v1_dot_agent__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/ApplyPlacement',
+            dpu__offload_dot_v1_dot_agent__pb2.ApplyPlacementRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.ApplyPlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/Rebalance',
+            dpu__offload_dot_v1_dot_agent__pb2.RebalanceRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.RebalanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

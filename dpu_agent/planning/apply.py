@@ -1,0 +1,222 @@
+"""Applying a placement to a session's devices, make-before-break.
+
+A placement holds one reference on every slot it places, so those experts are never evicted.
+Applying a new one:
+
+1. validates it whole (model, shape, device ids, slot capacity per device) and refuses it
+   with the failing constraint, leaving the placement in force untouched;
+2. cancels the queued moves of the previous placement of that model;
+3. queues every new copy at REBALANCE priority on its device link (layer order);
+4. releases an old copy only once every new copy of that expert is verified READY, so there
+   is never a moment when neither serves it. A failed new copy keeps the old ones.
+
+Progress goes to the session's event stream (``PlacementProgress``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
+from dpu_agent.planning.placement import PlacementError, plan
+from dpu_agent.planning.scheduler import Priority
+from dpu_agent.service.registry import Session, SlotState
+from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from dpu_agent.orchestrator import Orchestrator
+
+Copy = tuple[int, ExpertKey]
+"""(device id, expert)."""
+
+
+@dataclass
+class PlacementState:
+    """One applied placement of one model in one session."""
+
+    placement_id: int
+    model: str
+    assignment: list[list[list[int]]]
+    """[MoE layer position][expert] -> device ids."""
+    replicas: int = 0
+    held: set[Copy] = field(default_factory=set)
+    pending: dict[ExpertKey, set[int]] = field(default_factory=dict)
+    retire: dict[ExpertKey, set[int]] = field(default_factory=dict)
+    total: int = 0
+    done: int = 0
+    failed: int = 0
+    dropped: int = 0
+
+
+class PlacementExecutor:
+    """Turns placements into scheduled moves for an :class:`Orchestrator`."""
+
+    def __init__(self, core: Orchestrator) -> None:
+        self.core = core
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.states: dict[tuple[str, str], PlacementState] = {}
+        """(session id, model) -> placement in force."""
+
+    # -- validation ------------------------------------------------------------------------
+    def _check(self, session: Session, model: str, assignment: list[list[list[int]]]) -> None:
+        catalog = self.core.models.get(model)
+        if catalog is None:
+            raise not_found(f"model {model!r} is not loaded")
+        layers, experts = len(catalog.layout.moe_layers), catalog.layout.experts_per_layer
+        if len(assignment) != layers or any(len(row) != experts for row in assignment):
+            raise invalid(f"placement must be [{layers} MoE layers][{experts} experts]")
+        need: dict[int, int] = {}
+        for li, row in enumerate(assignment):
+            for e, devs in enumerate(row):
+                if not devs:
+                    raise invalid(f"layer {catalog.layout.moe_layers[li]} expert {e} is placed "
+                                  "nowhere")
+                if len(set(devs)) != len(devs):
+                    raise invalid(f"layer {catalog.layout.moe_layers[li]} expert {e} names a "
+                                  "device twice")
+                for d in devs:
+                    if d not in session.devices:
+                        raise invalid(f"placement names device {d}, not registered in this "
+                                      "session")
+                    need[d] = need.get(d, 0) + 1
+        size = catalog.expert_bytes
+        for d, n in need.items():
+            slots = sum(p.slot_count for p in session.devices[d].pools.values()
+                        if p.slot_bytes >= size)
+            if n > slots:
+                raise AgentError(ErrorKind.FAILED_PRECONDITION,
+                                 f"device {d} is assigned {n} experts but has {slots} slots "
+                                 f"that fit them ({size} bytes each)")
+
+    # -- apply -----------------------------------------------------------------------------
+    def apply(self, session: Session, model: str, assignment: list[list[list[int]]],
+              replicas: int = 0) -> PlacementState:
+        self._check(session, model, assignment)
+        catalog = self.core.models[model]
+        layers = catalog.layout.moe_layers
+        wanted = {(d, ExpertKey(model, layers[li], e))
+                  for li, row in enumerate(assignment) for e, devs in enumerate(row)
+                  for d in devs}
+        with self._lock:
+            old = self.states.get((session.session_id, model))
+            state = PlacementState(next(self._ids), model, assignment, replicas)
+            if old is not None:
+                self.core.scheduler.cancel(lambda job: job.tag == old.placement_id)
+                state.held = old.held & wanted
+                stale = old.held - wanted
+            else:
+                stale = set()
+            to_add = sorted(wanted - state.held, key=lambda c: (c[1].layer, c[1].expert, c[0]))
+            for d, key in to_add:
+                state.pending.setdefault(key, set()).add(d)
+            for d, key in stale:
+                state.retire.setdefault(key, set()).add(d)
+            state.total = len(to_add)
+            self.states[(session.session_id, model)] = state
+        for key in list(state.retire):
+            self._maybe_retire(session, state, key)
+        for d, key in to_add:
+            self.core.start_background(
+                session, d, key, Priority.REBALANCE, refs=1, order=key.layer,
+                tag=state.placement_id,
+                on_ready=lambda ok, d=d, key=key: self._copy_done(session, state, d, key, ok))
+        self._progress(session, state)
+        return state
+
+    def _copy_done(self, session: Session, state: PlacementState, device_id: int,
+                   key: ExpertKey, ok: bool) -> None:
+        with self._lock:
+            state.pending.get(key, set()).discard(device_id)
+            if ok:
+                state.held.add((device_id, key))
+                state.done += 1
+            else:
+                state.failed += 1
+                state.retire.pop(key, None)  # keep the old copies: the new one did not make it
+            if not state.pending.get(key):
+                state.pending.pop(key, None)
+        self._maybe_retire(session, state, key)
+        self._progress(session, state)
+
+    def _maybe_retire(self, session: Session, state: PlacementState, key: ExpertKey) -> None:
+        with self._lock:
+            if state.pending.get(key):
+                return
+            devices = state.retire.pop(key, set())
+            for d in devices:
+                state.held.discard((d, key))
+                state.dropped += 1
+        for d in devices:
+            self._drop_ref(session, d, key)
+
+    def _drop_ref(self, session: Session, device_id: int, key: ExpertKey) -> None:
+        dev = session.devices.get(device_id)
+        if dev is None:
+            return
+        with session.lock:
+            for pool in dev.pools.values():
+                idx = pool.by_key.get(key)
+                if idx is not None and pool.refs[idx] > 0:
+                    pool.refs[idx] -= 1
+                    if pool.refs[idx] == 0 and pool.state[idx] == SlotState.READY:
+                        pool.idle[idx] = None
+                    return
+
+    def _progress(self, session: Session, state: PlacementState) -> None:
+        session.events.emit(pb.Event(placement_progress=pb.PlacementProgress(
+            placement_id=state.placement_id, model=state.model, done=state.done,
+            failed=state.failed, total=state.total, dropped=state.dropped)))
+
+    # -- rebalance -------------------------------------------------------------------------
+    def rebalance(self, session: Session, model: str, replicas: int
+                  ) -> tuple[PlacementState, float, int]:
+        """Plan from reported routing load across the session's devices and apply it.
+        Returns (state, max_load_ratio, bytes_moved)."""
+        catalog = self.core.models.get(model)
+        if catalog is None:
+            raise not_found(f"model {model!r} is not loaded")
+        load = self.core.routing.load(model)
+        if load is None:
+            raise AgentError(ErrorKind.FAILED_PRECONDITION,
+                             f"no routing reported for {model!r} yet (ReportRouting)")
+        device_ids = sorted(session.devices)
+        if not device_ids:
+            raise AgentError(ErrorKind.FAILED_PRECONDITION, "the session has no devices")
+        layers = len(catalog.layout.moe_layers)
+        size = catalog.expert_bytes
+        slots = [sum(p.slot_count for p in session.devices[d].pools.values()
+                     if p.slot_bytes >= size) // layers for d in device_ids]
+        index = {d: i for i, d in enumerate(device_ids)}
+        old = self.states.get((session.session_id, model))
+        current = None
+        if old is not None and all(d in index for row in old.assignment for devs in row
+                                   for d in devs):
+            current = [[[index[d] for d in devs] for devs in row] for row in old.assignment]
+        try:
+            p = plan(load, slots, current=current, replicas=replicas, expert_bytes=size)
+        except PlacementError as exc:
+            raise AgentError(ErrorKind.FAILED_PRECONDITION, f"rebalance: {exc}") from exc
+        assignment = [[[device_ids[g] for g in gpus] for gpus in row] for row in p.assignment]
+        state = self.apply(session, model, assignment, replicas)
+        return state, p.max_load_ratio, p.bytes_moved
+
+    def rebalance_all(self) -> None:
+        """The periodic loop's step: re-plan every placed model of every live session."""
+        for (sid, model), state in list(self.states.items()):
+            session = self.core.sessions.get(sid)
+            if session is None:
+                self.states.pop((sid, model), None)
+                continue
+            try:
+                self.rebalance(session, model, state.replicas)
+            except AgentError:
+                pass  # no new statistics or no capacity: keep the placement in force
+
+    def forget_session(self, session_id: str) -> None:
+        for key in [k for k in self.states if k[0] == session_id]:
+            del self.states[key]
