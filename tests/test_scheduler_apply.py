@@ -166,7 +166,7 @@ def test_prefetch_and_routing_driven_prefetch_turn_acquires_into_hits(two_device
 
 
 def test_rebalance_from_routing_statistics(two_devices) -> None:
-    client, model, (a, b) = two_devices
+    client, model, _ = two_devices
     with pytest.raises(grpc.RpcError) as err:
         client.rebalance("qp")
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
