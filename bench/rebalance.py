@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, write  # noqa: E402
-from dpu_agent.planning.traces import generate_trace  # noqa: E402
-from dpu_offload.keys import ExpertKey  # noqa: E402
-from host_client import AgentClient, CpuReferenceDevice, Device, SlotPoolSpec  # noqa: E402
-from host_client.checkpoints import CheckpointSpec, make_checkpoint  # noqa: E402
-from host_client.launcher import AgentProcess  # noqa: E402
+from bench.common import envelope, write
+from dpu_agent.planning.traces import generate_trace
+from dpu_offload.keys import ExpertKey
+from host_client import AgentClient, CpuReferenceDevice, Device, SlotPoolSpec
+from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from host_client.launcher import AgentProcess
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 2
 
