@@ -228,6 +228,36 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
     return result
 
 
+def plot(results: dict[str, dict[str, object]], path: Path) -> None:
+    """Bandwidth against expert size for each path of a results object."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    for name, r in results.items():
+        size = float(r["expert_bytes"]) / 1e6  # type: ignore[arg-type]
+        mech = name.split("/")[1] if "/" in name else f"auto ({r['mechanism']})"
+        series.setdefault(f"agent + {mech}", []).append((size, float(r["agent_delivery_gbps"])))
+        if "/" not in name:
+            for base in ("pinned_h2d", "pageable_h2d", "http_staged"):
+                if f"{base}_gbps" in r:
+                    series.setdefault(base, []).append((size, float(r[f"{base}_gbps"])))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, pts in series.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if "agent" in label else "x--",
+                label=label)
+    ax.set(xscale="log", yscale="log", xlabel="expert size (MB)", ylabel="GB/s",
+           title="arena -> GPU delivery vs baselines")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,7 +270,12 @@ def main() -> int:
     ap.add_argument("--mechanisms", nargs="+", default=["auto"],
                     choices=["auto", "kernel", "copy_engine"])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
     args = ap.parse_args()
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        plot(data["results"], args.replot.with_suffix(".png"))
+        return 0
     shapes = args.shapes or (["small-2.4MB"] if args.quick else list(SHAPES))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-delivery-") as tmp:
@@ -261,6 +296,7 @@ def main() -> int:
     suffix = f"-{args.device}" + ("" if args.chunk_bytes == 1 << 20
                                   else f"-chunk{args.chunk_bytes >> 10}k")
     path = write("delivery", data, suffix)
+    plot(results, path.with_suffix(".png"))
     if args.json:
         print(json.dumps(data))
     else:

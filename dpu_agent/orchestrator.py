@@ -107,7 +107,8 @@ class Orchestrator:
         largest = catalog.expert_bytes
         if largest > self.arena.size:
             raise precondition(f"model {model_name!r}: an expert of {largest} bytes exceeds "
-                               f"the arena ({self.arena.size} bytes)")
+                               f"the arena (config arena.bytes = {self.arena.size}); the cache "
+                               "budget must hold at least one expert")
         with self._lock:
             self.models.setdefault(model_name, catalog)
             return self.models[model_name]

@@ -188,3 +188,51 @@ def test_inspect_refuses_non_checkpoint(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "dpu_agent.cli", "inspect", str(tmp_path)],
                          capture_output=True, text=True)
     assert res.returncode == 1 and "config.json: missing" in res.stderr
+
+
+def test_hand_written_llama4_stacked_layout(tmp_path: Path) -> None:
+    import numpy as np
+    import safetensors
+
+    root = tmp_path / "llama4"
+    root.mkdir()
+    e, h, i = 4, 32, 16
+    cfg = {"model_type": "llama4", "text_config": {
+        "num_hidden_layers": 2, "interleave_moe_layer_step": 2, "num_local_experts": e,
+        "hidden_size": h, "intermediate_size": i, "num_experts_per_tok": 1}}
+    (root / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    gate_up = rng.standard_normal((e, h, 2 * i), dtype=np.float32)
+    down = rng.standard_normal((e, i, h), dtype=np.float32)
+    prefix = "language_model.model.layers.1.feed_forward.experts"
+    arrays = {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}
+    specs = {n: safetensors.TensorSpec(dtype="float32", shape=list(a.shape),
+                                       data_ptr=a.ctypes.data, data_len=a.nbytes)
+             for n, a in arrays.items()}
+    safetensors.serialize_file(specs, str(root / "model-00001-of-00001.safetensors"))
+    (root / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "model-00001-of-00001.safetensors" for n in arrays}}))
+    cat = build_catalog(root)
+    assert list(cat.layout.moe_layers) == [1] and len(cat.experts) == e
+    for entry in cat.experts.values():
+        gu, dn = entry.tensors
+        assert (gu.role, gu.shape, dn.shape) == ("gate_up_proj", (h, 2 * i), (i, h))
+        got = gu.file.read_bytes()[gu.file_offset:gu.file_offset + gu.nbytes]
+        assert got == gate_up[entry.key.expert].tobytes()
+        got = dn.file.read_bytes()[dn.file_offset:dn.file_offset + dn.nbytes]
+        assert got == down[entry.key.expert].tobytes()
+
+
+def test_make_checkpoint_cli(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "host_client.cli", "make-checkpoint",
+                          str(tmp_path / "ds"), "--arch", "deepseek-v3", "--dtype", "fp8",
+                          "--layers", "3", "--experts", "4", "--hidden", "256",
+                          "--intermediate", "128"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    cat = build_catalog(tmp_path / "ds")
+    assert cat.layout.architecture == "deepseek_v3" and len(cat.experts) == 2 * 4
+    assert [t.dtype for t in next(iter(cat.experts.values())).tensors] == ["F8_E4M3"] * 3 + \
+        ["F32"] * 3
+    bad = subprocess.run([sys.executable, "-m", "host_client.cli", "make-checkpoint",
+                          str(tmp_path / "x"), "--arch", "bert"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

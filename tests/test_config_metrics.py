@@ -83,3 +83,17 @@ def test_metrics_scrape_reflects_activity(agent: AgentProcess, qwen_ckpt: Path) 
     assert during["dpu_agent_sessions"] >= 1
     assert during["dpu_agent_arena_used_bytes"] >= 3 * model.expert_bytes
     assert during["dpu_agent_models_loaded"] >= 1
+
+
+def test_metrics_families_are_well_formed(agent: AgentProcess) -> None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("dpu_agent_cache_hits", "dpu_agent_cache_misses", "dpu_agent_cache_evictions",
+                 "dpu_agent_cache_fill_seconds", "dpu_agent_arena_used_bytes",
+                 "dpu_agent_transfers_in_flight", "dpu_agent_placement_copies",
+                 "dpu_agent_scheduler_waiting_jobs"):
+        assert name in families, name
+    assert families["dpu_agent_cache_hits"].type == "counter"
+    states = {s.labels["state"] for s in families["dpu_agent_placement_copies"].samples}
+    assert states == {"done", "failed", "pending", "dropped"}

@@ -48,3 +48,15 @@ class AgentCollector(Collector):
                                 value=len(core.sessions))
         yield GaugeMetricFamily("dpu_agent_models_loaded", "Models in the catalog.",
                                 value=len(core.models))
+        states = list(core.placements.states.values())
+        copies = GaugeMetricFamily("dpu_agent_placement_copies",
+                                   "New expert copies of the placements in force, by state.",
+                                   labels=["state"])
+        copies.add_metric(["done"], sum(s.done for s in states))
+        copies.add_metric(["failed"], sum(s.failed for s in states))
+        copies.add_metric(["pending"], sum(s.total - s.done - s.failed for s in states))
+        copies.add_metric(["dropped"], sum(s.dropped for s in states))
+        yield copies
+        yield GaugeMetricFamily("dpu_agent_scheduler_waiting_jobs",
+                                "Deliveries waiting for their device link.",
+                                value=core.scheduler.waiting())
