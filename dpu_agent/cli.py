@@ -24,26 +24,43 @@ def _config_path(arg: str | None) -> Path | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from dpu_agent.service.lifecycle import Notifier
     from dpu_agent.service.server import AgentServer
 
-    cfg = load(_config_path(args.config))
+    path = _config_path(args.config)
+    cfg = load(path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    notifier = Notifier()
 
     async def run() -> None:
         import signal
 
-        agent = AgentServer(cfg)
+        agent = AgentServer(cfg, notifier)
         await agent.start()
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
             tmp.write_text(f"{agent.port} {agent.metrics_port}\n")
             os.replace(tmp, args.ready_file)
         loop = asyncio.get_running_loop()
+
+        def reload() -> None:
+            notifier.reloading()
+            try:
+                agent.reload(load(path))
+            except ConfigError as exc:
+                logging.getLogger("dpu_agent").error("SIGHUP: config rejected, nothing "
+                                                     "changed: %s", exc)
+            notifier.send("READY=1", f"STATUS={agent.status_line()}")
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(agent.stop()))
+        loop.add_signal_handler(signal.SIGHUP, reload)
         await agent.wait()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        notifier.close()
     return 0
 
 

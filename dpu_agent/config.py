@@ -37,6 +37,7 @@ class AgentConfig:
 
     listen_address: str = "127.0.0.1:50051"
     max_message_bytes: int = 16 * 2**20
+    drain_grace_seconds: int = 10
     arena_bytes: int = 1 * 2**30
     cache_policy: str = "lru"
     chunk_bytes: int = 1 * 2**20
@@ -78,6 +79,7 @@ def _str(v: Any) -> str:
 KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("server", "listen_address"): ("listen_address", _str),
     ("server", "max_message_bytes"): ("max_message_bytes", _size),
+    ("server", "drain_grace_seconds"): ("drain_grace_seconds", _int),
     ("arena", "bytes"): ("arena_bytes", _size),
     ("cache", "policy"): ("cache_policy", _str),
     ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
@@ -105,6 +107,8 @@ def _check(cfg: AgentConfig) -> list[str]:
     if cfg.chunk_bytes <= 0 or cfg.chunk_bytes % 16 or cfg.chunk_bytes > 2**31:
         problems.append(f"transfer.chunk_bytes: {cfg.chunk_bytes} must be a positive multiple "
                         "of 16 below 2 GiB")
+    if cfg.drain_grace_seconds < 0:
+        problems.append("server.drain_grace_seconds: must be >= 0")
     if cfg.link_concurrency <= 0:
         problems.append("transfer.link_concurrency: must be positive")
     if cfg.rebalance_interval_seconds < 0:

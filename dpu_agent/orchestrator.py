@@ -79,6 +79,7 @@ class Orchestrator:
         self._poller = threading.Thread(target=self._poll_loop, name="completions", daemon=True)
         self.poller_heartbeat = time.monotonic()
         self.verify_failures = 0
+        self.draining = False
         self._waiters: dict[tuple[int, int, ExpertKey], list[Callable[[bool], None]]] = {}
         self.scheduler = Scheduler(config.link_concurrency)
         self.placements = PlacementExecutor(self)
@@ -507,6 +508,9 @@ class Orchestrator:
             sessions = list(self.sessions.values())
         return [d.queue for s in sessions for d in list(s.devices.values())
                 if d.queue is not None]
+
+    def poller_alive(self) -> bool:
+        return self._poller.is_alive()
 
     def _cancel_stuck(self) -> None:
         limit = self.config.transfer_timeout_seconds

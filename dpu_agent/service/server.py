@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import fields, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -13,6 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.orchestrator import Orchestrator
+from dpu_agent.service.lifecycle import Notifier
 from dpu_agent.service.metrics import AgentCollector
 from dpu_agent.service.servicer import DpuAgentServicer
 from dpu_offload.v1 import agent_pb2, agent_pb2_grpc
@@ -21,11 +24,18 @@ log = logging.getLogger("dpu_agent")
 SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["DpuAgent"].full_name
 
 
+LIVE_SETTINGS = ("transfer_timeout_seconds", "link_concurrency", "default_lease_seconds",
+                 "max_lease_seconds", "rebalance_interval_seconds")
+"""Settings SIGHUP applies to a running agent; the others need a restart."""
+
+
 class AgentServer:
     """One running agent: call :meth:`start`, then :meth:`wait` or :meth:`stop`."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, notifier: Notifier | None = None) -> None:
         self.config = config
+        self.notifier = notifier or Notifier({})
+        self._watchdog: asyncio.Task[None] | None = None
         self.core: Orchestrator | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -65,7 +75,49 @@ class AgentServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
+        if self.notifier.watchdog_seconds:
+            self._watchdog = asyncio.create_task(self._watch(self.notifier.watchdog_seconds))
         log.info("agent serving on %s (port %d)", self.config.listen_address, self.port)
+        self.notifier.ready(self.status_line())
+
+    def status_line(self) -> str:
+        core = self.core
+        assert core is not None
+        return (f"serving on port {self.port}: {len(core.sessions)} sessions, "
+                f"{len(core.models)} models, {core.tracker.in_flight} transfers in flight")
+
+    def alive(self) -> bool:
+        """Liveness: the completion poller thread runs and looped recently (it naps at most
+        10 ms when idle). The caller being scheduled proves the event loop answers."""
+        core = self.core
+        return core is not None and core.poller_alive() and \
+            time.monotonic() - core.poller_heartbeat < 2.0
+
+    async def _watch(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if self.alive():
+                self.notifier.watchdog()
+                self.notifier.status(self.status_line())
+            else:
+                log.error("liveness check failed: completion poller stalled; withholding the "
+                          "watchdog ping")
+
+    def reload(self, new: AgentConfig) -> list[str]:
+        """Apply the settings that can change live; returns 'key: old -> new' for each."""
+        assert self.core is not None
+        changes = {k: getattr(new, k) for k in LIVE_SETTINGS
+                   if getattr(new, k) != getattr(self.config, k)}
+        applied = [f"{k}: {getattr(self.config, k)} -> {v}" for k, v in changes.items()]
+        self.config = replace(self.config, **changes)
+        self.core.config = self.config
+        self.core.scheduler.link_concurrency = self.config.link_concurrency
+        ignored = [f.name for f in fields(new) if f.name not in LIVE_SETTINGS
+                   and getattr(new, f.name) != getattr(self.config, f.name)]
+        if ignored:
+            log.warning("SIGHUP: %s need a restart to change", ", ".join(ignored))
+        log.info("SIGHUP: applied %s", "; ".join(applied) or "nothing (no live setting changed)")
+        return applied
 
     def _start_metrics(self) -> None:
         assert self.core is not None
@@ -94,14 +146,29 @@ class AgentServer:
                 log.warning("session %s lease expired; its regions and slots are reclaimed",
                             sid)
 
-    async def stop(self, grace: float = 2.0) -> None:
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop taking work, let transfers in flight finish within ``grace`` seconds (the
+        config's ``server.drain_grace_seconds`` by default), cancel the rest, close."""
         if self.server is None:
             return
+        assert self.core is not None
+        grace = self.config.drain_grace_seconds if grace is None else grace
+        self.notifier.stopping(f"draining {self.core.tracker.in_flight} transfers")
+        self.core.draining = True
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._reaper is not None:
             self._reaper.cancel()
-        assert self.core is not None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.core.tracker.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        cancelled = self.core.tracker.cancel(lambda t: True)
+        if cancelled:
+            log.warning("stop: cancelled %d transfers still in flight after %.1f s",
+                        len(cancelled), grace)
         for s in list(self.core.sessions.values()):
             s.events.close()
         await self.server.stop(grace)

@@ -49,6 +49,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
 
     async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T],
                    *args: Any, blocking: bool = False) -> T:
+        if self.core.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the agent is stopping")
         try:
             if blocking:
                 return await asyncio.to_thread(fn, *args)
