@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, envelope, write
+from bench.common import RESULTS, envelope, figure, save_figure, write
 from dpu_agent.planning.traces import RoutingStep, generate_trace, read_trace
 from dpu_agent.weights.policies import POLICIES
 from dpu_offload.keys import ExpertKey
@@ -92,12 +92,7 @@ def run(steps: list[RoutingStep], sizes: list[int]) -> dict[str, object]:
 
 
 def plot(result: dict[str, object], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure()
     for name, rates in result["hit_rate"].items():  # type: ignore[union-attr]
         ax.plot(result["sizes"], rates, marker="o", label=name,  # type: ignore[arg-type]
                 linestyle="--" if name == "min" else "-")
@@ -106,9 +101,7 @@ def plot(result: dict[str, object], title: str, path: Path) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:

@@ -71,3 +71,22 @@ def pct(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def figure(ncols: int = 1, size: tuple[float, float] = (6.0, 4.0)) -> tuple[Any, Any]:
+    """A matplotlib figure (headless backend) with ``ncols`` axes side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=size)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Grid, legend and layout done by the caller; writes the PNG and frees the figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

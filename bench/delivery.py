@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, median, pct, write
+from bench.common import envelope, figure, median, pct, save_figure, write
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
@@ -230,11 +230,6 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
 
 def plot(results: dict[str, dict[str, object]], path: Path) -> None:
     """Bandwidth against expert size for each path of a results object."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     series: dict[str, list[tuple[float, float]]] = {}
     for name, r in results.items():
         size = float(r["expert_bytes"]) / 1e6  # type: ignore[arg-type]
@@ -244,7 +239,7 @@ def plot(results: dict[str, dict[str, object]], path: Path) -> None:
             for base in ("pinned_h2d", "pageable_h2d", "http_staged"):
                 if f"{base}_gbps" in r:
                     series.setdefault(base, []).append((size, float(r[f"{base}_gbps"])))
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = figure(size=(6.5, 4))
     for label, pts in series.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if "agent" in label else "x--",
@@ -253,9 +248,7 @@ def plot(results: dict[str, dict[str, object]], path: Path) -> None:
            title="arena -> GPU delivery vs baselines")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:

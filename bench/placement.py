@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, envelope, median, write
+from bench.common import RESULTS, envelope, figure, median, save_figure, write
 from dpu_agent.planning.placement import plan
 
 LAYERS, EXPERTS, EXPERT_BYTES = 58, 256, 44_050_944
@@ -100,12 +100,7 @@ def main() -> int:
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = figure(2, (10, 4))
     for replicas_on in (False, True):
         sel = [r for r in rows if bool(r["replicas"]) == replicas_on]
         label = "with replicas" if replicas_on else "no replicas"
@@ -122,9 +117,7 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -462,7 +462,17 @@ class Orchestrator:
             session.events.emit(pb.Event(error=f"refetch of {entry.key} failed: {exc.message}"))
 
     def release(self, session: Session, device_id: int, key: ExpertKey) -> None:
-        dev = self.device(session, device_id)
+        self.device(session, device_id)
+        if not self.drop_ref(session, device_id, key):
+            raise precondition(f"{key} is not held on device {device_id}")
+
+    @staticmethod
+    def drop_ref(session: Session, device_id: int, key: ExpertKey) -> bool:
+        """Drop one reference on the slot holding ``key``; a READY slot nobody holds becomes
+        an eviction candidate. False when no reference was held."""
+        dev = session.devices.get(device_id)
+        if dev is None:
+            return False
         with session.lock:
             for pool in dev.pools.values():
                 idx = pool.by_key.get(key)
@@ -470,8 +480,8 @@ class Orchestrator:
                     pool.refs[idx] -= 1
                     if pool.refs[idx] == 0 and pool.state[idx] == SlotState.READY:
                         pool.idle[idx] = None
-                    return
-        raise precondition(f"{key} is not held on device {device_id}")
+                    return True
+        return False
 
     def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
                        prefetch: tuple[Session, int, int] | None = None) -> int:

@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import safetensors
 
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, Device, SlotPoolSpec
-from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
 
 
@@ -35,15 +34,6 @@ def pick_device(kind: str) -> Device:
             if kind == "cuda":
                 raise SystemExit(f"demo: --device cuda but CUDA is not usable: {exc}") from exc
     return CpuReferenceDevice()
-
-
-def checkpoint_tensors(root: Path) -> dict[str, bytes]:
-    """Every tensor's bytes, read by the safetensors library itself (an independent reader)."""
-    out: dict[str, bytes] = {}
-    for shard in sorted(root.glob("*.safetensors")):
-        for name, spec in safetensors.deserialize(shard.read_bytes()):
-            out[name] = bytes(spec["data"])
-    return out
 
 
 def expert_tensor_names(arch: str, key: ExpertKey) -> dict[str, str]:
@@ -70,7 +60,7 @@ def main() -> int:
         root = make_checkpoint(Path(tmp) / "model", CheckpointSpec(
             args.arch, layers=args.layers, experts=args.experts, hidden=args.hidden,
             intermediate=args.intermediate))
-        truth = checkpoint_tensors(root)
+        truth = read_tensor_bytes(root)
         device = pick_device(args.device)
         with AgentProcess('[arena]\nbytes = "512MiB"\n') as agent:
             client = AgentClient(agent.address, client_name="demo")

@@ -64,12 +64,6 @@ extern "C" __global__ void dpu_checksum(const uint4* __restrict__ data, unsigned
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
          i < n16; i += (unsigned long long)gridDim.x * blockDim.x)
         sum += dpu_vec_terms(data[i], first + 4 * i);
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        uint32_t total = 0;
-        for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) total += scratch[w];
-        atomicAdd(out, total);
-    }
+    const uint32_t total = dpu_block_sum(sum, scratch);
+    if (threadIdx.x == 0) atomicAdd(out, total);
 }

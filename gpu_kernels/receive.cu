@@ -68,17 +68,6 @@ __device__ __forceinline__ uint32_t dpu_copy_block(const uint4* __restrict__ src
     return sum;
 }
 
-__device__ __forceinline__ uint32_t dpu_block_sum(uint32_t v, uint32_t* scratch) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    uint32_t total = 0;
-    if (threadIdx.x == 0)
-        for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) total += scratch[w];
-    return total;  // valid in thread 0 only
-}
-
 extern "C" __global__ void dpu_receive(dpu_ring_header* work_hdr, dpu_descriptor* work,
                                        dpu_ring_header* comp_hdr, dpu_completion* comp,
                                        const dpu_region* regions, dpu_receive_state* state) {

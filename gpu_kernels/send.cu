@@ -35,12 +35,8 @@ extern "C" __global__ void dpu_send(dpu_ring_header* tx_hdr, unsigned char* tx_e
             payload[i] = v;
             sum += dpu_vec_terms(v, offset / 4 + 4 * i);
         }
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
-        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = sum;
-        __syncthreads();
+        const uint32_t total = dpu_block_sum(sum, scratch);
         if (threadIdx.x == 0) {
-            uint32_t total = 0;
-            for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) total += scratch[w];
             volatile dpu_packet_header* h = (volatile dpu_packet_header*)entry;
             h->message_id = message_id;
             h->offset = offset;

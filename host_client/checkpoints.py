@@ -170,3 +170,13 @@ def make_checkpoint(directory: str | Path, spec: CheckpointSpec,
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return root
+
+
+def read_tensor_bytes(directory: str | Path) -> dict[str, bytes]:
+    """Every tensor's bytes in a checkpoint directory, read by the safetensors library itself:
+    an independent reference for verifying delivered experts."""
+    out: dict[str, bytes] = {}
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        for name, spec in safetensors.deserialize(shard.read_bytes()):
+            out[name] = bytes(spec["data"])
+    return out

@@ -6,9 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import safetensors
 
-from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
 
 
@@ -27,10 +26,5 @@ def agent() -> Iterator[AgentProcess]:
         yield proc
 
 
-def checkpoint_bytes(root: Path) -> dict[str, bytes]:
-    """Every tensor's bytes, read by the safetensors library (independent of the agent)."""
-    out: dict[str, bytes] = {}
-    for shard in sorted(root.glob("*.safetensors")):
-        for name, spec in safetensors.deserialize(shard.read_bytes()):
-            out[name] = bytes(spec["data"])
-    return out
+checkpoint_bytes = read_tensor_bytes
+"""Every tensor's bytes, read by the safetensors library (independent of the agent)."""

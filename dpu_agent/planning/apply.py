@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.planning.placement import PlacementError, plan
 from dpu_agent.planning.scheduler import Priority
-from dpu_agent.service.registry import Session, SlotState
+from dpu_agent.service.registry import Session
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 
@@ -152,20 +152,7 @@ class PlacementExecutor:
                 state.held.discard((d, key))
                 state.dropped += 1
         for d in devices:
-            self._drop_ref(session, d, key)
-
-    def _drop_ref(self, session: Session, device_id: int, key: ExpertKey) -> None:
-        dev = session.devices.get(device_id)
-        if dev is None:
-            return
-        with session.lock:
-            for pool in dev.pools.values():
-                idx = pool.by_key.get(key)
-                if idx is not None and pool.refs[idx] > 0:
-                    pool.refs[idx] -= 1
-                    if pool.refs[idx] == 0 and pool.state[idx] == SlotState.READY:
-                        pool.idle[idx] = None
-                    return
+            self.core.drop_ref(session, d, key)
 
     def _progress(self, session: Session, state: PlacementState) -> None:
         session.events.emit(pb.Event(placement_progress=pb.PlacementProgress(

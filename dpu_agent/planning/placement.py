@@ -231,22 +231,20 @@ def _repair(layer_load: np.ndarray, copies: np.ndarray, slots: np.ndarray,
         if best is None:
             return None
         _, e, lo, f = best
-        held[e].discard(hi)
-        held[e].add(lo)
-        on[hi].remove(e)
-        on[lo].append(e)
-        load[hi] -= w[e]
-        load[lo] += w[e]
+
+        def shift(x: int, src: int, dst: int) -> None:
+            held[x].discard(src)
+            held[x].add(dst)
+            on[src].remove(x)
+            on[dst].append(x)
+            load[src] -= w[x]
+            load[dst] += w[x]
+            count[src] -= 1
+            count[dst] += 1
+
+        shift(e, hi, lo)
         if f >= 0:
-            held[f].discard(lo)
-            held[f].add(hi)
-            on[lo].remove(f)
-            on[hi].append(f)
-            load[lo] -= w[f]
-            load[hi] += w[f]
-        else:
-            count[hi] -= 1
-            count[lo] += 1
+            shift(f, lo, hi)
     return None
 
 

@@ -129,6 +129,18 @@ __device__ __forceinline__ uint32_t dpu_vec_terms(uint4 v, uint64_t global_word)
            dpu_word_term(v.z, global_word + 2) + dpu_word_term(v.w, global_word + 3);
 }
 
+// Sum of v over the block; the result is valid in thread 0. scratch: 32 words of shared memory.
+// Every thread of the block must call it (it synchronises the block).
+__device__ __forceinline__ uint32_t dpu_block_sum(uint32_t v, uint32_t* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    uint32_t total = 0;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) total += scratch[w];
+    return total;
+}
+
 __device__ __forceinline__ uint64_t dpu_load_volatile_u64(const uint64_t* p) {
     return *(const volatile uint64_t*)p;
 }
