@@ -29,7 +29,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     path = _config_path(args.config)
     cfg = load(path)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from dpu_agent.service.logs import configure
+
+    configure(cfg.log_format)
     notifier = Notifier()
 
     async def run() -> None:

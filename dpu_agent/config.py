@@ -47,6 +47,7 @@ class AgentConfig:
     default_lease_seconds: int = 10
     max_lease_seconds: int = 300
     metrics_address: str = ""
+    log_format: str = "auto"
 
 
 # (section, key) -> (field, parser description, parser)
@@ -89,6 +90,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
     ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
     ("metrics", "listen_address"): ("metrics_address", _str),
+    ("logging", "format"): ("log_format", _str),
 }
 
 
@@ -107,6 +109,8 @@ def _check(cfg: AgentConfig) -> list[str]:
     if cfg.chunk_bytes <= 0 or cfg.chunk_bytes % 16 or cfg.chunk_bytes > 2**31:
         problems.append(f"transfer.chunk_bytes: {cfg.chunk_bytes} must be a positive multiple "
                         "of 16 below 2 GiB")
+    if cfg.log_format not in ("auto", "json", "text"):
+        problems.append(f"logging.format: {cfg.log_format!r} is not auto, json or text")
     if cfg.drain_grace_seconds < 0:
         problems.append("server.drain_grace_seconds: must be >= 0")
     if cfg.link_concurrency <= 0:

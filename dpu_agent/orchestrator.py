@@ -137,7 +137,8 @@ class Orchestrator:
         session = Session(sid, client_name, float(lease), time.monotonic() + lease)
         with self._lock:
             self.sessions[sid] = session
-        log.info("session opened", extra={"session": sid, "client": client_name})
+        log.info("session %s opened by %r", sid, client_name,
+                 extra={"session": sid, "client": client_name})
         return session
 
     def session(self, session_id: str) -> Session:

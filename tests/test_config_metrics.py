@@ -97,3 +97,33 @@ def test_metrics_families_are_well_formed(agent: AgentProcess) -> None:
     assert families["dpu_agent_cache_hits"].type == "counter"
     states = {s.labels["state"] for s in families["dpu_agent_placement_copies"].samples}
     assert states == {"done", "failed", "pending", "dropped"}
+
+
+def test_grpc_server_metrics_follow_grafana_names(agent: AgentProcess) -> None:
+    import grpc
+
+    from dpu_offload.v1 import agent_pb2 as pb
+    from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(agent.address) as ch:
+        stub = pb_grpc.DpuAgentStub(ch)
+        stub.GetStatus(pb.StatusRequest(), timeout=5)
+        with pytest.raises(grpc.RpcError):
+            stub.KeepAlive(pb.SessionRef(session_id="nope"), timeout=5)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+    def value(name: str, **labels: str) -> float:
+        return sum(s.value for s in samples if s.name == name
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    svc = "dpu_offload.v1.DpuAgent"
+    assert value("grpc_server_started_total", grpc_service=svc, grpc_method="GetStatus",
+                 grpc_type="unary") >= 1
+    assert value("grpc_server_handled_total", grpc_service=svc, grpc_method="GetStatus",
+                 grpc_code="OK") >= 1
+    assert value("grpc_server_handled_total", grpc_service=svc, grpc_method="KeepAlive",
+                 grpc_code="NOT_FOUND") >= 1
+    assert value("grpc_server_handling_seconds_count", grpc_service=svc,
+                 grpc_method="GetStatus") >= 1

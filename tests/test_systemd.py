@@ -107,3 +107,19 @@ def test_bad_config_never_sends_ready(tmp_path: Path) -> None:
     assert "server.listen_address" in out and "bogus" in out
     with pytest.raises(AssertionError):
         listener.collect_until(lambda m: "READY=1" in m, 0.5)
+
+
+def test_json_logs_carry_request_ids(tmp_path: Path) -> None:
+    import json
+
+    from host_client import AgentClient
+    from host_client.launcher import AgentProcess
+
+    with AgentProcess(env={"DPU_AGENT_LOGGING_FORMAT": "json"}) as agent:
+        with AgentClient(agent.address, client_name="log-test"):
+            pass
+        time.sleep(0.2)
+        lines = [json.loads(x) for x in agent.log().splitlines() if x.startswith("{")]
+    opened = [x for x in lines if x.get("client") == "log-test"]
+    assert opened and opened[0]["request_id"] != "-" and opened[0]["level"] == "INFO"
+    assert all({"ts", "level", "logger", "msg", "request_id"} <= set(x) for x in lines)

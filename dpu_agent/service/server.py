@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.orchestrator import Orchestrator
+from dpu_agent.service.interceptors import MetricsInterceptor
 from dpu_agent.service.lifecycle import Notifier
 from dpu_agent.service.metrics import AgentCollector
 from dpu_agent.service.servicer import DpuAgentServicer
@@ -51,7 +52,10 @@ class AgentServer:
         opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(options=opts)
+        self.registry = CollectorRegistry()
+        self.registry.register(AgentCollector(self.core))
+        server = grpc.aio.server(options=opts,
+                                 interceptors=[MetricsInterceptor(self.registry)])
         agent_pb2_grpc.add_DpuAgentServicer_to_server(DpuAgentServicer(self.core), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -122,11 +126,9 @@ class AgentServer:
     def _start_metrics(self) -> None:
         assert self.core is not None
         host, port = self.config.metrics_address.rsplit(":", 1)
-        registry = CollectorRegistry()
-        registry.register(AgentCollector(self.core))
         try:
             self._metrics_server, _ = start_http_server(int(port), host.strip("[]"),
-                                                        registry=registry)
+                                                        registry=self.registry)
         except OSError as exc:
             raise OSError(f"metrics.listen_address {self.config.metrics_address}: cannot bind "
                           f"({exc.strerror})") from exc
