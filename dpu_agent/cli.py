@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dpu_agent import __version__
 from dpu_agent.config import DEFAULT_PATH, ConfigError, load
+from dpu_agent.service.state import StateError
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"dpu-agent: {exc}", file=sys.stderr)
         return 2
-    except (CheckpointError, LayoutError, OSError) as exc:
+    except (CheckpointError, LayoutError, StateError, OSError) as exc:
         print(f"dpu-agent: {exc}", file=sys.stderr)
         return 1
 

@@ -48,6 +48,7 @@ class AgentConfig:
     max_lease_seconds: int = 300
     metrics_address: str = ""
     log_format: str = "auto"
+    state_dir: str = ""
 
 
 # (section, key) -> (field, parser description, parser)
@@ -91,6 +92,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
     ("metrics", "listen_address"): ("metrics_address", _str),
     ("logging", "format"): ("log_format", _str),
+    ("state", "dir"): ("state_dir", _str),
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
@@ -30,6 +31,7 @@ from dpu_agent.service.registry import (
     SlotPool,
     SlotState,
 )
+from dpu_agent.service.state import StateStore
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import CacheFullError, WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog
@@ -67,6 +69,8 @@ class Orchestrator:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.started = time.time()
+        self.state = StateStore(config.state_dir) if config.state_dir else None
+        self.saved_placements: dict[str, Any] = {}
         self.arena = Arena(config.arena_bytes)
         self.cache = WeightCache(self.arena, config.chunk_bytes, POLICIES[config.cache_policy]())
         self.models: dict[str, ModelCatalog] = {}
@@ -85,9 +89,34 @@ class Orchestrator:
         self.placements = PlacementExecutor(self)
         self.routing = RoutingStats()
         self._poller.start()
+        if self.state is not None:
+            self._restore()
+
+    def _restore(self) -> None:
+        assert self.state is not None
+        saved = self.state.load()
+        for m in saved.get("models", []):
+            try:
+                self.load_model(m["path"], m["name"], persist=False)
+            except (AgentError, KeyError, TypeError) as exc:
+                log.error("state: model %r not restored: %s", m,
+                          getattr(exc, "message", exc))
+        self.saved_placements: dict[str, Any] = dict(saved.get("placements", {}))
+        log.info("state: restored %d models from %s", len(self.models), self.state.path)
+
+    def persist(self) -> None:
+        """Write the catalog and placements in force to the state directory (if any)."""
+        if self.state is None:
+            return
+        with self._lock:
+            models = [{"name": m.name, "path": str(m.path)} for m in self.models.values()]
+        placements = dict(self.saved_placements)
+        placements.update({model: st.assignment
+                           for (_, model), st in self.placements.states.items()})
+        self.state.save({"models": models, "placements": placements})
 
     # -- models ----------------------------------------------------------------------------
-    def load_model(self, path: str, name: str = "") -> ModelCatalog:
+    def load_model(self, path: str, name: str = "", persist: bool = True) -> ModelCatalog:
         if not path:
             raise invalid("LoadModel: path is empty")
         model_name = name or Path(path).name
@@ -112,7 +141,9 @@ class Orchestrator:
                                "budget must hold at least one expert")
         with self._lock:
             self.models.setdefault(model_name, catalog)
-            return self.models[model_name]
+        if persist:
+            self.persist()
+        return self.models[model_name]
 
     def expert(self, key: ExpertKey) -> ExpertEntry:
         model = self.models.get(key.model)

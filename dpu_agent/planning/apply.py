@@ -126,6 +126,7 @@ class PlacementExecutor:
                 tag=state.placement_id,
                 on_ready=lambda ok, d=d, key=key: self._copy_done(session, state, d, key, ok))
         self._progress(session, state)
+        self.core.persist()
         return state
 
     def _copy_done(self, session: Session, state: PlacementState, device_id: int,

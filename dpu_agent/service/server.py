@@ -48,7 +48,7 @@ class AgentServer:
 
     async def start(self) -> None:
         """Bind every listener and report SERVING; raises (nothing left running) on failure."""
-        self.core = Orchestrator(self.config)
+        self.core = Orchestrator(self.config)  # restores persisted state
         opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
@@ -171,6 +171,7 @@ class AgentServer:
         if cancelled:
             log.warning("stop: cancelled %d transfers still in flight after %.1f s",
                         len(cancelled), grace)
+        self.core.persist()
         for s in list(self.core.sessions.values()):
             s.events.close()
         await self.server.stop(grace)
