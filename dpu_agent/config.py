@@ -38,6 +38,9 @@ class AgentConfig:
     listen_address: str = "127.0.0.1:50051"
     max_message_bytes: int = 16 * 2**20
     drain_grace_seconds: int = 10
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     arena_bytes: int = 1 * 2**30
     cache_policy: str = "lru"
     chunk_bytes: int = 1 * 2**20
@@ -45,6 +48,7 @@ class AgentConfig:
     link_concurrency: int = 4
     rebalance_interval_seconds: int = 0
     default_lease_seconds: int = 10
+    max_session_rpcs: int = 64
     max_lease_seconds: int = 300
     metrics_address: str = ""
     log_format: str = "auto"
@@ -82,6 +86,9 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("server", "listen_address"): ("listen_address", _str),
     ("server", "max_message_bytes"): ("max_message_bytes", _size),
     ("server", "drain_grace_seconds"): ("drain_grace_seconds", _int),
+    ("server", "tls_cert"): ("tls_cert", _str),
+    ("server", "tls_key"): ("tls_key", _str),
+    ("server", "tls_client_ca"): ("tls_client_ca", _str),
     ("arena", "bytes"): ("arena_bytes", _size),
     ("cache", "policy"): ("cache_policy", _str),
     ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
@@ -90,6 +97,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("placement", "rebalance_interval_seconds"): ("rebalance_interval_seconds", _int),
     ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
     ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
+    ("sessions", "max_concurrent_rpcs"): ("max_session_rpcs", _int),
     ("metrics", "listen_address"): ("metrics_address", _str),
     ("logging", "format"): ("log_format", _str),
     ("state", "dir"): ("state_dir", _str),
@@ -129,6 +137,16 @@ def _check(cfg: AgentConfig) -> list[str]:
     if not 1 <= cfg.default_lease_seconds <= cfg.max_lease_seconds:
         problems.append("sessions.default_lease_seconds: must be between 1 and "
                         f"max_lease_seconds ({cfg.max_lease_seconds})")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        problems.append("server.tls_cert / server.tls_key: set both or neither")
+    if cfg.tls_client_ca and not cfg.tls_cert:
+        problems.append("server.tls_client_ca: needs server.tls_cert and server.tls_key")
+    for key, path in (("server.tls_cert", cfg.tls_cert), ("server.tls_key", cfg.tls_key),
+                      ("server.tls_client_ca", cfg.tls_client_ca)):
+        if path and not os.access(path, os.R_OK):
+            problems.append(f"{key}: {path} is not a readable file")
+    if cfg.max_session_rpcs <= 0:
+        problems.append("sessions.max_concurrent_rpcs: must be positive")
     if cfg.max_message_bytes < 2**16:
         problems.append("server.max_message_bytes: must be at least 64 KiB")
     return problems

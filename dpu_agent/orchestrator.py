@@ -7,6 +7,7 @@ worker threads; the completion poller is its own thread.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import threading
@@ -77,6 +78,7 @@ class Orchestrator:
         self.sessions: dict[str, Session] = {}
         self.tracker = TransferTracker()
         self._lock = threading.RLock()
+        self._device_ids = itertools.count()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
@@ -183,6 +185,11 @@ class Orchestrator:
     def device(self, session: Session, device_id: int) -> Device:
         dev = session.devices.get(device_id)
         if dev is None:
+            with self._lock:
+                owned = any(device_id in s.devices for s in self.sessions.values())
+            if owned:
+                raise AgentError(ErrorKind.PERMISSION_DENIED,
+                                 f"device {device_id} belongs to another session")
             raise precondition(f"device {device_id} is not registered in session "
                                f"{session.session_id}")
         return dev
@@ -224,8 +231,7 @@ class Orchestrator:
                     raise AgentError(ErrorKind.ALREADY_EXISTS,
                                      f"device ordinal {ordinal} is already registered as "
                                      f"device {dev.device_id}")
-            dev = Device(session.next_device_id, kind, ordinal, name[:128])
-            session.next_device_id += 1
+            dev = Device(next(self._device_ids), kind, ordinal, name[:128])
             session.devices[dev.device_id] = dev
             return dev
 

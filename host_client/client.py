@@ -36,6 +36,21 @@ PACKET_ENTRY_BYTES = 64 + 4096
 """Packet rings (rx / tx, the activation path): 256 entries of a 64-byte header + 4 KiB."""
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS connection to the agent: the CA that signed the agent's certificate,
+    and this client's certificate and key when the agent requires mutual TLS."""
+
+    ca: str
+    cert: str = ""
+    key: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str) -> bytes | None:
+            return open(path, "rb").read() if path else None
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
 class AgentUnavailable(ConnectionError):
     """The agent cannot be reached (or went away)."""
 
@@ -93,14 +108,16 @@ class AgentClient:
         lease_seconds: session lease (0: the agent's default); renewed every third of it.
         connect_timeout: seconds to wait for the agent before AgentUnavailable.
         rpc_timeout: deadline of every unary call, seconds.
+        tls: TLS (or mutual TLS) files; None for plaintext.
     """
 
     def __init__(self, address: str, *, client_name: str = "host-client",
                  lease_seconds: int = 0, connect_timeout: float = 5.0,
-                 rpc_timeout: float = 60.0) -> None:
+                 rpc_timeout: float = 60.0, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.rpc_timeout = rpc_timeout
-        self.channel = grpc.insecure_channel(address)
+        self.channel = (grpc.secure_channel(address, tls.credentials()) if tls is not None
+                        else grpc.insecure_channel(address))
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:

@@ -24,10 +24,12 @@ class AgentProcess:
         self._dir = tempfile.TemporaryDirectory(prefix="dpu-agent-")
         root = Path(self._dir.name)
         self.config_path = root / "agent.toml"
-        self.config_path.write_text('[server]\nlisten_address = "127.0.0.1:0"\n' + settings)
+        self.config_path.write_text(settings)
         self.ready_file = root / "ready"
         self.log_path = root / "agent.log"
-        self.env = {**os.environ, **(env or {})}
+        # Port 0 (a free one) unless the caller says otherwise; the ready file reports it.
+        self.env = {**os.environ, "DPU_AGENT_SERVER_LISTEN_ADDRESS": "127.0.0.1:0",
+                    **(env or {})}
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0

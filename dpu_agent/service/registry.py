@@ -144,7 +144,8 @@ class Session:
     devices: dict[int, Device] = field(default_factory=dict)
     events: EventSink = field(default_factory=EventSink)
     next_region_id: int = ARENA_REGION_ID + 1
-    next_device_id: int = 0
+    """Region ids index the session's per-device region tables, so they are per session;
+    device ids are global (naming another session's device is PERMISSION_DENIED)."""
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def touch(self) -> None:

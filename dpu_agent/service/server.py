@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from dataclasses import fields, replace
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,7 +27,7 @@ SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["DpuAgent"].full_name
 
 
 LIVE_SETTINGS = ("transfer_timeout_seconds", "link_concurrency", "default_lease_seconds",
-                 "max_lease_seconds", "rebalance_interval_seconds")
+                 "max_lease_seconds", "rebalance_interval_seconds", "max_session_rpcs")
 """Settings SIGHUP applies to a running agent; the others need a restart."""
 
 
@@ -62,7 +63,16 @@ class AgentServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
         try:
-            self.port = server.add_insecure_port(self.config.listen_address)
+            if self.config.tls_cert:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(self.config.tls_key).read_bytes(),
+                      Path(self.config.tls_cert).read_bytes())],
+                    root_certificates=(Path(self.config.tls_client_ca).read_bytes()
+                                       if self.config.tls_client_ca else None),
+                    require_client_auth=bool(self.config.tls_client_ca))
+                self.port = server.add_secure_port(self.config.listen_address, creds)
+            else:
+                self.port = server.add_insecure_port(self.config.listen_address)
         except RuntimeError as exc:
             self.core.shutdown()
             raise OSError(f"server.listen_address {self.config.listen_address}: cannot bind "

@@ -46,11 +46,19 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
 
     def __init__(self, core: Orchestrator) -> None:
         self.core = core
+        self._active: dict[str, int] = {}
 
     async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T],
-                   *args: Any, blocking: bool = False) -> T:
+                   *args: Any, blocking: bool = False, session_id: str = "") -> T:
         if self.core.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the agent is stopping")
+        limit = self.core.config.max_session_rpcs
+        if session_id:
+            if self._active.get(session_id, 0) >= limit:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"session has {limit} calls in flight (sessions."
+                                    "max_concurrent_rpcs)")
+            self._active[session_id] = self._active.get(session_id, 0) + 1
         try:
             if blocking:
                 return await asyncio.to_thread(fn, *args)
@@ -58,6 +66,11 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         except AgentError as exc:
             await context.abort(_CODES[exc.kind], exc.message)
             raise  # unreachable: abort raises
+        finally:
+            if session_id:
+                self._active[session_id] -= 1
+                if not self._active[session_id]:
+                    del self._active[session_id]
 
     async def CreateSession(self, request: pb.CreateSessionRequest,
                             context: grpc.aio.ServicerContext) -> pb.CreateSessionResponse:
@@ -124,7 +137,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
                       ) -> pb.AcquireResponse:
         return await self._run(context, self._acquire, request.session_id, request.device_id,
-                               request.key, blocking=True)
+                               request.key, blocking=True, session_id=request.session_id)
 
     async def AcquireBatch(self, request: pb.AcquireBatchRequest,
                            context: grpc.aio.ServicerContext) -> pb.AcquireBatchResponse:
@@ -133,7 +146,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 self.core.expert(_key(k, "keys[]"))
             return pb.AcquireBatchResponse(slots=[
                 self._acquire(request.session_id, request.device_id, k) for k in request.keys])
-        return await self._run(context, call, blocking=True)
+        return await self._run(context, call, blocking=True, session_id=request.session_id)
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
                        ) -> pb.PrefetchResponse:
@@ -142,7 +155,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             n = self.core.prefetch(self.core.session(request.session_id), request.device_id,
                                    keys)
             return pb.PrefetchResponse(scheduled=n)
-        return await self._run(context, call, blocking=True)
+        return await self._run(context, call, blocking=True, session_id=request.session_id)
 
     async def ApplyPlacement(self, request: pb.ApplyPlacementRequest,
                              context: grpc.aio.ServicerContext) -> pb.ApplyPlacementResponse:
@@ -154,7 +167,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             return pb.ApplyPlacementResponse(
                 placement_id=state.placement_id, copies_to_add=state.total,
                 copies_to_drop=sum(len(v) for v in state.retire.values()) + state.dropped)
-        return await self._run(context, call, blocking=True)
+        return await self._run(context, call, blocking=True, session_id=request.session_id)
 
     async def Rebalance(self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext
                         ) -> pb.RebalanceResponse:
@@ -166,7 +179,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 placement_id=state.placement_id, max_load_ratio=ratio, bytes_moved=moved,
                 copies_to_add=state.total,
                 copies_to_drop=sum(len(v) for v in state.retire.values()) + state.dropped)
-        return await self._run(context, call, blocking=True)
+        return await self._run(context, call, blocking=True, session_id=request.session_id)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
                       ) -> pb.Empty:
@@ -193,7 +206,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 prefetch = (self.core.session(request.session_id), request.prefetch_device_id,
                             request.prefetch_top_k)
             self.core.report_routing(request.model, steps, prefetch)
-        await self._run(context, call, blocking=True)
+        await self._run(context, call, blocking=True, session_id=request.session_id)
         return pb.Empty()
 
     async def Events(self, request: pb.SessionRef, context: grpc.aio.ServicerContext

@@ -1,0 +1,83 @@
+"""mTLS on gRPC (plaintext, foreign-CA and certificate-less clients refused), per-session
+ownership (PERMISSION_DENIED), per-session concurrency, message size limits."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dpu_offload.v1 import agent_pb2 as pb
+from host_client import AgentClient, AgentUnavailable, CpuReferenceDevice, SlotPoolSpec, TlsFiles
+from host_client.launcher import AgentProcess
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+             f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+
+
+def _leaf(d: Path, name: str, ca: str, san: str | None = None) -> None:
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout",
+             f"{name}.key", "-out", f"{name}.csr", cwd=d)
+    ext = d / f"{name}.ext"
+    ext.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", "-extfile", str(ext),
+             cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    _ca(d, "ca")
+    _ca(d, "otherca")
+    _leaf(d, "agent", "ca", "IP:127.0.0.1,DNS:localhost")
+    _leaf(d, "client", "ca")
+    _leaf(d, "intruder", "otherca")
+    return d
+
+
+def test_mutual_tls_refuses_plaintext_foreign_ca_and_anonymous(pki: Path) -> None:
+    settings = (f'[server]\ntls_cert = "{pki}/agent.pem"\ntls_key = "{pki}/agent.key"\n'
+                f'tls_client_ca = "{pki}/ca.pem"\n')
+    with AgentProcess(settings) as agent:
+        good = TlsFiles(str(pki / "ca.pem"), str(pki / "client.pem"), str(pki / "client.key"))
+        with AgentClient(agent.address, tls=good) as client:
+            assert client.status().version
+        for tls in (None,
+                    TlsFiles(str(pki / "ca.pem"), str(pki / "intruder.pem"),
+                             str(pki / "intruder.key")),
+                    TlsFiles(str(pki / "ca.pem"))):
+            with pytest.raises(AgentUnavailable):
+                AgentClient(agent.address, tls=tls, connect_timeout=1.5)
+
+
+def test_unreadable_certificate_is_a_startup_error(tmp_path: Path) -> None:
+    agent = AgentProcess(f'[server]\ntls_cert = "{tmp_path}/none.pem"\n'
+                         f'tls_key = "{tmp_path}/none.key"\n')
+    with pytest.raises(RuntimeError, match=r"server\.tls_cert: .*none\.pem is not a readable"):
+        agent.start()
+
+
+def test_another_sessions_device_is_permission_denied(agent: AgentProcess) -> None:
+    with AgentClient(agent.address) as owner, AgentClient(agent.address) as other:
+        dev = owner.register_device(CpuReferenceDevice(), [SlotPoolSpec(1 << 16, 1)])
+        with pytest.raises(grpc.RpcError) as err:
+            other.stub.Acquire(pb.AcquireRequest(session_id=other.session_id,
+                                                 device_id=dev.device_id,
+                                                 key=pb.ExpertKey(model="m", layer=0, expert=0)))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_oversized_message_is_refused(agent: AgentProcess) -> None:
+    with AgentClient(agent.address) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.LoadModel(pb.LoadModelRequest(path="x" * (17 << 20)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
