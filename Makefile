@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
+	bash scripts/ensure_tools.sh
 	$(PY) -m pytest -m "not gpu" -q
 
 lint: $(STAMP)

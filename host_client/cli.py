@@ -6,7 +6,11 @@ import argparse
 import sys
 
 import grpc
+from rich.console import Group
+from rich.table import Table
 
+from dpu_offload.v1 import agent_pb2 as pb
+from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from host_client.checkpoints import ARCHS, CheckpointSpec, make_checkpoint
 
 
@@ -19,21 +23,48 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from dpu_offload.v1 import agent_pb2 as pb
-    from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
-
+def _fetch_status(args: argparse.Namespace) -> pb.StatusResponse:
     with grpc.insecure_channel(args.agent) as channel:
-        st = pb_grpc.DpuAgentStub(channel).GetStatus(pb.StatusRequest(), timeout=args.timeout)
+        return pb_grpc.DpuAgentStub(channel).GetStatus(pb.StatusRequest(), timeout=args.timeout)
+
+
+def render_status(st: pb.StatusResponse) -> Group:
+    """One screen of the agent's state as a rich renderable."""
     hit = st.cache_hits / max(1, st.cache_hits + st.cache_misses)
-    print(f"agent {st.version}  up {st.uptime_seconds:.0f} s  "
-          f"arena {st.arena_used_bytes / 2**20:.1f}/{st.arena_bytes / 2**20:.1f} MiB  "
-          f"cached {st.experts_cached}  hit rate {hit:.1%}  in flight {st.transfers_in_flight}")
+    head = Table.grid(padding=(0, 2))
+    head.add_row(f"agent {st.version}", f"up {st.uptime_seconds:.0f} s",
+                 f"arena {st.arena_used_bytes / 2**20:.1f}/{st.arena_bytes / 2**20:.1f} MiB",
+                 f"cached {st.experts_cached}", f"hit rate {hit:.1%}",
+                 f"in flight {st.transfers_in_flight}")
+    models = Table("model", "architecture", "experts", title="models", title_justify="left")
     for m in st.models:
-        print(f"model   {m.model:<24} {m.architecture:<12} {m.experts} experts")
-    for s in st.sessions:
-        print(f"session {s.session_id} {s.client_name:<16} devices {s.devices} regions "
-              f"{s.regions} ready slots {s.slots_ready} lease {s.lease_remaining_seconds:.1f} s")
+        models.add_row(m.model, m.architecture, str(m.experts))
+    sessions = Table("session", "client", "devices", "regions", "ready slots", "lease s",
+                     title="sessions", title_justify="left")
+    for x in st.sessions:
+        sessions.add_row(x.session_id, x.client_name, str(x.devices), str(x.regions),
+                         str(x.slots_ready), f"{x.lease_remaining_seconds:.1f}")
+    return Group(head, models, sessions)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    Console().print(render_status(_fetch_status(args)))
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.live import Live
+
+    n = 0
+    with Live(render_status(_fetch_status(args)), refresh_per_second=4) as live:
+        while args.iterations == 0 or n < args.iterations:
+            time.sleep(args.interval)
+            live.update(render_status(_fetch_status(args)))
+            n += 1
     return 0
 
 
@@ -72,9 +103,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_rebalance(args: argparse.Namespace) -> int:
-    from dpu_offload.v1 import agent_pb2 as pb
-    from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
-
     with grpc.insecure_channel(args.agent) as channel:
         r = pb_grpc.DpuAgentStub(channel).Rebalance(pb.RebalanceRequest(
             session_id=args.session, model=args.model, replicas=args.replicas),
@@ -110,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("top", help="the status screen, refreshed live")
+    p.add_argument("--agent", default="127.0.0.1:50051")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: never)")
+    p.set_defaults(fn=cmd_top)
     p = sub.add_parser("rebalance", help="re-plan a session's model from its reported routing")
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--session", required=True, help="session id (expertctl status lists them)")

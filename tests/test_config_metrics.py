@@ -127,3 +127,37 @@ def test_grpc_server_metrics_follow_grafana_names(agent: AgentProcess) -> None:
                  grpc_code="NOT_FOUND") >= 1
     assert value("grpc_server_handling_seconds_count", grpc_service=svc,
                  grpc_method="GetStatus") >= 1
+
+
+def test_grafana_dashboard_uses_only_exported_metrics(agent: AgentProcess) -> None:
+    import json
+    import re
+
+    dash = json.loads((EXAMPLE.parents[1] / "deploy" / "grafana" / "dpu-agent.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    exported |= {f.name for f in text_string_to_metric_families(text)}
+    functions = {"rate", "sum", "by", "clamp_min", "histogram_quantile", "le"}
+    for expr in exprs:
+        names = set(re.findall(r"\b([a-z_][a-z0-9_]*)\b(?![({]|\s*\()", re.sub(
+            r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]', "", expr))) - functions
+        names = {n for n in names if n.startswith(("dpu_agent_", "grpc_server_"))}
+        assert names, expr
+        for n in names:
+            assert n in exported, f"{n} (in {expr!r}) is not exported by the agent"
+
+
+def test_promtool_accepts_the_scrape(agent: AgentProcess) -> None:
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (Debian package prometheus) is not installed")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                  timeout=5).read()
+    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True)
+    assert res.returncode == 0, res.stdout.decode() + res.stderr.decode()

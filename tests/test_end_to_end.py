@@ -190,3 +190,23 @@ def test_stuck_consumer_is_an_error_not_a_hang(qwen_ckpt: Path) -> None:
         st = client.status()
         assert st.transfers_in_flight == 0
         assert all(s.slots_ready == 0 for s in st.sessions)
+
+
+def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
+    import subprocess
+    import sys
+
+    with AgentClient(agent.address, client_name="ctl-visible") as c:
+        c.load_model(str(qwen_ckpt), "qwen-ctl")
+        base = [sys.executable, "-m", "host_client.cli"]
+        out = subprocess.run([*base, "status", "--agent", agent.address], capture_output=True,
+                             text=True, env={"COLUMNS": "200", "PATH": ""})
+        assert out.returncode == 0, out.stderr
+        assert "ctl-visible" in out.stdout and "qwen-ctl" in out.stdout
+        top = subprocess.run([*base, "top", "--agent", agent.address, "--interval", "0.1",
+                              "--iterations", "2"], capture_output=True, text=True,
+                             env={"COLUMNS": "200", "PATH": ""})
+        assert top.returncode == 0 and "qwen-ctl" in top.stdout
+    down = subprocess.run([*base, "status", "--agent", "127.0.0.1:9", "--timeout", "0.5"],
+                          capture_output=True, text=True)
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
