@@ -140,21 +140,24 @@ def test_health_service_reports_serving(agent: AgentProcess) -> None:
 
 
 def test_expired_lease_reclaims_session(agent: AgentProcess, qwen_ckpt: Path) -> None:
-    c = AgentClient(agent.address, client_name="vanishing", lease_seconds=1)
-    model = c.load_model(str(qwen_ckpt), "qwen-lease")
-    dev = c.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
-    c.acquire(dev, ExpertKey("qwen-lease", 0, 0)).wait(10)
-    c._closed.set()  # the process "dies": no more keep-alives
     import time
 
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if c.session_id not in [s.session_id for s in c.status().sessions]:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("session not reclaimed after its lease")
-    c.close()
+    with AgentClient(agent.address) as observer:
+        baseline = observer.status()
+        for round_ in range(2):  # twice: the reaper must survive reclaiming a session
+            c = AgentClient(agent.address, client_name="vanishing", lease_seconds=1)
+            model = c.load_model(str(qwen_ckpt), "qwen-lease")
+            dev = c.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+            c.acquire(dev, ExpertKey("qwen-lease", 0, round_)).wait(10)
+            c._closed.set()  # the process "dies": no more keep-alives
+            deadline = time.monotonic() + 5
+            while c.session_id in [s.session_id for s in observer.status().sessions]:
+                assert time.monotonic() < deadline, "session not reclaimed after its lease"
+                time.sleep(0.1)
+            c.close()
+        after = observer.status()
+        assert after.transfers_in_flight == 0
+        assert len(after.sessions) == len(baseline.sessions)
 
 
 def test_report_routing_validates(client: AgentClient, qwen_ckpt: Path) -> None:

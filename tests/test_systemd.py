@@ -123,3 +123,27 @@ def test_json_logs_carry_request_ids(tmp_path: Path) -> None:
     opened = [x for x in lines if x.get("client") == "log-test"]
     assert opened and opened[0]["request_id"] != "-" and opened[0]["level"] == "INFO"
     assert all({"ts", "level", "logger", "msg", "request_id"} <= set(x) for x in lines)
+
+
+def test_sigterm_drains_then_cancels_and_exits_zero(qwen_ckpt: Path) -> None:
+    from dpu_offload.keys import ExpertKey
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec, TransferFailed
+    from host_client.client import AgentUnavailable
+    from host_client.launcher import AgentProcess
+
+    agent = AgentProcess("[server]\ndrain_grace_seconds = 1\n").start()
+    client = AgentClient(agent.address)
+    try:
+        model = client.load_model(str(qwen_ckpt), "drain")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        dev.device.stop()  # nothing will complete: the transfer stays in flight
+        handle = client.acquire(dev, ExpertKey("drain", 0, 0))
+        t0 = time.monotonic()
+        assert agent.stop(timeout=15) == 0
+        assert 0.9 < time.monotonic() - t0 < 10, "did not wait out the grace, or hung"
+        with pytest.raises((TransferFailed, AgentUnavailable)):
+            handle.wait(5)
+    finally:
+        client.close()
+        agent.kill()
+    assert "cancelled 1 transfers still in flight" in agent.log()

@@ -76,9 +76,9 @@ class SlotPool:
         return sum(1 for s in self.state if s == SlotState.READY)
 
 
-@dataclass
+@dataclass(eq=False)
 class Device:
-    """A GPU (or CPU reference device) registered by a session."""
+    """A GPU (or CPU reference device) registered by a session (compared by identity)."""
 
     device_id: int
     kind: int

@@ -154,9 +154,12 @@ class AgentServer:
             if interval and loop.time() >= next_rebalance:
                 next_rebalance = loop.time() + interval
                 await asyncio.to_thread(self.core.placements.rebalance_all)
-            for sid in await asyncio.to_thread(self.core.expire_sessions):
-                log.warning("session %s lease expired; its regions and slots are reclaimed",
-                            sid)
+            try:
+                for sid in await asyncio.to_thread(self.core.expire_sessions):
+                    log.warning("session %s lease expired; its regions and slots are "
+                                "reclaimed", sid)
+            except Exception:
+                log.exception("lease reaper: reclaiming failed")
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking work, let transfers in flight finish within ``grace`` seconds (the
@@ -177,19 +180,22 @@ class AgentServer:
         deadline = loop.time() + grace
         while self.core.tracker.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.01)
-        cancelled = self.core.tracker.cancel(lambda t: True)
-        if cancelled:
-            log.warning("stop: cancelled %d transfers still in flight after %.1f s",
-                        len(cancelled), grace)
-        self.core.persist()
-        for s in list(self.core.sessions.values()):
-            s.events.close()
-        await self.server.stop(grace)
-        self.core.shutdown()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-        self.server = None
-        self._stopped.set()
+        try:
+            cancelled = self.core.tracker.cancel(lambda t: True)
+            if cancelled:
+                log.warning("stop: cancelled %d transfers still in flight after %.1f s",
+                            len(cancelled), grace)
+            self.core.persist()
+            for s in list(self.core.sessions.values()):
+                s.events.close()
+            await self.server.stop(grace)
+            self.core.shutdown()
+        finally:
+            # Whatever failed above was logged by the task; the process must still exit.
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+            self.server = None
+            self._stopped.set()
 
     async def wait(self) -> None:
         await self._stopped.wait()
