@@ -81,3 +81,28 @@ def test_oversized_message_is_refused(agent: AgentProcess) -> None:
         with pytest.raises(grpc.RpcError) as err:
             client.stub.LoadModel(pb.LoadModelRequest(path="x" * (17 << 20)), timeout=10)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_calls_beyond_the_session_bound_are_resource_exhausted(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from dpu_offload.keys import ExpertKey
+    from host_client.checkpoints import CheckpointSpec, make_checkpoint
+
+    root = make_checkpoint(tmp_path / "big", CheckpointSpec("qwen3-moe", layers=1, experts=8,
+                                                            hidden=2048, intermediate=1536))
+    with AgentProcess('[sessions]\nmax_concurrent_rpcs = 1\n[arena]\nbytes = "512MiB"\n'
+                      ) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(root), "big")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 8)])
+        slow = threading.Thread(target=lambda: client.acquire_batch(
+            dev, [ExpertKey("big", 0, e) for e in range(8)]))  # cold fills: hundreds of ms
+        slow.start()
+        time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as err:
+            client.acquire(dev, ExpertKey("big", 0, 0))
+        slow.join()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_concurrent_rpcs" in err.value.details()
+        client.acquire(dev, ExpertKey("big", 0, 1)).wait(10)  # the bound frees up again
