@@ -8,7 +8,7 @@ PROTO := proto/dpu_offload/v1/agent.proto
 WHEELS := pyzmq==27.3.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
           grpcio-reflection==1.85.1 protobuf==7.36.2
 
-.PHONY: demo test lint proto gpu-check bench wheels clean
+.PHONY: demo test test-arm64 lint proto gpu-check bench wheels clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found" >&2; exit 1; }
@@ -23,6 +23,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	bash scripts/ensure_tools.sh
 	$(PY) -m pytest -m "not gpu" -q
+
+# The agent as an aarch64 process under qemu-aarch64, the x86 host client against it.
+test-arm64: $(STAMP)
+	bash scripts/arm64_env.sh
+	DPU_TEST_ARM64=1 $(PY) -m pytest -q tests/arm64
+	$(PY) bench/arm64.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -20,7 +20,7 @@ class AgentProcess:
     """
 
     def __init__(self, settings: str = "", env: dict[str, str] | None = None,
-                 startup_timeout: float = 30.0) -> None:
+                 startup_timeout: float = 30.0, interpreter: list[str] | None = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="dpu-agent-")
         root = Path(self._dir.name)
         self.config_path = root / "agent.toml"
@@ -31,6 +31,7 @@ class AgentProcess:
         self.env = {**os.environ, "DPU_AGENT_SERVER_LISTEN_ADDRESS": "127.0.0.1:0",
                     **(env or {})}
         self.startup_timeout = startup_timeout
+        self.interpreter = interpreter or [sys.executable]
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.metrics_port = 0
@@ -43,7 +44,7 @@ class AgentProcess:
         self.ready_file.unlink(missing_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dpu_agent.cli", "serve", "--config", str(self.config_path),
+            [*self.interpreter, "-m", "dpu_agent.cli", "serve", "--config", str(self.config_path),
              "--ready-file", str(self.ready_file)], stdout=log, stderr=subprocess.STDOUT,
             env=self.env)
         log.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
+
+collect_ignore = [] if os.environ.get("DPU_TEST_ARM64") else ["arm64"]
+"""tests/arm64 needs the aarch64 environment; `make test-arm64` builds it and runs them."""
 
 
 @pytest.fixture(scope="session")
