@@ -122,6 +122,8 @@ class CpuReferenceDevice(Device):
         self.memory: dict[int, np.ndarray] = {}
         self._thread: threading.Thread | None = None
         self._kernel: ReceiveKernel | None = None
+        self._running = threading.Event()
+        self._running.set()
 
     def _map_arena(self, arena: SharedBuffer, region_id: int) -> int:
         self.memory[region_id] = arena.array
@@ -147,11 +149,20 @@ class CpuReferenceDevice(Device):
         assert self._kernel is not None and self.work is not None
         idle = 0
         while not self.work.exit_requested:
+            if not self._running.wait(0.01):
+                continue
             if self._kernel.poll():
                 idle = 0
                 continue
             idle += 1
             time.sleep(0 if idle < 100 else 0.0002 if idle < 5000 else 0.002)
+
+    def pause(self) -> None:
+        """Stop consuming (descriptors stay in the ring: the producer is held back)."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
 
     def check(self) -> None:
         super().check()

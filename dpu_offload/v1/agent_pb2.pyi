@@ -417,7 +417,7 @@ class ModelStatus(_message.Message):
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., experts: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "sessions", "models", "arena_bytes", "arena_used_bytes", "experts_cached", "cache_hits", "cache_misses", "transfers_in_flight")
+    __slots__ = ("version", "uptime_seconds", "sessions", "models", "arena_bytes", "arena_used_bytes", "experts_cached", "cache_hits", "cache_misses", "transfers_in_flight", "arena_pins")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +428,7 @@ class StatusResponse(_message.Message):
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PINS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
@@ -438,4 +439,5 @@ class StatusResponse(_message.Message):
     cache_hits: int
     cache_misses: int
     transfers_in_flight: int
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., experts_cached: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ...) -> None: ...
+    arena_pins: int
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., experts_cached: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., arena_pins: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,107 @@
+"""Faults on purpose: corrupted arena bytes are caught and refetched, a consumer that stops
+reading holds producers back without losing anything, a killed host process is reclaimed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dpu_offload.keys import ExpertKey
+from gpu_kernels.shm import SharedBuffer
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.launcher import AgentProcess
+from tests.conftest import checkpoint_bytes
+
+
+def _metric(agent: AgentProcess, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+def _names(key: ExpertKey) -> dict[str, str]:
+    base = f"model.layers.{key.layer}.mlp.experts.{key.expert}"
+    return {r: f"{base}.{r}.weight" for r in ("gate_proj", "up_proj", "down_proj")}
+
+
+def test_corrupted_arena_is_caught_refetched_and_counted(qwen_ckpt: Path) -> None:
+    truth = checkpoint_bytes(qwen_ckpt)
+    settings = ('[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n'
+                '[transfer]\nchunk_bytes = 65536\n')
+    with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qc")
+        a = client.register_device(CpuReferenceDevice(0), [SlotPoolSpec(model.expert_bytes, 4)])
+        key = ExpertKey("qc", 1, 2)
+        client.acquire(a, key).wait(10)  # now resident in the arena
+        arena = SharedBuffer(client.arena.shm_name, client.arena.size_bytes)
+        before = _metric(agent, "dpu_agent_checksum_failures_total")
+        # Flip bits in every used 64 KiB chunk of the arena (all resident experts).
+        used = int(_metric(agent, "dpu_agent_arena_used_bytes"))
+        arena.array[:used:65536] ^= 0x5A
+        b = client.register_device(CpuReferenceDevice(1), [SlotPoolSpec(model.expert_bytes, 4)])
+        slot = client.acquire(b, key).wait(20)
+        for role, name in _names(key).items():
+            assert slot.raw(role).tobytes() == truth[name], role
+        assert _metric(agent, "dpu_agent_checksum_failures_total") >= before + 1
+        arena.close()
+
+
+def test_stalled_consumer_holds_producers_back_and_loses_nothing(qwen_ckpt: Path) -> None:
+    truth = checkpoint_bytes(qwen_ckpt)
+    with AgentProcess('[transfer]\nchunk_bytes = 16384\n') as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qs")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 18)],
+                                     ring_capacity=8)
+        dev.device.pause()
+        keys = [ExpertKey("qs", layer, e) for layer in model.moe_layers for e in range(6)]
+        handles = client.acquire_batch(dev, keys)  # far more chunks than 8 ring entries
+        time.sleep(0.3)
+        assert not any(h.done() for h in handles)
+        assert dev.work.ring.produced - dev.work.ring.header["consumer"] <= 8, "overwrite"
+        dev.device.resume()
+        for h in handles:
+            slot = h.wait(30)
+            for role, name in _names(slot.key).items():
+                assert slot.raw(role).tobytes() == truth[name]
+
+
+def test_killed_host_process_is_reclaimed(qwen_ckpt: Path, tmp_path: Path) -> None:
+    with AgentProcess('[sessions]\ndefault_lease_seconds = 1\n') as agent, \
+            AgentClient(agent.address) as observer:
+        host = textwrap.dedent(f"""
+            import sys, time
+            sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+            from dpu_offload.keys import ExpertKey
+            from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+            c = AgentClient({agent.address!r}, client_name="doomed")
+            m = c.load_model({str(qwen_ckpt)!r}, "qk")
+            d = c.register_device(CpuReferenceDevice(), [SlotPoolSpec(m.expert_bytes, 4)])
+            for e in range(3):
+                c.acquire(d, ExpertKey("qk", 0, e)).wait(10)
+            d.device.pause()
+            c.acquire(d, ExpertKey("qk", 0, 3))  # left in flight, its arena blob pinned
+            print("held", flush=True)
+            time.sleep(60)
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", host], stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "held"
+        st = observer.status()
+        assert any(s.client_name == "doomed" for s in st.sessions)
+        assert st.transfers_in_flight == 1 and st.arena_pins == 1
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(s.client_name == "doomed" for s in observer.status().sessions):
+            assert time.monotonic() < deadline, "killed host's session not reclaimed"
+            time.sleep(0.1)
+        st = observer.status()
+        assert st.transfers_in_flight == 0 and st.arena_pins == 0
