@@ -8,7 +8,7 @@ PROTO := proto/dpu_offload/v1/agent.proto
 WHEELS := pyzmq==27.3.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
           grpcio-reflection==1.85.1 protobuf==7.36.2
 
-.PHONY: demo test test-arm64 lint proto gpu-check bench wheels clean
+.PHONY: demo test test-arm64 fuzz lint proto gpu-check bench wheels clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found" >&2; exit 1; }
@@ -29,6 +29,11 @@ test-arm64: $(STAMP)
 	bash scripts/arm64_env.sh
 	DPU_TEST_ARM64=1 $(PY) -m pytest -q tests/arm64
 	$(PY) bench/arm64.py
+
+# At least 10,000 examples per fuzz target, bounded to 30 minutes.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz timeout 1800 $(PY) -m pytest -q -p no:randomly tests/fuzz \
+	  --junitxml=bench/results/fuzz-junit.xml
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

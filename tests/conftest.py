@@ -7,9 +7,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
+
+settings.register_profile("ci", max_examples=60)
+settings.register_profile("fuzz", max_examples=10_000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 collect_ignore = [] if os.environ.get("DPU_TEST_ARM64") else ["arm64"]
 """tests/arm64 needs the aarch64 environment; `make test-arm64` builds it and runs them."""

@@ -1,0 +1,184 @@
+"""Property-based fuzzing (hypothesis): every RPC with valid-looking and hostile requests,
+descriptors against the receive kernel's CPU twin, safetensors headers and index files.
+
+Invariants: no crash, only documented status codes, no write outside a region (guard bytes),
+and a refused request changes nothing. ``make test`` runs the short profile; ``make fuzz``
+runs at least 10,000 examples per target (HYPOTHESIS_PROFILE=fuzz).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpu_agent.weights.catalog import build_catalog
+from dpu_agent.weights.layouts import LayoutError
+from dpu_agent.weights.safetensors_file import CheckpointError, read_header
+from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import abi
+from gpu_kernels.reference import ReceiveKernel
+from gpu_kernels.ring import Ring
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.launcher import AgentProcess
+
+DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS}
+FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                      HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def live(qwen_ckpt: Path) -> Iterator[tuple[AgentProcess, AgentClient, object]]:
+    with AgentProcess('[arena]\nbytes = "32MiB"\n[sessions]\nmax_lease_seconds = 60\n'
+                      ) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "fz")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 4)])
+        yield agent, client, dev
+
+
+texts = st.one_of(st.just(""), st.just("fz"), st.just("nope"), st.text(max_size=80))
+u32 = st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1))
+u64 = st.one_of(st.integers(0, 1 << 20), st.integers(0, 2**64 - 1))
+keys = st.builds(pb.ExpertKey, model=texts, layer=u32, expert=u32)
+
+
+def session_ids(client: AgentClient) -> st.SearchStrategy[str]:
+    return st.one_of(st.just(client.session_id), texts)
+
+
+def requests(client: AgentClient) -> st.SearchStrategy[tuple[str, object]]:
+    sid = session_ids(client)
+    return st.one_of(
+        st.tuples(st.just("Acquire"), st.builds(pb.AcquireRequest, session_id=sid,
+                                                device_id=u32, key=keys)),
+        st.tuples(st.just("AcquireBatch"), st.builds(
+            pb.AcquireBatchRequest, session_id=sid, device_id=u32,
+            keys=st.lists(keys, max_size=4))),
+        st.tuples(st.just("Prefetch"), st.builds(pb.PrefetchRequest, session_id=sid,
+                                                 device_id=u32, keys=st.lists(keys, max_size=4))),
+        st.tuples(st.just("Release"), st.builds(pb.ReleaseRequest, session_id=sid,
+                                                device_id=u32, key=keys)),
+        st.tuples(st.just("RegisterRegion"), st.builds(
+            pb.RegisterRegionRequest, session_id=sid, device_id=u32,
+            kind=st.integers(0, 7), size_bytes=u64, shm_name=texts, slot_bytes=u64,
+            slot_count=u32, cuda_ipc_handle=st.binary(max_size=80))),
+        st.tuples(st.just("RegisterDevice"), st.builds(
+            pb.RegisterDeviceRequest, session_id=st.one_of(texts), kind=st.integers(0, 5),
+            ordinal=u32, name=texts)),
+        st.tuples(st.just("DeregisterRegion"), st.builds(pb.RegionRef, session_id=sid,
+                                                         region_id=u32)),
+        st.tuples(st.just("LoadModel"), st.builds(pb.LoadModelRequest, path=texts,
+                                                  name=texts)),
+        st.tuples(st.just("ReportRouting"), st.builds(
+            pb.ReportRoutingRequest, session_id=sid, model=texts,
+            steps=st.lists(st.builds(pb.RoutingStep, layer=u32,
+                                     experts=st.lists(u32, max_size=4),
+                                     tokens=st.lists(u32, max_size=4)), max_size=3),
+            prefetch_top_k=st.integers(0, 3), prefetch_device_id=u32)),
+        st.tuples(st.just("ApplyPlacement"), st.builds(
+            pb.ApplyPlacementRequest, session_id=sid, model=texts,
+            layers=st.lists(st.builds(pb.LayerPlacement, experts=st.lists(
+                st.builds(pb.DeviceList, device_ids=st.lists(u32, max_size=3)), max_size=7)),
+                max_size=4))),
+        st.tuples(st.just("Rebalance"), st.builds(pb.RebalanceRequest, session_id=sid,
+                                                  model=texts, replicas=u32)),
+        st.tuples(st.just("CreateSession"), st.builds(
+            pb.CreateSessionRequest, client_name=texts,
+            lease_seconds=st.integers(1000, 2**32 - 1))),
+    )
+
+
+def _fingerprint(client: AgentClient) -> tuple:
+    st_ = client.status()
+    return (len(st_.sessions), sorted(m.model for m in st_.models), st_.transfers_in_flight)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_rpcs(live, data: st.DataObject) -> None:
+    agent, client, _ = live
+    name, request = data.draw(requests(client))
+    before = _fingerprint(client)
+    try:
+        getattr(client.stub, name)(request, timeout=30)
+        code = grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        code = exc.code()
+        assert exc.details(), f"{name}: refusal without a message"
+    assert code in DOCUMENTED, (name, code)
+    assert agent.proc.poll() is None, "the agent died"
+    if code != grpc.StatusCode.OK:
+        assert _fingerprint(client) == before, f"{name} refused but changed state"
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 70), st.integers(0, 70),
+                          st.integers(0, (1 << 16) + 64), st.integers(0, (1 << 16) + 64),
+                          st.integers(0, 1 << 12), st.booleans()), min_size=1, max_size=24))
+def test_fuzz_descriptors_against_cpu_twin(descs: list[tuple]) -> None:
+    size, guard = 1 << 16, 256
+    src = np.random.default_rng(len(descs)).integers(0, 256, size, np.uint8)
+    dst_full = np.full(size + 2 * guard, 0xA5, np.uint8)
+    regions = np.zeros(abi.MAX_REGIONS, abi.REGION_DTYPE)
+    regions[0] = (src.ctypes.data, size, abi.RegionFlags.READABLE, 0)
+    regions[1] = (dst_full.ctypes.data + guard, size, 3, 0)
+    memory = {0: src, 1: dst_full[guard:]}
+    work = Ring.format(np.zeros(abi.ring_bytes(32, 64), np.uint8), abi.RingKind.WORK, 32)
+    comp = Ring.format(np.zeros(abi.ring_bytes(32, 32), np.uint8), abi.RingKind.COMPLETION, 32)
+    kernel = ReceiveKernel(work, comp, regions, memory)
+    for i, (op, sreg, dreg, so, do, length, verify) in enumerate(descs):
+        work.push({"transfer_id": i, "opcode": op, "src_region": sreg, "dst_region": dreg,
+                   "src_offset": so, "dst_offset": do, "length": length,
+                   "flags": int(verify), "checksum": 0, "position": so % (1 << 31)})
+        assert kernel.poll()
+        rec = comp.pop()
+        assert rec is not None and int(rec["status"]) in set(abi.Status)
+    assert (dst_full[:guard] == 0xA5).all() and (dst_full[guard + size:] == 0xA5).all()
+
+
+@FUZZ
+@given(header=st.one_of(st.binary(max_size=64), st.dictionaries(
+    st.text(max_size=12), st.one_of(
+        st.fixed_dictionaries({"dtype": st.sampled_from(["BF16", "F32", "F8_E4M3", "X", 3]),
+                               "shape": st.lists(st.integers(-2, 64), max_size=3),
+                               "data_offsets": st.lists(st.integers(-8, 600), max_size=3)}),
+        st.integers(), st.text(max_size=8)), max_size=4)),
+    body=st.binary(max_size=512), declared=st.one_of(st.none(), st.integers(0, 1 << 40)))
+def test_fuzz_safetensors_headers(tmp_path_factory: pytest.TempPathFactory, header, body: bytes,
+                                  declared: int | None) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    length = len(raw) if declared is None else declared
+    path = tmp_path_factory.mktemp("st") / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", length) + raw + body)
+    try:
+        tensors, size = read_header(path)
+    except CheckpointError as exc:
+        assert str(path) in str(exc)
+        return
+    for t in tensors.values():
+        assert 0 <= t.start and t.start + t.nbytes <= size
+
+
+@FUZZ
+@given(weight_map=st.one_of(st.dictionaries(st.text(max_size=60), st.one_of(
+    st.text(max_size=20), st.integers(), st.just("model-00001-of-00001.safetensors")),
+    max_size=6), st.text(max_size=20), st.none()), config=st.one_of(
+    st.just({"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 1,
+             "hidden_size": 8, "moe_intermediate_size": 8}),
+    st.dictionaries(st.text(max_size=10), st.one_of(st.integers(-3, 5), st.text(max_size=5)),
+                    max_size=4)))
+def test_fuzz_index_files(tmp_path_factory: pytest.TempPathFactory, weight_map, config) -> None:
+    root = tmp_path_factory.mktemp("idx")
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises((CheckpointError, LayoutError)):
+        build_catalog(root)
