@@ -1,0 +1,126 @@
+"""Load: many concurrent clients doing acquire / release against a small arena that forces
+constant eviction, for a bounded time. Reports RPC latency (acquire to verified slot, p50 /
+p99), errors (must be 0), deadlocks (a client without progress for --stall seconds; must be
+0) and the agent's resident memory over time (must not grow). --soak runs longer.
+
+Activation traffic is not part of it yet (the activation path, issue 6, does not exist).
+
+Usage: python bench/load.py [--clients 64] [--seconds 20] [--soak] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import envelope, pct, write
+from dpu_offload.keys import ExpertKey
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from host_client.launcher import AgentProcess
+
+LAYERS, EXPERTS = 4, 32
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
+    with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
+        root = make_checkpoint(Path(tmp) / "m", CheckpointSpec(
+            "qwen3-moe", layers=LAYERS, experts=EXPERTS, hidden=256, intermediate=128))
+        # ~80 experts fit the arena, 128 exist: every few acquires evict.
+        with AgentProcess('[arena]\nbytes = "16MiB"\n[sessions]\nmax_concurrent_rpcs = 8\n'
+                          ) as agent:
+            boot = AgentClient(agent.address)
+            model = boot.load_model(str(root), "m")
+            latencies: list[float] = []
+            errors: list[str] = []
+            progress = [time.monotonic()] * clients
+            stop = threading.Event()
+            lock = threading.Lock()
+
+            def client(i: int) -> None:
+                rng = random.Random(i)
+                try:
+                    with AgentClient(agent.address, client_name=f"load-{i}") as c:
+                        dev = c.register_device(CpuReferenceDevice(i),
+                                                [SlotPoolSpec(model.expert_bytes, 2)],
+                                                ring_capacity=64)
+                        while not stop.is_set():
+                            key = ExpertKey("m", rng.randrange(LAYERS), rng.randrange(EXPERTS))
+                            t0 = time.perf_counter()
+                            c.acquire(dev, key).wait(60)
+                            dt = time.perf_counter() - t0
+                            c.release(dev, key)
+                            with lock:
+                                latencies.append(dt)
+                            progress[i] = time.monotonic()
+                except Exception as exc:  # noqa: BLE001 - every failure is counted
+                    with lock:
+                        errors.append(f"client {i}: {type(exc).__name__}: {exc}")
+
+            threads = [threading.Thread(target=client, args=(i,), daemon=True)
+                       for i in range(clients)]
+            for t in threads:
+                t.start()
+            samples, deadlocked = [], set()
+            t_end = time.monotonic() + seconds
+            while time.monotonic() < t_end:
+                time.sleep(1.0)
+                now = time.monotonic()
+                samples.append((round(seconds - (t_end - now), 1), rss_bytes(agent.proc.pid)))
+                deadlocked |= {i for i, p in enumerate(progress) if now - p > stall}
+            stop.set()
+            for t in threads:
+                t.join(60)
+            deadlocked |= {i for i, t in enumerate(threads) if t.is_alive()}
+            alive = agent.proc.poll() is None
+            boot.close()
+    rss = [r for _, r in samples]
+    q = max(1, len(rss) // 4)
+    growth = (sum(rss[-q:]) / q) / max(1, sum(rss[q:2 * q]) / q) - 1 if len(rss) >= 4 else 0.0
+    return {"clients": clients, "seconds": seconds, "requests": len(latencies),
+            "requests_per_second": len(latencies) / seconds,
+            "p50_ms": pct(latencies, 50) * 1e3, "p99_ms": pct(latencies, 99) * 1e3,
+            "errors": len(errors), "error_samples": errors[:5],
+            "deadlocks": len(deadlocked), "agent_alive": alive,
+            "rss_samples": samples, "rss_growth_late_vs_early": growth}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--soak", action="store_true", help="run for 10 minutes")
+    ap.add_argument("--stall", type=float, default=15.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    seconds = 600.0 if args.soak else args.seconds
+    r = run(args.clients, seconds, args.stall)
+    print(f"{r['clients']} clients, {r['seconds']:.0f} s: {r['requests']} acquires "
+          f"({r['requests_per_second']:.0f}/s), p50 {r['p50_ms']:.2f} ms, p99 "
+          f"{r['p99_ms']:.2f} ms, errors {r['errors']}, deadlocks {r['deadlocks']}, agent RSS "
+          f"growth {r['rss_growth_late_vs_early']:+.1%}", file=sys.stderr)
+    path = write("load", envelope("load", r, command="python bench/load.py " +
+                                  " ".join(sys.argv[1:])), "-soak" if args.soak else "")
+    print(json.dumps(r) if args.json else f"wrote {path}")
+    ok = r["errors"] == 0 and r["deadlocks"] == 0 and r["agent_alive"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
