@@ -70,6 +70,8 @@ class AttachedDevice:
     rx: SharedRing
     tx: SharedRing
     pools: dict[int, SlotPoolSpec] = field(default_factory=dict)
+    specs: list[SlotPoolSpec] = field(default_factory=list)
+    ring_capacity: int = 1024
 
 
 class AcquireHandle:
@@ -118,27 +120,29 @@ class AgentClient:
         self.rpc_timeout = rpc_timeout
         self.channel = (grpc.secure_channel(address, tls.credentials()) if tls is not None
                         else grpc.insecure_channel(address))
+        ready = grpc.channel_ready_future(self.channel)
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)
+            ready.result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
+            ready.cancel()
             self.channel.close()
             raise AgentUnavailable(f"no agent answers at {address} "
                                    f"(waited {connect_timeout} s)") from None
         self.stub = pb_grpc.DpuAgentStub(self.channel)
-        resp = self.stub.CreateSession(pb.CreateSessionRequest(client_name=client_name,
-                                                               lease_seconds=lease_seconds),
-                                          timeout=rpc_timeout)
-        self.session_id = resp.session_id
-        self.lease_seconds = resp.lease_seconds
-        self.arena = resp.arena
-        self._ref = pb.SessionRef(session_id=self.session_id)
+        self.client_name = client_name
+        self._lease_request = lease_seconds
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future[ExpertSlot], ExpertSlot]] = {}
         self._early: dict[int, pb.TransferDone] = {}
         self._placements: dict[int, pb.PlacementProgress] = {}
+        self._models: dict[str, str] = {}
         self._closed = threading.Event()
+        self.reconnected = threading.Event()
+        """Set each time the client has re-created its session after the agent came back."""
+        self.generation = 0
+        """Sessions this client has had minus one (0 until the first reconnect)."""
         self.devices: dict[int, AttachedDevice] = {}
-        self._events = self.stub.Events(self._ref)
+        self._open_session()
         self._event_thread = threading.Thread(target=self._event_loop, name="agent-events",
                                               daemon=True)
         self._event_thread.start()
@@ -146,16 +150,36 @@ class AgentClient:
                                            daemon=True)
         self._keepalive.start()
 
+    def _open_session(self) -> None:
+        resp = self.stub.CreateSession(pb.CreateSessionRequest(
+            client_name=self.client_name, lease_seconds=self._lease_request),
+            timeout=self.rpc_timeout)
+        self.session_id = resp.session_id
+        self.lease_seconds = resp.lease_seconds
+        self.arena = resp.arena
+        self._ref = pb.SessionRef(session_id=self.session_id)
+        self._events = self.stub.Events(self._ref)
+
     # -- models and devices ----------------------------------------------------------------
     def load_model(self, path: str, name: str = "") -> pb.LoadModelResponse:
-        return self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
+        resp = self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
                                    timeout=self.rpc_timeout)
+        self._models[resp.model] = path  # reloaded if the agent restarts
+        return resp
 
     def register_device(self, device: Device, pools: list[SlotPoolSpec],
                         ring_capacity: int = 1024) -> AttachedDevice:
         """Register a device, its slot pools and its rings; starts its consumer."""
         if not pools:
             raise ValueError("register_device needs at least one slot pool")
+        attached = self._attach(device, list(pools), ring_capacity)
+        self.devices[attached.device_id] = attached
+        return attached
+
+    def _attach(self, device: Device, specs: list[SlotPoolSpec], ring_capacity: int,
+                into: AttachedDevice | None = None) -> AttachedDevice:
+        """Register ``device`` in the current session with fresh rings and pools; with
+        ``into``, refill that record (a re-registration after the agent restarted)."""
         resp = self.stub.RegisterDevice(pb.RegisterDeviceRequest(
             session_id=self.session_id, kind=device.kind, ordinal=device.ordinal,
             name=device.name, memory_bytes=device.memory_bytes), timeout=self.rpc_timeout)
@@ -163,10 +187,14 @@ class AgentClient:
         completion = SharedRing(abi.RingKind.COMPLETION, ring_capacity)
         rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
         tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
-        attached = AttachedDevice(resp.device_id, device, work, completion, rx, tx)
+        attached = into or AttachedDevice(resp.device_id, device, work, completion, rx, tx,
+                                          specs=specs, ring_capacity=ring_capacity)
+        attached.device_id = resp.device_id
+        attached.work, attached.completion, attached.rx, attached.tx = work, completion, rx, tx
+        attached.pools = {}
         device.attach(self.arena.shm_name, self.arena.size_bytes, self.arena.region_id,
                       work.ring, completion.ring)
-        for spec in pools:
+        for spec in specs:
             nbytes = spec.slot_bytes * spec.slot_count
             memory = device.allocate(nbytes)
             rid = self.stub.RegisterRegion(pb.RegisterRegionRequest(
@@ -186,8 +214,14 @@ class AgentClient:
             self.stub.RegisterRegion(pb.RegisterRegionRequest(
                 session_id=self.session_id, device_id=resp.device_id, kind=kind,
                 size_bytes=ring.size, shm_name=ring.name), timeout=self.rpc_timeout)
-        self.devices[resp.device_id] = attached
         return attached
+
+    @staticmethod
+    def _detach(dev: AttachedDevice) -> None:
+        dev.device.stop()
+        dev.device.close()
+        for ring in (dev.work, dev.completion, dev.rx, dev.tx):
+            ring.close()
 
     # -- experts ---------------------------------------------------------------------------
     def _slot(self, dev: AttachedDevice, resp: pb.AcquireResponse) -> ExpertSlot:
@@ -282,23 +316,57 @@ class AgentClient:
                                              f"completed with {done.status}"))
 
     def _event_loop(self) -> None:
-        try:
-            for event in self._events:
-                if event.HasField("placement_progress"):
-                    with self._lock:
-                        self._placements[event.placement_progress.placement_id] = \
-                            event.placement_progress
-                if event.HasField("transfer_done"):
-                    done = event.transfer_done
-                    with self._lock:
-                        entry = self._pending.pop(done.transfer_id, None)
-                        if entry is None:
-                            self._early[done.transfer_id] = done
-                    if entry is not None:
-                        self._resolve(entry[0], entry[1], done)
-        except grpc.RpcError as exc:
-            if not self._closed.is_set():
-                self._fail_all(AgentUnavailable(f"agent event stream ended: {exc.code().name}"))
+        while not self._closed.is_set():
+            try:
+                for event in self._events:
+                    self._on_event(event)
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                self._fail_all(AgentUnavailable(f"agent event stream ended: "
+                                                f"{exc.code().name}"))
+                self._recover()
+
+    def _on_event(self, event: pb.Event) -> None:
+        if event.HasField("placement_progress"):
+            with self._lock:
+                self._placements[event.placement_progress.placement_id] = \
+                    event.placement_progress
+        if event.HasField("transfer_done"):
+            done = event.transfer_done
+            with self._lock:
+                entry = self._pending.pop(done.transfer_id, None)
+                if entry is None:
+                    self._early[done.transfer_id] = done
+            if entry is not None:
+                self._resolve(entry[0], entry[1], done)
+
+    def _recover(self) -> None:
+        """The agent went away: wait for it, open a new session, reload the models this
+        client loaded and re-register every device with fresh rings and pools. Slots held
+        before are gone (their acquires failed with AgentUnavailable)."""
+        self.reconnected.clear()
+        while not self._closed.is_set():
+            ready = grpc.channel_ready_future(self.channel)
+            try:
+                ready.result(timeout=1.0)
+                self._open_session()
+                for name, path in list(self._models.items()):
+                    self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
+                                        timeout=self.rpc_timeout)
+                old, self.devices = list(self.devices.values()), {}
+                for dev in old:
+                    self._detach(dev)
+                    self._attach(dev.device, dev.specs, dev.ring_capacity, into=dev)
+                    self.devices[dev.device_id] = dev
+                with self._lock:
+                    self._early.clear()
+                self.generation += 1
+                self.reconnected.set()
+                return
+            except (grpc.FutureTimeoutError, grpc.RpcError):
+                ready.cancel()
+                self._closed.wait(0.2)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
@@ -326,10 +394,7 @@ class AgentClient:
             pass
         self._events.cancel()
         for dev in self.devices.values():
-            dev.device.stop()
-            dev.device.close()
-            for ring in (dev.work, dev.completion, dev.rx, dev.tx):
-                ring.close()
+            self._detach(dev)
         self._fail_all(AgentUnavailable("client closed"))
         self.channel.close()
 

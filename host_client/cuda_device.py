@@ -283,4 +283,7 @@ class CudaDevice(Device):
             for address in self._registered:
                 rt.hostUnregister(address)
         self._registered.clear()
+        self._pools.clear()
+        self._done_event = None
+        self._copier = None
         super().close()

@@ -105,9 +105,12 @@ class Device(ABC):
         """Make the region table visible to the consumer (a device copy on GPUs)."""
 
     def close(self) -> None:
+        """Unmap the arena and forget every region; the device can be attached again."""
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        self.regions[:] = 0
+        self.work = self.completion = None
 
 
 class CpuReferenceDevice(Device):
@@ -142,6 +145,7 @@ class CpuReferenceDevice(Device):
     def start(self) -> None:
         assert self.work is not None and self.completion is not None, "attach first"
         self._kernel = ReceiveKernel(self.work, self.completion, self.regions, self.memory)
+        self._running.set()
         self._thread = threading.Thread(target=self._run, name="cpu-receive", daemon=True)
         self._thread.start()
 
@@ -178,3 +182,7 @@ class CpuReferenceDevice(Device):
         if self._thread.is_alive():
             raise DeviceFault("cpu-reference: receive thread did not exit")
         self._thread = None
+
+    def close(self) -> None:
+        super().close()
+        self.memory.clear()

@@ -10,6 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpu_offload.keys import ExpertKey
@@ -105,3 +106,38 @@ def test_killed_host_process_is_reclaimed(qwen_ckpt: Path, tmp_path: Path) -> No
             time.sleep(0.1)
         st = observer.status()
         assert st.transfers_in_flight == 0 and st.arena_pins == 0
+
+
+def test_agent_sigkill_client_notices_fails_and_recovers(qwen_ckpt: Path) -> None:
+    from host_client import AgentUnavailable
+
+    truth = checkpoint_bytes(qwen_ckpt)
+    first = AgentProcess().start()
+    port_env = {"DPU_AGENT_SERVER_LISTEN_ADDRESS": f"127.0.0.1:{first.port}"}
+    client = AgentClient(first.address, rpc_timeout=10)
+    second = None
+    try:
+        model = client.load_model(str(qwen_ckpt), "qr")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 6)])
+        client.acquire(dev, ExpertKey("qr", 0, 0)).wait(10)
+        dev.device.pause()  # keep the next transfers in flight
+        in_flight = client.acquire_batch(dev, [ExpertKey("qr", 1, e) for e in range(3)])
+        first.kill()
+        t0 = time.monotonic()
+        for h in in_flight:
+            with pytest.raises(AgentUnavailable):
+                h.wait(5)
+        assert time.monotonic() - t0 < 1.0, "the client took over 1 s to notice"
+        second = AgentProcess(env=port_env).start()
+        assert client.reconnected.wait(20), "the client did not reconnect on its own"
+        assert client.generation == 1
+        # Re-registered device, reloaded model: every slot verified against the checkpoint.
+        keys = [ExpertKey("qr", layer, e) for layer in model.moe_layers for e in range(2)]
+        for slot in (h.wait(10) for h in client.acquire_batch(dev, keys)):
+            for role, name in _names(slot.key).items():
+                assert slot.raw(role).tobytes() == truth[name], (slot.key, role)
+    finally:
+        client.close()
+        first.kill()
+        if second is not None:
+            second.stop()
