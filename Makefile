@@ -1,4 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each builds .venv from nothing.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PROTO := proto/dpu_offload/v1/agent.proto
 WHEELS := pyzmq==27.3.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
           grpcio-reflection==1.85.1 protobuf==7.36.2
 
-.PHONY: demo test test-arm64 fuzz lint proto gpu-check bench wheels clean
+.PHONY: demo test test-arm64 fuzz reliability lint proto gpu-check bench wheels clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found" >&2; exit 1; }
@@ -32,8 +33,12 @@ test-arm64: $(STAMP)
 
 # At least 10,000 examples per fuzz target, bounded to 30 minutes.
 fuzz: $(STAMP)
-	HYPOTHESIS_PROFILE=fuzz timeout 1800 $(PY) -m pytest -q -p no:randomly tests/fuzz \
-	  --junitxml=bench/results/fuzz-junit.xml
+	set -o pipefail; HYPOTHESIS_PROFILE=fuzz timeout 1800 $(PY) -m pytest -q tests/fuzz \
+	  --hypothesis-show-statistics 2>&1 | tee bench/results/fuzz.log
+
+# docs/RELIABILITY.md from the fault tests (run now), the last fuzz log and load results.
+reliability: $(STAMP)
+	$(PY) bench/reliability_report.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
