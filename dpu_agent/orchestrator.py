@@ -20,6 +20,7 @@ from typing import Any
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
+from dpu_agent.dataplane.steering import FlowTable
 from dpu_agent.dataplane.transfers import Transfer, TransferPlan, TransferTracker
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.planning.apply import PlacementExecutor
@@ -90,6 +91,7 @@ class Orchestrator:
         self.scheduler = Scheduler(config.link_concurrency)
         self.placements = PlacementExecutor(self)
         self.routing = RoutingStats()
+        self.flows = FlowTable()
         self._poller.start()
         if self.state is not None:
             self._restore()

@@ -113,6 +113,38 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flows(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.agent) as channel:
+        stub = pb_grpc.DpuAgentStub(channel)
+        if args.flows_command == "list":
+            r = stub.ListFlows(pb.ListFlowsRequest(), timeout=args.timeout)
+            table = Table("id", "prio", "traffic", "model", "layers", "expert", "source",
+                          "action", "queues", "origin", "packets", "bytes",
+                          title=f"flow table v{r.version} ({r.lookups} lookups, "
+                                f"{r.misses} unmatched)", title_justify="left")
+            for x in r.rules:
+                layers = "any" if x.layer_min < 0 and x.layer_max < 0 else \
+                    f"{max(x.layer_min, 0)}..{x.layer_max if x.layer_max >= 0 else 'end'}"
+                table.add_row(str(x.rule_id), str(x.priority), x.traffic, x.model or "any",
+                              layers, "any" if x.expert < 0 else str(x.expert),
+                              x.source or "any", x.action, ",".join(map(str, x.queues)) or "-",
+                              x.origin, str(x.packets), str(x.bytes))
+            from rich.console import Console
+
+            Console().print(table)
+            return 0
+        rule = pb.FlowRule(traffic=args.traffic, action=args.action, model=args.model,
+                           layer_min=args.layer_min, layer_max=args.layer_max,
+                           expert=args.expert, source=args.source, queues=args.queue,
+                           priority=args.priority) if args.flows_command == "add" else None
+        r = stub.ApplyFlows(pb.ApplyFlowsRequest(
+            session_id=args.session, add=[rule] if rule else [],
+            delete=args.rule_ids if args.flows_command == "delete" else []),
+            timeout=args.timeout)
+        print(f"flow table v{r.version}" + (f", added rule {list(r.added)}" if r.added else ""))
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -138,6 +170,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("flows", help="list, add or delete flow-steering rules")
+    p.add_argument("--agent", default="127.0.0.1:50051")
+    p.add_argument("--timeout", type=float, default=5.0)
+    fsub = p.add_subparsers(dest="flows_command", required=True)
+    fsub.add_parser("list")
+    fa = fsub.add_parser("add")
+    fa.add_argument("--session", required=True)
+    fa.add_argument("--traffic", choices=("activations", "weights"), default="activations")
+    fa.add_argument("--action", choices=("forward", "to_agent", "drop", "count"),
+                    required=True)
+    fa.add_argument("--model", default="")
+    fa.add_argument("--layer-min", type=int, default=-1)
+    fa.add_argument("--layer-max", type=int, default=-1)
+    fa.add_argument("--expert", type=int, default=-1)
+    fa.add_argument("--source", default="")
+    fa.add_argument("--queue", type=int, action="append", default=[])
+    fa.add_argument("--priority", type=int, default=10)
+    fd = fsub.add_parser("delete")
+    fd.add_argument("--session", required=True)
+    fd.add_argument("rule_ids", type=int, nargs="+")
+    p.set_defaults(fn=cmd_flows)
     p = sub.add_parser("top", help="the status screen, refreshed live")
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=5.0)

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dpu_agent.dataplane.steering import placement_rules
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.planning.placement import PlacementError, plan
 from dpu_agent.planning.scheduler import Priority
@@ -155,7 +156,27 @@ class PlacementExecutor:
         for d in devices:
             self.core.drop_ref(session, d, key)
 
+    def _sync_flows(self, state: PlacementState) -> None:
+        """Steering follows placement, make-before-break: an expert's rule forwards to every
+        device that holds a placed copy now (new copies join when verified, old ones leave
+        when retired), so activations never reach a device without the expert."""
+        catalog = self.core.models.get(state.model)
+        if catalog is None:
+            return
+        with self._lock:
+            held: dict[ExpertKey, set[int]] = {}
+            for d, key in state.held:
+                held.setdefault(key, set()).add(d)
+            for key, devs in state.retire.items():
+                held.setdefault(key, set()).update(devs)
+        layers = list(catalog.layout.moe_layers)
+        serving = [[sorted(held.get(ExpertKey(state.model, layer, e), ()))
+                    for e in range(catalog.layout.experts_per_layer)] for layer in layers]
+        rules = [r for r in placement_rules(state.model, layers, serving) if r.queues]
+        self.core.flows.update(add=rules, replace_origin=f"placement:{state.model}")
+
     def _progress(self, session: Session, state: PlacementState) -> None:
+        self._sync_flows(state)
         session.events.emit(pb.Event(placement_progress=pb.PlacementProgress(
             placement_id=state.placement_id, model=state.model, done=state.done,
             failed=state.failed, total=state.total, dropped=state.dropped)))

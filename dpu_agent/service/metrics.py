@@ -57,6 +57,31 @@ class AgentCollector(Collector):
         copies.add_metric(["pending"], sum(s.total - s.done - s.failed for s in states))
         copies.add_metric(["dropped"], sum(s.dropped for s in states))
         yield copies
+        flows = core.flows
+        yield CounterMetricFamily("dpu_agent_steering_lookups", "Flow-table lookups.",
+                                  value=flows.lookups)
+        yield CounterMetricFamily("dpu_agent_steering_misses",
+                                  "Lookups no rule matched (handed to the agent).",
+                                  value=flows.misses)
+        packets = CounterMetricFamily("dpu_agent_flow_packets",
+                                      "Messages matched by flow rules, by rule action.",
+                                      labels=["action"])
+        nbytes = CounterMetricFamily("dpu_agent_flow_bytes",
+                                     "Bytes matched by flow rules, by rule action.",
+                                     labels=["action"])
+        by_action: dict[str, list[int]] = {}
+        for rule in flows.rules():
+            c = flows.counters[rule.rule_id]
+            acc = by_action.setdefault(rule.action.value, [0, 0])
+            acc[0] += c.packets
+            acc[1] += c.bytes
+        for action, (n, b) in sorted(by_action.items()):
+            packets.add_metric([action], n)
+            nbytes.add_metric([action], b)
+        yield packets
+        yield nbytes
+        yield GaugeMetricFamily("dpu_agent_flow_rules", "Rules in the flow table.",
+                                value=len(flows.rules()))
         yield GaugeMetricFamily("dpu_agent_scheduler_waiting_jobs",
                                 "Deliveries waiting for their device link.",
                                 value=core.scheduler.waiting())

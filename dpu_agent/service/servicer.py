@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import grpc
 
 from dpu_agent import __version__
+from dpu_agent.dataplane.steering import Action, FlowRule, SteeringError, TrafficClass
 from dpu_agent.errors import AgentError, ErrorKind, invalid
 from dpu_agent.orchestrator import Orchestrator, SlotGrant
 from dpu_agent.service.registry import ARENA_REGION_ID
@@ -221,6 +222,48 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 yield event
         finally:
             session.events.detach(queue)
+
+    async def ApplyFlows(self, request: pb.ApplyFlowsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ApplyFlowsResponse:
+        def call() -> pb.ApplyFlowsResponse:
+            self.core.session(request.session_id)
+            rules = []
+            for i, m in enumerate(request.add):
+                try:
+                    traffic, action = TrafficClass(m.traffic), Action(m.action)
+                except ValueError as exc:
+                    raise invalid(f"add[{i}]: {exc}") from exc
+                if m.rule_id or m.origin not in ("", "manual"):
+                    raise invalid(f"add[{i}]: rule_id and origin are assigned by the agent")
+                for q in m.queues:
+                    self.core.device(self.core.session(request.session_id), q)
+                rules.append(FlowRule(0, traffic, action, m.model, m.layer_min, m.layer_max,
+                                      m.expert, m.source, tuple(m.queues), m.priority))
+            manual = {r.rule_id for r in self.core.flows.rules() if r.origin == "manual"}
+            bad = [rid for rid in request.delete if rid not in manual]
+            if bad:
+                raise invalid(f"rule {bad[0]} is not a manual rule (placement rules follow "
+                              "ApplyPlacement)")
+            before = {r.rule_id for r in self.core.flows.rules()}
+            try:
+                version = self.core.flows.update(add=rules, delete=list(request.delete))
+            except SteeringError as exc:
+                raise invalid(str(exc)) from exc
+            added = sorted({r.rule_id for r in self.core.flows.rules()} - before)
+            return pb.ApplyFlowsResponse(version=version, added=added)
+        return await self._run(context, call, session_id=request.session_id)
+
+    async def ListFlows(self, request: pb.ListFlowsRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ListFlowsResponse:
+        flows = self.core.flows
+        return pb.ListFlowsResponse(
+            version=flows.version, lookups=flows.lookups, misses=flows.misses,
+            rules=[pb.FlowRule(
+                rule_id=r.rule_id, traffic=r.traffic.value, action=r.action.value,
+                model=r.model, layer_min=r.layer_min, layer_max=r.layer_max, expert=r.expert,
+                source=r.source, queues=list(r.queues), priority=r.priority, origin=r.origin,
+                packets=flows.counters[r.rule_id].packets, bytes=flows.counters[r.rule_id].bytes)
+                for r in flows.rules()])
 
     async def GetStatus(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
                         ) -> pb.StatusResponse:

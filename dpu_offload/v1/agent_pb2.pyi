@@ -386,6 +386,70 @@ class ReportRoutingRequest(_message.Message):
     prefetch_device_id: int
     def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[RoutingStep, _Mapping]]] = ..., prefetch_top_k: _Optional[int] = ..., prefetch_device_id: _Optional[int] = ...) -> None: ...
 
+class FlowRule(_message.Message):
+    __slots__ = ("rule_id", "traffic", "action", "model", "layer_min", "layer_max", "expert", "source", "queues", "priority", "origin", "packets", "bytes")
+    RULE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MAX_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    rule_id: int
+    traffic: str
+    action: str
+    model: str
+    layer_min: int
+    layer_max: int
+    expert: int
+    source: str
+    queues: _containers.RepeatedScalarFieldContainer[int]
+    priority: int
+    origin: str
+    packets: int
+    bytes: int
+    def __init__(self, rule_id: _Optional[int] = ..., traffic: _Optional[str] = ..., action: _Optional[str] = ..., model: _Optional[str] = ..., layer_min: _Optional[int] = ..., layer_max: _Optional[int] = ..., expert: _Optional[int] = ..., source: _Optional[str] = ..., queues: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., origin: _Optional[str] = ..., packets: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ApplyFlowsRequest(_message.Message):
+    __slots__ = ("session_id", "add", "delete")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    add: _containers.RepeatedCompositeFieldContainer[FlowRule]
+    delete: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., add: _Optional[_Iterable[_Union[FlowRule, _Mapping]]] = ..., delete: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ApplyFlowsResponse(_message.Message):
+    __slots__ = ("version", "added")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    added: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., added: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListFlowsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListFlowsResponse(_message.Message):
+    __slots__ = ("version", "rules", "lookups", "misses")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    rules: _containers.RepeatedCompositeFieldContainer[FlowRule]
+    lookups: int
+    misses: int
+    def __init__(self, version: _Optional[int] = ..., rules: _Optional[_Iterable[_Union[FlowRule, _Mapping]]] = ..., lookups: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

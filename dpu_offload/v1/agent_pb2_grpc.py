@@ -114,6 +114,16 @@ class DpuAgentStub:
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.StatusRequest.SerializeToString,
                 response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ApplyFlows = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/ApplyFlows',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.ApplyFlowsRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ApplyFlowsResponse.FromString,
+                _registered_method=True)
+        self.ListFlows = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/ListFlows',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.ListFlowsRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ListFlowsResponse.FromString,
+                _registered_method=True)
 
 
 class DpuAgentServicer:
@@ -216,6 +226,18 @@ class DpuAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyFlows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFlows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DpuAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +320,16 @@ def add_DpuAgentServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.StatusRequest.FromString,
                     response_serializer=dpu__offload_dot_v1_dot_agent__pb2.StatusResponse.SerializeToString,
+            ),
+            'ApplyFlows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyFlows,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ApplyFlowsRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.ApplyFlowsResponse.SerializeToString,
+            ),
+            'ListFlows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFlows,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ListFlowsRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.ListFlowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -732,6 +764,60 @@ class DpuAgent:
             '/dpu_offload.v1.DpuAgent/GetStatus',
             dpu__offload_dot_v1_dot_agent__pb2.StatusRequest.SerializeToString,
             dpu__offload_dot_v1_dot_agent__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyFlows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/ApplyFlows',
+            dpu__offload_dot_v1_dot_agent__pb2.ApplyFlowsRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.ApplyFlowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFlows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/ListFlows',
+            dpu__offload_dot_v1_dot_agent__pb2.ListFlowsRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.ListFlowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

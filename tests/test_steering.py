@@ -1,0 +1,169 @@
+"""Flow steering: priorities, versions, counters, atomic updates under concurrent lookups,
+replica choice, placement-derived rules (make-before-break), ApplyFlows and expertctl flows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dpu_agent.dataplane.steering import (
+    Action,
+    FlowRule,
+    FlowTable,
+    SteeringError,
+    TrafficClass,
+)
+from dpu_offload.v1 import agent_pb2 as pb
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.launcher import AgentProcess
+
+ACT = TrafficClass.ACTIVATIONS
+
+
+def rule(action: Action, **kw) -> FlowRule:
+    return FlowRule(0, kw.pop("traffic", ACT), action, **kw)
+
+
+def test_priority_then_age_wins_and_counters_count() -> None:
+    t = FlowTable()
+    t.update(add=[rule(Action.FORWARD, model="m", queues=(1,)),
+                  rule(Action.DROP, model="m", expert=3, priority=5),
+                  rule(Action.COUNT, priority=9),
+                  rule(Action.FORWARD, model="m", queues=(2,))])
+    assert t.lookup(ACT, "m", 0, 3, nbytes=100).action == Action.DROP
+    d = t.lookup(ACT, "m", 0, 1, nbytes=50)
+    assert (d.action, d.queue) == (Action.FORWARD, 1)          # older of equal priority
+    assert t.lookup(TrafficClass.WEIGHTS, "m", 0, 1).rule is None
+    assert t.misses == 1 and t.lookups == 3
+    by_action = {r.action: t.counters[r.rule_id] for r in t.rules()}
+    assert by_action[Action.COUNT].packets == 2 and by_action[Action.COUNT].bytes == 150
+    assert by_action[Action.DROP].dropped == 1
+
+
+def test_layer_ranges_sources_and_replica_choice() -> None:
+    t = FlowTable()
+    t.update(add=[rule(Action.FORWARD, model="m", layer_min=2, layer_max=4, source="s1",
+                       queues=(7, 8, 9))])
+    load = {7: 5, 8: 1, 9: 3}
+    assert t.lookup(ACT, "m", 3, 0, "s1", load=load.get).queue == 8
+    assert t.lookup(ACT, "m", 5, 0, "s1").rule is None
+    assert t.lookup(ACT, "m", 3, 0, "s2").rule is None
+
+
+def test_bad_updates_change_nothing() -> None:
+    t = FlowTable()
+    v = t.update(add=[rule(Action.DROP)])
+    for bad in ([rule(Action.FORWARD)], [rule(Action.DROP, queues=(1,))],
+                [rule(Action.DROP, layer_min=5, layer_max=2)], [rule(Action.DROP, expert=-7)]):
+        with pytest.raises(SteeringError):
+            t.update(add=bad)
+    with pytest.raises(SteeringError, match="no rule 999"):
+        t.update(add=[rule(Action.COUNT)], delete=[999])
+    assert t.version == v and len(t.rules()) == 1
+
+
+def test_readers_see_old_or_new_table_never_a_mix() -> None:
+    t = FlowTable()
+    # Each version holds rules for experts 0..7 all forwarding to queue == version parity.
+    t.update(add=[rule(Action.FORWARD, expert=e, queues=(0,), origin="gen") for e in range(8)])
+    stop = threading.Event()
+    mixed = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            table = t._table  # a reader's snapshot, as lookup takes it
+            queues = {r.queues for r in table.rules}
+            if len(queues) != 1:
+                mixed.append(queues)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for v in range(1, 200):
+        t.update(add=[rule(Action.FORWARD, expert=e, queues=(v % 2,), origin="gen")
+                      for e in range(8)], replace_origin="gen")
+    stop.set()
+    for th in threads:
+        th.join()
+    assert not mixed
+    assert t.version == 200
+
+
+def test_placement_rules_follow_make_before_break(qwen_ckpt: Path) -> None:
+    with AgentProcess() as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "st")
+        a, b = (client.register_device(CpuReferenceDevice(i),
+                                       [SlotPoolSpec(model.expert_bytes, 18)]) for i in range(2))
+        L, E = len(model.moe_layers), model.experts_per_layer
+        p1 = client.apply_placement("st", [[[a.device_id]] * E for _ in range(L)])
+        _wait(client, p1.placement_id)
+
+        def queues_of(expert: int) -> list[int]:
+            rules = client.stub.ListFlows(pb.ListFlowsRequest()).rules
+            return next(list(r.queues) for r in rules
+                        if r.layer_min == model.moe_layers[0] and r.expert == expert)
+
+        assert queues_of(0) == [a.device_id]
+        b.device.pause()
+        p2 = client.apply_placement("st", [[[b.device_id]] * E for _ in range(L)])
+        time.sleep(0.2)
+        assert queues_of(0) == [a.device_id], "steered to b before its copy was verified"
+        b.device.resume()
+        _wait(client, p2.placement_id)
+        deadline = time.monotonic() + 5
+        while queues_of(0) != [b.device_id]:
+            assert time.monotonic() < deadline, queues_of(0)
+            time.sleep(0.05)
+
+
+def _wait(client: AgentClient, pid: int) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        p = client.placement_progress(pid)
+        if p is not None and p.done + p.failed == p.total:
+            return
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_apply_flows_rpc_and_cli(agent: AgentProcess) -> None:
+    with AgentClient(agent.address) as client:
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(1 << 16, 1)])
+        base = [sys.executable, "-m", "host_client.cli", "flows", "--agent", agent.address]
+        out = subprocess.run([*base, "add", "--session", client.session_id, "--action",
+                              "forward", "--model", "x", "--expert", "4", "--queue",
+                              str(dev.device_id)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        listed = client.stub.ListFlows(pb.ListFlowsRequest())
+        mine = [r for r in listed.rules if r.model == "x"]
+        assert len(mine) == 1 and list(mine[0].queues) == [dev.device_id]
+        shown = subprocess.run([*base, "list"], capture_output=True, text=True,
+                               env={"COLUMNS": "250", "PATH": ""})
+        assert f"{mine[0].rule_id}" in shown.stdout and "forward" in shown.stdout
+        for req, code in [
+            (pb.ApplyFlowsRequest(session_id=client.session_id, add=[pb.FlowRule(
+                traffic="activations", action="teleport")]), grpc.StatusCode.INVALID_ARGUMENT),
+            (pb.ApplyFlowsRequest(session_id=client.session_id, add=[pb.FlowRule(
+                traffic="activations", action="forward")]), grpc.StatusCode.INVALID_ARGUMENT),
+            (pb.ApplyFlowsRequest(session_id=client.session_id, add=[pb.FlowRule(
+                traffic="activations", action="forward", queues=[4242])]),
+             grpc.StatusCode.FAILED_PRECONDITION),
+            (pb.ApplyFlowsRequest(session_id=client.session_id, delete=[10**9]),
+             grpc.StatusCode.INVALID_ARGUMENT),
+        ]:
+            before = client.stub.ListFlows(pb.ListFlowsRequest()).version
+            with pytest.raises(grpc.RpcError) as err:
+                client.stub.ApplyFlows(req)
+            assert err.value.code() == code, err.value.details()
+            assert client.stub.ListFlows(pb.ListFlowsRequest()).version == before
+        out = subprocess.run([*base, "delete", "--session", client.session_id,
+                              str(mine[0].rule_id)], capture_output=True, text=True)
+        assert out.returncode == 0
+        assert not [r for r in client.stub.ListFlows(pb.ListFlowsRequest()).rules
+                    if r.model == "x"]
