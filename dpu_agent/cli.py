@@ -42,7 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await agent.start()
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
-            tmp.write_text(f"{agent.port} {agent.metrics_port}\n")
+            act = agent.router.port if agent.router is not None else 0
+            tmp.write_text(f"{agent.port} {agent.metrics_port} {act}\n")
             os.replace(tmp, args.ready_file)
         loop = asyncio.get_running_loop()
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="run the agent")
     p.add_argument("--config", help=f"TOML file (default {DEFAULT_PATH} if present)")
     p.add_argument("--ready-file",
-                   help="once serving, write 'GRPC_PORT METRICS_PORT' here (atomically)")
+                   help="once serving, write 'GRPC METRICS ACTIVATIONS' ports here (atomically)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("check-config", help="validate a config and list every problem")
     p.add_argument("file", nargs="?")

@@ -53,6 +53,8 @@ class AgentConfig:
     metrics_address: str = ""
     log_format: str = "auto"
     state_dir: str = ""
+    activations_address: str = ""
+    activation_credits: int = 64
 
 
 # (section, key) -> (field, parser description, parser)
@@ -101,6 +103,8 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("metrics", "listen_address"): ("metrics_address", _str),
     ("logging", "format"): ("log_format", _str),
     ("state", "dir"): ("state_dir", _str),
+    ("activations", "listen_address"): ("activations_address", _str),
+    ("activations", "credits_per_sender"): ("activation_credits", _int),
 }
 
 
@@ -109,7 +113,8 @@ def _check(cfg: AgentConfig) -> list[str]:
 
     problems = []
     for name, addr in (("server.listen_address", cfg.listen_address),
-                       ("metrics.listen_address", cfg.metrics_address)):
+                       ("metrics.listen_address", cfg.metrics_address),
+                       ("activations.listen_address", cfg.activations_address)):
         if addr and not re.match(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):\d{1,5}$", addr):
             problems.append(f"{name}: {addr!r} is not host:port")
         elif addr and not 0 <= int(addr.rsplit(":", 1)[1]) <= 65535:
@@ -121,6 +126,8 @@ def _check(cfg: AgentConfig) -> list[str]:
                         "of 16 below 2 GiB")
     if cfg.log_format not in ("auto", "json", "text"):
         problems.append(f"logging.format: {cfg.log_format!r} is not auto, json or text")
+    if cfg.activation_credits <= 0:
+        problems.append("activations.credits_per_sender: must be positive")
     if cfg.drain_grace_seconds < 0:
         problems.append("server.drain_grace_seconds: must be >= 0")
     if cfg.link_concurrency <= 0:

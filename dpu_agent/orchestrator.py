@@ -92,6 +92,8 @@ class Orchestrator:
         self.placements = PlacementExecutor(self)
         self.routing = RoutingStats()
         self.flows = FlowTable()
+        self.activations: Any = None
+        """The ActivationRouter when [activations] is enabled (set by the server)."""
         self._poller.start()
         if self.state is not None:
             self._restore()

@@ -156,3 +156,31 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
                  "checksum": chunk_checksum(chunk, off), "layer": layer, "expert": expert,
                  "model": model, "total_length": data.size}, payload=chunk)
     return packets
+
+
+def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:
+    """Consume one message's packets from ``rx`` into ``dst`` (uint8): each packet's checksum
+    is verified and its payload written at its offset, never past ``dst``. Returns
+    (message id, bytes written, packets refused). Raises BufferError if the message is not
+    complete in the ring yet (nothing is consumed then)."""
+    assert rx.payload is not None, "not a packet ring"
+    written = refused = 0
+    message = -1
+    while True:
+        rec = rx.peek()
+        if rec is None:
+            raise BufferError("message incomplete in the rx ring")
+        i = rx.consumed & (rx.capacity - 1)
+        off, length = int(rec["offset"]), int(rec["length"])
+        message = int(rec["message_id"])
+        last = bool(int(rec["flags"]) & abi.PacketFlags.LAST)
+        chunk = rx.payload[i, :length]
+        if length > rx.payload.shape[1] or off + length > dst.size or \
+                chunk_checksum(chunk, off) != int(rec["checksum"]):
+            refused += 1
+        else:
+            dst[off:off + length] = chunk
+            written += length
+        rx.advance()
+        if last:
+            return message, written, refused

@@ -157,6 +157,7 @@ class AgentClient:
         self.session_id = resp.session_id
         self.lease_seconds = resp.lease_seconds
         self.arena = resp.arena
+        self.activations_port = resp.activations_port
         self._ref = pb.SessionRef(session_id=self.session_id)
         self._events = self.stub.Events(self._ref)
 

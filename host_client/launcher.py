@@ -35,6 +35,7 @@ class AgentProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.metrics_port = 0
+        self.activations_port = 0
 
     @property
     def address(self) -> str:
@@ -56,8 +57,8 @@ class AgentProcess:
                 self.stop()
                 raise TimeoutError(f"agent not ready in {self.startup_timeout} s:\n{self.log()}")
             time.sleep(0.02)
-        grpc_port, metrics_port = self.ready_file.read_text().split()
-        self.port, self.metrics_port = int(grpc_port), int(metrics_port)
+        ports = [int(x) for x in self.ready_file.read_text().split()]
+        self.port, self.metrics_port, self.activations_port = (ports + [0, 0])[:3]
         return self
 
     def log(self) -> str:

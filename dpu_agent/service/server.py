@@ -10,11 +10,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import grpc
+import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from dpu_agent.config import AgentConfig
+from dpu_agent.dataplane.activations import ActivationRouter
 from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.service.interceptors import MetricsInterceptor
 from dpu_agent.service.lifecycle import Notifier
@@ -44,6 +46,7 @@ class AgentServer:
         self.port = 0
         self.metrics_port = 0
         self._metrics_server = None
+        self.router: ActivationRouter | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
 
@@ -86,6 +89,16 @@ class AgentServer:
                 await server.stop(None)
                 self.core.shutdown()
                 raise
+        if self.config.activations_address:
+            try:
+                self.router = ActivationRouter(self.core, self.config.activations_address,
+                                               self.config.activation_credits)
+            except zmq.ZMQError as exc:
+                await server.stop(None)
+                self.core.shutdown()
+                raise OSError(f"activations.listen_address {self.config.activations_address}: "
+                              f"cannot bind ({exc})") from exc
+            self.core.activations = self.router
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
@@ -189,6 +202,8 @@ class AgentServer:
             for s in list(self.core.sessions.values()):
                 s.events.close()
             await self.server.stop(grace)
+            if self.router is not None:
+                self.router.close()
             self.core.shutdown()
         finally:
             # Whatever failed above was logged by the task; the process must still exit.

@@ -81,7 +81,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         return pb.CreateSessionResponse(
             session_id=s.session_id, lease_seconds=int(s.lease_seconds),
             arena=pb.ArenaInfo(shm_name=arena.name, size_bytes=arena.size,
-                               region_id=ARENA_REGION_ID))
+                               region_id=ARENA_REGION_ID),
+            activations_port=self.core.activations.port if self.core.activations else 0)
 
     async def KeepAlive(self, request: pb.SessionRef, context: grpc.aio.ServicerContext
                         ) -> pb.Empty:

@@ -1,0 +1,180 @@
+"""The activation router: ZeroMQ in, steering, ZeroMQ out (docs/ACTIVATIONS.md).
+
+Senders send REQUEST frames (rows for one expert) to the agent's ROUTER socket; the flow table
+picks the device holding the expert; the frame goes as DELIVER to the host worker that
+registered that device's session (HELLO); its RESULT goes back to the sender as RESPONSE.
+Senders never need the placement. Each sender may have ``credits`` requests outstanding;
+beyond that it gets NO_CREDIT, so no queue grows without bound and a slow worker slows its
+senders instead of losing messages. Every refusal is counted by reason and answered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import zmq
+
+from dpu_agent.dataplane.steering import Action, TrafficClass
+from dpu_agent.errors import AgentError
+from dpu_offload import frames
+from dpu_offload.frames import FrameError, FrameStatus, Kind
+from dpu_offload.keys import ExpertKey
+
+if TYPE_CHECKING:
+    from dpu_agent.orchestrator import Orchestrator
+
+log = logging.getLogger("dpu_agent")
+
+
+class ActivationRouter:
+    """One ROUTER socket and the thread that serves it."""
+
+    def __init__(self, core: Orchestrator, address: str, credits: int) -> None:
+        self.core = core
+        self.credits = credits
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        host, port = address.rsplit(":", 1)
+        if port == "0":
+            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self.sock.bind(f"tcp://{address}")
+            self.port = int(port)
+        self.workers: dict[int, bytes] = {}
+        """device id -> the worker socket identity serving it."""
+        self._pending: dict[int, tuple[bytes, int, int]] = {}
+        self._outstanding: Counter[bytes] = Counter()
+        self.in_flight: Counter[int] = Counter()
+        self.messages: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="activations", daemon=True)
+        self._thread.start()
+
+    def _send(self, identity: bytes, header: bytes, payload: object = b"") -> None:
+        try:
+            self.sock.send_multipart([identity, header, payload], copy=False)
+        except zmq.ZMQError as exc:  # the peer went away
+            log.warning("activation peer gone: %s", exc)
+
+    def _refuse(self, identity: bytes, h: object, status: FrameStatus, reason: str) -> None:
+        self.refused[status.name] += 1
+        message_id = int(h["message_id"]) if h is not None else 0
+        text = reason.encode()
+        self._send(identity, frames.pack(Kind.ERROR, message_id, status=status,
+                                         payload_bytes=len(text), credits=1), text)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            parts = self.sock.recv_multipart(copy=False)
+            identity = parts[0].bytes
+            if len(parts) != 3:
+                self._refuse(identity, None, FrameStatus.BAD_FRAME,
+                             f"expected header and payload frames, got {len(parts) - 1}")
+                continue
+            header, payload = parts[1], parts[2]
+            try:
+                h = frames.unpack(header.bytes, len(payload.buffer))
+            except FrameError as exc:
+                self._refuse(identity, None, exc.status, str(exc))
+                continue
+            kind = Kind(int(h["kind"]))
+            self.messages[kind.name] += 1
+            self.bytes[kind.name] += len(payload.buffer)
+            if kind == Kind.HELLO:
+                self._hello(identity, h, payload.bytes)
+            elif kind == Kind.REQUEST:
+                self._request(identity, h, payload)
+            elif kind in (Kind.RESULT, Kind.ERROR):
+                self._result(h, payload, kind)
+            else:
+                self._refuse(identity, h, FrameStatus.BAD_FRAME, f"{kind.name} is not for the "
+                             "agent")
+
+    def _hello(self, identity: bytes, h: object, payload: bytes) -> None:
+        """A worker announces itself: payload ``SESSION_ID:DEVICE_ID``."""
+        sid, _, dev = payload.decode(errors="replace").partition(":")
+        session = self.core.sessions.get(sid)
+        if session is None or not dev.isdigit() or int(dev) not in session.devices:
+            self._refuse(identity, h, FrameStatus.NO_ROUTE,
+                         f"no device {dev!r} in session {sid!r}")
+            return
+        self.workers[int(dev)] = identity
+        self._send(identity, frames.pack(Kind.RESPONSE, int(h["message_id"])))
+
+    def _request(self, identity: bytes, h: object, payload: zmq.Frame) -> None:
+        if self._outstanding[identity] >= self.credits:
+            self._refuse(identity, h, FrameStatus.NO_CREDIT,
+                         f"{self.credits} requests already outstanding")
+            return
+        model = frames.model_of(h)
+        key = ExpertKey(model, int(h["layer"]), int(h["expert"]))
+        try:
+            self.core.expert(key)
+        except AgentError as exc:
+            self._refuse(identity, h, FrameStatus.UNKNOWN_EXPERT, exc.message)
+            return
+        hidden = self.core.models[model].layout.hidden_size
+        if int(h["row_bytes"]) != hidden * 2:
+            self._refuse(identity, h, FrameStatus.BAD_WIDTH, f"rows of {int(h['row_bytes'])} "
+                         f"bytes; {model} takes {hidden} bf16 values ({hidden * 2} bytes)")
+            return
+        d = self.core.flows.lookup(TrafficClass.ACTIVATIONS, model, key.layer, key.expert,
+                                   identity.hex(), len(payload.buffer), self.in_flight.get)
+        if d.action == Action.DROP:
+            self._refuse(identity, h, FrameStatus.DROPPED, f"dropped by rule {d.rule.rule_id}")
+            return
+        worker = self._worker_of(d.queue) if d.action == Action.FORWARD else None
+        if worker is None:
+            self._refuse(identity, h, FrameStatus.NO_ROUTE,
+                         f"no flow rule forwards {key} to a device with a worker")
+            return
+        aid = next(self._ids)
+        self._pending[aid] = (identity, int(h["message_id"]), d.queue)
+        self._outstanding[identity] += 1
+        self.in_flight[d.queue] += 1
+        self._send(worker, frames.pack(Kind.DELIVER, aid, model, key.layer, key.expert,
+                                       int(h["rows"]), int(h["row_bytes"]),
+                                       len(payload.buffer), credits=d.queue), payload)
+
+    def _worker_of(self, device_id: int | None) -> bytes | None:
+        if device_id is None:
+            return None
+        if not any(device_id in s.devices for s in list(self.core.sessions.values())):
+            self.workers.pop(device_id, None)  # its session is gone
+            return None
+        return self.workers.get(device_id)
+
+    def _result(self, h: object, payload: zmq.Frame, kind: Kind) -> None:
+        entry = self._pending.pop(int(h["message_id"]), None)
+        if entry is None:
+            self.refused["UNKNOWN_RESULT"] += 1
+            return
+        sender, message_id, device = entry
+        self._outstanding[sender] -= 1
+        self.in_flight[device] -= 1
+        out = Kind.RESPONSE if kind == Kind.RESULT else Kind.ERROR
+        self._send(sender, frames.pack(out, message_id, frames.model_of(h), int(h["layer"]),
+                                       int(h["expert"]), int(h["rows"]), int(h["row_bytes"]),
+                                       len(payload.buffer), FrameStatus(int(h["status"])),
+                                       credits=1), payload)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close(0)

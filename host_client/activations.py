@@ -1,0 +1,210 @@
+"""The activation path on the host side (docs/ACTIVATIONS.md).
+
+- :class:`ExpertWorker` serves the experts of one registered device: a DELIVER frame from the
+  agent is written by the "NIC" (this thread) into the device's rx packet ring, the receive
+  twin lands the rows in the expert's input buffer with checksums verified, the expert's
+  SwiGLU FFN runs on the weights in its slot, the send twin packetizes the output into the tx
+  ring, and the NIC returns it to the agent as a RESULT.
+- :class:`ActivationSender` is what attention nodes use: ``dispatch(layer, hidden, topk_ids,
+  topk_weights)`` packs rows by expert, sends one REQUEST per expert through the agent (within
+  its credits), and combines the answers weighted by the gate probabilities. It never needs
+  to know where an expert lives.
+
+Shapes and dtypes: ``hidden`` is ``uint16[tokens, hidden_size]`` holding bf16 bits;
+``topk_ids`` ``int[tokens, k]``; ``topk_weights`` ``float32[tokens, k]``; the result is
+``uint16[tokens, hidden_size]`` (bf16 bits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dpu_offload import frames
+from dpu_offload.frames import FrameStatus, Kind
+from dpu_offload.keys import ExpertKey
+from gpu_kernels import reference
+from gpu_kernels.routing import dispatch_plan
+from host_client.client import AgentClient, AttachedDevice
+
+
+class ActivationError(RuntimeError):
+    """The agent refused or could not serve a request; ``status`` says why."""
+
+    def __init__(self, status: FrameStatus, message: str) -> None:
+        super().__init__(f"{status.name}: {message}")
+        self.status = status
+
+
+def swiglu_bf16(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
+                ) -> np.ndarray:
+    """``down @ (silu(gate @ x) * (up @ x))`` per row; bf16 bits in and out, fp32 math.
+
+    Args:
+        x: ``uint16[rows, hidden]``; gate, up: ``uint16[inter, hidden]``; down:
+            ``uint16[hidden, inter]``.
+    """
+    xf = reference.bf16_to_f32(x)
+    g = xf @ reference.bf16_to_f32(gate).T
+    u = xf @ reference.bf16_to_f32(up).T
+    h = (g / (1.0 + np.exp(-g))) * u
+    return reference.f32_to_bf16(h @ reference.bf16_to_f32(down).T)
+
+
+class ExpertWorker:
+    """Serves activation requests for the experts resident on ``dev`` (CPU reference device:
+    the compute is NumPy)."""
+
+    def __init__(self, client: AgentClient, dev: AttachedDevice, host: str = "127.0.0.1"
+                 ) -> None:
+        if not client.activations_port:
+            raise ValueError("the agent has no [activations] listen_address")
+        self.client, self.dev = client, dev
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{host}:{client.activations_port}")
+        hello = f"{client.session_id}:{dev.device_id}".encode()
+        self.sock.send_multipart([frames.pack(Kind.HELLO, payload_bytes=len(hello)), hello])
+        reply = self.sock.recv_multipart()
+        h = frames.unpack(reply[0], len(reply[1]))
+        if int(h["kind"]) != Kind.RESPONSE:
+            raise ActivationError(FrameStatus(int(h["status"])), reply[1].decode())
+        self.served = 0
+        self.refused_packets = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="expert-worker", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            header, payload = self.sock.recv_multipart(copy=False)
+            h = frames.unpack(header.bytes, len(payload.buffer))
+            try:
+                out = self._serve(h, np.frombuffer(payload.buffer, np.uint8))
+                reply = frames.pack(Kind.RESULT, int(h["message_id"]), frames.model_of(h),
+                                    int(h["layer"]), int(h["expert"]), int(h["rows"]),
+                                    int(h["row_bytes"]), out.nbytes)
+                self.sock.send_multipart([reply, out], copy=False)
+                self.served += 1
+            except Exception as exc:  # noqa: BLE001 - answered, never dropped
+                text = f"{type(exc).__name__}: {exc}".encode()
+                self.sock.send_multipart([frames.pack(
+                    Kind.ERROR, int(h["message_id"]), frames.model_of(h), int(h["layer"]),
+                    int(h["expert"]), payload_bytes=len(text),
+                    status=FrameStatus.WORKER_FAILED), text])
+
+    def _serve(self, h: np.void, payload: np.ndarray) -> np.ndarray:
+        key = ExpertKey(frames.model_of(h), int(h["layer"]), int(h["expert"]))
+        rows, row_bytes = int(h["rows"]), int(h["row_bytes"])
+        # NIC: the payload arrives into the rx ring as checksummed packets.
+        rx, tx = self.dev.rx.ring, self.dev.tx.ring
+        inputs = np.zeros(rows * row_bytes, np.uint8)
+        for start in range(0, payload.size, rx.payload.shape[1] * rx.capacity):
+            part = payload[start:start + rx.payload.shape[1] * rx.capacity]
+            reference.send_packets(rx, part, int(h["message_id"]), 0, key.layer, key.expert)
+            # Receive twin: land the rows in the expert's input buffer.
+            view = inputs[start:start + part.size]
+            _, _, refused = reference.receive_packets(rx, view)
+            self.refused_packets += refused
+            if refused:
+                raise ValueError(f"{refused} packets failed their checksum")
+        slot = self.client.acquire(self.dev, key).wait(60)
+        try:
+            out = swiglu_bf16(inputs.view(np.uint16).reshape(rows, row_bytes // 2),
+                              slot.tensor("gate_proj"), slot.tensor("up_proj"),
+                              slot.tensor("down_proj"))
+        finally:
+            self.client.release(self.dev, key)
+        # Send twin: packetize the output into the tx ring; the NIC reads it back out.
+        flat = out.view(np.uint8).reshape(-1)
+        result = np.empty_like(flat)
+        for start in range(0, flat.size, tx.payload.shape[1] * tx.capacity):
+            part = flat[start:start + tx.payload.shape[1] * tx.capacity]
+            reference.send_packets(tx, part, int(h["message_id"]), 0, key.layer, key.expert)
+            reference.receive_packets(tx, result[start:start + part.size])
+        return result
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close(0)
+
+
+class ActivationSender:
+    """Routes MoE layer inputs to their experts through the agent and combines the outputs.
+
+    Args:
+        address: the agent's activation socket, ``host:port``.
+        model: model name (at most 16 bytes).
+        experts: routed experts per layer.
+        credits: requests kept outstanding at most (the agent's per-sender bound).
+    """
+
+    def __init__(self, address: str, model: str, experts: int, credits: int = 64,
+                 timeout: float = 60.0) -> None:
+        self.model, self.experts, self.credits = model, experts, credits
+        self.timeout_ms = int(timeout * 1000)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{address}")
+        self._ids = itertools.count(1)
+
+    def request(self, layer: int, expert: int, rows: np.ndarray) -> int:
+        """Send one REQUEST (``rows``: ``uint16[n, hidden]``); returns its message id."""
+        mid = next(self._ids)
+        rows = np.ascontiguousarray(rows)
+        self.sock.send_multipart([frames.pack(
+            Kind.REQUEST, mid, self.model, layer, expert, rows.shape[0],
+            rows.shape[1] * rows.itemsize, rows.nbytes), rows], copy=False)
+        return mid
+
+    def receive(self) -> tuple[int, np.ndarray]:
+        """The next answer: (message id, output rows ``uint16[n, hidden]``)."""
+        if not self.sock.poll(self.timeout_ms):
+            raise TimeoutError(f"no answer from the agent in {self.timeout_ms} ms")
+        header, payload = self.sock.recv_multipart(copy=False)
+        h = frames.unpack(header.bytes, len(payload.buffer))
+        if int(h["kind"]) != Kind.RESPONSE:
+            raise ActivationError(FrameStatus(int(h["status"])),
+                                  payload.bytes.decode(errors="replace"))
+        out = np.frombuffer(payload.buffer, np.uint16).reshape(int(h["rows"]), -1)
+        return int(h["message_id"]), out
+
+    def dispatch(self, layer: int, hidden: np.ndarray, topk_ids: np.ndarray,
+                 topk_weights: np.ndarray) -> np.ndarray:
+        """One MoE layer through the offloaded experts; returns combined bf16 rows."""
+        plan = dispatch_plan(np, np.asarray(topk_ids), self.experts)
+        packed = reference.dispatch(hidden, plan)
+        offsets = plan.offsets
+        outputs = np.empty_like(packed)
+        where: dict[int, tuple[int, int]] = {}
+        todo = [e for e in range(self.experts) if offsets[e + 1] > offsets[e]]
+        outstanding = 0
+        while todo or outstanding:
+            while todo and outstanding < self.credits:
+                e = todo.pop(0)
+                mid = self.request(layer, e, packed[offsets[e]:offsets[e + 1]])
+                where[mid] = (int(offsets[e]), int(offsets[e + 1]))
+                outstanding += 1
+            mid, out = self.receive()
+            lo, hi = where.pop(mid)
+            outputs[lo:hi] = out
+            outstanding -= 1
+        return reference.combine_bf16(outputs, plan, np.asarray(topk_weights, np.float32))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def __enter__(self) -> ActivationSender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
