@@ -58,7 +58,7 @@ class AgentProcess:
                 raise TimeoutError(f"agent not ready in {self.startup_timeout} s:\n{self.log()}")
             time.sleep(0.02)
         ports = [int(x) for x in self.ready_file.read_text().split()]
-        self.port, self.metrics_port, self.activations_port = (ports + [0, 0])[:3]
+        self.port, self.metrics_port, self.activations_port = [*ports, 0, 0][:3]
         return self
 
     def log(self) -> str:

@@ -68,7 +68,7 @@ def _dense(ckpt: Path, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray
 
 
 def test_dispatch_compute_combine_matches_dense_reference(served, qwen_ckpt: Path) -> None:
-    agent, client, model, devs, worker = served
+    agent, _, model, _, worker = served
     rng = np.random.default_rng(0)
     tokens, k, hidden = 24, 2, 256
     x = reference.f32_to_bf16(rng.standard_normal((tokens, hidden), dtype=np.float32))
