@@ -55,6 +55,7 @@ class AgentConfig:
     state_dir: str = ""
     activations_address: str = ""
     activation_credits: int = 64
+    activation_worker_timeout: int = 5
 
 
 # (section, key) -> (field, parser description, parser)
@@ -105,6 +106,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("state", "dir"): ("state_dir", _str),
     ("activations", "listen_address"): ("activations_address", _str),
     ("activations", "credits_per_sender"): ("activation_credits", _int),
+    ("activations", "worker_timeout_seconds"): ("activation_worker_timeout", _int),
 }
 
 
@@ -126,6 +128,8 @@ def _check(cfg: AgentConfig) -> list[str]:
                         "of 16 below 2 GiB")
     if cfg.log_format not in ("auto", "json", "text"):
         problems.append(f"logging.format: {cfg.log_format!r} is not auto, json or text")
+    if cfg.activation_worker_timeout <= 0:
+        problems.append("activations.worker_timeout_seconds: must be positive")
     if cfg.activation_credits <= 0:
         problems.append("activations.credits_per_sender: must be positive")
     if cfg.drain_grace_seconds < 0:

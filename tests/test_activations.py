@@ -183,3 +183,44 @@ def test_migration_under_traffic_loses_nothing(served) -> None:
     assert not errors, errors[:3]
     assert sent == received and sent > 3
     assert worker.served > 0 and worker_b.served > 0, "traffic did not follow the moves"
+
+
+def test_activation_metrics(qwen_ckpt: Path) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    settings = SETTINGS + '[metrics]\nlisten_address = "127.0.0.1:0"\n'
+    with AgentProcess(settings) as agent:
+        _raw(agent, b"\0" * 64, b"")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                      timeout=5).read().decode()
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values[("dpu_agent_activation_refused_total", (("reason", "BAD_FRAME"),))] == 1
+    assert values[("dpu_agent_activation_outstanding", ())] == 0
+
+
+def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> None:
+    settings = SETTINGS + "worker_timeout_seconds = 1\n"
+    with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qv")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 18)])
+        _wait(client, client.apply_placement("qv", [[[dev.device_id]] * 6
+                                                   for _ in model.moe_layers]).placement_id)
+        worker = ExpertWorker(client, dev)
+        worker._stop.set()          # the worker process "dies": its socket stays silent
+        worker._thread.join()
+        with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qv", 6) as s:
+            t0 = time.monotonic()
+            s.request(model.moe_layers[0], 1, np.zeros((2, 256), np.uint16))
+            with pytest.raises(ActivationError) as err:
+                s.receive()
+            assert err.value.status == FrameStatus.WORKER_FAILED
+            assert time.monotonic() - t0 < 3
+            # The dead worker is no longer a route.
+            s.request(model.moe_layers[0], 1, np.zeros((2, 256), np.uint16))
+            with pytest.raises(ActivationError) as err:
+                s.receive()
+            assert err.value.status == FrameStatus.NO_ROUTE
+        worker.sock.close(0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -33,9 +34,11 @@ log = logging.getLogger("dpu_agent")
 class ActivationRouter:
     """One ROUTER socket and the thread that serves it."""
 
-    def __init__(self, core: Orchestrator, address: str, credits: int) -> None:
+    def __init__(self, core: Orchestrator, address: str, credits: int,
+                 worker_timeout: float = 5.0) -> None:
         self.core = core
         self.credits = credits
+        self.worker_timeout = worker_timeout
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -47,7 +50,7 @@ class ActivationRouter:
             self.port = int(port)
         self.workers: dict[int, bytes] = {}
         """device id -> the worker socket identity serving it."""
-        self._pending: dict[int, tuple[bytes, int, int]] = {}
+        self._pending: dict[int, tuple[bytes, int, int, float]] = {}
         self._outstanding: Counter[bytes] = Counter()
         self.in_flight: Counter[int] = Counter()
         self.messages: Counter[str] = Counter()
@@ -74,7 +77,11 @@ class ActivationRouter:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        last_sweep = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() - last_sweep > 0.1:
+                last_sweep = time.monotonic()
+                self._expire()
             if not poller.poll(100):
                 continue
             parts = self.sock.recv_multipart(copy=False)
@@ -141,7 +148,7 @@ class ActivationRouter:
                          f"no flow rule forwards {key} to a device with a worker")
             return
         aid = next(self._ids)
-        self._pending[aid] = (identity, int(h["message_id"]), d.queue)
+        self._pending[aid] = (identity, int(h["message_id"]), d.queue, time.monotonic())
         self._outstanding[identity] += 1
         self.in_flight[d.queue] += 1
         self._send(worker, frames.pack(Kind.DELIVER, aid, model, key.layer, key.expert,
@@ -161,7 +168,7 @@ class ActivationRouter:
         if entry is None:
             self.refused["UNKNOWN_RESULT"] += 1
             return
-        sender, message_id, device = entry
+        sender, message_id, device, _ = entry
         self._outstanding[sender] -= 1
         self.in_flight[device] -= 1
         out = Kind.RESPONSE if kind == Kind.RESULT else Kind.ERROR
@@ -169,6 +176,23 @@ class ActivationRouter:
                                        int(h["expert"]), int(h["rows"]), int(h["row_bytes"]),
                                        len(payload.buffer), FrameStatus(int(h["status"])),
                                        credits=1), payload)
+
+    def _expire(self) -> None:
+        """A worker that vanished mid-request (or stalls past ``worker_timeout``): answer its
+        senders with WORKER_FAILED and free their credits, within a bounded time."""
+        now = time.monotonic()
+        for aid, (sender, message_id, device, started) in list(self._pending.items()):
+            if now - started > self.worker_timeout:
+                del self._pending[aid]
+                self._outstanding[sender] -= 1
+                self.in_flight[device] -= 1
+                self.workers.pop(device, None)  # send no more there until it says HELLO again
+                self.refused["WORKER_FAILED"] += 1
+                text = f"no answer from device {device}'s worker in {self.worker_timeout} s"
+                self._send(sender, frames.pack(Kind.ERROR, message_id,
+                                               status=FrameStatus.WORKER_FAILED,
+                                               payload_bytes=len(text), credits=1),
+                           text.encode())
 
     @property
     def outstanding(self) -> int:

@@ -82,6 +82,27 @@ class AgentCollector(Collector):
         yield nbytes
         yield GaugeMetricFamily("dpu_agent_flow_rules", "Rules in the flow table.",
                                 value=len(flows.rules()))
+        router = core.activations
+        if router is not None:
+            messages = CounterMetricFamily("dpu_agent_activation_messages",
+                                           "Activation frames handled, by kind.", labels=["kind"])
+            nbytes = CounterMetricFamily("dpu_agent_activation_bytes",
+                                         "Activation payload bytes handled, by kind.",
+                                         labels=["kind"])
+            for kind in sorted(router.messages):
+                messages.add_metric([kind], router.messages[kind])
+                nbytes.add_metric([kind], router.bytes[kind])
+            yield messages
+            yield nbytes
+            refused = CounterMetricFamily("dpu_agent_activation_refused",
+                                          "Activation frames refused, by reason (NO_CREDIT "
+                                          "counts credit stalls).", labels=["reason"])
+            for reason in sorted(router.refused):
+                refused.add_metric([reason], router.refused[reason])
+            yield refused
+            yield GaugeMetricFamily("dpu_agent_activation_outstanding",
+                                    "Requests delivered to workers and not yet answered.",
+                                    value=router.outstanding)
         yield GaugeMetricFamily("dpu_agent_scheduler_waiting_jobs",
                                 "Deliveries waiting for their device link.",
                                 value=core.scheduler.waiting())

@@ -92,7 +92,8 @@ class AgentServer:
         if self.config.activations_address:
             try:
                 self.router = ActivationRouter(self.core, self.config.activations_address,
-                                               self.config.activation_credits)
+                                               self.config.activation_credits,
+                                               self.config.activation_worker_timeout)
             except zmq.ZMQError as exc:
                 await server.stop(None)
                 self.core.shutdown()

@@ -1,0 +1,195 @@
+"""Activation round trips through the agent against an Expert Kit-style baseline measured in
+the same run: one gRPC unary call per expert carrying the rows as protobuf bytes, through one
+forwarding hop (client -> forwarder -> expert server), the same SwiGLU computed at the end.
+
+Reports p50 / p99 round trip for 8 KiB, 256 KiB and 4 MiB messages and messages per second,
+then one MoE layer with DeepSeek-V3 widths (hidden 7168, top-8, 128 tokens; 16 experts with a
+256-wide FFN so that it fits a CPU) checked against a dense float64 reference.
+Targets (issue 6): 8 KiB p50 <= 200 us on loopback; >= 5x lower p50 than the baseline at 4 MiB.
+
+Usage: python bench/activations.py [--repeats N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+from google.protobuf import wrappers_pb2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import envelope, figure, median, pct, save_figure, write
+from gpu_kernels import reference
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.activations import ActivationSender, ExpertWorker, swiglu_bf16
+from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
+from host_client.launcher import AgentProcess
+
+SIZES = {"8KiB": 8 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20}
+METHOD = "/bench.Expert/Run"
+
+
+def _weights(truth: dict[str, bytes], layer: int, e: int, hidden: int) -> list[np.ndarray]:
+    out = []
+    for role in ("gate_proj", "up_proj", "down_proj"):
+        raw = np.frombuffer(truth[f"model.layers.{layer}.mlp.experts.{e}.{role}.weight"],
+                            np.uint16)
+        out.append(raw.reshape(hidden, -1) if role == "down_proj" else raw.reshape(-1, hidden))
+    return out
+
+
+def grpc_baseline(weights: list[np.ndarray], hidden: int) -> tuple[grpc.Server, grpc.Server,
+                                                                   grpc.Channel]:
+    """Expert server (computes) behind a forwarder; returns both servers and the client
+    channel to the forwarder."""
+    def compute(req: wrappers_pb2.BytesValue, ctx: object) -> wrappers_pb2.BytesValue:
+        rows = np.frombuffer(req.value, np.uint16).reshape(-1, hidden)
+        return wrappers_pb2.BytesValue(value=swiglu_bf16(rows, *weights).tobytes())
+
+    opts = [("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20)]
+
+    def serve(fn: object) -> tuple[grpc.Server, int]:
+        server = grpc.server(futures.ThreadPoolExecutor(4), options=opts)
+        handler = grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=wrappers_pb2.BytesValue.FromString,
+            response_serializer=wrappers_pb2.BytesValue.SerializeToString)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "bench.Expert", {"Run": handler})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        return server, port
+
+    expert, expert_port = serve(compute)
+    upstream = grpc.insecure_channel(f"127.0.0.1:{expert_port}", options=opts)
+    forward_call = upstream.unary_unary(
+        METHOD, request_serializer=wrappers_pb2.BytesValue.SerializeToString,
+        response_deserializer=wrappers_pb2.BytesValue.FromString)
+    forwarder, fwd_port = serve(lambda req, ctx: forward_call(req))
+    return expert, forwarder, grpc.insecure_channel(f"127.0.0.1:{fwd_port}", options=opts)
+
+
+def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str,
+                repeats: int) -> dict[str, dict[str, float]]:
+    """Round trips of one expert's rows (model "r", rows of ``hidden`` bf16 values)."""
+    rng = np.random.default_rng(0)
+    expert, forwarder, channel = grpc_baseline(weights, hidden)
+    call = channel.unary_unary(METHOD,
+                               request_serializer=wrappers_pb2.BytesValue.SerializeToString,
+                               response_deserializer=wrappers_pb2.BytesValue.FromString)
+    out: dict[str, dict[str, float]] = {}
+    with ActivationSender(address, "r", 16) as sender:
+        for name, nbytes in SIZES.items():
+            rows = reference.f32_to_bf16(rng.standard_normal((nbytes // (2 * hidden), hidden),
+                                                             dtype=np.float32))
+            agent_t, grpc_t = [], []
+            for i in range(repeats + 2):
+                t0 = time.perf_counter()
+                sender.request(layer, 0, rows)
+                _, got = sender.receive()
+                t1 = time.perf_counter()
+                resp = call(wrappers_pb2.BytesValue(value=rows.tobytes()))
+                t2 = time.perf_counter()
+                if i >= 2:
+                    agent_t.append(t1 - t0)
+                    grpc_t.append(t2 - t1)
+            assert got.tobytes() == resp.value, "the two paths disagree"
+            out[name] = {"agent_p50_us": median(agent_t) * 1e6,
+                         "agent_p99_us": pct(agent_t, 99) * 1e6,
+                         "grpc_p50_us": median(grpc_t) * 1e6,
+                         "grpc_p99_us": pct(grpc_t, 99) * 1e6,
+                         "speedup_p50": median(grpc_t) / median(agent_t),
+                         "agent_messages_per_s": 1 / median(agent_t)}
+            print(f"{name:>7}: agent p50 {out[name]['agent_p50_us']:9.0f} us p99 "
+                  f"{out[name]['agent_p99_us']:9.0f}  gRPC+hop p50 "
+                  f"{out[name]['grpc_p50_us']:9.0f} us ({out[name]['speedup_p50']:.2f}x)",
+                  file=sys.stderr)
+    channel.close()
+    forwarder.stop(None)
+    expert.stop(None)
+    return out
+
+
+def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, float]:
+    rng = np.random.default_rng(1)
+    tokens, k, experts = 128, 8, 16
+    x = reference.f32_to_bf16(rng.standard_normal((tokens, hidden), dtype=np.float32))
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)])
+    w = rng.random((tokens, k), dtype=np.float32)
+    w /= w.sum(1, keepdims=True)
+    with ActivationSender(address, "m", experts) as sender:
+        t0 = time.perf_counter()
+        got = sender.dispatch(layer, x, ids, w)
+        elapsed = time.perf_counter() - t0
+    truth = read_tensor_bytes(root)
+    xf = reference.bf16_to_f32(x).astype(np.float64)
+    ref = np.zeros_like(xf)
+    for e in range(experts):
+        g, u, d = (reference.bf16_to_f32(a).astype(np.float64)
+                   for a in _weights(truth, layer, e, hidden))
+        h = xf @ g.T
+        y = ((h / (1 + np.exp(-h))) * (xf @ u.T)) @ d.T
+        ref += (w * (ids == e)).sum(1, keepdims=True) * y
+    err = float(np.linalg.norm(reference.bf16_to_f32(got) - ref) / np.linalg.norm(ref))
+    print(f"MoE layer (128 tokens, top-8, hidden {hidden}): {elapsed * 1e3:.0f} ms, rel. error "
+          f"vs dense float64 {err:.2e}", file=sys.stderr)
+    return {"tokens": tokens, "top_k": k, "hidden": hidden, "seconds": elapsed,
+            "relative_error_vs_dense": err}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    hidden, rt_hidden = 7168, 512
+    with tempfile.TemporaryDirectory(prefix="bench-act-") as tmp:
+        root = make_checkpoint(Path(tmp) / "m", CheckpointSpec(
+            "qwen3-moe", layers=1, experts=16, hidden=hidden, intermediate=256))
+        rt_root = make_checkpoint(Path(tmp) / "r", CheckpointSpec(
+            "qwen3-moe", layers=1, experts=16, hidden=rt_hidden, intermediate=256))
+        settings = '[activations]\nlisten_address = "127.0.0.1:0"\n[arena]\nbytes = "1GiB"\n'
+        with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
+            models = [client.load_model(str(r), n) for r, n in ((root, "m"), (rt_root, "r"))]
+            dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
+                max(m.expert_bytes for m in models), 32)])
+            layer = models[0].moe_layers[0]
+            for m in models:
+                pid = client.apply_placement(m.model, [[[dev.device_id]] * 16]).placement_id
+                while (p := client.placement_progress(pid)) is None or p.done < p.total:
+                    time.sleep(0.05)
+            worker = ExpertWorker(client, dev)
+            address = f"127.0.0.1:{agent.activations_port}"
+            trips = round_trips(layer, rt_hidden, _weights(read_tensor_bytes(rt_root), layer,
+                                                           0, rt_hidden), address, args.repeats)
+            layer_result = moe_layer(root, address, layer, hidden)
+            worker.close()
+    result = {"round_trips": trips, "moe_layer": layer_result, "hidden": hidden,
+              "targets": {"8KiB_p50_us": 200, "4MiB_speedup": 5}}
+    fig, ax = figure()
+    names = list(SIZES)
+    ax.bar([i - 0.2 for i in range(3)], [trips[n]["agent_p50_us"] / 1e3 for n in names], 0.4,
+           label="through the agent (ZeroMQ, steering)")
+    ax.bar([i + 0.2 for i in range(3)], [trips[n]["grpc_p50_us"] / 1e3 for n in names], 0.4,
+           label="gRPC per expert + forwarding hop")
+    ax.set(xticks=range(3), xticklabels=names, ylabel="p50 round trip (ms)", yscale="log",
+           title="activation round trip, CPU reference device")
+    ax.legend(fontsize=8)
+    path = write("activations", envelope("activations", result, device="cpu",
+                                         command="python bench/activations.py"), "-cpu")
+    save_figure(fig, path.with_suffix(".png"))
+    print(json.dumps(result) if args.json else f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
