@@ -35,6 +35,10 @@ FAULTS = [
      "tests/test_state.py::test_sigkill_during_writes_leaves_old_or_new_state"),
     ("SIGTERM with transfers in flight",
      "tests/test_systemd.py::test_sigterm_drains_then_cancels_and_exits_zero"),
+    ("activation worker vanishes mid-request (ZeroMQ path)", "tests/test_activations.py::"
+     "test_worker_vanishing_mid_request_fails_within_bound"),
+    ("experts migrated under activation traffic",
+     "tests/test_activations.py::test_migration_under_traffic_loses_nothing"),
     ("fuzzed descriptors, guard bytes (CPU twin)",
      "tests/test_kernels.py::test_fuzzed_descriptors_status_and_guards[cpu]"),
 ]
@@ -52,6 +56,10 @@ OUTCOME = {
     "lease expiry, twice": "both sessions reclaimed; the reaper survives",
     "SIGKILL at random points of state writes": "restart finds the old or the new state",
     "SIGTERM with transfers in flight": "waits out the grace, cancels the rest, exit 0",
+    "activation worker vanishes mid-request (ZeroMQ path)": "the sender gets WORKER_FAILED "
+    "within the 1 s bound, its credit back, and the dead worker stops being a route",
+    "experts migrated under activation traffic": "three moves while dispatching: sent = "
+    "received, no error, traffic follows the moves",
     "fuzzed descriptors, guard bytes (CPU twin)": "statuses match an independent oracle, "
     "guard bytes intact",
 }
@@ -106,8 +114,8 @@ def main() -> int:
     for fault, test in FAULTS:
         status, secs = faults.get(test.split("::")[1], ("not run", 0.0))
         lines.append(f"| {fault} | {status} | {OUTCOME[fault]} | {secs:.1f} |")
-    lines += ["", "Not injected yet: a peer vanishing mid-transfer on the ZeroMQ path (there is no "
-              "ZeroMQ path before the activation and cluster issues).", "",
+    lines += ["", "Not injected yet: a network-namespace link cut, and agent-to-agent peer fetch "
+              "(cluster mode does not exist yet).", "",
               f"## Bad inputs tried ({fuzz_src})", "", "| target | examples |", "|---|---|"]
     lines += [f"| `{k}` | {v:,} |" for k, v in fuzz.items()] or ["| (none) | |"]
     lines += ["", "Invariants: no crash, only documented status codes, a refusal changes no "
