@@ -164,9 +164,8 @@ def main() -> int:
                 max(m.expert_bytes for m in models), 32)])
             layer = models[0].moe_layers[0]
             for m in models:
-                pid = client.apply_placement(m.model, [[[dev.device_id]] * 16]).placement_id
-                while (p := client.placement_progress(pid)) is None or p.done < p.total:
-                    time.sleep(0.05)
+                client.wait_placement(
+                    client.apply_placement(m.model, [[[dev.device_id]] * 16]).placement_id)
             worker = ExpertWorker(client, dev)
             address = f"127.0.0.1:{agent.activations_port}"
             trips = round_trips(layer, rt_hidden, _weights(read_tensor_bytes(rt_root), layer,

@@ -39,19 +39,6 @@ def make_device(kind: str, ordinal: int) -> Device:
     return CpuReferenceDevice(ordinal)
 
 
-def wait_placement(client: AgentClient, pid: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        p = client.placement_progress(pid)
-        if p is not None and p.done + p.failed == p.total:
-            if p.failed:
-                raise RuntimeError(f"placement {pid}: {p.failed} copies failed")
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"placement {pid} unfinished: {p}")
-        time.sleep(0.001)
-
-
 def rebalance_case(client: AgentClient, model, kind: str) -> dict[str, float]:
     a = client.register_device(make_device(kind, 0), [SlotPoolSpec(model.expert_bytes, 64)])
     b = client.register_device(make_device(kind, 1), [SlotPoolSpec(model.expert_bytes, 64)])
@@ -67,12 +54,14 @@ def rebalance_case(client: AgentClient, model, kind: str) -> dict[str, float]:
     for k in keys[:32]:
         client.release(b, k)
     everything_on_a = [[[a.device_id] for _ in range(EXPERTS)] for _ in model.moe_layers]
-    wait_placement(client, client.apply_placement("m", everything_on_a).placement_id)
+    client.wait_placement(client.apply_placement("m", everything_on_a).placement_id, 120)
     moved = [[[b.device_id] if e % 2 else [a.device_id] for e in range(EXPERTS)]
              for _ in model.moe_layers]
     t0 = time.perf_counter()
     r = client.apply_placement("m", moved)
-    wait_placement(client, r.placement_id)
+    p = client.wait_placement(r.placement_id, 120)
+    if p.failed:
+        raise RuntimeError(f"placement {r.placement_id}: {p.failed} copies failed")
     elapsed = time.perf_counter() - t0
     nbytes = r.copies_to_add * model.expert_bytes
     return {"copies_moved": r.copies_to_add, "bytes_moved": nbytes,

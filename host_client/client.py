@@ -281,6 +281,19 @@ class AgentClient:
             session_id=self.session_id, model=model, replicas=replicas),
             timeout=self.rpc_timeout)
 
+    def wait_placement(self, placement_id: int, timeout: float = 60.0) -> pb.PlacementProgress:
+        """Block until every new copy of a placement is verified or failed; returns the final
+        progress. TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            p = self.placement_progress(placement_id)
+            if p is not None and p.done + p.failed == p.total:
+                return p
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"placement {placement_id} unfinished after {timeout} s: "
+                                   f"{p}")
+            time.sleep(0.01)
+
     def placement_progress(self, placement_id: int) -> pb.PlacementProgress | None:
         """The latest progress event seen for a placement."""
         with self._lock:

@@ -31,20 +31,12 @@ def served(qwen_ckpt: Path):
                                        [SlotPoolSpec(model.expert_bytes, 18)]) for i in range(2)]
         pid = client.apply_placement("qa", [[[devs[0].device_id]] * model.experts_per_layer
                                             for _ in model.moe_layers]).placement_id
-        _wait(client, pid)
+        client.wait_placement(pid)
         worker = ExpertWorker(client, devs[0])
         yield agent, client, model, devs, worker
         worker.close()
 
 
-def _wait(client: AgentClient, pid: int) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        p = client.placement_progress(pid)
-        if p is not None and p.done + p.failed == p.total:
-            return
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 def _dense(ckpt: Path, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -126,7 +118,7 @@ def test_unrouted_expert_and_credits(served) -> None:
     layers, experts = len(model.moe_layers), model.experts_per_layer
     placement = [[[devs[0].device_id]] * experts for _ in range(layers)]
     placement[-1][5] = [devs[1].device_id]
-    _wait(client, client.apply_placement("qa", placement).placement_id)
+    client.wait_placement(client.apply_placement("qa", placement).placement_id)
     time.sleep(0.2)
     rows = np.zeros((1, 256), np.uint16)
     with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa", experts) as s:
@@ -174,7 +166,7 @@ def test_migration_under_traffic_loses_nothing(served) -> None:
             time.sleep(0.3)
             placement = [[[target.device_id]] * model.experts_per_layer
                          for _ in model.moe_layers]
-            _wait(client, client.apply_placement("qa", placement).placement_id)
+            client.wait_placement(client.apply_placement("qa", placement).placement_id)
         time.sleep(0.3)
     finally:
         stop.set()
@@ -206,8 +198,8 @@ def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> Non
     with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
         model = client.load_model(str(qwen_ckpt), "qv")
         dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 18)])
-        _wait(client, client.apply_placement("qv", [[[dev.device_id]] * 6
-                                                   for _ in model.moe_layers]).placement_id)
+        client.wait_placement(client.apply_placement(
+            "qv", [[[dev.device_id]] * 6 for _ in model.moe_layers]).placement_id)
         worker = ExpertWorker(client, dev)
         worker._stop.set()          # the worker process "dies": its socket stays silent
         worker._thread.join()

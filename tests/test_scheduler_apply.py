@@ -53,17 +53,6 @@ def two_devices(qwen_ckpt: Path):
         yield client, model, devs
 
 
-def _wait_progress(client: AgentClient, placement_id: int, timeout: float = 20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        p = client.placement_progress(placement_id)
-        if p is not None and p.done + p.failed == p.total:
-            return p
-        time.sleep(0.02)
-    raise AssertionError(f"placement {placement_id} did not finish: "
-                         f"{client.placement_progress(placement_id)}")
-
-
 def _held_ready(client: AgentClient, dev, key: ExpertKey) -> bool:
     h = client.acquire(dev, key)
     ready = h.done()
@@ -79,7 +68,7 @@ def test_apply_then_move_make_before_break(two_devices, qwen_ckpt: Path) -> None
     first = [[[a.device_id] for _ in range(experts)] for _ in range(layers)]
     r = client.apply_placement("qp", first)
     assert r.copies_to_add == layers * experts
-    p = _wait_progress(client, r.placement_id)
+    p = client.wait_placement(r.placement_id)
     assert (p.done, p.failed) == (layers * experts, 0)
     key = ExpertKey("qp", model.moe_layers[1], 3)
     assert _held_ready(client, a, key)
@@ -91,7 +80,7 @@ def test_apply_then_move_make_before_break(two_devices, qwen_ckpt: Path) -> None
     r2 = client.apply_placement("qp", second)
     assert r2.copies_to_add == experts
     assert _held_ready(client, a, key), "old copy dropped before the new one was verified"
-    p2 = _wait_progress(client, r2.placement_id)
+    p2 = client.wait_placement(r2.placement_id)
     assert p2.failed == experts and p2.dropped == 0
     assert _held_ready(client, a, key)
     slot = client.acquire(a, key).wait(5)
@@ -104,11 +93,11 @@ def test_move_completes_and_releases_old_copies(two_devices) -> None:
     client, model, (a, b) = two_devices
     layers, experts = len(model.moe_layers), model.experts_per_layer
     first = [[[a.device_id] for _ in range(experts)] for _ in range(layers)]
-    _wait_progress(client, client.apply_placement("qp", first).placement_id)
+    client.wait_placement(client.apply_placement("qp", first).placement_id)
     second = [[[b.device_id] if e % 2 else [a.device_id, b.device_id] for e in range(experts)]
               for _ in range(layers)]
     r = client.apply_placement("qp", second)
-    p = _wait_progress(client, r.placement_id)
+    p = client.wait_placement(r.placement_id)
     assert p.done == layers * experts and p.failed == 0
     deadline = time.monotonic() + 5
     while client.placement_progress(r.placement_id).dropped < layers * experts // 2:
@@ -174,7 +163,7 @@ def test_rebalance_from_routing_statistics(two_devices) -> None:
     client.report_routing("qp", steps)
     r = client.rebalance("qp", replicas=2)
     assert r.max_load_ratio >= 1.0 and r.copies_to_add == len(model.moe_layers) * 8
-    p = _wait_progress(client, r.placement_id)
+    p = client.wait_placement(r.placement_id)
     assert p.failed == 0
     again = client.rebalance("qp", replicas=2)
     assert again.bytes_moved == 0 and again.copies_to_add == 0

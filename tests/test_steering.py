@@ -102,7 +102,7 @@ def test_placement_rules_follow_make_before_break(qwen_ckpt: Path) -> None:
                                        [SlotPoolSpec(model.expert_bytes, 18)]) for i in range(2))
         L, E = len(model.moe_layers), model.experts_per_layer
         p1 = client.apply_placement("st", [[[a.device_id]] * E for _ in range(L)])
-        _wait(client, p1.placement_id)
+        client.wait_placement(p1.placement_id)
 
         def queues_of(expert: int) -> list[int]:
             rules = client.stub.ListFlows(pb.ListFlowsRequest()).rules
@@ -115,21 +115,13 @@ def test_placement_rules_follow_make_before_break(qwen_ckpt: Path) -> None:
         time.sleep(0.2)
         assert queues_of(0) == [a.device_id], "steered to b before its copy was verified"
         b.device.resume()
-        _wait(client, p2.placement_id)
+        client.wait_placement(p2.placement_id)
         deadline = time.monotonic() + 5
         while queues_of(0) != [b.device_id]:
             assert time.monotonic() < deadline, queues_of(0)
             time.sleep(0.05)
 
 
-def _wait(client: AgentClient, pid: int) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        p = client.placement_progress(pid)
-        if p is not None and p.done + p.failed == p.total:
-            return
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 def test_apply_flows_rpc_and_cli(agent: AgentProcess) -> None:
