@@ -31,7 +31,7 @@ def align_up(n: int, a: int = BLOB_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlobTensor:
     """One tensor inside an expert blob, and where its bytes are in the checkpoint."""
 
@@ -47,7 +47,7 @@ class BlobTensor:
     """Absolute byte offset of the bytes in ``file``."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ExpertEntry:
     """An expert's blob layout."""
 
@@ -172,6 +172,7 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
         str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))), "BF16")
     model = name or root.name
     experts: dict[ExpertKey, ExpertEntry] = {}
+    shard_paths = {shard: root / shard for shard in shard_files}  # one Path per shard
     for layer in layout.moe_layers:
         for e in range(layout.experts_per_layer):
             key = ExpertKey(model, layer, e)
@@ -202,7 +203,7 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
                             and dtype != "F8_E4M3"):
                         raise CheckpointError(f"{root / shard}: tensor {src.tensor!r} is "
                                               f"{dtype}, config says fp8")
-                    file: Path | None = root / shard
+                    file: Path | None = shard_paths[shard]
                 else:
                     want = _expected_shape(layout, src)
                     if want is None:
