@@ -396,6 +396,8 @@ class AgentClient:
                 self.stub.KeepAlive(self._ref, timeout=interval)
             except grpc.RpcError:
                 pass  # the event stream reports the outage
+            except ValueError:
+                return  # the channel was closed under us: the client is closing
 
     def close(self) -> None:
         """Stop devices, end the session, release every shared resource of this client."""

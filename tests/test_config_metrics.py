@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -110,13 +111,22 @@ def test_grpc_server_metrics_follow_grafana_names(agent: AgentProcess) -> None:
         stub.GetStatus(pb.StatusRequest(), timeout=5)
         with pytest.raises(grpc.RpcError):
             stub.KeepAlive(pb.SessionRef(session_id="nope"), timeout=5)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
-                                  timeout=5).read().decode()
-    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    samples: list = []
 
     def value(name: str, **labels: str) -> float:
         return sum(s.value for s in samples if s.name == name
                    and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    # The client sees a status before the server's interceptor has finished counting it.
+    deadline = time.monotonic() + 5
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                      timeout=5).read().decode()
+        samples[:] = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+        if value("grpc_server_handled_total", grpc_method="KeepAlive") or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     svc = "dpu_offload.v1.DpuAgent"
     assert value("grpc_server_started_total", grpc_service=svc, grpc_method="GetStatus",
