@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_kernels import abi
-from gpu_kernels.checksum import chunk_checksum
-from gpu_kernels.ring import Ring
+from gpu_kernels.checksum import chunk_checksum, row_checksums
+from gpu_kernels.ring import Ring, store_fence
 from gpu_kernels.routing import DispatchPlan
 
 
@@ -138,6 +138,17 @@ def combine_bf16(expert_out: np.ndarray, plan: DispatchPlan, weights: np.ndarray
     return f32_to_bf16(acc)
 
 
+def _packet_checksums(payloads: np.ndarray, lengths: np.ndarray, offsets: np.ndarray
+                      ) -> np.ndarray:
+    sums = np.empty(lengths.size, np.uint32)
+    full = lengths == payloads.shape[1]
+    if full.any():
+        sums[full] = row_checksums(payloads[full], offsets[full])
+    for i in np.flatnonzero(~full).tolist():
+        sums[i] = chunk_checksum(payloads[i, :lengths[i]], int(offsets[i]))
+    return sums
+
+
 def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer: int,
                  expert: int) -> int:
     """Twin of ``dpu_send``: publish ``data`` (uint8, length a multiple of 16) as packets on
@@ -148,13 +159,20 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
     packets = -(-data.size // room)
     if tx.free_entries() < packets:
         raise BufferError(f"{packets} packets, {tx.free_entries()} free entries")
-    for p in range(packets):
-        off = p * room
-        chunk = data[off:off + room]
-        tx.push({"message_id": message_id, "offset": off, "length": chunk.size,
-                 "flags": int(abi.PacketFlags.LAST) if off + chunk.size == data.size else 0,
-                 "checksum": chunk_checksum(chunk, off), "layer": layer, "expert": expert,
-                 "model": model, "total_length": data.size}, payload=chunk)
+    idx = ((np.arange(packets, dtype=np.uint64) + np.uint64(tx.produced))
+           & np.uint64(tx.capacity - 1)).astype(np.intp)
+    offsets = np.arange(packets, dtype=np.uint64) * np.uint64(room)
+    lengths = np.minimum(np.uint64(room), np.uint64(data.size) - offsets).astype(np.uint32)
+    full = data.size // room
+    tx.payload[idx[:full]] = data[:full * room].reshape(full, room)
+    if full < packets:
+        tx.payload[idx[full], :int(lengths[-1])] = data[full * room:]
+    h = np.zeros(packets, abi.PACKET_HEADER_DTYPE)
+    h["message_id"], h["offset"], h["length"] = message_id, offsets, lengths
+    h["flags"][-1] = abi.PacketFlags.LAST
+    h["checksum"] = _packet_checksums(tx.payload[idx], lengths, offsets)
+    h["layer"], h["expert"], h["model"], h["total_length"] = layer, expert, model, data.size
+    assert tx.push_many(h) == packets
     return packets
 
 
@@ -164,23 +182,41 @@ def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:
     (message id, bytes written, packets refused). Raises BufferError if the message is not
     complete in the ring yet (nothing is consumed then)."""
     assert rx.payload is not None, "not a packet ring"
-    written = refused = 0
-    message = -1
-    while True:
-        rec = rx.peek()
-        if rec is None:
-            raise BufferError("message incomplete in the rx ring")
-        i = rx.consumed & (rx.capacity - 1)
-        off, length = int(rec["offset"]), int(rec["length"])
-        message = int(rec["message_id"])
-        last = bool(int(rec["flags"]) & abi.PacketFlags.LAST)
-        chunk = rx.payload[i, :length]
-        if length > rx.payload.shape[1] or off + length > dst.size or \
-                chunk_checksum(chunk, off) != int(rec["checksum"]):
-            refused += 1
+    pos = rx.consumed
+    want = np.arange(pos + 1, pos + rx.capacity + 1, dtype=np.uint64)
+    idx = ((want - np.uint64(1)) & np.uint64(rx.capacity - 1)).astype(np.intp)
+    ready = rx._seq[idx] == want
+    n_ready = rx.capacity if ready.all() else int(np.argmin(ready))
+    store_fence()
+    heads = rx.entries[idx[:n_ready]]
+    last = np.flatnonzero(heads["flags"] & abi.PacketFlags.LAST)
+    if last.size == 0:
+        raise BufferError("message incomplete in the rx ring")
+    n = int(last[0]) + 1
+    heads, idx = heads[:n].copy(), idx[:n]
+    offsets = heads["offset"].astype(np.uint64)
+    lengths = heads["length"].astype(np.uint64)
+    sane = (lengths <= rx.payload.shape[1]) & (offsets + lengths <= np.uint64(dst.size))
+    good = np.zeros(n, bool)
+    if sane.any():
+        sums = _packet_checksums(rx.payload[idx[sane]], lengths[sane].astype(np.uint32),
+                                 offsets[sane])
+        good[np.flatnonzero(sane)] = sums == heads["checksum"][sane]
+    room = rx.payload.shape[1]
+    for i in np.flatnonzero(good).tolist():
+        off, length = int(offsets[i]), int(lengths[i])
+        if length == room:
+            continue  # full packets are copied below in one pass
+        dst[off:off + length] = rx.payload[idx[i], :length]
+    full = good & (lengths == room)
+    if full.any():
+        rows = (offsets[full] // np.uint64(room)).astype(np.intp)
+        contiguous = np.all(offsets[full] % np.uint64(room) == 0)
+        if contiguous:
+            dst[:(dst.size // room) * room].reshape(-1, room)[rows] = rx.payload[idx[full]]
         else:
-            dst[off:off + length] = chunk
-            written += length
+            for i in np.flatnonzero(full).tolist():
+                dst[int(offsets[i]):int(offsets[i]) + room] = rx.payload[idx[i]]
+    for _ in range(n):
         rx.advance()
-        if last:
-            return message, written, refused
+    return int(heads["message_id"][-1]), int(lengths[good].sum()), int(n - good.sum())

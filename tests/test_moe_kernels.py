@@ -125,3 +125,30 @@ def test_send_packetizes_with_checksums(backend: str) -> None:
     assert [h["flags"] for h in headers] == [0] * 5 + [abi.PacketFlags.LAST]
     assert {(h["message_id"], h["model"], h["layer"], h["expert"]) for h in headers} == {
         (77, 1, 2, 3)}
+
+
+def test_receive_packets_verifies_and_bounds() -> None:
+    from gpu_kernels.checksum import row_checksums
+
+    entry = 64 + 256
+    rng = np.random.default_rng(9)
+    data = rng.integers(0, 256, 256 * 5 + 48, dtype=np.uint8)
+    rows = rng.integers(0, 256, (4, 256), dtype=np.uint8)
+    offs = np.array([0, 256, 4096, 1 << 20], np.uint64)
+    assert list(row_checksums(rows, offs)) == [chunk_checksum(r, int(o))
+                                               for r, o in zip(rows, offs, strict=True)]
+    buf = np.zeros(abi.ring_bytes(8, entry), np.uint8)
+    ring = Ring.format(buf, abi.RingKind.RX_PACKET, 8, entry)
+    assert reference.send_packets(ring, data, 5, 0, 1, 2) == 6
+    ring.payload[(ring.consumed + 2) & 7, 3] ^= 0xFF          # corrupt packet 2
+    dst = np.zeros(data.size, np.uint8)
+    mid, written, refused = reference.receive_packets(ring, dst)
+    assert (mid, refused, written) == (5, 1, data.size - 256)
+    np.testing.assert_array_equal(dst[:512], data[:512])
+    assert not dst[512:768].any(), "a corrupted packet was written"
+    np.testing.assert_array_equal(dst[768:], data[768:])
+    reference.send_packets(ring, data[:512], 6, 0, 1, 2)
+    small = np.zeros(300, np.uint8)                            # second packet runs past it
+    assert reference.receive_packets(ring, small)[1:] == (256, 1)
+    with pytest.raises(BufferError):
+        reference.receive_packets(ring, small)
