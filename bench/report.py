@@ -1,0 +1,206 @@
+"""Turn the latest results under bench/results/ into docs/PERFORMANCE.md: for each benchmark
+the figure, its baseline from the same run, the ratio, the target and whether it is met, how it
+was obtained (command, machine, date, repeats), and a flag when the result is older than the
+code it describes (its source hash differs from the tree's).
+
+Usage: python bench/report.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import RESULTS, ROOT, source_hash
+
+Row = tuple[str, str, str, str, str, bool | None]
+"""(figure, measured, baseline, ratio, target, met)."""
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def delivery(d: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for shape, r in d["results"].items():
+        mb = r["expert_bytes"] / 1e6
+        if "/" in shape:  # a forced mechanism: bandwidth and CPU rows only
+            pinned = r["pinned_h2d_gbps"]
+            bw = r["agent_delivery_gbps"]
+            rows.append((f"delivery {mb:.1f} MB experts ({r['mechanism']}, forced)",
+                         f"{bw:.1f} GB/s", f"pinned H2D {pinned:.1f} GB/s",
+                         f"{bw / pinned:.2f}x", ">= 0.90x", bw / pinned >= 0.9))
+            rows.append((f"host-client CPU per GB, {mb:.1f} MB ({r['mechanism']})",
+                         f"{r['client_cpu_s_per_gb']:.3f} s", "", "", "<= 0.02 s",
+                         r["client_cpu_s_per_gb"] <= 0.02))
+            continue
+        bw, pinned = r["agent_delivery_gbps"], r.get("pinned_h2d_gbps")
+        if pinned:
+            rows.append((f"delivery {mb:.1f} MB experts ({r['mechanism']})", f"{bw:.1f} GB/s",
+                         f"pinned H2D {pinned:.1f} GB/s", f"{bw / pinned:.2f}x", ">= 0.90x",
+                         bw / pinned >= 0.9))
+        rows.append((f"speed-up over HTTP staging, {mb:.1f} MB", f"{bw:.1f} GB/s",
+                     f"HTTP 1 MiB chunks {r['http_staged_gbps']:.2f} GB/s",
+                     f"{bw / r['http_staged_gbps']:.0f}x", "", None))
+        target = 1.0 if mb > 20 else 0.3 if mb > 5 else None
+        rows.append((f"acquire-to-ready p50, {mb:.1f} MB", f"{r['acquire_to_ready_p50_ms']:.2f} ms",
+                     "", "", f"<= {target} ms" if target else "",
+                     r["acquire_to_ready_p50_ms"] <= target if target else None))
+        rows.append((f"host-client CPU per GB, {mb:.1f} MB", f"{r['client_cpu_s_per_gb']:.3f} s",
+                     "", "", "<= 0.02 s", r["client_cpu_s_per_gb"] <= 0.02))
+        rows.append((f"agent CPU per GB, {mb:.1f} MB", f"{r['agent_cpu_s_per_gb']:.3f} s", "",
+                     "", "<= 0.05 s", r["agent_cpu_s_per_gb"] <= 0.05))
+    return rows
+
+
+def moe_kernels(d: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for tokens, r in d["results"].items():
+        for op in ("dispatch", "combine"):
+            ratio = r[f"{op}_ratio"]
+            rows.append((f"{op} kernel, {tokens} tokens", f"{r[f'{op}_gbps']:.0f} GB/s",
+                         f"D2D copy {r['d2d_copy_gbps']:.0f} GB/s", f"{ratio:.2f}x",
+                         ">= 0.60x", ratio >= 0.6))
+    return rows
+
+
+def cache(d: dict[str, Any]) -> list[Row]:
+    r, rows = d["results"], []
+    rates = r["hit_rate"]
+    for i, size in enumerate(r["sizes"]):
+        routing, best = rates["routing"][i], max(rates["lru"][i], rates["lfu"][i])
+        mn = rates["min"][i]
+        rows.append((f"{d['trace']}: hit rate at {size} experts", f"{routing:.3f}",
+                     f"LRU {rates['lru'][i]:.3f} / LFU {rates['lfu'][i]:.3f} / MIN {mn:.3f}",
+                     f"{routing / mn:.2f} of MIN" if mn else "-",
+                     "> LRU, LFU; >= 0.9 MIN", routing > best and routing >= 0.9 * mn))
+    return rows
+
+
+def placement(d: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for c in d["results"]["cases"]:
+        tag = f"{c['gpus']} GPUs + {c['replicas']} replicas"
+        rows.append((f"placement balance, {tag}", f"{c['max_load_ratio']:.3f}",
+                     f"LPT {c['lpt_max_load_ratio']:.3f}", f"{c['balance_vs_lpt']:.3f}x",
+                     "<= 1.02x", c["balance_vs_lpt"] <= 1.02))
+        rows.append((f"bytes per rebalance, {tag}", f"{c['bytes_moved'] / 1e9:.1f} GB",
+                     f"from scratch {c['scratch_bytes_moved'] / 1e9:.1f} GB",
+                     f"{c['moved_vs_scratch']:.2f}x", "<= 0.5x", c["moved_vs_scratch"] <= 0.5))
+        limit = 50 if c["gpus"] <= 8 else 500
+        rows.append((f"planning time, {tag} (first / rebalance)",
+                     f"{c['plan_ms']:.0f} / {c['rebalance_ms']:.0f} ms", "", "",
+                     f"<= {limit} ms", max(c["plan_ms"], c["rebalance_ms"]) <= limit))
+    return rows
+
+
+def rebalance(d: dict[str, Any]) -> list[Row]:
+    r = d["results"]
+    b = r["rebalance"]
+    return [("rebalance, ApplyPlacement to verified", f"{b['apply_to_verified_s'] * 1e3:.0f} ms",
+             f"bytes / measured bandwidth {b['bound_s'] * 1e3:.0f} ms",
+             f"{b['ratio_to_bound']:.2f}x", "", None),
+            ("routing-driven prefetch, hit rate", f"{r['prefetch_on']['hit_rate']:.3f}",
+             f"without {r['prefetch_off']['hit_rate']:.3f}",
+             f"+{r['prefetch_hits_gained']} hits, {r['prefetch_extra_bytes'] / 1e6:.0f} MB extra",
+             "", None)]
+
+
+def steering(d: dict[str, Any]) -> list[Row]:
+    r = d["results"]
+    return [(f"steering lookups, {r['rules']} rules", f"{r['lookups_per_second'] / 1e6:.2f} M/s",
+             f"linear scan {r['linear_scan_lookups_per_second'] / 1e3:.1f} k/s",
+             f"{r['speedup']:.0f}x", ">= 1 M/s", r["lookups_per_second"] >= 1e6)]
+
+
+def activations(d: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for size, r in d["results"]["round_trips"].items():
+        target, met = ("<= 200 us", r["agent_p50_us"] <= 200) if size == "8KiB" else \
+            (">= 5x", r["speedup_p50"] >= 5) if size == "4MiB" else ("", None)
+        rows.append((f"activation round trip p50, {size}", f"{r['agent_p50_us']:.0f} us",
+                     f"gRPC + hop {r['grpc_p50_us']:.0f} us", f"{r['speedup_p50']:.2f}x",
+                     target, met))
+    m = d["results"]["moe_layer"]
+    rows.append(("MoE layer vs dense reference (rel. error)",
+                 f"{m['relative_error_vs_dense']:.1e}", "float64 dense", "", "< 1e-2",
+                 m["relative_error_vs_dense"] < 1e-2))
+    return rows
+
+
+def load_bench(d: dict[str, Any]) -> list[Row]:
+    r = d["results"]
+    return [(f"load: {r['clients']} clients, {r['seconds']:.0f} s",
+             f"{r['requests']} cycles, p99 {r['p99_ms']:.0f} ms", "",
+             f"RSS {r['rss_growth_late_vs_early']:+.1%}", "0 errors, 0 deadlocks",
+             r["errors"] == 0 and r["deadlocks"] == 0)]
+
+
+def arm64(d: dict[str, Any]) -> list[Row]:
+    r = d["results"]
+    return [("agent start-up, aarch64 under qemu", f"{r['aarch64_under_qemu']['startup_s']:.1f} s",
+             f"native {r['native_x86_64']['startup_s']:.2f} s", f"{r['startup_ratio']:.0f}x",
+             "", None),
+            ("agent CPU per GB, aarch64 under qemu",
+             f"{r['aarch64_under_qemu']['agent_cpu_s_per_gb']:.2f} s",
+             f"native {r['native_x86_64']['agent_cpu_s_per_gb']:.2f} s",
+             f"{r['cpu_per_gb_ratio']:.1f}x", "", None)]
+
+
+SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
+    ("Delivery, arena to GPU (H200)", "delivery-cuda", delivery, "delivery-cuda.png"),
+    ("Dispatch / combine kernels (H200)", "moe_kernels-cuda", moe_kernels, ""),
+    ("Cache policies, Mixtral trace", "cache-mixtral-8x7b-humaneval-sample", cache,
+     "cache-mixtral-8x7b-humaneval-sample.png"),
+    ("Cache policies, OLMoE trace", "cache-olmoe-1b-7b-layer0-gsm8k", cache,
+     "cache-olmoe-1b-7b-layer0-gsm8k.png"),
+    ("Placement planner", "placement", placement, "placement.png"),
+    ("Rebalance and prefetch", "rebalance-cpu", rebalance, ""),
+    ("Steering", "steering", steering, ""),
+    ("Activations", "activations-cpu", activations, "activations-cpu.png"),
+    ("Load", "load", load_bench, ""),
+    ("The agent on Arm", "arm64", arm64, ""),
+]
+
+
+def main() -> int:
+    current = source_hash()
+    out = ["# Performance", "",
+           f"Generated by `bench/report.py` from bench/results/ (tree source {current}). Each "
+           "section says how its figures were obtained; a result whose source hash differs from "
+           "the tree's is marked **stale**: it describes older code. Ratios are against a "
+           "baseline measured in the same run.", ""]
+    for title, name, fn, plot in SECTIONS:
+        d = load(name)
+        out += [f"## {title}", ""]
+        if d is None:
+            out += [f"No results yet (`{name}.json`).", ""]
+            continue
+        m = d["machine"]
+        where = m.get("gpu") or m.get("cpu") or m["arch"]
+        stale = " **stale**" if d["source_hash"] != current else ""
+        out += [f"`{d.get('command', '')}` on {where} ({m['host']}, {m['cpus']} cores), "
+                f"{d['date'][:16]} UTC, source {d['source_hash']}{stale}"
+                + (f", repeats {d['repeats']}" if "repeats" in d else "") + ".", "",
+                "| figure | measured | baseline (same run) | ratio | target | met |",
+                "|---|---|---|---|---|---|"]
+        for fig, meas, base, ratio, target, met in fn(d):
+            mark = "" if met is None else "yes" if met else "**no**"
+            out.append(f"| {fig} | {meas} | {base} | {ratio} | {target} | {mark} |")
+        if plot and (RESULTS / plot).exists():
+            out += ["", f"![{title}](../bench/results/{plot})"]
+        out.append("")
+    (ROOT / "docs" / "PERFORMANCE.md").write_text("\n".join(out))
+    print("wrote docs/PERFORMANCE.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
