@@ -50,6 +50,7 @@ for s in $STAGES; do
     done ;;
   esac
 done
+python3 bench/report.py >/dev/null && cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
 tar czf "$OUT/results.tgz" -C bench/results --exclude gpu-check . 2>/dev/null
 echo "=== gpu-check: $([ $fail = 0 ] && echo PASSED || echo FAILED)"
 exit $fail
