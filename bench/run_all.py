@@ -29,6 +29,7 @@ CPU = [
     ("steering lookups", ["steering.py"]),
     ("activation round trips (CPU device)", ["activations.py"]),
     ("load: 64 clients", ["load.py", "--seconds", "20"]),
+    ("decode with offloaded experts (CPU device)", ["decode.py", "--tokens", "8"]),
 ]
 GPU = [
     ("delivery arena -> GPU", ["delivery.py", "--device", "cuda", "--experts", "8",

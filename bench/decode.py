@@ -1,0 +1,302 @@
+"""Decode with offloaded experts: tokens per second as users measure it.
+
+A decode loop over a checkpoint with the expert shapes of a real architecture (written by
+make-checkpoint; layers and experts scaled down to fit the machine), routing replayed from a
+trace (a real one from shared/traces, mapped layer -> layer mod L and expert -> expert mod E,
+or the generator), the device's expert slots holding a fraction of all experts, misses served
+through the agent, and each expert's SwiGLU FFN computed for real (NumPy on the CPU reference
+device). Attention is a fixed stand-in, ``h <- h + 0.5 * tanh(h)``, so the figure isolates the
+MoE path; the gate weights are 1/k.
+
+Paths in the same run and routing: ``offload`` (this project), ``resident`` (every expert in
+a slot: the upper bound), ``pageable`` (a synchronous copy from host memory on each miss) and
+``http`` (Expert Kit style: 1 MiB HTTP chunks into a host buffer, then a copy). Reported per
+path and cache fraction: tokens/s, time per token split into expert compute, waiting for
+experts and the rest, hit rate, bytes fetched per token, and the bound set by the missed bytes
+over the copy bandwidth measured in the same run.
+
+Usage: python bench/decode.py [--arch qwen3-30b-a3b] [--gpu-cache-fraction 0.1 0.25 0.5]
+                              [--trace FILE] [--tokens N] [--layers L] [--experts E] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import envelope, write
+from dpu_agent.planning.traces import generate_trace, read_trace
+from dpu_offload.keys import ExpertKey
+from gpu_kernels import reference
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.activations import swiglu_bf16
+from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
+from host_client.launcher import AgentProcess
+
+ARCHS = {  # arch: (checkpoint layout, hidden, moe intermediate, top-k)
+    "qwen3-30b-a3b": ("qwen3-moe", 2048, 768, 8),
+    "deepseek-v3-lite": ("qwen3-moe", 7168, 2048, 8),  # DeepSeek-V3 expert shapes, BF16
+    "mixtral-8x7b": ("mixtral", 4096, 14336, 2),
+}
+ROLES = ("gate_proj", "up_proj", "down_proj")
+
+
+def routing(trace: Path | None, layers: int, experts: int, top_k: int, tokens: int
+            ) -> list[list[list[int]]]:
+    """[token][layer] -> distinct experts."""
+    if trace is None:
+        steps = list(generate_trace(layers, experts, top_k, tokens, seed=7))
+        return [[sorted(set(steps[t * layers + la].experts)) for la in range(layers)]
+                for t in range(tokens)]
+    raw = read_trace(trace)
+    n_layers = max(s.layer for s in raw) + 1
+    out = []
+    for t in range(tokens):
+        row = []
+        for la in range(layers):
+            step = raw[(t * n_layers + la % n_layers) % len(raw)]
+            row.append(sorted({e % experts for e in step.experts}))
+        out.append(row)
+    return out
+
+
+class Decoder:
+    """The decode loop; ``fetch(layer, expert)`` returns the expert's (gate, up, down) bf16
+    arrays, counting the time it waits."""
+
+    def __init__(self, hidden: int, layer_ids: list[int], route: list[list[list[int]]]):
+        self.hidden, self.layer_ids, self.route = hidden, layer_ids, route
+
+    def run(self, fetch: Any, release: Any, tokens: int) -> dict[str, Any]:
+        x = reference.f32_to_bf16(np.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
+        compute = wait = 0.0
+        outputs = []
+        t_start = time.perf_counter()
+        for t in range(tokens):
+            h = reference.bf16_to_f32(x).copy()
+            for la, layer in enumerate(self.layer_ids):
+                h = h + 0.5 * np.tanh(h)  # the attention stand-in
+                experts = self.route[t][la]
+                acc = np.zeros_like(h)
+                hb = reference.f32_to_bf16(h)
+                for e in experts:
+                    t0 = time.perf_counter()
+                    w = fetch(layer, e)
+                    t1 = time.perf_counter()
+                    acc += reference.bf16_to_f32(swiglu_bf16(hb, *w)) / len(experts)
+                    compute += time.perf_counter() - t1
+                    wait += t1 - t0
+                    release(layer, e)
+                h = h + acc
+            outputs.append(reference.f32_to_bf16(h))
+            x = reference.f32_to_bf16(np.tanh(h))  # next token's input
+        total = time.perf_counter() - t_start
+        return {"tokens_per_s": tokens / total, "compute_s_per_token": compute / tokens,
+                "wait_s_per_token": wait / tokens,
+                "other_s_per_token": (total - compute - wait) / tokens,
+                "outputs": np.concatenate(outputs)}
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
+    dst = np.empty_like(src)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        np.copyto(dst, src)
+    return 5 * nbytes / (time.perf_counter() - t0)
+
+
+class LruHost:
+    """A host-memory expert cache of ``capacity`` experts filled by ``load(layer, e)``."""
+
+    def __init__(self, capacity: int, load: Any) -> None:
+        self.capacity, self.load = capacity, load
+        self.slots: OrderedDict[tuple[int, int], tuple[np.ndarray, ...]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def fetch(self, layer: int, e: int) -> tuple[np.ndarray, ...]:
+        key = (layer, e)
+        if key in self.slots:
+            self.hits += 1
+            self.slots.move_to_end(key)
+            return self.slots[key]
+        self.misses += 1
+        if len(self.slots) >= self.capacity:
+            self.slots.popitem(last=False)
+        w = self.slots[key] = self.load(layer, e)
+        return w
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-30b-a3b")
+    ap.add_argument("--gpu-cache-fraction", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    ap.add_argument("--trace", type=Path)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
+                 args.experts)
+    print_table(result)
+    path = write("decode", envelope("decode", result, device="cpu",
+                                    command="python bench/decode.py " + " ".join(sys.argv[1:])),
+                 f"-{args.arch}-cpu")
+    print(json.dumps(result) if args.json else f"wrote {path}")
+    return 0
+
+
+def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, layers: int,
+        experts: int, shrink: int = 1) -> dict[str, Any]:
+    """``shrink`` divides hidden and intermediate sizes (tests only; 1 keeps the real ones)."""
+    layout, hidden, inter, top_k = ARCHS[arch]
+    hidden, inter = hidden // shrink, inter // shrink
+    top_k = min(top_k, experts)
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
+        root = make_checkpoint(Path(tmp) / "m", CheckpointSpec(
+            layout, layers=layers, experts=experts, hidden=hidden, intermediate=inter,
+            top_k=top_k), layers_per_shard=1)
+        truth = read_tensor_bytes(root)
+        prefix = ("model.layers.{l}.block_sparse_moe.experts.{e}" if layout == "mixtral"
+                  else "model.layers.{l}.mlp.experts.{e}")
+        names = dict(zip(ROLES, ("w1", "w3", "w2") if layout == "mixtral" else ROLES,
+                         strict=True))
+
+        def host_weights(layer: int, e: int) -> tuple[np.ndarray, ...]:
+            p = prefix.format(l=layer, e=e)
+            shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+            return tuple(np.frombuffer(truth[f"{p}.{names[r]}.weight"], np.uint16).reshape(s)
+                         for r, s in zip(ROLES, shapes, strict=True))
+
+        route = routing(trace, layers, experts, top_k, tokens)
+        decoder = Decoder(hidden, list(range(layers)), route)
+        expert_bytes = 3 * hidden * inter * 2
+        bandwidth = copy_bandwidth(expert_bytes * 4)
+        reference_out = decoder.run(host_weights, lambda *_: None, tokens)
+        results: dict[str, Any] = {"arch": arch, "hidden": hidden, "intermediate": inter,
+                                   "top_k": top_k, "layers": layers, "experts": experts,
+                                   "tokens": tokens, "copy_bandwidth_gbps": bandwidth / 1e9,
+                                   "runs": []}
+        with AgentProcess('[arena]\nbytes = "4GiB"\n') as agent, \
+                AgentClient(agent.address, rpc_timeout=120) as client:
+            model = client.load_model(str(root), "m")
+            payload = {(la, e): b"".join(w.tobytes() for w in host_weights(la, e))
+                       for la in range(layers) for e in range(experts)}
+            server = http_server(payload)
+            # Warm the arena (the DPU cache) once; every timed run starts with cold slots.
+            warm = client.register_device(CpuReferenceDevice(99), [SlotPoolSpec(
+                model.expert_bytes, layers * experts)])
+            keys = [ExpertKey("m", la, e) for la in range(layers) for e in range(experts)]
+            for h in client.acquire_batch(warm, keys):
+                h.wait(300)
+            for k in keys:
+                client.release(warm, k)
+            for fraction in fractions:
+                slots = max(top_k, round(fraction * layers * experts))
+                dev = client.register_device(CpuReferenceDevice(len(results["runs"])),
+                                             [SlotPoolSpec(model.expert_bytes, slots)])
+                stats = {"hits": 0, "misses": 0}
+
+                def fetch(layer: int, e: int, dev=dev, stats=stats) -> tuple[np.ndarray, ...]:
+                    h = client.acquire(dev, ExpertKey("m", layer, e))
+                    stats["hits" if h.done() else "misses"] += 1
+                    slot = h.wait(120)
+                    return tuple(slot.tensor(r) for r in ROLES)
+
+                def release(layer: int, e: int, dev=dev) -> None:
+                    client.release(dev, ExpertKey("m", layer, e))
+
+                off = decoder.run(fetch, release, tokens)
+                assert np.array_equal(off.pop("outputs"), reference_out["outputs"]), \
+                    "offloaded decode differs from the dense reference"
+                acc = stats["hits"] + stats["misses"]
+                misses = stats["misses"]
+                pageable = LruHost(slots, lambda la, e: tuple(w.copy() for w in
+                                                              host_weights(la, e)))
+                pg = decoder.run(pageable.fetch, lambda *_: None, tokens)
+                pg.pop("outputs")
+                staged = LruHost(slots, lambda la, e: fetch_http(server, la, e, inter, hidden))
+                ht = decoder.run(staged.fetch, lambda *_: None, tokens)
+                ht.pop("outputs")
+                missed_bytes = misses * expert_bytes
+                compute = reference_out["compute_s_per_token"]
+                bound = tokens / (tokens * compute + missed_bytes / bandwidth)
+                results["runs"].append({
+                    "fraction": fraction, "slots": slots, "hit_rate": stats["hits"] / acc,
+                    "bytes_fetched_per_token": missed_bytes / tokens,
+                    "offload": off, "pageable": pg, "http": ht,
+                    "resident_tokens_per_s": reference_out["tokens_per_s"],
+                    "bound_tokens_per_s": bound,
+                    "offload_vs_bound": off["tokens_per_s"] / bound,
+                    "offload_vs_http": off["tokens_per_s"] / ht["tokens_per_s"]})
+            server.shutdown()
+        reference_out.pop("outputs")
+        results["resident"] = reference_out
+    return results
+
+
+def http_server(payload: dict[tuple[int, int], bytes]) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            _, la, e, chunk = self.path.split("/")
+            body = payload[(int(la), int(e))][int(chunk) << 20:(int(chunk) + 1) << 20]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.payload = payload  # type: ignore[attr-defined]
+    return server
+
+
+def fetch_http(server: Any, layer: int, e: int, inter: int, hidden: int
+               ) -> tuple[np.ndarray, ...]:
+    total = 3 * inter * hidden * 2
+    buf = bytearray(total)
+    port = server.server_address[1]
+    for chunk in range(-(-total // (1 << 20))):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/{layer}/{e}/{chunk}") as r:
+            data = r.read()
+        buf[chunk << 20:(chunk << 20) + len(data)] = data
+    flat = np.frombuffer(bytes(buf), np.uint16)
+    n = inter * hidden
+    return (flat[:n].reshape(inter, hidden), flat[n:2 * n].reshape(inter, hidden),
+            flat[2 * n:].reshape(hidden, inter))
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, top-{r['top_k']}, "
+          f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s",
+          file=sys.stderr)
+    print(" cache  hit rate  offload tok/s  (wait ms/tok)  bound  pageable  http  "
+          "x bound  x http", file=sys.stderr)
+    for run in r["runs"]:
+        o = run["offload"]
+        print(f" {run['fraction']:5.0%}  {run['hit_rate']:8.2f}  {o['tokens_per_s']:13.1f}  "
+              f"({o['wait_s_per_token'] * 1e3:11.1f})  {run['bound_tokens_per_s']:5.1f}  "
+              f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
+              f"{run['offload_vs_bound']:7.2f}  {run['offload_vs_http']:6.2f}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
