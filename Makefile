@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
-	$(PY) bench/decode.py --tokens 4 --layers 2 --experts 8 --gpu-cache-fraction 0.25 0.5
+	$(PY) bench/decode.py --tokens 4 --layers 2 --experts 16 --gpu-cache-fraction 0.25 0.5 --no-save
 
 test: $(STAMP)
 	bash scripts/ensure_tools.sh

@@ -150,10 +150,13 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-save", action="store_true", help="print only (make demo)")
     args = ap.parse_args()
     result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
                  args.experts)
     print_table(result)
+    if args.no_save:
+        return 0
     path = write("decode", envelope("decode", result, device="cpu",
                                     command="python bench/decode.py " + " ".join(sys.argv[1:])),
                  f"-{args.arch}-cpu")

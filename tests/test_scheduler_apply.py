@@ -45,7 +45,7 @@ def test_scheduler_orders_by_class_and_bounds_background_per_link() -> None:
 
 @pytest.fixture
 def two_devices(qwen_ckpt: Path):
-    with AgentProcess('[arena]\nbytes = "64MiB"\n[transfer]\ntimeout_seconds = 2\n') as agent, \
+    with AgentProcess('[arena]\nbytes = "64MiB"\n[transfer]\ntimeout_seconds = 5\n') as agent, \
             AgentClient(agent.address) as client:
         model = client.load_model(str(qwen_ckpt), "qp")
         devs = [client.register_device(CpuReferenceDevice(ordinal=i),
