@@ -381,6 +381,9 @@ class AgentClient:
             except (grpc.FutureTimeoutError, grpc.RpcError):
                 ready.cancel()
                 self._closed.wait(0.2)
+            except ValueError:  # the channel was closed: the client is closing
+                ready.cancel()
+                return
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
