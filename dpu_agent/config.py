@@ -56,6 +56,8 @@ class AgentConfig:
     activations_address: str = ""
     activation_credits: int = 64
     activation_worker_timeout: int = 5
+    curve_server_cert: str = ""
+    curve_clients_dir: str = ""
 
 
 # (section, key) -> (field, parser description, parser)
@@ -107,6 +109,8 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("activations", "listen_address"): ("activations_address", _str),
     ("activations", "credits_per_sender"): ("activation_credits", _int),
     ("activations", "worker_timeout_seconds"): ("activation_worker_timeout", _int),
+    ("activations", "curve_server_cert"): ("curve_server_cert", _str),
+    ("activations", "curve_clients_dir"): ("curve_clients_dir", _str),
 }
 
 
@@ -128,6 +132,14 @@ def _check(cfg: AgentConfig) -> list[str]:
                         "of 16 below 2 GiB")
     if cfg.log_format not in ("auto", "json", "text"):
         problems.append(f"logging.format: {cfg.log_format!r} is not auto, json or text")
+    if bool(cfg.curve_server_cert) != bool(cfg.curve_clients_dir):
+        problems.append("activations.curve_server_cert / curve_clients_dir: set both or neither")
+    if cfg.curve_server_cert and not os.access(cfg.curve_server_cert, os.R_OK):
+        problems.append(f"activations.curve_server_cert: {cfg.curve_server_cert} is not a "
+                        "readable file")
+    if cfg.curve_clients_dir and not os.path.isdir(cfg.curve_clients_dir):
+        problems.append(f"activations.curve_clients_dir: {cfg.curve_clients_dir} is not a "
+                        "directory")
     if cfg.activation_worker_timeout <= 0:
         problems.append("activations.worker_timeout_seconds: must be positive")
     if cfg.activation_credits <= 0:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+import zmq.auth
 
 from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
@@ -30,6 +31,19 @@ from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from gpu_kernels.routing import dispatch_plan
 from host_client.client import AgentClient, AttachedDevice
+
+
+def curve_socket(kind: int, curve: tuple[str, str] | None) -> zmq.Socket:
+    """A socket of ``kind``; with ``curve = (own secret certificate, agent's public
+    certificate)`` (files from zmq.auth.create_certificates) it authenticates and encrypts."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        public, secret = zmq.auth.load_certificate(curve[0])
+        server_public, _ = zmq.auth.load_certificate(curve[1])
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_serverkey = server_public
+    return sock
 
 
 class ActivationError(RuntimeError):
@@ -59,13 +73,12 @@ class ExpertWorker:
     """Serves activation requests for the experts resident on ``dev`` (CPU reference device:
     the compute is NumPy)."""
 
-    def __init__(self, client: AgentClient, dev: AttachedDevice, host: str = "127.0.0.1"
-                 ) -> None:
+    def __init__(self, client: AgentClient, dev: AttachedDevice, host: str = "127.0.0.1",
+                 curve: tuple[str, str] | None = None) -> None:
         if not client.activations_port:
             raise ValueError("the agent has no [activations] listen_address")
         self.client, self.dev = client, dev
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock = curve_socket(zmq.DEALER, curve)
         self.sock.connect(f"tcp://{host}:{client.activations_port}")
         hello = f"{client.session_id}:{dev.device_id}".encode()
         self.sock.send_multipart([frames.pack(Kind.HELLO, payload_bytes=len(hello)), hello])
@@ -158,14 +171,14 @@ class ActivationSender:
         model: model name (at most 16 bytes).
         experts: routed experts per layer.
         credits: requests kept outstanding at most (the agent's per-sender bound).
+        curve: (own secret certificate, agent's public certificate) for CURVE.
     """
 
     def __init__(self, address: str, model: str, experts: int, credits: int = 64,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, curve: tuple[str, str] | None = None) -> None:
         self.model, self.experts, self.credits = model, experts, credits
         self.timeout_ms = int(timeout * 1000)
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock = curve_socket(zmq.DEALER, curve)
         self.sock.connect(f"tcp://{address}")
         self._ids = itertools.count(1)
 

@@ -106,3 +106,40 @@ def test_calls_beyond_the_session_bound_are_resource_exhausted(tmp_path: Path) -
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_concurrent_rpcs" in err.value.details()
         client.acquire(dev, ExpertKey("big", 0, 1)).wait(10)  # the bound frees up again
+
+
+def test_curve_on_the_activation_socket(tmp_path: Path) -> None:
+    import zmq
+    import zmq.auth
+
+    from dpu_offload import frames
+    from host_client.activations import curve_socket
+
+    keys, clients = tmp_path / "keys", tmp_path / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    zmq.auth.create_certificates(str(keys), "agent")
+    zmq.auth.create_certificates(str(keys), "sender")
+    zmq.auth.create_certificates(str(keys), "stranger")
+    (clients / "sender.key").write_bytes((keys / "sender.key").read_bytes())
+    settings = (f'[activations]\nlisten_address = "127.0.0.1:0"\n'
+                f'curve_server_cert = "{keys}/agent.key_secret"\n'
+                f'curve_clients_dir = "{clients}"\n')
+    with AgentProcess(settings) as agent:
+        address = f"tcp://127.0.0.1:{agent.activations_port}"
+
+        def ask(curve: tuple[str, str] | None) -> bool:
+            sock = curve_socket(zmq.DEALER, curve)
+            try:
+                sock.connect(address)
+                sock.send_multipart([b"\0" * 64, b""])  # any frame: answered BAD_FRAME
+                if not sock.poll(1500):
+                    return False
+                h, p = sock.recv_multipart()
+                return int(frames.unpack(h, len(p))["status"]) == frames.FrameStatus.BAD_FRAME
+            finally:
+                sock.close(0)
+
+        assert ask((str(keys / "sender.key_secret"), str(keys / "agent.key")))
+        assert not ask((str(keys / "stranger.key_secret"), str(keys / "agent.key")))
+        assert not ask(None)

@@ -18,6 +18,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from dpu_agent.dataplane.steering import Action, TrafficClass
 from dpu_agent.errors import AgentError
@@ -35,12 +37,24 @@ class ActivationRouter:
     """One ROUTER socket and the thread that serves it."""
 
     def __init__(self, core: Orchestrator, address: str, credits: int,
-                 worker_timeout: float = 5.0) -> None:
+                 worker_timeout: float = 5.0, curve_server_cert: str = "",
+                 curve_clients_dir: str = "") -> None:
         self.core = core
         self.credits = credits
         self.worker_timeout = worker_timeout
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self._auth = None
+        if curve_server_cert:
+            # Only peers whose public certificate is in curve_clients_dir get through.
+            self._auth = ThreadAuthenticator(ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve_clients_dir)
+            public, secret = zmq.auth.load_certificate(curve_server_cert)
+            self.sock.curve_publickey = public
+            self.sock.curve_secretkey = secret
+            self.sock.curve_server = True
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         host, port = address.rsplit(":", 1)
         if port == "0":
@@ -202,3 +216,5 @@ class ActivationRouter:
         self._stop.set()
         self._thread.join(2)
         self.sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()

@@ -93,8 +93,10 @@ class AgentServer:
             try:
                 self.router = ActivationRouter(self.core, self.config.activations_address,
                                                self.config.activation_credits,
-                                               self.config.activation_worker_timeout)
-            except zmq.ZMQError as exc:
+                                               self.config.activation_worker_timeout,
+                                               self.config.curve_server_cert,
+                                               self.config.curve_clients_dir)
+            except (zmq.ZMQError, OSError, ValueError) as exc:
                 await server.stop(None)
                 self.core.shutdown()
                 raise OSError(f"activations.listen_address {self.config.activations_address}: "
