@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import http.server
 import json
 import os
 import platform
 import socket
 import statistics
+import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +93,39 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+CHUNK = 1 << 20
+"""The Expert Kit-style baselines move weights in 1 MiB HTTP chunks."""
+
+
+def chunk_server(objects: dict[str, bytes]) -> http.server.ThreadingHTTPServer:
+    """Serve ``objects[name]`` at ``/name/i`` in CHUNK-byte pieces on a loopback port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            name, _, chunk = self.path.lstrip("/").rpartition("/")
+            body = objects[name][int(chunk) * CHUNK:(int(chunk) + 1) * CHUNK]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def http_fetch(server: http.server.ThreadingHTTPServer, name: str, nbytes: int) -> bytearray:
+    """Fetch an object of ``nbytes`` from :func:`chunk_server` chunk by chunk into a host
+    buffer."""
+    buf = bytearray(nbytes)
+    port = server.server_address[1]
+    for i in range(-(-nbytes // CHUNK)):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/{name}/{i}") as r:
+            data = r.read()
+        buf[i * CHUNK:i * CHUNK + len(data)] = data
+    return buf

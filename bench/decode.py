@@ -22,13 +22,10 @@ Usage: python bench/decode.py [--arch qwen3-30b-a3b] [--gpu-cache-fraction 0.1 0
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -37,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, write
+from bench.common import chunk_server, envelope, http_fetch, write
 from dpu_agent.planning.traces import generate_trace, read_trace
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
@@ -198,9 +195,9 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
         with AgentProcess('[arena]\nbytes = "4GiB"\n') as agent, \
                 AgentClient(agent.address, rpc_timeout=120) as client:
             model = client.load_model(str(root), "m")
-            payload = {(la, e): b"".join(w.tobytes() for w in host_weights(la, e))
-                       for la in range(layers) for e in range(experts)}
-            server = http_server(payload)
+            server = chunk_server({f"{la}-{e}": b"".join(w.tobytes() for w in
+                                                         host_weights(la, e))
+                                   for la in range(layers) for e in range(experts)})
             # Warm the arena (the DPU cache) once; every timed run starts with cold slots.
             warm = client.register_device(CpuReferenceDevice(99), [SlotPoolSpec(
                 model.expert_bytes, layers * experts)])
@@ -253,35 +250,10 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
     return results
 
 
-def http_server(payload: dict[tuple[int, int], bytes]) -> http.server.ThreadingHTTPServer:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            _, la, e, chunk = self.path.split("/")
-            body = payload[(int(la), int(e))][int(chunk) << 20:(int(chunk) + 1) << 20]
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    server.payload = payload  # type: ignore[attr-defined]
-    return server
-
-
 def fetch_http(server: Any, layer: int, e: int, inter: int, hidden: int
                ) -> tuple[np.ndarray, ...]:
-    total = 3 * inter * hidden * 2
-    buf = bytearray(total)
-    port = server.server_address[1]
-    for chunk in range(-(-total // (1 << 20))):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/{layer}/{e}/{chunk}") as r:
-            data = r.read()
-        buf[chunk << 20:(chunk << 20) + len(data)] = data
-    flat = np.frombuffer(bytes(buf), np.uint16)
+    """The Expert Kit-style miss path: 1 MiB HTTP chunks into a host buffer."""
+    flat = np.frombuffer(http_fetch(server, f"{layer}-{e}", 3 * inter * hidden * 2), np.uint16)
     n = inter * hidden
     return (flat[:n].reshape(inter, hidden), flat[n:2 * n].reshape(inter, hidden),
             flat[2 * n:].reshape(hidden, inter))

@@ -19,21 +19,27 @@ Usage: python bench/delivery.py [--device cuda|cpu] [--quick] [--json]
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import os
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, figure, median, pct, save_figure, write
+from bench.common import (
+    chunk_server,
+    envelope,
+    figure,
+    http_fetch,
+    median,
+    pct,
+    save_figure,
+    write,
+)
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
@@ -56,29 +62,11 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class _ChunkServer(http.server.BaseHTTPRequestHandler):
-    payload = b""
-
-    def do_GET(self) -> None:
-        start = int(self.path.rsplit("/", 1)[1]) << 20
-        body = self.payload[start:start + (1 << 20)]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
     """GB/s of the host-to-device baselines for ``nbytes``."""
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     out: dict[str, float] = {}
-    _ChunkServer.payload = data.tobytes()
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ChunkServer)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{srv.server_address[1]}/chunk/"
+    srv = chunk_server({"expert": data.tobytes()})
     xp = np
     if gpu:
         import cupy as cp
@@ -109,10 +97,7 @@ def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
     host = bytearray(nbytes)
     for _ in range(max(1, repeats // 2)):
         t0 = time.perf_counter()
-        for i in range(-(-nbytes // (1 << 20))):
-            with urllib.request.urlopen(f"{url}{i}") as r:
-                chunk = r.read()
-            host[i << 20:(i << 20) + len(chunk)] = chunk
+        host = http_fetch(srv, "expert", nbytes)
         staged = xp.asarray(np.frombuffer(host, np.uint8))
         if gpu:
             xp.cuda.get_current_stream().synchronize()
