@@ -217,6 +217,5 @@ def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:
         else:
             for i in np.flatnonzero(full).tolist():
                 dst[int(offsets[i]):int(offsets[i]) + room] = rx.payload[idx[i]]
-    for _ in range(n):
-        rx.advance()
+    rx.advance(n)
     return int(heads["message_id"][-1]), int(lengths[good].sum()), int(n - good.sum())

@@ -194,9 +194,9 @@ class Ring:
         self.header["consumer"] = self._consumer
         return out
 
-    def advance(self) -> None:
-        """Release the entry last returned by :meth:`peek`."""
-        self._consumer += 1
+    def advance(self, count: int = 1) -> None:
+        """Release the entry last returned by :meth:`peek` (or the next ``count``)."""
+        self._consumer += count
         self.header["consumer"] = self._consumer
 
     @property

@@ -70,17 +70,6 @@ class DeviceQueue:
         """Completed entries (``COMPLETION_DTYPE[n]``), oldest first, at most ``limit``."""
         return self.completion.pop_many(limit)
 
-    @property
-    def depth(self) -> int:
-        """Descriptors published and not yet taken by the consumer, plus the backlog."""
-        with self._lock:
-            backlog = sum(int(b.size) for b in self._backlog)
-        return self.work.produced - int(self.work.header["consumer"]) + backlog
-
-    def fault(self) -> int:
-        """The status a consumer reported against the work ring (0 = none)."""
-        return int(self.work.header["fault"])
-
     def close(self) -> None:
         self._backlog.clear()
         for buf in (getattr(self, "_work_buf", None), getattr(self, "_comp_buf", None)):

@@ -205,13 +205,3 @@ def placement_rules(model: str, layers: list[int],
                      layer_min=layers[li], layer_max=layers[li], expert=e,
                      queues=tuple(devs), priority=0, origin=f"placement:{model}")
             for li, row in enumerate(assignment) for e, devs in enumerate(row)]
-
-
-@dataclass
-class InFlight:
-    """Work in flight per queue, for replica choice."""
-
-    counts: dict[int, int] = field(default_factory=dict)
-
-    def get(self, queue: int) -> int:
-        return self.counts.get(queue, 0)

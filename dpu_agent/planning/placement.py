@@ -54,9 +54,6 @@ class Placement:
     bytes_moved: int
     copies_moved: int
 
-    def gpus_of(self, layer: int, expert: int) -> list[int]:
-        return self.assignment[layer][expert]
-
     def to_json(self) -> dict[str, object]:
         return {"max_load_ratio": self.max_load_ratio, "bytes_moved": self.bytes_moved,
                 "copies_moved": self.copies_moved, "assignment": self.assignment}

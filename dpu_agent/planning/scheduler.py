@@ -82,15 +82,6 @@ class Scheduler:
                 list(self._queues.values())
             return sum(1 for q in queues for j in q if not j.cancelled)
 
-    def in_flight(self, link: Hashable) -> int:
-        with self._lock:
-            return self._in_flight.get(link, 0)
-
-    def drop_link(self, link: Hashable) -> None:
-        with self._lock:
-            self._queues.pop(link, None)
-            self._in_flight.pop(link, None)
-
     def _pump(self, link: Hashable) -> None:
         while True:
             with self._lock:

@@ -4,11 +4,12 @@ and a request id carried through every log line of a call."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -65,42 +66,36 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         return handler
 
-    def _finish(self, labels: tuple[str, str, str], context: Any, start: float,
-                failed: BaseException | None) -> None:
-        code = context.code()
-        if code is None:
-            code = grpc.StatusCode.OK if failed is None else grpc.StatusCode.UNKNOWN
-        name = code.name if isinstance(code, grpc.StatusCode) else str(code)
-        self.handled.labels(*labels, name).inc()
-        self.seconds.labels(*labels).observe(time.perf_counter() - start)
+    @contextlib.contextmanager
+    def _observe(self, labels: tuple[str, str, str], context: Any) -> Iterator[None]:
+        """Give the call a request id, count it started, and on the way out count its code
+        and time it."""
+        request_id.set(secrets.token_hex(4))
+        self.started.labels(*labels).inc()
+        start = time.perf_counter()
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            code = context.code()
+            if code is None:
+                code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+            name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+            self.handled.labels(*labels, name).inc()
+            self.seconds.labels(*labels).observe(time.perf_counter() - start)
 
     def _unary(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
         async def wrapped(request: Any, context: Any) -> Any:
-            request_id.set(secrets.token_hex(4))
-            self.started.labels(*labels).inc()
-            start = time.perf_counter()
-            failed: BaseException | None = None
-            try:
+            with self._observe(labels, context):
                 return await behavior(request, context)
-            except BaseException as exc:
-                failed = exc
-                raise
-            finally:
-                self._finish(labels, context, start, failed)
         return wrapped
 
     def _stream(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
         async def wrapped(request: Any, context: Any) -> Any:
-            request_id.set(secrets.token_hex(4))
-            self.started.labels(*labels).inc()
-            start = time.perf_counter()
-            failed: BaseException | None = None
-            try:
+            with self._observe(labels, context):
                 async for item in behavior(request, context):
                     yield item
-            except BaseException as exc:
-                failed = exc
-                raise
-            finally:
-                self._finish(labels, context, start, failed)
         return wrapped

@@ -227,7 +227,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     async def ApplyFlows(self, request: pb.ApplyFlowsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ApplyFlowsResponse:
         def call() -> pb.ApplyFlowsResponse:
-            self.core.session(request.session_id)
+            session = self.core.session(request.session_id)
             rules = []
             for i, m in enumerate(request.add):
                 try:
@@ -237,7 +237,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 if m.rule_id or m.origin not in ("", "manual"):
                     raise invalid(f"add[{i}]: rule_id and origin are assigned by the agent")
                 for q in m.queues:
-                    self.core.device(self.core.session(request.session_id), q)
+                    self.core.device(session, q)
                 rules.append(FlowRule(0, traffic, action, m.model, m.layer_min, m.layer_max,
                                       m.expert, m.source, tuple(m.queues), m.priority))
             manual = {r.rule_id for r in self.core.flows.rules() if r.origin == "manual"}

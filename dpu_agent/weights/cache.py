@@ -167,12 +167,6 @@ class WeightCache:
                 self.policy.on_remove(key)
                 self._orphans.append(cached)
 
-    def drop_model(self, model: str) -> None:
-        """Evict every unpinned expert of a model (it is being unloaded)."""
-        with self._lock:
-            for key in [k for k, c in self._resident.items() if k.model == model and c.pins == 0]:
-                self._drop(key)
-
     @property
     def resident(self) -> int:
         with self._lock:
