@@ -415,6 +415,10 @@ class AgentClient:
         for dev in self.devices.values():
             self._detach(dev)
         self._fail_all(AgentUnavailable("client closed"))
+        # A recovery in progress polls the channel for up to a second; let it see the close
+        # before the channel goes away under its polling thread.
+        if self._event_thread is not threading.current_thread():
+            self._event_thread.join(2.0)
         self.channel.close()
 
     def __enter__(self) -> AgentClient:
