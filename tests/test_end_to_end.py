@@ -203,12 +203,12 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
         c.load_model(str(qwen_ckpt), "qwen-ctl")
         base = [sys.executable, "-m", "host_client.cli"]
         out = subprocess.run([*base, "status", "--agent", agent.address], capture_output=True,
-                             text=True, env={"COLUMNS": "200", "PATH": ""})
+                             text=True, env={**os.environ, "COLUMNS": "200"})
         assert out.returncode == 0, out.stderr
         assert "ctl-visible" in out.stdout and "qwen-ctl" in out.stdout
         top = subprocess.run([*base, "top", "--agent", agent.address, "--interval", "0.1",
                               "--iterations", "2"], capture_output=True, text=True,
-                             env={"COLUMNS": "200", "PATH": ""})
+                             env={**os.environ, "COLUMNS": "200"})
         assert top.returncode == 0 and "qwen-ctl" in top.stdout
     down = subprocess.run([*base, "status", "--agent", "127.0.0.1:9", "--timeout", "0.5"],
                           capture_output=True, text=True)

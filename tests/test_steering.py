@@ -136,7 +136,7 @@ def test_apply_flows_rpc_and_cli(agent: AgentProcess) -> None:
         mine = [r for r in listed.rules if r.model == "x"]
         assert len(mine) == 1 and list(mine[0].queues) == [dev.device_id]
         shown = subprocess.run([*base, "list"], capture_output=True, text=True,
-                               env={"COLUMNS": "250", "PATH": ""})
+                               env={**os.environ, "COLUMNS": "250"})
         assert f"{mine[0].rule_id}" in shown.stdout and "forward" in shown.stdout
         for req, code in [
             (pb.ApplyFlowsRequest(session_id=client.session_id, add=[pb.FlowRule(
