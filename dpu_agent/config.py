@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dpu_agent.cluster.store import parse_endpoint
+
+if TYPE_CHECKING:
+    from dpu_agent.cluster.agent import ClusterSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -58,6 +64,28 @@ class AgentConfig:
     activation_worker_timeout: int = 5
     curve_server_cert: str = ""
     curve_clients_dir: str = ""
+    cluster_etcd_endpoints: str = ""
+    cluster_agent_id: str = ""
+    cluster_prefix: str = "/dpu-offload"
+    cluster_lease_seconds: int = 5
+    cluster_join_timeout_seconds: int = 30
+    cluster_resync_seconds: int = 2
+    cluster_peer_address: str = "127.0.0.1:0"
+    cluster_peer_fetch: str = "auto"
+
+    @property
+    def cluster(self) -> ClusterSettings | None:
+        """The [cluster] section, or None in single-agent mode (no etcd endpoints)."""
+        from dpu_agent.cluster.agent import ClusterSettings
+
+        if not self.cluster_etcd_endpoints:
+            return None
+        return ClusterSettings(
+            tuple(e.strip() for e in self.cluster_etcd_endpoints.split(",")),
+            self.cluster_agent_id or socket.gethostname(), self.cluster_prefix,
+            self.cluster_lease_seconds, self.cluster_join_timeout_seconds,
+            float(self.cluster_resync_seconds), self.cluster_peer_address,
+            self.cluster_peer_fetch)
 
 
 # (section, key) -> (field, parser description, parser)
@@ -111,6 +139,9 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("activations", "worker_timeout_seconds"): ("activation_worker_timeout", _int),
     ("activations", "curve_server_cert"): ("curve_server_cert", _str),
     ("activations", "curve_clients_dir"): ("curve_clients_dir", _str),
+    **{("cluster", k): (f"cluster_{k}", _int if k.endswith("seconds") else _str)
+       for k in ("etcd_endpoints", "agent_id", "prefix", "lease_seconds",
+                 "join_timeout_seconds", "resync_seconds", "peer_address", "peer_fetch")},
 }
 
 
@@ -120,7 +151,8 @@ def _check(cfg: AgentConfig) -> list[str]:
     problems = []
     for name, addr in (("server.listen_address", cfg.listen_address),
                        ("metrics.listen_address", cfg.metrics_address),
-                       ("activations.listen_address", cfg.activations_address)):
+                       ("activations.listen_address", cfg.activations_address),
+                       ("cluster.peer_address", cfg.cluster_peer_address)):
         if addr and not re.match(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):\d{1,5}$", addr):
             problems.append(f"{name}: {addr!r} is not host:port")
         elif addr and not 0 <= int(addr.rsplit(":", 1)[1]) <= 65535:
@@ -170,8 +202,31 @@ def _check(cfg: AgentConfig) -> list[str]:
             problems.append(f"{key}: {path} is not a readable file")
     if cfg.max_session_rpcs <= 0:
         problems.append("sessions.max_concurrent_rpcs: must be positive")
+    problems += _check_cluster(cfg)
     if cfg.max_message_bytes < 2**16:
         problems.append("server.max_message_bytes: must be at least 64 KiB")
+    return problems
+
+
+def _check_cluster(cfg: AgentConfig) -> list[str]:
+    problems = []
+    for e in filter(None, cfg.cluster_etcd_endpoints.split(",")):
+        try:
+            parse_endpoint(e)
+        except ValueError as exc:
+            problems.append(f"cluster.etcd_endpoints: {exc}")
+    if not re.match(r"^(/[A-Za-z0-9._\-]+)+$", cfg.cluster_prefix):
+        problems.append(f"cluster.prefix: {cfg.cluster_prefix!r} must look like /name[/name] "
+                        "(no trailing slash)")
+    if cfg.cluster_agent_id and not re.match(r"^[A-Za-z0-9._\-]+$", cfg.cluster_agent_id):
+        problems.append(f"cluster.agent_id: {cfg.cluster_agent_id!r} may hold only letters, "
+                        "digits, '.', '_' and '-'")
+    if cfg.cluster_peer_fetch not in ("auto", "always", "never"):
+        problems.append(f"cluster.peer_fetch: {cfg.cluster_peer_fetch!r} is not auto, always or "
+                        "never")
+    for key in ("lease_seconds", "join_timeout_seconds", "resync_seconds"):
+        if getattr(cfg, f"cluster_{key}") <= 0:
+            problems.append(f"cluster.{key}: must be positive")
     return problems
 
 

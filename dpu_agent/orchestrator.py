@@ -94,6 +94,8 @@ class Orchestrator:
         self.flows = FlowTable()
         self.activations: Any = None
         """The ActivationRouter when [activations] is enabled (set by the server)."""
+        self.cluster: Any = None
+        """The ClusterAgent in cluster mode (set by the server)."""
         self._poller.start()
         if self.state is not None:
             self._restore()

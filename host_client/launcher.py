@@ -4,6 +4,8 @@ wait until it serves. Used by the demo, the tests and the benchmarks."""
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,6 +85,67 @@ class AgentProcess:
             self.proc.wait()
 
     def __enter__(self) -> AgentProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdProcess:
+    """A single-member etcd (Debian's ``etcd-server``) on free loopback ports, its data in a
+    temporary directory; for cluster-mode tests, benchmarks and the demo."""
+
+    def __init__(self, startup_timeout: float = 20.0) -> None:
+        self.binary = shutil.which("etcd")
+        if self.binary is None:
+            raise FileNotFoundError("etcd is not installed (Debian package etcd-server; "
+                                    "`make test` installs it)")
+        self._dir = tempfile.TemporaryDirectory(prefix="etcd-")
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> EtcdProcess:
+        client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        log = open(Path(self._dir.name) / "etcd.log", "ab")
+        self.proc = subprocess.Popen(
+            [self.binary, "--name", "test", "--data-dir", str(Path(self._dir.name) / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"test={peer}", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), 0.2):
+                    return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"etcd not listening in {self.startup_timeout} s") \
+                        from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def __enter__(self) -> EtcdProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

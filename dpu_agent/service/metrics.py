@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dpu_agent.cluster.agent import ClusterAgent
 from dpu_agent.orchestrator import Orchestrator
 
 
@@ -31,6 +32,15 @@ class AgentCollector(Collector):
         yield CounterMetricFamily("dpu_agent_cache_fill_seconds",
                                   "Seconds spent filling the arena from checkpoint files.",
                                   value=stats.fill_seconds)
+        fills = CounterMetricFamily("dpu_agent_cache_fill_bytes",
+                                    "Bytes filled into the arena, by source (storage: checkpoint "
+                                    "files; peer: another agent's arena).", labels=["source"])
+        fills.add_metric(["storage"], stats.storage_bytes)
+        fills.add_metric(["peer"], stats.peer_bytes)
+        yield fills
+        yield CounterMetricFamily("dpu_agent_cache_fill_source_failures",
+                                  "Fills whose peer source failed (fell back to storage).",
+                                  value=stats.source_failures)
         yield GaugeMetricFamily("dpu_agent_cache_resident_experts",
                                 "Experts resident in the arena.", value=core.cache.resident)
         yield GaugeMetricFamily("dpu_agent_arena_bytes", "Arena size.", value=core.arena.size)
@@ -103,6 +113,37 @@ class AgentCollector(Collector):
             yield GaugeMetricFamily("dpu_agent_activation_outstanding",
                                     "Requests delivered to workers and not yet answered.",
                                     value=router.outstanding)
+        if core.cluster is not None:
+            yield from _cluster_metrics(core.cluster)
         yield GaugeMetricFamily("dpu_agent_scheduler_waiting_jobs",
                                 "Deliveries waiting for their device link.",
                                 value=core.scheduler.waiting())
+
+
+def _cluster_metrics(c: ClusterAgent) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    yield GaugeMetricFamily("dpu_agent_cluster_members", "Live agents in the cluster.",
+                            value=len(c.members))
+    yield GaugeMetricFamily("dpu_agent_cluster_leader", "1 while this agent is the planner.",
+                            value=int(c.leader))
+    yield GaugeMetricFamily("dpu_agent_cluster_held_experts",
+                            "Experts this agent holds for the cluster placement.",
+                            value=sum(len(v) for v in c.held.values()))
+    yield CounterMetricFamily("dpu_agent_cluster_reconciles", "Reconciliation passes.",
+                              value=c.reconciles)
+    yield CounterMetricFamily("dpu_agent_cluster_replans",
+                              "Placements re-planned by this agent after members died.",
+                              value=c.replans)
+    yield CounterMetricFamily("dpu_agent_cluster_fetch_failures",
+                              "Experts this agent failed to fetch for the placement.",
+                              value=c.fetch_failures)
+    yield CounterMetricFamily("dpu_agent_cluster_foreign_keys",
+                              "Keys under the prefix ignored as stale or foreign.",
+                              value=c.store.foreign_keys)
+    yield CounterMetricFamily("dpu_agent_cluster_peer_served_bytes",
+                              "Expert bytes streamed to other agents.",
+                              value=c.server.served_bytes)
+    ops = CounterMetricFamily("dpu_agent_cluster_etcd_operations", "etcd requests, by kind.",
+                              labels=["op"])
+    for op, n in sorted(c.store.ops.items()):
+        ops.add_metric([op], n)
+    yield ops

@@ -15,6 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from dpu_agent.cluster.agent import ClusterAgent, ClusterSettings
+from dpu_agent.cluster.store import ClusterUnavailable
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.activations import ActivationRouter
 from dpu_agent.orchestrator import Orchestrator
@@ -47,6 +49,7 @@ class AgentServer:
         self.metrics_port = 0
         self._metrics_server = None
         self.router: ActivationRouter | None = None
+        self.cluster: ClusterAgent | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
 
@@ -102,6 +105,8 @@ class AgentServer:
                 raise OSError(f"activations.listen_address {self.config.activations_address}: "
                               f"cannot bind ({exc})") from exc
             self.core.activations = self.router
+        if self.config.cluster is not None:
+            await self._join_cluster(self.config.cluster)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
@@ -109,6 +114,23 @@ class AgentServer:
             self._watchdog = asyncio.create_task(self._watch(self.notifier.watchdog_seconds))
         log.info("agent serving on %s (port %d)", self.config.listen_address, self.port)
         self.notifier.ready(self.status_line())
+
+    async def _join_cluster(self, settings: ClusterSettings) -> None:
+        """READY only once joined: etcd is retried with backoff up to the join timeout."""
+        assert self.core is not None and self.server is not None
+        host = self.config.listen_address.rsplit(":", 1)[0]
+        activations = (f"{host}:{self.router.port}" if self.router is not None else "")
+        self.cluster = ClusterAgent(self.core, settings, f"{host}:{self.port}", activations)
+        try:
+            await asyncio.to_thread(self.cluster.start)
+        except (ClusterUnavailable, OSError) as exc:
+            self.cluster = None
+            await self.server.stop(None)
+            if self.router is not None:
+                self.router.close()
+            self.core.shutdown()
+            raise OSError(f"cluster: cannot join ({exc})") from exc
+        self.core.cluster = self.cluster
 
     def status_line(self) -> str:
         core = self.core
@@ -207,6 +229,8 @@ class AgentServer:
             await self.server.stop(grace)
             if self.router is not None:
                 self.router.close()
+            if self.cluster is not None:
+                self.cluster.close()
             self.core.shutdown()
         finally:
             # Whatever failed above was logged by the task; the process must still exit.

@@ -8,9 +8,13 @@ against. A fill runs outside the lock, so hits are served while misses fill.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.catalog import ExpertEntry
@@ -19,6 +23,7 @@ from dpu_agent.weights.safetensors_file import ShardMap
 from dpu_offload.keys import ExpertKey
 from gpu_kernels.checksum import blob_checksums
 
+log = logging.getLogger("dpu_agent")
 
 class CacheFullError(RuntimeError):
     """Every resident expert is pinned and the arena cannot hold another."""
@@ -43,6 +48,17 @@ class CacheStats:
     misses: int = 0
     evictions: int = 0
     fill_seconds: float = 0.0
+    storage_bytes: int = 0
+    """Bytes filled from checkpoint files."""
+    peer_bytes: int = 0
+    """Bytes filled from another agent's arena (cluster mode)."""
+    source_failures: int = 0
+    """Fills whose ``source`` failed and fell back to the checkpoint files."""
+
+
+FillSource = Callable[[np.ndarray], list[int]]
+"""Fills an expert's blob (``uint8[blob_bytes]``) from elsewhere than the checkpoint files and
+returns its verified per-chunk checksums; raises to fall back to the files."""
 
 
 class WeightCache:
@@ -64,8 +80,9 @@ class WeightCache:
         self._shards = ShardMap()
         self._orphans: list[CachedExpert] = []
 
-    def acquire(self, entry: ExpertEntry) -> CachedExpert:
-        """Return the expert resident and pinned, filling it first on a miss.
+    def acquire(self, entry: ExpertEntry, source: FillSource | None = None) -> CachedExpert:
+        """Return the expert resident and pinned, filling it first on a miss (from ``source``
+        when given and it succeeds, else from the checkpoint files).
 
         Blocks the calling thread during a fill (call it from a worker thread).
 
@@ -88,7 +105,7 @@ class WeightCache:
                 self.policy.on_insert(key)
                 fill = True
         if fill:
-            self._fill(cached)
+            self._fill(cached, source)
         cached.ready.wait()
         if cached.error is not None:
             self.release(key)
@@ -113,10 +130,29 @@ class WeightCache:
         self.policy.on_remove(key)
         self.arena.free(cached.offset)
 
-    def _fill(self, cached: CachedExpert) -> None:
+    def peek(self, key: ExpertKey) -> CachedExpert | None:
+        """Pin the expert if it is resident and filled (no fill, no hit counted); the caller
+        releases it. None when it is not here."""
+        with self._lock:
+            cached = self._resident.get(key)
+            if cached is None or not cached.ready.is_set() or cached.error is not None:
+                return None
+            cached.pins += 1
+            return cached
+
+    def _fill(self, cached: CachedExpert, source: FillSource | None) -> None:
         start = time.perf_counter()
         try:
             blob = self.arena.view(cached.offset, cached.entry.blob_bytes)
+            if source is not None:
+                try:
+                    cached.checksums = source(blob)
+                    self.stats.peer_bytes += blob.size
+                    return
+                except Exception as exc:  # noqa: BLE001 - any failed source falls back
+                    self.stats.source_failures += 1
+                    log.warning("%s: fill source failed (%s); reading checkpoint files",
+                                cached.entry.key, exc)
             blob[:] = 0
             for t in cached.entry.tensors:
                 if t.file is None:
@@ -125,6 +161,7 @@ class WeightCache:
                                                                             t.file_offset,
                                                                             t.nbytes)
             cached.checksums = blob_checksums(blob, self.chunk_bytes)
+            self.stats.storage_bytes += blob.size
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised
             cached.error = exc
             with self._lock:
