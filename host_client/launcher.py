@@ -112,6 +112,10 @@ class EtcdProcess:
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("etcd") is not None
+
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"

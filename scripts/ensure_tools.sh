@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Debian tools the test suite uses: promtool (package prometheus) for the metrics format check
-# and systemd-analyze (package systemd) for the unit checks. Installed when missing and
+# Debian tools the test suite uses: promtool (package prometheus) for the metrics format check,
+# systemd-analyze (package systemd) for the unit checks and etcd (package etcd-server) for
+# cluster mode. Installed when missing and
 # possible (root with apt); otherwise the tests that need them skip and say why.
 set -uo pipefail
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v systemd-analyze >/dev/null || missing+=(systemd)
+command -v etcd >/dev/null || missing+=(etcd-server)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "ensure_tools: cannot install ${missing[*]} (not root or no apt); those tests will skip" >&2

@@ -3,6 +3,7 @@ reference device -> slots, with bytes checked against the checkpoint files."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import grpc

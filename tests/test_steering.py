@@ -3,6 +3,7 @@ replica choice, placement-derived rules (make-before-break), ApplyFlows and expe
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading

@@ -3,7 +3,9 @@
 Senders send REQUEST frames (rows for one expert) to the agent's ROUTER socket; the flow table
 picks the device holding the expert; the frame goes as DELIVER to the host worker that
 registered that device's session (HELLO); its RESULT goes back to the sender as RESPONSE.
-Senders never need the placement. Each sender may have ``credits`` requests outstanding;
+Senders never need the placement: in cluster mode, an expert no local device serves is
+forwarded to the router of an agent that holds it (cluster placement) and its answer relayed
+back. Each sender may have ``credits`` requests outstanding;
 beyond that it gets NO_CREDIT, so no queue grows without bound and a slow worker slows its
 senders instead of losing messages. Every refusal is counted by reason and answered.
 """
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
     from dpu_agent.orchestrator import Orchestrator
 
 log = logging.getLogger("dpu_agent")
+
+REMOTE = -1
+"""The device of a pending request forwarded to another agent (cluster mode)."""
 
 
 class ActivationRouter:
@@ -71,6 +76,11 @@ class ActivationRouter:
         self.bytes: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         self._ids = itertools.count(1)
+        self._remotes: dict[str, zmq.Socket] = {}
+        """Peer agents' activation routers by address (cluster mode)."""
+        self.forwarded = 0
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="activations", daemon=True)
         self._thread.start()
@@ -89,14 +99,16 @@ class ActivationRouter:
                                          payload_bytes=len(text), credits=1), text)
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         last_sweep = time.monotonic()
         while not self._stop.is_set():
             if time.monotonic() - last_sweep > 0.1:
                 last_sweep = time.monotonic()
                 self._expire()
-            if not poller.poll(100):
+            ready = dict(self._poller.poll(100))
+            for sock in self._remotes.values():
+                if sock in ready:
+                    self._from_remote(sock)
+            if self.sock not in ready:
                 continue
             parts = self.sock.recv_multipart(copy=False)
             identity = parts[0].bytes
@@ -158,8 +170,19 @@ class ActivationRouter:
             return
         worker = self._worker_of(d.queue) if d.action == Action.FORWARD else None
         if worker is None:
-            self._refuse(identity, h, FrameStatus.NO_ROUTE,
-                         f"no flow rule forwards {key} to a device with a worker")
+            remote = self._remote_for(key)
+            if remote is None:
+                self._refuse(identity, h, FrameStatus.NO_ROUTE,
+                             f"no flow rule forwards {key} to a device with a worker, and no "
+                             "other agent of the cluster holds it")
+                return
+            aid = next(self._ids)
+            self._pending[aid] = (identity, int(h["message_id"]), REMOTE, time.monotonic())
+            self._outstanding[identity] += 1
+            self.forwarded += 1
+            remote.send_multipart([frames.pack(Kind.REQUEST, aid, model, key.layer, key.expert,
+                                               int(h["rows"]), int(h["row_bytes"]),
+                                               len(payload.buffer)), payload], copy=False)
             return
         aid = next(self._ids)
         self._pending[aid] = (identity, int(h["message_id"]), d.queue, time.monotonic())
@@ -168,6 +191,34 @@ class ActivationRouter:
         self._send(worker, frames.pack(Kind.DELIVER, aid, model, key.layer, key.expert,
                                        int(h["rows"]), int(h["row_bytes"]),
                                        len(payload.buffer), credits=d.queue), payload)
+
+    def _remote_for(self, key: ExpertKey) -> zmq.Socket | None:
+        """A DEALER socket to the activation router of another agent holding ``key`` (cluster
+        mode), created on first use and served by the loop's poller."""
+        cluster = self.core.cluster
+        member = cluster.holder_of(key) if cluster is not None else None
+        if member is None:
+            return None
+        sock = self._remotes.get(member.activations)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{member.activations}")
+            self._remotes[member.activations] = sock
+            self._poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _from_remote(self, sock: zmq.Socket) -> None:
+        parts = sock.recv_multipart(copy=False)
+        try:
+            if len(parts) != 2:
+                raise FrameError(FrameStatus.BAD_FRAME, f"{len(parts)} frames from a peer agent")
+            h = frames.unpack(parts[0].bytes, len(parts[1].buffer))
+        except FrameError as exc:
+            self.refused["BAD_PEER_FRAME"] += 1
+            log.warning("activation frame from a peer agent refused: %s", exc)
+            return
+        self._result(h, parts[1], Kind(int(h["kind"])))
 
     def _worker_of(self, device_id: int | None) -> bytes | None:
         if device_id is None:
@@ -184,8 +235,9 @@ class ActivationRouter:
             return
         sender, message_id, device, _ = entry
         self._outstanding[sender] -= 1
-        self.in_flight[device] -= 1
-        out = Kind.RESPONSE if kind == Kind.RESULT else Kind.ERROR
+        if device != REMOTE:
+            self.in_flight[device] -= 1
+        out = Kind.ERROR if kind == Kind.ERROR else Kind.RESPONSE
         self._send(sender, frames.pack(out, message_id, frames.model_of(h), int(h["layer"]),
                                        int(h["expert"]), int(h["rows"]), int(h["row_bytes"]),
                                        len(payload.buffer), FrameStatus(int(h["status"])),
@@ -199,10 +251,13 @@ class ActivationRouter:
             if now - started > self.worker_timeout:
                 del self._pending[aid]
                 self._outstanding[sender] -= 1
-                self.in_flight[device] -= 1
-                self.workers.pop(device, None)  # send no more there until it says HELLO again
                 self.refused["WORKER_FAILED"] += 1
-                text = f"no answer from device {device}'s worker in {self.worker_timeout} s"
+                if device == REMOTE:
+                    text = f"no answer from the peer agent in {self.worker_timeout} s"
+                else:
+                    self.in_flight[device] -= 1
+                    self.workers.pop(device, None)  # none there until it says HELLO again
+                    text = f"no answer from device {device}'s worker in {self.worker_timeout} s"
                 self._send(sender, frames.pack(Kind.ERROR, message_id,
                                                status=FrameStatus.WORKER_FAILED,
                                                payload_bytes=len(text), credits=1),
@@ -216,5 +271,7 @@ class ActivationRouter:
         self._stop.set()
         self._thread.join(2)
         self.sock.close(0)
+        for sock in self._remotes.values():
+            sock.close(0)
         if self._auth is not None:
             self._auth.stop()

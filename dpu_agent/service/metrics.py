@@ -110,6 +110,9 @@ class AgentCollector(Collector):
             for reason in sorted(router.refused):
                 refused.add_metric([reason], router.refused[reason])
             yield refused
+            yield CounterMetricFamily("dpu_agent_activation_forwarded",
+                                      "Requests forwarded to another agent (cluster mode).",
+                                      value=router.forwarded)
             yield GaugeMetricFamily("dpu_agent_activation_outstanding",
                                     "Requests delivered to workers and not yet answered.",
                                     value=router.outstanding)

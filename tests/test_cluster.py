@@ -1,0 +1,201 @@
+"""Cluster mode against a real etcd on loopback and three real agent processes: membership,
+reconciliation to a placement, peer fetch with verified bytes, cross-agent activation
+forwarding, re-placement after a kill; and every refusal."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpu_agent.cluster import planner
+from dpu_agent.cluster.placement import ClusterPlacement, PlacementError
+from dpu_agent.cluster.store import ClusterStore
+from dpu_agent.weights.catalog import build_catalog
+from dpu_offload.keys import ExpertKey
+from gpu_kernels import reference
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.activations import ActivationSender, ExpertWorker
+from host_client.launcher import AgentProcess, EtcdProcess, free_port
+from tests.conftest import checkpoint_bytes
+from tests.test_activations import _dense
+
+pytestmark = pytest.mark.skipif(not EtcdProcess.available(),
+                                reason="etcd is not installed (Debian package etcd-server)")
+
+
+def settings(etcd: str, agent_id: str, **extra: object) -> str:
+    cluster = {"etcd_endpoints": etcd, "agent_id": agent_id, "lease_seconds": 2,
+               "resync_seconds": 1, "peer_fetch": "always", **extra}
+    return ('[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n'
+            '[activations]\nlisten_address = "127.0.0.1:0"\n[cluster]\n' +
+            "".join(f"{k} = {json.dumps(v)}\n" for k, v in cluster.items()))
+
+
+def until(what: str, check: Callable[[], object], timeout: float = 20.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def metric(agent: AgentProcess, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics").read()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
+               if line.startswith(name))
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdProcess]:
+    with EtcdProcess() as proc:
+        yield proc
+
+
+@pytest.fixture
+def store(etcd: EtcdProcess, request: pytest.FixtureRequest) -> ClusterStore:
+    s = ClusterStore([etcd.endpoint], f"/test/{request.node.name}")
+    s.connect(5)
+    return s
+
+
+def actual(store: ClusterStore, model: str) -> dict[str, dict]:
+    return {k.split("/")[-2]: json.loads(v) for k, v in store.get_prefix("actual").items()
+            if k.endswith("/" + model)}
+
+
+def test_three_agents_reconcile_fetch_from_peers_forward_and_survive_a_kill(
+        etcd: EtcdProcess, store: ClusterStore, qwen_ckpt: Path) -> None:
+    agents = [AgentProcess(settings(etcd.endpoint, f"a{i}", prefix=store.prefix))
+              for i in range(3)]
+    try:
+        for a in agents:
+            a.start()
+        until("three members", lambda: set(store.members()) == {"a0", "a1", "a2"})
+        catalog = build_catalog(qwen_ckpt, "qc")
+        every = sorted([k.layer, k.expert] for k in catalog.experts)
+        # Everything on a0 first (from storage), then balanced over three: a1 and a2 must fetch
+        # from a0, and a0 keeps its copies until they report theirs.
+        planner.publish(store, ClusterPlacement("qc", str(qwen_ckpt), 0, {"a0": every}),
+                        catalog)
+        until("a0 holds everything", lambda: len(actual(store, "qc").get("a0", {}).get(
+            "held", [])) == len(every))
+        p = planner.rebalance(store, catalog)
+        assert sorted(len(v) for v in p.holders.values()) == [6, 6, 6]
+        until("converged", lambda: all(
+            actual(store, "qc").get(a, {}).get("version") == p.version and
+            sorted(actual(store, "qc")[a]["held"]) == p.holders[a] for a in p.holders))
+        for a in agents[1:]:
+            assert metric(a, 'dpu_agent_cache_fill_bytes_total{source="peer"}') > 0
+            assert metric(a, 'dpu_agent_cache_fill_bytes_total{source="storage"}') == 0
+        assert metric(agents[0], "dpu_agent_cluster_peer_served_bytes") > 0
+        assert sum(metric(a, "dpu_agent_cluster_leader") for a in agents) == 1
+
+        # Bytes a1 fetched from a0 equal the checkpoint's.
+        truth = checkpoint_bytes(qwen_ckpt)
+        misses = metric(agents[1], "dpu_agent_cache_misses")
+        with AgentClient(agents[1].address) as client:
+            model = client.load_model(str(qwen_ckpt), "qc")
+            dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
+                model.expert_bytes, 18)])
+            for layer, e in p.holders["a1"]:
+                slot = client.acquire(dev, ExpertKey("qc", layer, e)).wait(10)
+                for role in ("gate_proj", "up_proj", "down_proj"):
+                    name = f"model.layers.{layer}.mlp.experts.{e}.{role}.weight"
+                    assert slot.raw(role).tobytes() == truth[name]
+            assert metric(agents[1], "dpu_agent_cache_misses") == misses  # all held: hits
+
+            # Activations sent to a0 for experts only a1 holds are forwarded to a1's worker.
+            client.wait_placement(client.apply_placement("qc", [
+                [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers
+            ]).placement_id)
+            worker = ExpertWorker(client, dev)
+            try:
+                layer = p.holders["a1"][0][0]
+                mine = [e for lyr, e in p.holders["a1"] if lyr == layer]
+                rng = np.random.default_rng(1)
+                x = reference.f32_to_bf16(rng.standard_normal((8, 256), dtype=np.float32))
+                ids = np.array([[mine[t % len(mine)]] for t in range(8)])
+                w = np.ones((8, 1), np.float32)
+                with ActivationSender(f"127.0.0.1:{agents[0].activations_port}", "qc",
+                                      model.experts_per_layer) as sender:
+                    got = sender.dispatch(layer, x, ids, w)
+                ref = _dense(qwen_ckpt, layer, x, ids, w)
+                out = reference.bf16_to_f32(got).astype(np.float64)
+                assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+                assert worker.served == len(set(mine[:8]))
+            finally:
+                worker.close()
+            assert metric(agents[0], "dpu_agent_activation_forwarded") == len(set(mine[:8]))
+
+        # a2 dies: its key expires within the lease, the planner re-places its experts on the
+        # survivors, and every expert is held again.
+        lost = set(map(tuple, p.holders["a2"]))
+        agents[2].kill()
+        killed = time.monotonic()
+        until("a2 expired", lambda: "a2" not in store.members(), timeout=10)
+        until("re-placed and held", lambda: (
+            (q := ClusterPlacement.from_json(store.get_json(store.key("placement", "qc"))[0]))
+            and "a2" not in q.holders and
+            {tuple(x) for a in ("a0", "a1") for x in actual(store, "qc").get(a, {}).get(
+                "held", [])} >= {tuple(x) for x in every}), timeout=15)
+        assert time.monotonic() - killed < 15
+        assert lost  # the kill did cost something that had to move
+        assert sum(metric(a, "dpu_agent_cluster_replans") for a in agents[:2]) == 1
+    finally:
+        for a in agents:
+            a.stop()
+
+
+def test_placement_naming_a_missing_agent_or_overfilling_is_refused_unwritten(
+        etcd: EtcdProcess, store: ClusterStore, qwen_ckpt: Path) -> None:
+    catalog = build_catalog(qwen_ckpt, "qr")
+    every = sorted([k.layer, k.expert] for k in catalog.experts)
+    key = store.key("placement", "qr")
+    with AgentProcess(settings(etcd.endpoint, "small", prefix=store.prefix,
+                               peer_fetch="auto").replace('"64MiB"', '"1MiB"')):
+        with pytest.raises(PlacementError, match="'ghost' is not a live member"):
+            planner.publish(store, ClusterPlacement("qr", str(qwen_ckpt), 0,
+                                                    {"ghost": every}), catalog)
+        with pytest.raises(PlacementError, match="overfill its arena"):
+            planner.publish(store, ClusterPlacement("qr", str(qwen_ckpt), 0,
+                                                    {"small": every}), catalog)
+        with pytest.raises(PlacementError, match="held by no agent"):
+            planner.publish(store, ClusterPlacement("qr", str(qwen_ckpt), 0,
+                                                    {"small": every[:1]}), catalog)
+        assert store.get_json(key) is None
+
+
+def test_foreign_keys_are_ignored_and_counted(etcd: EtcdProcess, store: ClusterStore) -> None:
+    store.put_json(store.key("placement", "junk"), {"not": "a placement"})
+    store.put_json(store.key("members", "impostor"), {"agent_id": "someone-else", "grpc": "",
+                                                      "peer": "", "arena_bytes": 1})
+    store.put_json(store.key("actual", "x"), {"held": []})
+    with AgentProcess(settings(etcd.endpoint, "watcher", prefix=store.prefix)) as agent:
+        assert until("counted", lambda: metric(agent, "dpu_agent_cluster_foreign_keys") >= 3)
+        assert metric(agent, "dpu_agent_cluster_members") == 1
+        assert "ignoring" in agent.log()
+
+
+def test_duplicate_agent_id_is_refused(etcd: EtcdProcess, store: ClusterStore) -> None:
+    with AgentProcess(settings(etcd.endpoint, "twin", prefix=store.prefix)):
+        second = AgentProcess(settings(etcd.endpoint, "twin", prefix=store.prefix))
+        with pytest.raises(RuntimeError, match="already registered by a live agent"):
+            second.start()
+
+
+def test_unreachable_etcd_retries_then_fails_clearly() -> None:
+    agent = AgentProcess(settings(f"127.0.0.1:{free_port()}", "lonely",
+                                  join_timeout_seconds=2))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"etcd unreachable at 127\.0\.0\.1"):
+        agent.start()
+    assert time.monotonic() - start >= 1.5  # it retried for the join timeout
+    assert "retrying in" in agent.log()
