@@ -113,6 +113,23 @@ def rebalance(d: dict[str, Any]) -> list[Row]:
              "", None)]
 
 
+def cluster(d: dict[str, Any]) -> list[Row]:
+    r = d["results"]
+    p, s = r["peers"], r["storage"]
+    return [("rebalance 3 -> 4 agents, placement written to all converged",
+             f"{p['rebalance_converge_s'] * 1e3:.0f} ms",
+             f"storage only {s['rebalance_converge_s'] * 1e3:.0f} ms",
+             f"{r['rebalance_speedup_vs_storage']:.2f}x", "", None),
+            ("bytes moved by the rebalance (share from peers)",
+             f"{p['bytes_moved'] / 1e6:.1f} MB ({p['peer_share']:.0%})",
+             f"{s['bytes_moved'] / 1e6:.1f} MB ({s['peer_share']:.0%})", "", "", None),
+            ("etcd operations per rebalance (all agents + planner)",
+             f"{p['etcd_ops_per_rebalance']:.0f}", f"{s['etcd_ops_per_rebalance']:.0f}", "", "",
+             None),
+            (f"agent killed to its experts held again (lease {p['lease_seconds']} s)",
+             f"{p['kill_to_replaced_s']:.1f} s", "", "", "", None)]
+
+
 def steering(d: dict[str, Any]) -> list[Row]:
     r = d["results"]
     return [(f"steering lookups, {r['rules']} rules", f"{r['lookups_per_second'] / 1e6:.2f} M/s",
@@ -183,6 +200,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Placement planner", "placement", placement, "placement.png"),
     ("Rebalance and prefetch", "rebalance-cpu", rebalance, ""),
     ("Steering", "steering", steering, ""),
+    ("Cluster mode (etcd, four agents on loopback)", "cluster", cluster, ""),
     ("Activations", "activations-cpu", activations, "activations-cpu.png"),
     ("Load", "load", load_bench, ""),
     ("Decode with offloaded experts (CPU reference device)", "decode-qwen3-30b-a3b-cpu",

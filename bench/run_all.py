@@ -27,6 +27,7 @@ CPU = [
     ("placement (58 x 256, 8-64 GPUs)", ["placement.py"]),
     ("rebalance and prefetch (CPU device)", ["rebalance.py"]),
     ("steering lookups", ["steering.py"]),
+    ("cluster rebalance (etcd, 4 agents)", ["cluster.py"]),
     ("activation round trips (CPU device)", ["activations.py"]),
     ("load: 64 clients", ["load.py", "--seconds", "20"]),
     ("decode with offloaded experts (CPU device)", ["decode.py", "--tokens", "8"]),

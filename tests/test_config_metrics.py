@@ -33,10 +33,14 @@ def test_every_problem_is_listed_with_its_key() -> None:
     with pytest.raises(ConfigError) as err:
         from_mapping({"server": {"listen_address": "nohost", "bogus": 1},
                       "arena": {"bytes": "lots"}, "transfer": {"chunk_bytes": 17},
-                      "cache": {"policy": "random"}, "weird": 3}, env={})
+                      "cache": {"policy": "random"}, "weird": 3,
+                      "cluster": {"etcd_endpoints": "etcd", "agent_id": "a/b",
+                                  "peer_fetch": "sometimes", "lease_seconds": 0}}, env={})
     text = "\n".join(err.value.problems)
     for needle in ("server.listen_address", "server.bogus: unknown key", "arena.bytes",
-                   "weird: expected a [weird] table"):
+                   "weird: expected a [weird] table", "cluster.etcd_endpoints: etcd endpoint "
+                   "'etcd' is not host:port", "cluster.agent_id", "cluster.peer_fetch",
+                   "cluster.lease_seconds: must be positive"):
         assert needle in text, text
 
 
