@@ -149,6 +149,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="the worker's device: CUDA kernels + CuPy, or the NumPy twins")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     hidden, rt_hidden = 7168, 512
@@ -160,7 +162,13 @@ def main() -> int:
         settings = '[activations]\nlisten_address = "127.0.0.1:0"\n[arena]\nbytes = "1GiB"\n'
         with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
             models = [client.load_model(str(r), n) for r, n in ((root, "m"), (rt_root, "r"))]
-            dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
+            if args.device == "cuda":
+                from host_client.cuda_device import CudaDevice
+
+                made = CudaDevice(0, mechanism="copy_engine")
+            else:
+                made = CpuReferenceDevice()
+            dev = client.register_device(made, [SlotPoolSpec(
                 max(m.expert_bytes for m in models), 32)])
             layer = models[0].moe_layers[0]
             for m in models:
@@ -181,10 +189,11 @@ def main() -> int:
     ax.bar([i + 0.2 for i in range(3)], [trips[n]["grpc_p50_us"] / 1e3 for n in names], 0.4,
            label="gRPC per expert + forwarding hop")
     ax.set(xticks=range(3), xticklabels=names, ylabel="p50 round trip (ms)", yscale="log",
-           title="activation round trip, CPU reference device")
+           title=f"activation round trip, {args.device} worker")
     ax.legend(fontsize=8)
-    path = write("activations", envelope("activations", result, device="cpu",
-                                         command="python bench/activations.py"), "-cpu")
+    path = write("activations", envelope("activations", result, device=args.device,
+                                         command="python bench/activations.py " +
+                                         " ".join(sys.argv[1:])), f"-{args.device}")
     save_figure(fig, path.with_suffix(".png"))
     print(json.dumps(result) if args.json else f"wrote {path}")
     return 0

@@ -4,19 +4,22 @@ A decode loop over a checkpoint with the expert shapes of a real architecture (w
 make-checkpoint; layers and experts scaled down to fit the machine), routing replayed from a
 trace (a real one from shared/traces, mapped layer -> layer mod L and expert -> expert mod E,
 or the generator), the device's expert slots holding a fraction of all experts, misses served
-through the agent, and each expert's SwiGLU FFN computed for real (NumPy on the CPU reference
-device). Attention is a fixed stand-in, ``h <- h + 0.5 * tanh(h)``, so the figure isolates the
-MoE path; the gate weights are 1/k.
+through the agent, and each expert's SwiGLU FFN computed for real (CuPy on the GPU with
+``--device cuda``, NumPy on the CPU reference device). Attention is a fixed stand-in,
+``h <- h + 0.5 * tanh(h)``, so the figure isolates the MoE path; the gate weights are 1/k.
 
 Paths in the same run and routing: ``offload`` (this project), ``resident`` (every expert in
 a slot: the upper bound), ``pageable`` (a synchronous copy from host memory on each miss) and
 ``http`` (Expert Kit style: 1 MiB HTTP chunks into a host buffer, then a copy). Reported per
 path and cache fraction: tokens/s, time per token split into expert compute, waiting for
 experts and the rest, hit rate, bytes fetched per token, and the bound set by the missed bytes
-over the copy bandwidth measured in the same run.
+over the copy bandwidth measured in the same run (pinned host-to-device on the GPU, a host
+memcpy on the CPU device). On the GPU the offload device uses the copy-engine mechanism (one
+GPU serves several registered devices here, and persistent kernels would compete for SMs).
 
-Usage: python bench/decode.py [--arch qwen3-30b-a3b] [--gpu-cache-fraction 0.1 0.25 0.5]
-                              [--trace FILE] [--tokens N] [--layers L] [--experts E] [--json]
+Usage: python bench/decode.py [--device cpu|cuda] [--arch qwen3-30b-a3b]
+                              [--gpu-cache-fraction 0.1 0.25 0.5] [--trace FILE] [--tokens N]
+                              [--layers L] [--experts E] [--json]
 """
 
 from __future__ import annotations
@@ -74,40 +77,60 @@ class Decoder:
     """The decode loop; ``fetch(layer, expert)`` returns the expert's (gate, up, down) bf16
     arrays, counting the time it waits."""
 
-    def __init__(self, hidden: int, layer_ids: list[int], route: list[list[list[int]]]):
-        self.hidden, self.layer_ids, self.route = hidden, layer_ids, route
+    def __init__(self, hidden: int, layer_ids: list[int], route: list[list[list[int]]],
+                 xp: Any = np):
+        self.hidden, self.layer_ids, self.route, self.xp = hidden, layer_ids, route, xp
+
+    def sync(self) -> None:
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
 
     def run(self, fetch: Any, release: Any, tokens: int) -> dict[str, Any]:
-        x = reference.f32_to_bf16(np.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
+        xp = self.xp
+        x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
         compute = wait = 0.0
         outputs = []
         t_start = time.perf_counter()
         for t in range(tokens):
             h = reference.bf16_to_f32(x).copy()
             for la, layer in enumerate(self.layer_ids):
-                h = h + 0.5 * np.tanh(h)  # the attention stand-in
+                h = h + 0.5 * xp.tanh(h)  # the attention stand-in
                 experts = self.route[t][la]
-                acc = np.zeros_like(h)
+                acc = xp.zeros_like(h)
                 hb = reference.f32_to_bf16(h)
                 for e in experts:
                     t0 = time.perf_counter()
                     w = fetch(layer, e)
                     t1 = time.perf_counter()
                     acc += reference.bf16_to_f32(swiglu_bf16(hb, *w)) / len(experts)
+                    self.sync()
                     compute += time.perf_counter() - t1
                     wait += t1 - t0
                     release(layer, e)
                 h = h + acc
             outputs.append(reference.f32_to_bf16(h))
-            x = reference.f32_to_bf16(np.tanh(h))  # next token's input
+            x = reference.f32_to_bf16(xp.tanh(h))  # next token's input
+        self.sync()
         total = time.perf_counter() - t_start
         return {"tokens_per_s": tokens / total, "compute_s_per_token": compute / tokens,
                 "wait_s_per_token": wait / tokens,
                 "other_s_per_token": (total - compute - wait) / tokens,
-                "outputs": np.concatenate(outputs)}
+                "outputs": xp.concatenate(outputs)}
 
 
-def copy_bandwidth(nbytes: int) -> float:
+def copy_bandwidth(nbytes: int, xp: Any = np) -> float:
+    """Host memcpy (CPU device) or pinned host-to-device (GPU) bandwidth, bytes/s."""
+    if xp is not np:
+        pinned = xp.cuda.alloc_pinned_memory(nbytes)
+        host = np.frombuffer(pinned, np.uint8, nbytes)
+        dev = xp.empty(nbytes, np.uint8)
+        dev.set(host)
+        xp.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dev.set(host)
+        xp.cuda.runtime.deviceSynchronize()
+        return 5 * nbytes / (time.perf_counter() - t0)
     src = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
     dst = np.empty_like(src)
     t0 = time.perf_counter()
@@ -140,6 +163,7 @@ class LruHost:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-30b-a3b")
     ap.add_argument("--gpu-cache-fraction", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     ap.add_argument("--trace", type=Path)
@@ -150,20 +174,25 @@ def main() -> int:
     ap.add_argument("--no-save", action="store_true", help="print only (make demo)")
     args = ap.parse_args()
     result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
-                 args.experts)
+                 args.experts, device=args.device)
     print_table(result)
     if args.no_save:
         return 0
-    path = write("decode", envelope("decode", result, device="cpu",
+    path = write("decode", envelope("decode", result, device=args.device,
                                     command="python bench/decode.py " + " ".join(sys.argv[1:])),
-                 f"-{args.arch}-cpu")
+                 f"-{args.arch}-{args.device}")
     print(json.dumps(result) if args.json else f"wrote {path}")
     return 0
 
 
 def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, layers: int,
-        experts: int, shrink: int = 1) -> dict[str, Any]:
+        experts: int, shrink: int = 1, device: str = "cpu") -> dict[str, Any]:
     """``shrink`` divides hidden and intermediate sizes (tests only; 1 keeps the real ones)."""
+    xp: Any = np
+    if device == "cuda":
+        import cupy as xp
+
+        from host_client.cuda_device import CudaDevice
     layout, hidden, inter, top_k = ARCHS[arch]
     hidden, inter = hidden // shrink, inter // shrink
     top_k = min(top_k, experts)
@@ -183,14 +212,21 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
             return tuple(np.frombuffer(truth[f"{p}.{names[r]}.weight"], np.uint16).reshape(s)
                          for r, s in zip(ROLES, shapes, strict=True))
 
+        def to_device(w: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
+            return w if xp is np else tuple(xp.asarray(a) for a in w)
+
         route = routing(trace, layers, experts, top_k, tokens)
-        decoder = Decoder(hidden, list(range(layers)), route)
+        decoder = Decoder(hidden, list(range(layers)), route, xp)
         expert_bytes = 3 * hidden * inter * 2
-        bandwidth = copy_bandwidth(expert_bytes * 4)
-        reference_out = decoder.run(host_weights, lambda *_: None, tokens)
+        bandwidth = copy_bandwidth(expert_bytes * 4, xp)
+        resident = {(la, e): to_device(host_weights(la, e)) for la in range(layers)
+                    for e in range(experts)}
+        decoder.run(lambda la, e: resident[la, e], lambda *_: None, min(tokens, 2))  # warm-up
+        reference_out = decoder.run(lambda la, e: resident[la, e], lambda *_: None, tokens)
         results: dict[str, Any] = {"arch": arch, "hidden": hidden, "intermediate": inter,
                                    "top_k": top_k, "layers": layers, "experts": experts,
-                                   "tokens": tokens, "copy_bandwidth_gbps": bandwidth / 1e9,
+                                   "tokens": tokens, "device": device,
+                                   "copy_bandwidth_gbps": bandwidth / 1e9,
                                    "runs": []}
         with AgentProcess('[arena]\nbytes = "4GiB"\n') as agent, \
                 AgentClient(agent.address, rpc_timeout=120) as client:
@@ -208,8 +244,9 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 client.release(warm, k)
             for fraction in fractions:
                 slots = max(top_k, round(fraction * layers * experts))
-                dev = client.register_device(CpuReferenceDevice(len(results["runs"])),
-                                             [SlotPoolSpec(model.expert_bytes, slots)])
+                made = (CudaDevice(0, mechanism="copy_engine") if device == "cuda" else
+                        CpuReferenceDevice(len(results["runs"])))
+                dev = client.register_device(made, [SlotPoolSpec(model.expert_bytes, slots)])
                 stats = {"hits": 0, "misses": 0}
 
                 def fetch(layer: int, e: int, dev=dev, stats=stats) -> tuple[np.ndarray, ...]:
@@ -222,15 +259,16 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     client.release(dev, ExpertKey("m", layer, e))
 
                 off = decoder.run(fetch, release, tokens)
-                assert np.array_equal(off.pop("outputs"), reference_out["outputs"]), \
+                assert bool((off.pop("outputs") == reference_out["outputs"]).all()), \
                     "offloaded decode differs from the dense reference"
                 acc = stats["hits"] + stats["misses"]
                 misses = stats["misses"]
-                pageable = LruHost(slots, lambda la, e: tuple(w.copy() for w in
-                                                              host_weights(la, e)))
+                pageable = LruHost(slots, lambda la, e: to_device(tuple(
+                    w.copy() for w in host_weights(la, e))))
                 pg = decoder.run(pageable.fetch, lambda *_: None, tokens)
                 pg.pop("outputs")
-                staged = LruHost(slots, lambda la, e: fetch_http(server, la, e, inter, hidden))
+                staged = LruHost(slots, lambda la, e: to_device(fetch_http(server, la, e, inter,
+                                                                           hidden)))
                 ht = decoder.run(staged.fetch, lambda *_: None, tokens)
                 ht.pop("outputs")
                 missed_bytes = misses * expert_bytes

@@ -82,3 +82,23 @@ def send_packets(tx: Ring, tx_device_ptr: int, data: Any, message_id: int, model
                                       np.uint32(expert)), stream=stream)
     tx.advance_producer(packets)
     return packets
+
+
+def receive_packets(rx: Ring, rx_device_ptr: int, dst: Any, packets: int,
+                    stream: Any = None) -> tuple[int, int, int]:
+    """Launch ``dpu_receive_packets`` for the next ``packets`` entries of ``rx`` (a packet ring
+    in registered host memory at device address ``rx_device_ptr``) into ``dst`` (device
+    uint8), wait for it, and advance the ring's consumer. Returns (message id of the LAST
+    packet, bytes written, packets refused), as reference.receive_packets."""
+    raw = dst.reshape(-1).view(cp.uint8)
+    if raw.data.ptr % 16:
+        raise ValueError("dst must be 16-byte aligned")
+    out = cp.zeros(3, cp.uint64)
+    k = launch.kernel("receive_packets", "dpu_receive_packets")
+    k((_grid(packets),), (THREADS,), (np.uint64(rx_device_ptr),
+                                      np.uint64(rx_device_ptr + abi.HEADER_BYTES), raw,
+                                      np.uint64(raw.size), np.uint64(rx.consumed),
+                                      np.uint64(packets), out), stream=stream)
+    written, refused, message_id = (int(x) for x in out.get(stream=stream))
+    rx.advance(packets)
+    return message_id, written, refused

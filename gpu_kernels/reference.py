@@ -120,7 +120,7 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    u = x.astype(np.float32, copy=False).view(np.uint32)
     return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
             ).astype(np.uint16)
 
@@ -177,8 +177,9 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
 
 
 def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:
-    """Consume one message's packets from ``rx`` into ``dst`` (uint8): each packet's checksum
-    is verified and its payload written at its offset, never past ``dst``. Returns
+    """Consume one message's packets from ``rx`` into ``dst`` (uint8): a packet whose payload
+    is 16-byte aligned, fits its entry and lands inside ``dst`` has its checksum verified and,
+    when it matches, its payload written at its offset; nothing is written past ``dst``. Returns
     (message id, bytes written, packets refused). Raises BufferError if the message is not
     complete in the ring yet (nothing is consumed then)."""
     assert rx.payload is not None, "not a packet ring"
@@ -196,7 +197,9 @@ def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:
     heads, idx = heads[:n].copy(), idx[:n]
     offsets = heads["offset"].astype(np.uint64)
     lengths = heads["length"].astype(np.uint64)
-    sane = (lengths <= rx.payload.shape[1]) & (offsets + lengths <= np.uint64(dst.size))
+    sane = ((lengths <= rx.payload.shape[1]) & (lengths % np.uint64(16) == 0)
+            & (offsets % np.uint64(16) == 0) & (offsets <= np.uint64(dst.size))
+            & (lengths <= np.uint64(dst.size) - np.minimum(offsets, np.uint64(dst.size))))
     good = np.zeros(n, bool)
     if sane.any():
         sums = _packet_checksums(rx.payload[idx[sane]], lengths[sane].astype(np.uint32),

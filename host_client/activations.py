@@ -28,6 +28,7 @@ import zmq.auth
 from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import reference
 from gpu_kernels.routing import dispatch_plan
 from host_client.client import AgentClient, AttachedDevice
@@ -54,9 +55,19 @@ class ActivationError(RuntimeError):
         self.status = status
 
 
+def array_module(a: Any) -> Any:
+    """numpy, or cupy for a CuPy array (without importing CuPy where there is none)."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
 def swiglu_bf16(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
                 ) -> np.ndarray:
-    """``down @ (silu(gate @ x) * (up @ x))`` per row; bf16 bits in and out, fp32 math.
+    """``down @ (silu(gate @ x) * (up @ x))`` per row; bf16 bits in and out, fp32 math; NumPy
+    or CuPy arrays (all of one kind).
 
     Args:
         x: ``uint16[rows, hidden]``; gate, up: ``uint16[inter, hidden]``; down:
@@ -65,13 +76,14 @@ def swiglu_bf16(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarra
     xf = reference.bf16_to_f32(x)
     g = xf @ reference.bf16_to_f32(gate).T
     u = xf @ reference.bf16_to_f32(up).T
-    h = (g / (1.0 + np.exp(-g))) * u
+    h = (g / (1.0 + array_module(g).exp(-g))) * u
     return reference.f32_to_bf16(h @ reference.bf16_to_f32(down).T)
 
 
 class ExpertWorker:
-    """Serves activation requests for the experts resident on ``dev`` (CPU reference device:
-    the compute is NumPy)."""
+    """Serves activation requests for the experts resident on ``dev``: on a CUDA device the
+    packet-receive and send kernels move the rows and the FFN runs in CuPy; on the CPU
+    reference device their NumPy twins and NumPy do."""
 
     def __init__(self, client: AgentClient, dev: AttachedDevice, host: str = "127.0.0.1",
                  curve: tuple[str, str] | None = None) -> None:
@@ -88,6 +100,15 @@ class ExpertWorker:
             raise ActivationError(FrameStatus(int(h["status"])), reply[1].decode())
         self.served = 0
         self.refused_packets = 0
+        self.xp: Any = np
+        self.ops: Any = None
+        """gpu_kernels.cuda_ops on a CUDA device; None: the NumPy twins."""
+        if dev.device.kind == pb.DEVICE_KIND_CUDA:
+            import cupy
+
+            from gpu_kernels import cuda_ops
+
+            self.xp, self.ops = cupy, cuda_ops
         self._generation = client.generation
         self._slots: dict[ExpertKey, Any] = {}
         """Experts this worker holds (one reference each, released on close): serving a
@@ -123,13 +144,18 @@ class ExpertWorker:
         rows, row_bytes = int(h["rows"]), int(h["row_bytes"])
         # NIC: the payload arrives into the rx ring as checksummed packets.
         rx, tx = self.dev.rx.ring, self.dev.tx.ring
-        inputs = np.zeros(rows * row_bytes, np.uint8)
+        inputs = self.xp.zeros(rows * row_bytes, np.uint8)
         for start in range(0, payload.size, rx.payload.shape[1] * rx.capacity):
             part = payload[start:start + rx.payload.shape[1] * rx.capacity]
-            reference.send_packets(rx, part, int(h["message_id"]), 0, key.layer, key.expert)
-            # Receive twin: land the rows in the expert's input buffer.
+            packets = reference.send_packets(rx, part, int(h["message_id"]), 0, key.layer,
+                                             key.expert)
+            # Receive kernel (or twin): land the rows in the expert's input buffer.
             view = inputs[start:start + part.size]
-            _, _, refused = reference.receive_packets(rx, view)
+            if self.ops is None:
+                _, _, refused = reference.receive_packets(rx, view)
+            else:
+                _, _, refused = self.ops.receive_packets(rx, self.dev.rx_device_ptr, view,
+                                                         packets)
             self.refused_packets += refused
             if refused:
                 raise ValueError(f"{refused} packets failed their checksum")
@@ -142,12 +168,18 @@ class ExpertWorker:
         out = swiglu_bf16(inputs.view(np.uint16).reshape(rows, row_bytes // 2),
                           slot.tensor("gate_proj"), slot.tensor("up_proj"),
                           slot.tensor("down_proj"))
-        # Send twin: packetize the output into the tx ring; the NIC reads it back out.
+        # Send kernel (or twin): packetize the output into the tx ring; the NIC reads it out.
         flat = out.view(np.uint8).reshape(-1)
-        result = np.empty_like(flat)
+        result = np.empty(flat.size, np.uint8)
         for start in range(0, flat.size, tx.payload.shape[1] * tx.capacity):
             part = flat[start:start + tx.payload.shape[1] * tx.capacity]
-            reference.send_packets(tx, part, int(h["message_id"]), 0, key.layer, key.expert)
+            if self.ops is None:
+                reference.send_packets(tx, part, int(h["message_id"]), 0, key.layer,
+                                       key.expert)
+            else:
+                self.ops.send_packets(tx, self.dev.tx_device_ptr, part, int(h["message_id"]),
+                                      0, key.layer, key.expert)
+                self.xp.cuda.get_current_stream().synchronize()
             reference.receive_packets(tx, result[start:start + part.size])
         return result
 

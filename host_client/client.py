@@ -72,6 +72,9 @@ class AttachedDevice:
     pools: dict[int, SlotPoolSpec] = field(default_factory=dict)
     specs: list[SlotPoolSpec] = field(default_factory=list)
     ring_capacity: int = 1024
+    rx_device_ptr: int = 0
+    """Device address of the rx / tx packet rings (CUDA devices; 0 on the CPU device)."""
+    tx_device_ptr: int = 0
 
 
 class AcquireHandle:
@@ -207,8 +210,8 @@ class AgentClient:
             device.bind(rid, memory)
             attached.pools[rid] = spec
         device.start()
-        for ring in (rx, tx):
-            device.register_host_ring(ring.buffer.array)
+        attached.rx_device_ptr, attached.tx_device_ptr = (
+            device.register_host_ring(ring.buffer.array) for ring in (rx, tx))
         for ring, kind in ((work, pb.REGION_KIND_WORK_RING),
                            (completion, pb.REGION_KIND_COMPLETION_RING),
                            (rx, pb.REGION_KIND_RX_RING), (tx, pb.REGION_KIND_TX_RING)):

@@ -14,7 +14,7 @@ if [ -d .whl ]; then
 else
   export PYTHONPATH="$PWD"
 fi
-STAGES="${GPU_CHECK_STAGES:-tests demo sanitizer bench}"
+STAGES="${GPU_CHECK_STAGES:-tests fuzz demo sanitizer bench}"
 fail=0
 stage() { echo "=== $1"; }
 nvidia-smi -L || { echo "gpu-check: no GPU" >&2; exit 1; }
@@ -24,7 +24,13 @@ for s in $STAGES; do
   case "$s" in
   tests)
     stage "pytest (CPU and GPU tests)"
-    python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+    python3 -m pytest -q -p no:cacheprovider ${GPU_PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25
+    [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
+  fuzz)
+    stage "hypothesis: descriptors and packets, CUDA kernels against their twins"
+    HYPOTHESIS_PROFILE="${GPU_FUZZ_PROFILE:-fuzz}" timeout "${FUZZ_TIMEOUT:-300}" \
+      python3 -m pytest -q -p no:cacheprovider tests/fuzz/test_fuzz_gpu.py \
+      --hypothesis-show-statistics 2>&1 | tee bench/results/fuzz-gpu.log | tail -12
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   demo)
     stage "demo on CUDA"
@@ -44,8 +50,11 @@ for s in $STAGES; do
     done ;;
   bench)
     stage "benchmarks"
-    for b in ${GPU_BENCHES:-delivery moe_kernels}; do
-      timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" --device cuda $([ "$b" = delivery ] && echo "${DELIVERY_ARGS:-}") 2>&1 | tee "$OUT/bench-$b.log" | tail -6
+    for b in ${GPU_BENCHES:-delivery moe_kernels decode activations}; do
+      args=(--device cuda)
+      [ "$b" = delivery ] && args+=(${DELIVERY_ARGS:-})
+      [ "$b" = decode ] && args+=(${DECODE_ARGS:-})
+      timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" "${args[@]}" 2>&1 | tee "$OUT/bench-$b.log" | tail -8
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
     done ;;
   esac

@@ -216,3 +216,33 @@ def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> Non
                 s.receive()
             assert err.value.status == FrameStatus.NO_ROUTE
         worker.sock.close(0)
+
+
+@pytest.mark.gpu
+def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
+    """The same path with the packet-receive and send kernels and a CuPy FFN on the GPU."""
+    pytest.importorskip("cupy")
+    from host_client.cuda_device import CudaDevice
+
+    with AgentProcess(SETTINGS) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qg")
+        dev = client.register_device(CudaDevice(0, mechanism="copy_engine"),
+                                     [SlotPoolSpec(model.expert_bytes, 18)])
+        client.wait_placement(client.apply_placement("qg", [
+            [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers]).placement_id)
+        worker = ExpertWorker(client, dev)
+        try:
+            rng = np.random.default_rng(4)
+            x = reference.f32_to_bf16(rng.standard_normal((40, 256), dtype=np.float32))
+            ids = np.stack([rng.choice(model.experts_per_layer, 2, replace=False)
+                            for _ in range(40)])
+            w = np.full((40, 2), 0.5, np.float32)
+            with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qg",
+                                  model.experts_per_layer) as sender:
+                got = sender.dispatch(model.moe_layers[0], x, ids, w)
+            ref = _dense(qwen_ckpt, model.moe_layers[0], x, ids, w)
+            out = reference.bf16_to_f32(got).astype(np.float64)
+            assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+            assert worker.ops is not None and worker.refused_packets == 0
+        finally:
+            worker.close()

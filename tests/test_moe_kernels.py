@@ -127,28 +127,64 @@ def test_send_packetizes_with_checksums(backend: str) -> None:
         (77, 1, 2, 3)}
 
 
-def test_receive_packets_verifies_and_bounds() -> None:
+class PacketRing:
+    """A packet ring in host memory, registered with the GPU for the cuda backend; ``receive``
+    runs the backend's receive (kernel or twin) into a device buffer with guard bytes."""
+
+    def __init__(self, b: SimpleNamespace, backend: str, capacity: int, entry: int) -> None:
+        self.b, self.backend = b, backend
+        self.buf = np.zeros(abi.ring_bytes(capacity, entry), np.uint8)
+        self.ring = Ring.format(self.buf, abi.RingKind.RX_PACKET, capacity, entry)
+        self.ptr = 0
+        if backend == "cuda":
+            from host_client.cuda_device import device_pointer
+
+            b.xp.cuda.runtime.hostRegister(self.buf.ctypes.data, self.buf.nbytes, 0x1 | 0x2)
+            self.ptr = device_pointer(self.buf.ctypes.data)
+
+    def receive(self, size: int, packets: int, guard: int = 64) -> tuple[tuple, np.ndarray]:
+        """(message id, written, refused) and the destination's bytes including ``guard``
+        0xA5 bytes after it (which must survive)."""
+        dst = self.b.xp.full(size + guard, 0xA5, np.uint8)
+        dst[:size] = 0
+        if self.backend == "cpu":
+            got = reference.receive_packets(self.ring, dst[:size])
+        else:
+            got = self.b.ops.receive_packets(self.ring, self.ptr, dst[:size], packets)
+        return got, self.b.get(dst)
+
+    def close(self) -> None:
+        if self.backend == "cuda":
+            self.b.xp.cuda.runtime.hostUnregister(self.buf.ctypes.data)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receive_packets_verifies_and_bounds(backend: str) -> None:
     from gpu_kernels.checksum import row_checksums
 
-    entry = 64 + 256
+    b = _backend(backend)
     rng = np.random.default_rng(9)
     data = rng.integers(0, 256, 256 * 5 + 48, dtype=np.uint8)
     rows = rng.integers(0, 256, (4, 256), dtype=np.uint8)
     offs = np.array([0, 256, 4096, 1 << 20], np.uint64)
     assert list(row_checksums(rows, offs)) == [chunk_checksum(r, int(o))
                                                for r, o in zip(rows, offs, strict=True)]
-    buf = np.zeros(abi.ring_bytes(8, entry), np.uint8)
-    ring = Ring.format(buf, abi.RingKind.RX_PACKET, 8, entry)
-    assert reference.send_packets(ring, data, 5, 0, 1, 2) == 6
-    ring.payload[(ring.consumed + 2) & 7, 3] ^= 0xFF          # corrupt packet 2
-    dst = np.zeros(data.size, np.uint8)
-    mid, written, refused = reference.receive_packets(ring, dst)
-    assert (mid, refused, written) == (5, 1, data.size - 256)
-    np.testing.assert_array_equal(dst[:512], data[:512])
-    assert not dst[512:768].any(), "a corrupted packet was written"
-    np.testing.assert_array_equal(dst[768:], data[768:])
-    reference.send_packets(ring, data[:512], 6, 0, 1, 2)
-    small = np.zeros(300, np.uint8)                            # second packet runs past it
-    assert reference.receive_packets(ring, small)[1:] == (256, 1)
+    pr = PacketRing(b, backend, 8, 64 + 256)
+    try:
+        ring = pr.ring
+        assert reference.send_packets(ring, data, 5, 0, 1, 2) == 6
+        ring.payload[(ring.consumed + 2) & 7, 3] ^= 0xFF          # corrupt packet 2
+        (mid, written, refused), dst = pr.receive(data.size, 6)
+        assert (mid, refused, written) == (5, 1, data.size - 256)
+        np.testing.assert_array_equal(dst[:512], data[:512])
+        assert not dst[512:768].any(), "a corrupted packet was written"
+        np.testing.assert_array_equal(dst[768:data.size], data[768:])
+        assert (dst[data.size:] == 0xA5).all()
+        reference.send_packets(ring, data[:512], 6, 0, 1, 2)
+        got, small = pr.receive(304, 2)                           # second packet runs past it
+        assert got[1:] == (256, 1) and (small[304:] == 0xA5).all()
+        assert ring.consumed == ring.produced
+    finally:
+        pr.close()
     with pytest.raises(BufferError):
-        reference.receive_packets(ring, small)
+        reference.receive_packets(ring, np.zeros(16, np.uint8))

@@ -1,0 +1,105 @@
+"""Hostile descriptors and packets against the CUDA kernels, each example checked against the
+CPU twin on identical inputs: same statuses and counters, same destination bytes, guard bytes
+intact. Runs on the GPU machine (``gpu`` marker); `make fuzz` there runs 10,000 examples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpu_kernels import reference
+from gpu_kernels.checksum import chunk_checksum
+from tests.kernel_harness import GUARD, Harness
+from tests.test_kernels import DST, SRC, _desc
+from tests.test_moe_kernels import PacketRing, _backend
+
+pytestmark = pytest.mark.gpu
+FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                      HealthCheck.too_slow])
+SLOTS = 32
+SLOT = DST // SLOTS
+
+
+@pytest.fixture(scope="module")
+def harnesses() -> Iterator[dict[str, Harness]]:
+    pytest.importorskip("cupy")
+    src = np.random.default_rng(5).integers(0, 256, SRC, dtype=np.uint8)
+    made = {b: Harness(b, src, DST, capacity=SLOTS) for b in ("cpu", "cuda")}
+    yield SimpleNamespace(src=src, **made)
+    for h in made.values():
+        h.close()
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(1, SLOT // 16), st.integers(0, SRC // 16 - 1),
+                          st.integers(0, 7), st.integers(0, 2**64 - 1)),
+                min_size=1, max_size=SLOTS))
+def test_descriptors_kernel_equals_twin(harnesses, descs: list[tuple]) -> None:
+    src = harnesses.src
+    d = _desc(len(descs))
+    for i, (n16, so16, fault, bait) in enumerate(descs):
+        length, so = 16 * n16, min(16 * so16, SRC - 16 * n16)
+        d[i]["src_offset"], d[i]["dst_offset"], d[i]["length"], d[i]["position"] = (
+            so, i * SLOT, length, so)
+        d[i]["checksum"] = chunk_checksum(src[so:so + length], so)
+        if fault == 1:
+            d[i]["src_offset"] = bait % (2**64)
+        elif fault == 2:
+            d[i]["length"] = bait % (2**40)
+        elif fault == 3:
+            d[i]["dst_offset"] = bait % (2**64)
+        elif fault == 4:
+            d[i]["opcode"] = bait % (2**16)
+        elif fault == 5:
+            d[i]["checksum"] ^= 1 << (bait % 32)
+        elif fault == 6:
+            d[i]["dst_region"] = bait % (2**32)
+        elif fault == 7:
+            d[i]["length"] += 1 + bait % 15
+    got = {b: getattr(harnesses, b).run(d.copy()) for b in ("cpu", "cuda")}
+    assert {k: v[0] for k, v in got["cuda"].items()} == {k: v[0] for k, v in got["cpu"].items()}
+    cpu, cuda = harnesses.cpu.dst(), harnesses.cuda.dst()
+    np.testing.assert_array_equal(cuda, cpu)
+    assert (cuda[:GUARD] == cpu[:GUARD]).all() and (cuda[GUARD + DST:] == cpu[GUARD + DST:]).all()
+
+
+@pytest.fixture(scope="module")
+def rings() -> Iterator[dict[str, PacketRing]]:
+    made = {b: PacketRing(_backend(b), b, 16, 64 + 512) for b in ("cpu", "cuda")}
+    yield made
+    for r in made.values():
+        r.close()
+
+
+@FUZZ
+@given(size16=st.integers(1, 14 * 32), seed=st.integers(0, 2**32 - 1),
+       mutations=st.lists(st.tuples(st.integers(0, 13), st.sampled_from(
+           ["offset", "length", "checksum", "payload", "flags"]), st.integers(0, 2**32 - 1)),
+           max_size=6), dst_cut=st.integers(0, 64))
+def test_packets_kernel_equals_twin(rings, size16: int, seed: int, mutations: list[tuple],
+                                    dst_cut: int) -> None:
+    data = np.random.default_rng(seed).integers(0, 256, 16 * size16, dtype=np.uint8)
+    results = {}
+    for b, pr in rings.items():
+        n = reference.send_packets(pr.ring, data, seed, 0, 1, 2)
+        first = pr.ring.consumed
+        for p, field, value in mutations:
+            if p >= n:
+                continue
+            idx = (first + p) & (pr.ring.capacity - 1)
+            if field == "payload":
+                pr.ring.payload[idx, value % 512] ^= 1 + value % 255
+            elif field == "flags":  # the LAST flag stays where the sender put it
+                continue
+            else:
+                pr.ring.entries[idx][field] = value % (2**32)
+        size = max(16, data.size - 16 * dst_cut)
+        results[b] = pr.receive(size, n)
+    (cpu_counts, cpu_dst), (gpu_counts, gpu_dst) = results["cpu"], results["cuda"]
+    assert gpu_counts == cpu_counts
+    np.testing.assert_array_equal(gpu_dst, cpu_dst)  # includes the guard bytes after dst
