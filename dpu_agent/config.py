@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dpu_agent.cluster.store import parse_endpoint
-
 if TYPE_CHECKING:
     from dpu_agent.cluster.agent import ClusterSettings
 
@@ -206,6 +204,14 @@ def _check(cfg: AgentConfig) -> list[str]:
     if cfg.max_message_bytes < 2**16:
         problems.append("server.max_message_bytes: must be at least 64 KiB")
     return problems
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port); ValueError names what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"etcd endpoint {text!r} is not host:port")
+    return host, int(port)
 
 
 def _check_cluster(cfg: AgentConfig) -> list[str]:

@@ -14,6 +14,7 @@ from host_client.launcher import AgentProcess
 
 settings.register_profile("ci", max_examples=60)
 settings.register_profile("fuzz", max_examples=10_000)
+settings.register_profile("gpu", max_examples=1_000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 collect_ignore = [] if os.environ.get("DPU_TEST_ARM64") else ["arm64"]

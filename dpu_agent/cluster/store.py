@@ -28,6 +28,8 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease
 
+from dpu_agent.config import parse_endpoint
+
 log = logging.getLogger("dpu_agent.cluster")
 
 
@@ -52,14 +54,6 @@ class Member:
         d = json.loads(raw)
         return cls(str(d["agent_id"]), str(d["grpc"]), str(d["peer"]),
                    str(d.get("activations", "")), int(d["arena_bytes"]))
-
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port); ValueError names what is wrong."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"etcd endpoint {text!r} is not host:port")
-    return host, int(port)
 
 
 class ClusterStore:

@@ -47,12 +47,15 @@ def test_descriptors_kernel_equals_twin(harnesses, descs: list[tuple]) -> None:
         d[i]["src_offset"], d[i]["dst_offset"], d[i]["length"], d[i]["position"] = (
             so, i * SLOT, length, so)
         d[i]["checksum"] = chunk_checksum(src[so:so + length], so)
+        # Every fault keeps descriptors' destinations disjoint (the kernel runs them in
+        # parallel, the twin in order): a fault either leaves the write inside slot i or
+        # makes it refused.
         if fault == 1:
             d[i]["src_offset"] = bait % (2**64)
         elif fault == 2:
-            d[i]["length"] = bait % (2**40)
+            d[i]["length"] = DST + 16 * (1 + bait % 2**36)
         elif fault == 3:
-            d[i]["dst_offset"] = bait % (2**64)
+            d[i]["dst_offset"] = DST + bait % 2**63
         elif fault == 4:
             d[i]["opcode"] = bait % (2**16)
         elif fault == 5:
