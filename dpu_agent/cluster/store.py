@@ -21,14 +21,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import requests
-from etcd3gw.client import Etcd3Client
-from etcd3gw.exceptions import Etcd3Exception
-from etcd3gw.lease import Lease
+from typing import TYPE_CHECKING, Any
 
 from dpu_agent.config import parse_endpoint
+
+if TYPE_CHECKING:
+    from etcd3gw.client import Etcd3Client
+    from etcd3gw.lease import Lease
 
 log = logging.getLogger("dpu_agent.cluster")
 
@@ -85,6 +84,8 @@ class ClusterStore:
         Raises:
             ClusterUnavailable: naming every endpoint and the last error.
         """
+        from etcd3gw.client import Etcd3Client  # only cluster mode needs the etcd client
+
         end = time.monotonic() + deadline_seconds
         delay, last = 0.1, ""
         while True:
@@ -95,7 +96,7 @@ class ClusterStore:
                     self.ops["status"] += 1
                     self._client = client
                     return
-                except (Etcd3Exception, requests.RequestException, ValueError) as exc:
+                except (*_errors(), ValueError) as exc:
                     last = f"{host}:{port}: {exc}"
             if time.monotonic() + delay > end:
                 names = ", ".join(f"{h}:{p}" for h, p in self.endpoints)
@@ -116,7 +117,7 @@ class ClusterStore:
             self.ops[op] += 1
         try:
             return fn(*args, **kwargs)
-        except (Etcd3Exception, requests.RequestException) as exc:
+        except _errors() as exc:
             raise ClusterUnavailable(f"etcd {op} failed: {exc}") from exc
 
     # -- keys -----------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class ClusterStore:
         self.ops["watch"] += 1
         try:
             events, cancel = self.client.watch_prefix(self.prefix + "/")
-        except (Etcd3Exception, requests.RequestException) as exc:
+        except _errors() as exc:
             raise ClusterUnavailable(f"etcd watch failed: {exc}") from exc
 
         def pump() -> None:
@@ -203,6 +204,14 @@ class ClusterStore:
     def foreign(self, key: str, why: str) -> None:
         self.foreign_keys += 1
         log.warning("cluster: ignoring %s: %s", key, why)
+
+
+def _errors() -> tuple[type[Exception], ...]:
+    """What the etcd client raises when etcd cannot answer."""
+    import requests
+    from etcd3gw.exceptions import Etcd3Exception
+
+    return Etcd3Exception, requests.RequestException
 
 
 def _b64(text: str) -> str:
