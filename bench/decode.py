@@ -244,21 +244,25 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 client.release(warm, k)
             for fraction in fractions:
                 slots = max(top_k, round(fraction * layers * experts))
+                # One session per fraction: a session registers each GPU ordinal once.
+                session = AgentClient(agent.address, rpc_timeout=120)
                 made = (CudaDevice(0, mechanism="copy_engine") if device == "cuda" else
                         CpuReferenceDevice(len(results["runs"])))
-                dev = client.register_device(made, [SlotPoolSpec(model.expert_bytes, slots)])
+                dev = session.register_device(made, [SlotPoolSpec(model.expert_bytes, slots)])
                 stats = {"hits": 0, "misses": 0}
 
-                def fetch(layer: int, e: int, dev=dev, stats=stats) -> tuple[np.ndarray, ...]:
-                    h = client.acquire(dev, ExpertKey("m", layer, e))
+                def fetch(layer: int, e: int, dev=dev, stats=stats, session=session
+                          ) -> tuple[np.ndarray, ...]:
+                    h = session.acquire(dev, ExpertKey("m", layer, e))
                     stats["hits" if h.done() else "misses"] += 1
                     slot = h.wait(120)
                     return tuple(slot.tensor(r) for r in ROLES)
 
-                def release(layer: int, e: int, dev=dev) -> None:
-                    client.release(dev, ExpertKey("m", layer, e))
+                def release(layer: int, e: int, dev=dev, session=session) -> None:
+                    session.release(dev, ExpertKey("m", layer, e))
 
                 off = decoder.run(fetch, release, tokens)
+                session.close()
                 assert bool((off.pop("outputs") == reference_out["outputs"]).all()), \
                     "offloaded decode differs from the dense reference"
                 acc = stats["hits"] + stats["misses"]

@@ -53,7 +53,7 @@ def test_descriptors_kernel_equals_twin(harnesses, descs: list[tuple]) -> None:
         if fault == 1:
             d[i]["src_offset"] = bait % (2**64)
         elif fault == 2:
-            d[i]["length"] = DST + 16 * (1 + bait % 2**36)
+            d[i]["length"] = DST + 16 * (1 + bait % 2**27)  # uint32, past any slot
         elif fault == 3:
             d[i]["dst_offset"] = DST + bait % 2**63
         elif fault == 4:
