@@ -3,7 +3,10 @@ constant eviction, for a bounded time. Reports RPC latency (acquire to verified 
 p99), errors (must be 0), deadlocks (a client without progress for --stall seconds; must be
 0) and the agent's resident memory over time (must not grow). --soak runs longer.
 
-Activation traffic is not part of it yet (the activation path, issue 6, does not exist).
+A quarter of the clients send activation traffic instead: MoE layer dispatches (8 tokens,
+top-2) through the agent's activation router to one expert worker whose device holds every
+expert (placed through ApplyPlacement), each result checked for shape and finiteness; their
+round trips are reported apart from the acquires.
 
 Usage: python bench/load.py [--clients 64] [--seconds 20] [--soak] [--json]
 """
@@ -21,9 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+
 from bench.common import envelope, pct, write
 from dpu_offload.keys import ExpertKey
+from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.activations import ActivationSender, ExpertWorker
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess
 
@@ -43,14 +50,43 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
             "qwen3-moe", layers=LAYERS, experts=EXPERTS, hidden=256, intermediate=128))
         # ~80 experts fit the arena, 128 exist: every few acquires evict.
         with AgentProcess('[arena]\nbytes = "16MiB"\n[sessions]\nmax_concurrent_rpcs = 8\n'
-                          ) as agent:
+                          '[activations]\nlisten_address = "127.0.0.1:0"\n') as agent:
             boot = AgentClient(agent.address)
             model = boot.load_model(str(root), "m")
+            home = boot.register_device(CpuReferenceDevice(clients), [SlotPoolSpec(
+                model.expert_bytes, LAYERS * EXPERTS)])
+            boot.wait_placement(boot.apply_placement("m", [
+                [[home.device_id]] * EXPERTS for _ in range(LAYERS)]).placement_id, 120)
+            worker = ExpertWorker(boot, home)
             latencies: list[float] = []
+            act_latencies: list[float] = []
             errors: list[str] = []
             progress = [time.monotonic()] * clients
             stop = threading.Event()
             lock = threading.Lock()
+
+            def sender(i: int) -> None:
+                rng = np.random.default_rng(i)
+                try:
+                    with ActivationSender(f"127.0.0.1:{agent.activations_port}", "m",
+                                          EXPERTS) as snd:
+                        while not stop.is_set():
+                            x = reference.f32_to_bf16(rng.standard_normal((8, 256), np.float32))
+                            ids = np.stack([rng.choice(EXPERTS, 2, replace=False)
+                                            for _ in range(8)])
+                            t0 = time.perf_counter()
+                            out = snd.dispatch(int(rng.integers(LAYERS)), x, ids,
+                                               np.full((8, 2), 0.5, np.float32))
+                            dt = time.perf_counter() - t0
+                            if out.shape != x.shape or not np.isfinite(
+                                    reference.bf16_to_f32(out)).all():
+                                raise ValueError(f"bad combined output {out.shape}")
+                            with lock:
+                                act_latencies.append(dt)
+                            progress[i] = time.monotonic()
+                except Exception as exc:  # noqa: BLE001 - every failure is counted
+                    with lock:
+                        errors.append(f"sender {i}: {type(exc).__name__}: {exc}")
 
             def client(i: int) -> None:
                 rng = random.Random(i)
@@ -72,8 +108,8 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
                     with lock:
                         errors.append(f"client {i}: {type(exc).__name__}: {exc}")
 
-            threads = [threading.Thread(target=client, args=(i,), daemon=True)
-                       for i in range(clients)]
+            threads = [threading.Thread(target=sender if i % 4 == 3 else client, args=(i,),
+                                        daemon=True) for i in range(clients)]
             for t in threads:
                 t.start()
             samples, deadlocked = [], set()
@@ -88,6 +124,7 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
                 t.join(60)
             deadlocked |= {i for i, t in enumerate(threads) if t.is_alive()}
             alive = agent.proc.poll() is None
+            worker.close()
             boot.close()
     rss = [r for _, r in samples]
     q = max(1, len(rss) // 4)
@@ -95,6 +132,9 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
     return {"clients": clients, "seconds": seconds, "requests": len(latencies),
             "requests_per_second": len(latencies) / seconds,
             "p50_ms": pct(latencies, 50) * 1e3, "p99_ms": pct(latencies, 99) * 1e3,
+            "activation_senders": clients // 4, "activation_dispatches": len(act_latencies),
+            "activation_p50_ms": pct(act_latencies, 50) * 1e3,
+            "activation_p99_ms": pct(act_latencies, 99) * 1e3,
             "errors": len(errors), "error_samples": errors[:5],
             "deadlocks": len(deadlocked), "agent_alive": alive,
             "rss_samples": samples, "rss_growth_late_vs_early": growth}
@@ -113,8 +153,11 @@ def main() -> int:
     r = run(args.clients, seconds, args.stall)
     print(f"{r['clients']} clients, {r['seconds']:.0f} s: {r['requests']} acquires "
           f"({r['requests_per_second']:.0f}/s), p50 {r['p50_ms']:.2f} ms, p99 "
-          f"{r['p99_ms']:.2f} ms, errors {r['errors']}, deadlocks {r['deadlocks']}, agent RSS "
-          f"growth {r['rss_growth_late_vs_early']:+.1%}", file=sys.stderr)
+          f"{r['p99_ms']:.2f} ms; {r['activation_dispatches']} activation dispatches from "
+          f"{r['activation_senders']} senders, p50 {r['activation_p50_ms']:.1f} ms, p99 "
+          f"{r['activation_p99_ms']:.1f} ms; errors {r['errors']}, deadlocks "
+          f"{r['deadlocks']}, agent RSS growth {r['rss_growth_late_vs_early']:+.1%}",
+          file=sys.stderr)
     path = write("load", envelope("load", r, command="python bench/load.py " +
                                   " ".join(sys.argv[1:])), "-soak" if args.soak else "")
     print(json.dumps(r) if args.json else f"wrote {path}")

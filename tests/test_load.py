@@ -11,3 +11,4 @@ def test_short_load_has_no_errors_or_deadlocks() -> None:
     assert r["errors"] == 0, r["error_samples"]
     assert r["deadlocks"] == 0 and r["agent_alive"]
     assert r["requests"] > 50
+    assert r["activation_senders"] == 2 and r["activation_dispatches"] > 5
