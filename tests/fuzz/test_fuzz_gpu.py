@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_kernels import reference
+from gpu_kernels import abi, reference
 from gpu_kernels.checksum import chunk_checksum
 from tests.kernel_harness import GUARD, Harness
 from tests.test_kernels import DST, SRC, _desc
@@ -56,8 +56,8 @@ def test_descriptors_kernel_equals_twin(harnesses, descs: list[tuple]) -> None:
             d[i]["length"] = DST + 16 * (1 + bait % 2**27)  # uint32, past any slot
         elif fault == 3:
             d[i]["dst_offset"] = DST + bait % 2**63
-        elif fault == 4:
-            d[i]["opcode"] = bait % (2**16)
+        elif fault == 4:  # any opcode but EXIT, which would end the persistent kernel
+            d[i]["opcode"] = bait % (2**16) if bait % (2**16) != abi.Opcode.EXIT else 2**15
         elif fault == 5:
             d[i]["checksum"] ^= 1 << (bait % 32)
         elif fault == 6:
