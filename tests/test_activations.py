@@ -238,7 +238,7 @@ def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
                             for _ in range(40)])
             w = np.full((40, 2), 0.5, np.float32)
             with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qg",
-                                  model.experts_per_layer) as sender:
+                                  model.experts_per_layer, credits=4) as sender:
                 got = sender.dispatch(model.moe_layers[0], x, ids, w)
             ref = _dense(qwen_ckpt, model.moe_layers[0], x, ids, w)
             out = reference.bf16_to_f32(got).astype(np.float64)
