@@ -203,6 +203,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Cluster mode (etcd, four agents on loopback)", "cluster", cluster, ""),
     ("Activations", "activations-cpu", activations, "activations-cpu.png"),
     ("Load", "load", load_bench, ""),
+    ("Decode with offloaded experts (H200)", "decode-qwen3-30b-a3b-cuda", decode, ""),
     ("Decode with offloaded experts (CPU reference device)", "decode-qwen3-30b-a3b-cpu",
      decode, ""),
     ("The agent on Arm", "arm64", arm64, ""),
