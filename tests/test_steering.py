@@ -12,6 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dpu_agent.dataplane.steering import (
     Action,
@@ -55,6 +57,31 @@ def test_layer_ranges_sources_and_replica_choice() -> None:
     assert t.lookup(ACT, "m", 3, 0, "s1", load=load.get).queue == 8
     assert t.lookup(ACT, "m", 5, 0, "s1").rule is None
     assert t.lookup(ACT, "m", 3, 0, "s2").rule is None
+
+
+small = st.integers(-1, 3)
+rules_st = st.lists(st.builds(
+    lambda traffic, action, model, lo, hi, expert, source, prio, q: FlowRule(
+        0, traffic, action, model, lo, hi if hi == -1 or lo == -1 else max(lo, hi), expert,
+        source, (q, q + 1) if action == Action.FORWARD else (), prio),
+    st.sampled_from(list(TrafficClass)), st.sampled_from(list(Action)),
+    st.sampled_from(["", "m", "n"]), small, small, small, st.sampled_from(["", "s"]),
+    st.integers(0, 3), st.integers(0, 5)), max_size=12)
+
+
+@given(rules_st, st.lists(st.tuples(st.sampled_from(list(TrafficClass)),
+                                    st.sampled_from(["m", "n", "o"]), st.integers(0, 3),
+                                    st.integers(0, 3), st.sampled_from(["", "s", "t"])),
+                          min_size=1, max_size=8))
+def test_indexed_lookup_equals_a_linear_scan(rules: list[FlowRule], queries: list) -> None:
+    t = FlowTable()
+    t.update(add=rules)
+    ordered = sorted(t.rules(), key=lambda r: (-r.priority, r.rule_id))
+    for traffic, model, layer, expert, source in queries:
+        want = next((r for r in ordered if r.action != Action.COUNT and r.matches(
+            traffic, model, layer, expert, source)), None)
+        got = t.lookup(traffic, model, layer, expert, source, load=lambda q: q % 3)
+        assert got.rule == want
 
 
 def test_bad_updates_change_nothing() -> None:

@@ -22,6 +22,9 @@ class TrafficClass(str, Enum):
     WEIGHTS = "weights"
     ACTIVATIONS = "activations"
 
+    # Enum's own __hash__ is Python code; lookups hash this in every key (equal to the str's).
+    __hash__ = str.__hash__
+
 
 class Action(str, Enum):
     FORWARD = "forward"
@@ -32,6 +35,7 @@ class Action(str, Enum):
 
 ANY = -1
 """Wildcard for layer bounds and expert."""
+_FORWARD, _COUNT, _DROP = Action.FORWARD, Action.COUNT, Action.DROP
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,11 @@ class _Table:
     found by one dictionary lookup instead of a scan."""
     wild: dict[tuple[TrafficClass, str], tuple[FlowRule, ...]] = field(default_factory=dict)
     """Every other rule by (traffic, model or '' for any model), sorted like ``rules``."""
+    wild_for: dict[tuple[TrafficClass, str], tuple[FlowRule, ...]] = field(
+        default_factory=dict)
+    """For each (traffic, model) that any rule names: its wildcard rules plus the any-model
+    ones, sorted (one dictionary lookup on the hot path; other models take
+    ``wild[(traffic, '')]``)."""
 
     @classmethod
     def build(cls, version: int, rules: list[FlowRule]) -> _Table:
@@ -92,8 +101,11 @@ class _Table:
                 exact.setdefault((r.traffic, r.model, r.layer_min, r.expert), []).append(r)
             else:
                 wild.setdefault((r.traffic, r.model), []).append(r)
+        named = {(t, m) for t, m in wild if m} | {(t, m) for t, m, _, _ in exact}
+        merged = {(t, m): tuple(sorted((*wild.get((t, m), ()), *wild.get((t, ""), ())),
+                                       key=_sort_key)) for t, m in named}
         return cls(version, tuple(rules), {k: tuple(v) for k, v in exact.items()},
-                   {k: tuple(v) for k, v in wild.items()})
+                   {k: tuple(v) for k, v in wild.items()}, merged)
 
 
 @dataclass
@@ -172,7 +184,9 @@ class FlowTable:
         table = self._table  # one snapshot for the whole decision
         self.lookups += 1
         exact = table.exact.get((traffic, model, layer, expert), ())
-        wild = table.wild.get((traffic, model), ()) + table.wild.get((traffic, ""), ())
+        wild = table.wild_for.get((traffic, model))
+        if wild is None:
+            wild = table.wild.get((traffic, ""), ())
         if wild:
             candidates = sorted((*exact, *wild), key=_sort_key)
             check = True
@@ -184,14 +198,19 @@ class FlowTable:
                 c.packets += 1
                 c.bytes += nbytes
                 action = rule.action
-                if action == Action.FORWARD:
+                if action is _FORWARD:
                     queues = rule.queues
-                    queue = queues[0] if load is None or len(queues) == 1 else \
-                        min(queues, key=load)
+                    if load is None or len(queues) == 1:
+                        queue = queues[0]
+                    elif len(queues) == 2:  # the common replica pair, without min()'s calls
+                        a, b = queues
+                        queue = a if load(a) <= load(b) else b
+                    else:
+                        queue = min(queues, key=load)
                     return Decision(rule, action, queue, table.version)
-                if action == Action.COUNT:
+                if action is _COUNT:
                     continue
-                if action == Action.DROP:
+                if action is _DROP:
                     c.dropped += 1
                 return Decision(rule, action, None, table.version)
         self.misses += 1
