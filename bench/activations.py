@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import envelope, figure, median, pct, save_figure, write
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationSender, ExpertWorker, swiglu_bf16
+from host_client.activations import ActivationSender, ExpertWorker, swiglu_f32_weights
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
 
@@ -49,10 +49,13 @@ def _weights(truth: dict[str, bytes], layer: int, e: int, hidden: int) -> list[n
 def grpc_baseline(weights: list[np.ndarray], hidden: int) -> tuple[grpc.Server, grpc.Server,
                                                                    grpc.Channel]:
     """Expert server (computes) behind a forwarder; returns both servers and the client
-    channel to the forwarder."""
+    channel to the forwarder. Its weights are widened to float32 once, as the CPU worker's
+    are, so both paths compute the same way and the comparison is of transport."""
+    wide = [reference.bf16_to_f32(w) for w in weights]
+
     def compute(req: wrappers_pb2.BytesValue, ctx: object) -> wrappers_pb2.BytesValue:
         rows = np.frombuffer(req.value, np.uint16).reshape(-1, hidden)
-        return wrappers_pb2.BytesValue(value=swiglu_bf16(rows, *weights).tobytes())
+        return wrappers_pb2.BytesValue(value=swiglu_f32_weights(rows, *wide).tobytes())
 
     opts = [("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20)]

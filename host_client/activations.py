@@ -73,11 +73,17 @@ def swiglu_bf16(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarra
         x: ``uint16[rows, hidden]``; gate, up: ``uint16[inter, hidden]``; down:
             ``uint16[hidden, inter]``.
     """
+    return swiglu_f32_weights(x, *(reference.bf16_to_f32(w) for w in (gate, up, down)))
+
+
+def swiglu_f32_weights(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
+                       ) -> np.ndarray:
+    """:func:`swiglu_bf16` with the weights already widened to float32 (same shapes)."""
     xf = reference.bf16_to_f32(x)
-    g = xf @ reference.bf16_to_f32(gate).T
-    u = xf @ reference.bf16_to_f32(up).T
+    g = xf @ gate.T
+    u = xf @ up.T
     h = (g / (1.0 + array_module(g).exp(-g))) * u
-    return reference.f32_to_bf16(h @ reference.bf16_to_f32(down).T)
+    return reference.f32_to_bf16(h @ down.T)
 
 
 class ExpertWorker:
@@ -113,6 +119,8 @@ class ExpertWorker:
         self._slots: dict[ExpertKey, Any] = {}
         """Experts this worker holds (one reference each, released on close): serving a
         placed expert costs no RPC."""
+        self._wide: dict[ExpertKey, tuple[np.ndarray, ...]] = {}
+        """CPU device: each held expert's weights as float32 (widened once)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="expert-worker", daemon=True)
         self._thread.start()
@@ -161,13 +169,19 @@ class ExpertWorker:
                 raise ValueError(f"{refused} packets failed their checksum")
         if self.client.generation != self._generation:
             self._slots.clear()  # the agent restarted: earlier slots are gone
+            self._wide.clear()
             self._generation = self.client.generation
         slot = self._slots.get(key)
         if slot is None:
             slot = self._slots[key] = self.client.acquire(self.dev, key).wait(60)
-        out = swiglu_bf16(inputs.view(np.uint16).reshape(rows, row_bytes // 2),
-                          slot.tensor("gate_proj"), slot.tensor("up_proj"),
-                          slot.tensor("down_proj"))
+            if self.ops is None:  # NumPy has no bf16 GEMM: widen each expert's weights once
+                self._wide[key] = tuple(reference.bf16_to_f32(slot.tensor(r)) for r in
+                                        ("gate_proj", "up_proj", "down_proj"))
+        x = inputs.view(np.uint16).reshape(rows, row_bytes // 2)
+        wide = self._wide.get(key)
+        out = (swiglu_f32_weights(x, *wide) if wide is not None else
+               swiglu_bf16(x, slot.tensor("gate_proj"), slot.tensor("up_proj"),
+                           slot.tensor("down_proj")))
         # Send kernel (or twin): packetize the output into the tx ring; the NIC reads it out.
         flat = out.view(np.uint8).reshape(-1)
         result = np.empty(flat.size, np.uint8)
@@ -193,6 +207,7 @@ class ExpertWorker:
             except Exception:  # noqa: BLE001 - the session may be gone already
                 pass
         self._slots.clear()
+        self._wide.clear()
 
 
 class ActivationSender:

@@ -346,9 +346,12 @@ class AgentClient:
 
     def _on_event(self, event: pb.Event) -> None:
         if event.HasField("placement_progress"):
-            with self._lock:
-                self._placements[event.placement_progress.placement_id] = \
-                    event.placement_progress
+            p = event.placement_progress
+            with self._lock:  # progress only grows: never let an older count replace a newer
+                seen = self._placements.get(p.placement_id)
+                if seen is None or p.done + p.failed + p.dropped >= \
+                        seen.done + seen.failed + seen.dropped:
+                    self._placements[p.placement_id] = p
         if event.HasField("transfer_done"):
             done = event.transfer_done
             with self._lock:

@@ -177,9 +177,12 @@ class PlacementExecutor:
 
     def _progress(self, session: Session, state: PlacementState) -> None:
         self._sync_flows(state)
-        session.events.emit(pb.Event(placement_progress=pb.PlacementProgress(
-            placement_id=state.placement_id, model=state.model, done=state.done,
-            failed=state.failed, total=state.total, dropped=state.dropped)))
+        # Snapshot and emit under the lock: events leave in the order the counts grew (two
+        # copies finishing at once could otherwise emit done=N after done=N+1).
+        with self._lock:
+            session.events.emit(pb.Event(placement_progress=pb.PlacementProgress(
+                placement_id=state.placement_id, model=state.model, done=state.done,
+                failed=state.failed, total=state.total, dropped=state.dropped)))
 
     # -- rebalance -------------------------------------------------------------------------
     def rebalance(self, session: Session, model: str, replicas: int
