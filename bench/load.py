@@ -4,8 +4,8 @@ p99), errors (must be 0), deadlocks (a client without progress for --stall secon
 0) and the agent's resident memory over time (must not grow). --soak runs longer.
 
 A quarter of the clients send activation traffic instead: MoE layer dispatches (8 tokens,
-top-2) through the agent's activation router to one expert worker whose device holds every
-expert (placed through ApplyPlacement), each result checked for shape and finiteness; their
+top-2) through the agent's activation router to one expert worker process (`expertctl
+serve-experts`) whose device holds every expert, each result checked for shape and finiteness; their
 round trips are reported apart from the acquires.
 
 Usage: python bench/load.py [--clients 64] [--seconds 20] [--soak] [--json]
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 import tempfile
 import threading
@@ -30,7 +31,7 @@ from bench.common import envelope, pct, write
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationSender, ExpertWorker
+from host_client.activations import ActivationSender
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess
 
@@ -53,11 +54,12 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
                           '[activations]\nlisten_address = "127.0.0.1:0"\n') as agent:
             boot = AgentClient(agent.address)
             model = boot.load_model(str(root), "m")
-            home = boot.register_device(CpuReferenceDevice(clients), [SlotPoolSpec(
-                model.expert_bytes, LAYERS * EXPERTS)])
-            boot.wait_placement(boot.apply_placement("m", [
-                [[home.device_id]] * EXPERTS for _ in range(LAYERS)]).placement_id, 120)
-            worker = ExpertWorker(boot, home)
+            # The expert worker is its own process, as a GPU host's would be.
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "host_client.cli", "serve-experts", "--agent",
+                 agent.address, "--checkpoint", str(root), "--model", "m"],
+                stdout=subprocess.PIPE, text=True)
+            assert worker.stdout is not None and worker.stdout.readline().startswith("ready")
             latencies: list[float] = []
             act_latencies: list[float] = []
             errors: list[str] = []
@@ -124,7 +126,8 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
                 t.join(60)
             deadlocked |= {i for i, t in enumerate(threads) if t.is_alive()}
             alive = agent.proc.poll() is None
-            worker.close()
+            worker.terminate()
+            worker.wait(10)
             boot.close()
     rss = [r for _, r in samples]
     q = max(1, len(rss) // 4)

@@ -39,6 +39,14 @@ FAULTS = [
      "test_worker_vanishing_mid_request_fails_within_bound"),
     ("experts migrated under activation traffic",
      "tests/test_activations.py::test_migration_under_traffic_loses_nothing"),
+    ("network link to a worker cut (veth into a network namespace)",
+     "tests/test_netns.py::test_link_cut_fails_requests_within_the_bound"),
+    ("cluster agent SIGKILLed", "tests/test_cluster.py::"
+     "test_three_agents_reconcile_fetch_from_peers_forward_and_survive_a_kill"),
+    ("etcd unreachable at agent start",
+     "tests/test_cluster.py::test_unreachable_etcd_retries_then_fails_clearly"),
+    ("peer agent serves corrupted expert bytes",
+     "tests/test_cluster.py::test_peer_fetch_verifies_chunks_and_falls_back"),
     ("fuzzed descriptors, guard bytes (CPU twin)",
      "tests/test_kernels.py::test_fuzzed_descriptors_status_and_guards[cpu]"),
 ]
@@ -60,6 +68,15 @@ OUTCOME = {
     "within the 1 s bound, its credit back, and the dead worker stops being a route",
     "experts migrated under activation traffic": "three moves while dispatching: sent = "
     "received, no error, traffic follows the moves",
+    "network link to a worker cut (veth into a network namespace)": "the four requests in "
+    "flight fail with WORKER_FAILED within the 2 s bound (+0.5 s), credits come back, the "
+    "next request gets NO_ROUTE at once",
+    "cluster agent SIGKILLed": "its membership expires within the 2 s lease; the planner "
+    "re-places its experts on the survivors, every expert held again within 15 s",
+    "etcd unreachable at agent start": "retries with backoff for the join timeout, then exits "
+    "non-zero naming the endpoint; never READY",
+    "peer agent serves corrupted expert bytes": "the chunk fails its checksum, the next peer "
+    "serves it; with no good peer the fill falls back to the checkpoint files",
     "fuzzed descriptors, guard bytes (CPU twin)": "statuses match an independent oracle, "
     "guard bytes intact",
 }
@@ -114,9 +131,7 @@ def main() -> int:
     for fault, test in FAULTS:
         status, secs = faults.get(test.split("::")[1], ("not run", 0.0))
         lines.append(f"| {fault} | {status} | {OUTCOME[fault]} | {secs:.1f} |")
-    lines += ["", "Not injected yet: a network-namespace link cut, and agent-to-agent peer fetch "
-              "(cluster mode does not exist yet).", "",
-              f"## Bad inputs tried ({fuzz_src})", "", "| target | examples |", "|---|---|"]
+    lines += ["", f"## Bad inputs tried ({fuzz_src})", "", "| target | examples |", "|---|---|"]
     lines += [f"| `{k}` | {v:,} |" for k, v in fuzz.items()] or ["| (none) | |"]
     lines += ["", "Invariants: no crash, only documented status codes, a refusal changes no "
               "state, no write outside a region.", "", "## Load held", ""]
@@ -126,7 +141,12 @@ def main() -> int:
                   f"{r['clients']} clients for {r['seconds']:.0f} s against a 16 MiB arena "
                   f"(constant eviction): {r['requests']:,} acquire/release cycles "
                   f"({r['requests_per_second']:.0f}/s), acquire-to-verified p50 "
-                  f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, errors {r['errors']}, "
+                  f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; from "
+                  f"{r.get('activation_senders', 0)} of the clients, "
+                  f"{r.get('activation_dispatches', 0):,} MoE-layer activation dispatches "
+                  f"through the router to a worker process (p50 "
+                  f"{r.get('activation_p50_ms', float('nan')):.1f} ms, p99 "
+                  f"{r.get('activation_p99_ms', float('nan')):.1f} ms); errors {r['errors']}, "
                   f"deadlocks {r['deadlocks']}, agent RSS growth (last quarter vs second) "
                   f"{r['rss_growth_late_vs_early']:+.1%}. All clients and the agent share 2 CPU "
                   "cores, so latency here measures contention, not the agent."]

@@ -147,6 +147,18 @@ class ExpertWorker:
                     int(h["expert"]), payload_bytes=len(text),
                     status=FrameStatus.WORKER_FAILED), text])
 
+    def hold(self, keys: list[ExpertKey]) -> None:
+        """Acquire ``keys`` now (one AcquireBatch) so that serving them later costs no RPC."""
+        for key, handle in zip(keys, self.client.acquire_batch(self.dev, keys), strict=True):
+            self._keep(key, handle.wait(120))
+
+    def _keep(self, key: ExpertKey, slot: Any) -> Any:
+        self._slots[key] = slot
+        if self.ops is None:  # NumPy has no bf16 GEMM: widen each expert's weights once
+            self._wide[key] = tuple(reference.bf16_to_f32(slot.tensor(r)) for r in
+                                    ("gate_proj", "up_proj", "down_proj"))
+        return slot
+
     def _serve(self, h: np.void, payload: np.ndarray) -> np.ndarray:
         key = ExpertKey(frames.model_of(h), int(h["layer"]), int(h["expert"]))
         rows, row_bytes = int(h["rows"]), int(h["row_bytes"])
@@ -173,10 +185,7 @@ class ExpertWorker:
             self._generation = self.client.generation
         slot = self._slots.get(key)
         if slot is None:
-            slot = self._slots[key] = self.client.acquire(self.dev, key).wait(60)
-            if self.ops is None:  # NumPy has no bf16 GEMM: widen each expert's weights once
-                self._wide[key] = tuple(reference.bf16_to_f32(slot.tensor(r)) for r in
-                                        ("gate_proj", "up_proj", "down_proj"))
+            slot = self._keep(key, self.client.acquire(self.dev, key).wait(60))
         x = inputs.view(np.uint16).reshape(rows, row_bytes // 2)
         wide = self._wide.get(key)
         out = (swiglu_f32_weights(x, *wide) if wide is not None else

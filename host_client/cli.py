@@ -12,6 +12,7 @@ import grpc
 from rich.console import Console, Group
 from rich.table import Table
 
+from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from host_client.checkpoints import ARCHS, CheckpointSpec, make_checkpoint
@@ -26,6 +27,42 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
                           top_k=args.top_k, seed=args.seed)
     path = make_checkpoint(args.dir, spec)
     print(f"wrote {spec.arch} checkpoint to {path}")
+    return 0
+
+
+def cmd_serve_experts(args: argparse.Namespace) -> int:
+    """An expert worker process: one device holding every expert of a model, serving the
+    activations the agent steers to it, until SIGTERM / SIGINT."""
+    import signal
+    import threading
+
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+    from host_client.activations import ExpertWorker
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with AgentClient(args.agent, client_name="serve-experts") as client:
+        model = client.load_model(args.checkpoint, args.model)
+        if args.device == "cuda":
+            from host_client.cuda_device import CudaDevice
+
+            device = CudaDevice(args.ordinal, mechanism="copy_engine")
+        else:
+            device = CpuReferenceDevice(args.ordinal)
+        layers, experts = model.moe_layers, model.experts_per_layer
+        dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes,
+                                                           experts * len(layers))])
+        client.wait_placement(client.apply_placement(args.model, [
+            [[dev.device_id]] * experts for _ in layers]).placement_id, args.timeout)
+        worker = ExpertWorker(client, dev, host=args.agent.rsplit(":", 1)[0])
+        try:
+            worker.hold([ExpertKey(args.model, la, e) for la in layers for e in range(experts)])
+            print(f"ready: {len(layers) * experts} experts of {args.model} on device "
+                  f"{dev.device_id}", flush=True)
+            stop.wait()
+        finally:
+            worker.close()
     return 0
 
 
@@ -219,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp8", "f32"), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_checkpoint)
+    p = sub.add_parser("serve-experts", help="an expert worker process serving activations")
+    p.add_argument("--agent", default="127.0.0.1:50051")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--ordinal", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for the placement")
+    p.set_defaults(fn=cmd_serve_experts)
     p = sub.add_parser("status", help="one screen of the agent's state")
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=5.0)

@@ -14,9 +14,14 @@ import numpy as np
 import pytest
 
 from dpu_agent.cluster import planner
+from dpu_agent.cluster.peer import PeerFetchError, PeerServer
+from dpu_agent.cluster.peer import fetch as peer_fetch
 from dpu_agent.cluster.placement import ClusterPlacement, PlacementError
 from dpu_agent.cluster.store import ClusterStore
+from dpu_agent.weights.arena import Arena
+from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import build_catalog
+from dpu_agent.weights.policies import LruPolicy
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -199,3 +204,38 @@ def test_unreachable_etcd_retries_then_fails_clearly() -> None:
         agent.start()
     assert time.monotonic() - start >= 1.5  # it retried for the join timeout
     assert "retrying in" in agent.log()
+
+
+def test_peer_fetch_verifies_chunks_and_falls_back(qwen_ckpt: Path) -> None:
+    """Two real arenas serving over ZeroMQ: a corrupted byte in the first makes its chunk fail
+    its checksum; the second delivers; with only the bad one, the cache fills from files."""
+    catalog = build_catalog(qwen_ckpt, "qp")
+    entry = next(iter(catalog.experts.values()))
+    truth = WeightCache(Arena(8 << 20), 1 << 16, LruPolicy())
+    caches = [WeightCache(Arena(8 << 20), 1 << 16, LruPolicy()) for _ in range(3)]
+    servers = [PeerServer(c, "127.0.0.1:0") for c in caches[:2]]
+    try:
+        good = truth.acquire(entry)
+        expected = truth.arena.view(good.offset, entry.blob_bytes).copy()
+        for c in caches[:2]:
+            c.acquire(entry)
+        bad = caches[0].peek(entry.key)
+        caches[0].arena.view(bad.offset, entry.blob_bytes)[70_000] ^= 0x40
+        caches[0].release(entry.key)
+        dest = np.zeros(entry.blob_bytes, np.uint8)
+        with pytest.raises(PeerFetchError, match="chunk 1 failed its checksum"):
+            peer_fetch(entry.key, dest, [servers[0].address], 1 << 16)
+        sums = peer_fetch(entry.key, dest, [s.address for s in servers], 1 << 16)
+        np.testing.assert_array_equal(dest, expected)
+        assert sums == good.checksums
+        # Only the corrupted peer: the fill falls back to the checkpoint files, bytes right.
+        got = caches[2].acquire(entry, lambda d: peer_fetch(entry.key, d, [servers[0].address],
+                                                            1 << 16))
+        np.testing.assert_array_equal(caches[2].arena.view(got.offset, entry.blob_bytes),
+                                      expected)
+        assert caches[2].stats.source_failures == 1 and caches[2].stats.peer_bytes == 0
+    finally:
+        for s in servers:
+            s.close()
+        for c in (truth, *caches):
+            c.arena.close()
