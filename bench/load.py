@@ -14,6 +14,7 @@ Usage: python bench/load.py [--clients 64] [--seconds 20] [--soak] [--json]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import subprocess
@@ -21,7 +22,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -67,48 +70,59 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
             stop = threading.Event()
             lock = threading.Lock()
 
-            def sender(i: int) -> None:
-                rng = np.random.default_rng(i)
+            def timed_loop(i: int, who: str, session: Callable[[], Any],
+                           into: list[float]) -> None:
+                """``session()`` is a context manager yielding one operation to repeat and
+                time until stopped; any failure is counted as an error."""
                 try:
-                    with ActivationSender(f"127.0.0.1:{agent.activations_port}", "m",
-                                          EXPERTS) as snd:
+                    with session() as step:
                         while not stop.is_set():
-                            x = reference.f32_to_bf16(rng.standard_normal((8, 256), np.float32))
-                            ids = np.stack([rng.choice(EXPERTS, 2, replace=False)
-                                            for _ in range(8)])
                             t0 = time.perf_counter()
-                            out = snd.dispatch(int(rng.integers(LAYERS)), x, ids,
-                                               np.full((8, 2), 0.5, np.float32))
+                            step()
                             dt = time.perf_counter() - t0
-                            if out.shape != x.shape or not np.isfinite(
-                                    reference.bf16_to_f32(out)).all():
-                                raise ValueError(f"bad combined output {out.shape}")
                             with lock:
-                                act_latencies.append(dt)
+                                into.append(dt)
                             progress[i] = time.monotonic()
                 except Exception as exc:  # noqa: BLE001 - every failure is counted
                     with lock:
-                        errors.append(f"sender {i}: {type(exc).__name__}: {exc}")
+                        errors.append(f"{who} {i}: {type(exc).__name__}: {exc}")
+
+            @contextlib.contextmanager
+            def dispatcher(i: int) -> Iterator[Callable[[], None]]:
+                rng = np.random.default_rng(i)
+                with ActivationSender(f"127.0.0.1:{agent.activations_port}", "m",
+                                      EXPERTS) as snd:
+                    def step() -> None:
+                        x = reference.f32_to_bf16(rng.standard_normal((8, 256), np.float32))
+                        ids = np.stack([rng.choice(EXPERTS, 2, replace=False) for _ in range(8)])
+                        out = snd.dispatch(int(rng.integers(LAYERS)), x, ids,
+                                           np.full((8, 2), 0.5, np.float32))
+                        if out.shape != x.shape or not np.isfinite(
+                                reference.bf16_to_f32(out)).all():
+                            raise ValueError(f"bad combined output {out.shape}")
+
+                    yield step
+
+            @contextlib.contextmanager
+            def acquirer(i: int) -> Iterator[Callable[[], None]]:
+                rng = random.Random(i)
+                with AgentClient(agent.address, client_name=f"load-{i}") as c:
+                    dev = c.register_device(CpuReferenceDevice(i),
+                                            [SlotPoolSpec(model.expert_bytes, 2)],
+                                            ring_capacity=64)
+
+                    def step() -> None:
+                        key = ExpertKey("m", rng.randrange(LAYERS), rng.randrange(EXPERTS))
+                        c.acquire(dev, key).wait(60)
+                        c.release(dev, key)
+
+                    yield step
+
+            def sender(i: int) -> None:
+                timed_loop(i, "sender", lambda: dispatcher(i), act_latencies)
 
             def client(i: int) -> None:
-                rng = random.Random(i)
-                try:
-                    with AgentClient(agent.address, client_name=f"load-{i}") as c:
-                        dev = c.register_device(CpuReferenceDevice(i),
-                                                [SlotPoolSpec(model.expert_bytes, 2)],
-                                                ring_capacity=64)
-                        while not stop.is_set():
-                            key = ExpertKey("m", rng.randrange(LAYERS), rng.randrange(EXPERTS))
-                            t0 = time.perf_counter()
-                            c.acquire(dev, key).wait(60)
-                            dt = time.perf_counter() - t0
-                            c.release(dev, key)
-                            with lock:
-                                latencies.append(dt)
-                            progress[i] = time.monotonic()
-                except Exception as exc:  # noqa: BLE001 - every failure is counted
-                    with lock:
-                        errors.append(f"client {i}: {type(exc).__name__}: {exc}")
+                timed_loop(i, "client", lambda: acquirer(i), latencies)
 
             threads = [threading.Thread(target=sender if i % 4 == 3 else client, args=(i,),
                                         daemon=True) for i in range(clients)]

@@ -59,20 +59,32 @@ def _dense(ckpt: Path, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray
     return out
 
 
-def test_dispatch_compute_combine_matches_dense_reference(served, qwen_ckpt: Path) -> None:
-    agent, _, model, _, worker = served
-    rng = np.random.default_rng(0)
-    tokens, k, hidden = 24, 2, 256
-    x = reference.f32_to_bf16(rng.standard_normal((tokens, hidden), dtype=np.float32))
-    ids = np.stack([rng.choice(model.experts_per_layer, k, replace=False) for _ in range(tokens)])
-    w = rng.random((tokens, k), dtype=np.float32)
+def dispatch_matches_dense(address: str, name: str, experts: int, layer: int, ckpt: Path,
+                           ids: np.ndarray, seed: int = 0) -> None:
+    """Dispatch random rows routed by ``ids`` (int[tokens, k]) with random gate weights through
+    the agent at ``address``; the combined output must match the float64 dense reference
+    within bf16 rounding."""
+    rng = np.random.default_rng(seed)
+    x = reference.f32_to_bf16(rng.standard_normal((ids.shape[0], 256), dtype=np.float32))
+    w = rng.random(ids.shape, dtype=np.float32)
     w /= w.sum(1, keepdims=True)
-    with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa",
-                          model.experts_per_layer, credits=4) as sender:
-        got = sender.dispatch(model.moe_layers[1], x, ids, w)
-    ref = _dense(qwen_ckpt, model.moe_layers[1], x, ids, w)
+    with ActivationSender(address, name, experts, credits=4) as sender:
+        got = sender.dispatch(layer, x, ids, w)
+    ref = _dense(ckpt, layer, x, ids, w)
     out = reference.bf16_to_f32(got).astype(np.float64)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+
+
+def routing(experts: int, tokens: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)])
+
+
+def test_dispatch_compute_combine_matches_dense_reference(served, qwen_ckpt: Path) -> None:
+    agent, _, model, _, worker = served
+    ids = routing(model.experts_per_layer, 24, 2, seed=0)
+    dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
+                           model.experts_per_layer, model.moe_layers[1], qwen_ckpt, ids)
     assert worker.served == len(np.unique(ids)) and worker.refused_packets == 0
 
 
@@ -232,17 +244,9 @@ def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
             [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers]).placement_id)
         worker = ExpertWorker(client, dev)
         try:
-            rng = np.random.default_rng(4)
-            x = reference.f32_to_bf16(rng.standard_normal((40, 256), dtype=np.float32))
-            ids = np.stack([rng.choice(model.experts_per_layer, 2, replace=False)
-                            for _ in range(40)])
-            w = np.full((40, 2), 0.5, np.float32)
-            with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qg",
-                                  model.experts_per_layer, credits=4) as sender:
-                got = sender.dispatch(model.moe_layers[0], x, ids, w)
-            ref = _dense(qwen_ckpt, model.moe_layers[0], x, ids, w)
-            out = reference.bf16_to_f32(got).astype(np.float64)
-            assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+            dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qg",
+                                   model.experts_per_layer, model.moe_layers[0], qwen_ckpt,
+                                   routing(model.experts_per_layer, 40, 2, seed=4), seed=4)
             assert worker.ops is not None and worker.refused_packets == 0
         finally:
             worker.close()

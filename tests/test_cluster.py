@@ -23,12 +23,11 @@ from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import LruPolicy
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationSender, ExpertWorker
+from host_client.activations import ExpertWorker
 from host_client.launcher import AgentProcess, EtcdProcess, free_port
 from tests.conftest import checkpoint_bytes
-from tests.test_activations import _dense
+from tests.test_activations import dispatch_matches_dense
 
 pytestmark = pytest.mark.skipif(not EtcdProcess.available(),
                                 reason="etcd is not installed (Debian package etcd-server)")
@@ -125,16 +124,9 @@ def test_three_agents_reconcile_fetch_from_peers_forward_and_survive_a_kill(
             try:
                 layer = p.holders["a1"][0][0]
                 mine = [e for lyr, e in p.holders["a1"] if lyr == layer]
-                rng = np.random.default_rng(1)
-                x = reference.f32_to_bf16(rng.standard_normal((8, 256), dtype=np.float32))
-                ids = np.array([[mine[t % len(mine)]] for t in range(8)])
-                w = np.ones((8, 1), np.float32)
-                with ActivationSender(f"127.0.0.1:{agents[0].activations_port}", "qc",
-                                      model.experts_per_layer) as sender:
-                    got = sender.dispatch(layer, x, ids, w)
-                ref = _dense(qwen_ckpt, layer, x, ids, w)
-                out = reference.bf16_to_f32(got).astype(np.float64)
-                assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+                dispatch_matches_dense(f"127.0.0.1:{agents[0].activations_port}", "qc",
+                                       model.experts_per_layer, layer, qwen_ckpt,
+                                       np.array([[mine[t % len(mine)]] for t in range(8)]))
                 assert worker.served == len(set(mine[:8]))
             finally:
                 worker.close()

@@ -34,16 +34,17 @@ log = logging.getLogger("dpu_agent.cluster")
 
 @dataclass(frozen=True)
 class ClusterSettings:
-    """The ``[cluster]`` config section (durations in seconds)."""
+    """The ``[cluster]`` config section (durations in seconds; defaults and meanings in
+    dpu_agent/config.py and deploy/agent.toml)."""
 
     etcd_endpoints: tuple[str, ...]
     agent_id: str
-    prefix: str = "/dpu-offload"
-    lease_seconds: int = 5
-    join_timeout_seconds: int = 30
-    resync_seconds: float = 2.0
-    peer_address: str = "127.0.0.1:0"
-    peer_fetch: str = "auto"
+    prefix: str
+    lease_seconds: int
+    join_timeout_seconds: int
+    resync_seconds: float
+    peer_address: str
+    peer_fetch: str
 
 
 class ClusterAgent:
