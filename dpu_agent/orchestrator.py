@@ -12,6 +12,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ class Orchestrator:
         self._poller = threading.Thread(target=self._poll_loop, name="completions", daemon=True)
         self.poller_heartbeat = time.monotonic()
         self.verify_failures = 0
+        self.delivered_bytes: Counter[str] = Counter()
+        """Bytes of verified deliveries by source: "arena" or "peer" (another device)."""
         self.draining = False
         self._waiters: dict[tuple[int, int, ExpertKey], list[Callable[[bool], None]]] = {}
         self.scheduler = Scheduler(config.link_concurrency)
@@ -438,24 +441,71 @@ class Orchestrator:
         return SlotGrant(0 if ready else pool.transfer[idx], pool.region_id, idx,
                          idx * pool.slot_bytes, ready, entry, checksums)
 
+    def link_peers(self, session: Session, device_id: int, sources: list[int]) -> None:
+        """Record that ``device_id``'s consumer can read the slot pools of ``sources``."""
+        dev = self.device(session, device_id)
+        for sid in sources:
+            if sid == device_id:
+                raise invalid(f"LinkPeers: device {device_id} cannot be its own source")
+            self.device(session, sid)
+        if len(set(sources)) != len(sources):
+            raise invalid(f"LinkPeers: sources {sources} name a device twice")
+        dev.peer_sources = tuple(sources)
+
+    def _peer_slot(self, session: Session, dev: Device, key: ExpertKey
+                   ) -> tuple[int, SlotPool, int] | None:
+        """A verified slot holding ``key`` on a device ``dev`` can read, with a reference
+        taken (so it is not evicted while copied from): (source device id, pool, slot)."""
+        with session.lock:
+            for sid in dev.peer_sources:
+                src = session.devices.get(sid)
+                for p in src.pools.values() if src is not None else ():
+                    i = p.by_key.get(key)
+                    if i is not None and p.state[i] == SlotState.READY and p.checksums[i]:
+                        p.refs[i] += 1
+                        p.idle.pop(i, None)
+                        return sid, p, i
+        return None
+
     def _deliver(self, session: Session, dev: Device, pool: SlotPool, idx: int,
                  entry: ExpertEntry, attempt: int) -> Transfer:
-        try:
-            cached = self.cache.acquire(entry)
-        except CacheFullError as exc:
-            raise AgentError(ErrorKind.RESOURCE_EXHAUSTED, str(exc)) from exc
-        except OSError as exc:
-            raise AgentError(ErrorKind.UNAVAILABLE, f"reading {entry.key}: {exc}") from exc
-        plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
-                            idx * pool.slot_bytes, entry.blob_bytes, self.config.chunk_bytes,
-                            tuple(cached.checksums))
+        # A first attempt copies from a peer device's verified slot when one can be read
+        # (GPU-to-GPU); otherwise, and for every refetch, from the arena.
+        peer = self._peer_slot(session, dev, entry.key) if attempt == 0 else None
+        if peer is not None:
+            sid, src, i = peer
+            plan = TransferPlan(src.region_id, i * src.slot_bytes, pool.region_id,
+                                idx * pool.slot_bytes, entry.blob_bytes, self.config.chunk_bytes,
+                                src.checksums[i])
+            source = "peer"
+
+            def let_go() -> None:
+                self.drop_ref(session, sid, entry.key)
+        else:
+            try:
+                cached = self.cache.acquire(entry)
+            except CacheFullError as exc:
+                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED, str(exc)) from exc
+            except OSError as exc:
+                raise AgentError(ErrorKind.UNAVAILABLE, f"reading {entry.key}: {exc}") from exc
+            plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
+                                idx * pool.slot_bytes, entry.blob_bytes,
+                                self.config.chunk_bytes, tuple(cached.checksums))
+            source = "arena"
+
+            def let_go() -> None:
+                self.cache.release(entry.key)
 
         def done(t: Transfer) -> None:
+            let_go()
+            if t.status == abi.Status.OK:
+                self.delivered_bytes[source] += t.bytes_done
             self._on_delivered(session, dev, pool, idx, entry, t, attempt)
 
         transfer = self.tracker.start(plan, done, owner=dev)
         with session.lock:
             pool.transfer[idx] = transfer.transfer_id
+            pool.checksums[idx] = plan.checksums
         assert dev.queue is not None
         dev.queue.submit(plan.descriptors(transfer.transfer_id))
         self._wake.set()
@@ -463,7 +513,6 @@ class Orchestrator:
 
     def _on_delivered(self, session: Session, dev: Device, pool: SlotPool, idx: int,
                       entry: ExpertEntry, t: Transfer, attempt: int) -> None:
-        self.cache.release(entry.key)
         status = t.status
         if status == abi.Status.CHECKSUM_MISMATCH:
             self.verify_failures += 1

@@ -144,6 +144,8 @@ class AgentClient:
         """Set each time the client has re-created its session after the agent came back."""
         self.generation = 0
         """Sessions this client has had minus one (0 until the first reconnect)."""
+        self._linked = False
+        """Whether link_peers was called (it is redone after a reconnect)."""
         self.devices: dict[int, AttachedDevice] = {}
         self._open_session()
         self._event_thread = threading.Thread(target=self._event_loop, name="agent-events",
@@ -254,6 +256,28 @@ class AgentClient:
                                                    key=key.to_proto()),
                                  timeout=self.rpc_timeout)
         return self._handle(dev, resp)
+
+    def link_peers(self) -> dict[int, list[int]]:
+        """Let every registered device read the slot pools of each other one it can reach
+        (CUDA peer access; every CPU reference device of this process), and tell the agent,
+        which may then deliver an expert by copying a verified slot of a peer instead of
+        reading the arena. Call it after registering all devices (pools registered later are
+        not mapped); redone on its own after an agent restart. Returns device id -> the ids
+        of the devices it can read."""
+        links: dict[int, list[int]] = {}
+        for dst in self.devices.values():
+            sources = [src for src in self.devices.values()
+                       if src is not dst and dst.device.can_read(src.device)]
+            for src in sources:
+                for rid, spec in src.pools.items():
+                    dst.device.map_peer(rid, src.device.region_bytes(
+                        rid, 0, spec.slot_bytes * spec.slot_count), src.device)
+            links[dst.device_id] = [src.device_id for src in sources]
+            self.stub.LinkPeers(pb.LinkPeersRequest(
+                session_id=self.session_id, device_id=dst.device_id,
+                sources=links[dst.device_id]), timeout=self.rpc_timeout)
+        self._linked = True
+        return links
 
     def acquire_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
         """Acquire several experts in one call (a layer's experts); each must be released."""
@@ -379,6 +403,8 @@ class AgentClient:
                     self._detach(dev)
                     self._attach(dev.device, dev.specs, dev.ring_capacity, into=dev)
                     self.devices[dev.device_id] = dev
+                if self._linked:
+                    self.link_peers()
                 with self._lock:
                     self._early.clear()
                 self.generation += 1

@@ -114,6 +114,26 @@ class CudaDevice(Device):
     def region_bytes(self, region_id: int, offset: int, nbytes: int) -> Any:
         return self._pools[region_id][offset : offset + nbytes]
 
+    def can_read(self, other: Device) -> bool:
+        return (isinstance(other, CudaDevice) and other.ordinal != self.ordinal and
+                bool(self.cp.cuda.runtime.deviceCanAccessPeer(self.ordinal, other.ordinal)))
+
+    def map_peer(self, region_id: int, memory: Any, owner: Device) -> None:
+        """Peer access to ``owner``'s GPU (NVLink or PCIe), then its pool as a readable region:
+        both mechanisms read it through the unified address (the kernel with loads, the copy
+        engine with a peer cudaMemcpyAsync)."""
+        if not self.can_read(owner):
+            raise DeviceFault(f"{self.name} {self.ordinal} has no peer access to "
+                              f"{owner.name} {owner.ordinal}")
+        with self.dev:
+            try:
+                self.cp.cuda.runtime.deviceEnablePeerAccess(owner.ordinal)
+            except self.cp.cuda.runtime.CUDARuntimeError as exc:
+                if "AlreadyEnabled" not in str(exc):
+                    raise
+        self._set_region(region_id, int(memory.data.ptr), int(memory.size),
+                         abi.RegionFlags.READABLE)
+
     def _publish_regions(self) -> None:
         with self.dev:
             host = np.ascontiguousarray(self.regions).view(np.uint8)

@@ -79,6 +79,14 @@ class Device(ABC):
         """Make a host ring visible to this device's kernels; returns its device address."""
         return int(buffer.ctypes.data)
 
+    def can_read(self, other: Device) -> bool:
+        """Whether this device's consumer can read ``other``'s memory in place."""
+        return False
+
+    def map_peer(self, region_id: int, memory: Any, owner: Device) -> None:
+        """Make ``memory`` (a slot pool of ``owner``) readable here as ``region_id``."""
+        raise DeviceFault(f"{self.name} cannot read the memory of {owner.name}")
+
     @abstractmethod
     def region_bytes(self, region_id: int, offset: int, nbytes: int) -> Any:
         """``uint8[nbytes]`` view of a region's memory on this device."""
@@ -141,6 +149,13 @@ class CpuReferenceDevice(Device):
 
     def region_bytes(self, region_id: int, offset: int, nbytes: int) -> np.ndarray:
         return self.memory[region_id][offset : offset + nbytes]
+
+    def can_read(self, other: Device) -> bool:
+        return isinstance(other, CpuReferenceDevice)  # one process: plain memory
+
+    def map_peer(self, region_id: int, memory: np.ndarray, owner: Device) -> None:
+        self.memory[region_id] = memory
+        self._set_region(region_id, memory.ctypes.data, memory.size, abi.RegionFlags.READABLE)
 
     def start(self) -> None:
         assert self.work is not None and self.completion is not None, "attach first"

@@ -121,14 +121,35 @@ class PlacementExecutor:
             self.states[(session.session_id, model)] = state
         for key in list(state.retire):
             self._maybe_retire(session, state, key)
+        targets: dict[ExpertKey, list[int]] = {}
         for d, key in to_add:
-            self.core.start_background(
-                session, d, key, Priority.REBALANCE, refs=1, order=key.layer,
-                tag=state.placement_id,
-                on_ready=lambda ok, d=d, key=key: self._copy_done(session, state, d, key, ok))
+            targets.setdefault(key, []).append(d)
+        for key, devs in targets.items():
+            # Fan-out: devices that can read the first target's slots wait for its copy and
+            # take theirs from it (GPU to GPU), so the arena is read once per expert.
+            first = devs[0]
+            followers = [d for d in devs[1:] if first in session.devices[d].peer_sources]
+            for d in devs:
+                if d == first:
+                    self._copy(session, state, d, key, then=followers)
+                elif d not in followers:
+                    self._copy(session, state, d, key)
         self._progress(session, state)
         self.core.persist()
         return state
+
+    def _copy(self, session: Session, state: PlacementState, device_id: int, key: ExpertKey,
+              then: tuple[int, ...] | list[int] = ()) -> None:
+        """Queue one new copy; when it ends (either way), queue the copies in ``then`` while
+        this placement is still the one in force."""
+        def ready(ok: bool) -> None:
+            self._copy_done(session, state, device_id, key, ok)
+            if self.states.get((session.session_id, state.model)) is state:
+                for d in then:
+                    self._copy(session, state, d, key)
+
+        self.core.start_background(session, device_id, key, Priority.REBALANCE, refs=1,
+                                   order=key.layer, tag=state.placement_id, on_ready=ready)
 
     def _copy_done(self, session: Session, state: PlacementState, device_id: int,
                    key: ExpertKey, ok: bool) -> None:

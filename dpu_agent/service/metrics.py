@@ -51,6 +51,13 @@ class AgentCollector(Collector):
                                 value=core.arena.fragmentation)
         yield GaugeMetricFamily("dpu_agent_transfers_in_flight", "Deliveries in flight.",
                                 value=core.tracker.in_flight)
+        delivered = CounterMetricFamily("dpu_agent_delivered_bytes",
+                                        "Verified expert bytes delivered to devices, by source "
+                                        "(arena, or peer: another device's slot).",
+                                        labels=["source"])
+        for source in ("arena", "peer"):
+            delivered.add_metric([source], core.delivered_bytes[source])
+        yield delivered
         yield CounterMetricFamily("dpu_agent_checksum_failures",
                                   "Deliveries that failed chunk verification.",
                                   value=core.verify_failures)

@@ -36,6 +36,8 @@ class SlotPool:
     keys: list[ExpertKey | None] = field(default_factory=list)
     refs: list[int] = field(default_factory=list)
     transfer: list[int] = field(default_factory=list)
+    checksums: list[tuple[int, ...]] = field(default_factory=list)
+    """Per slot, the chunk checksums of the blob it holds (to verify copies made from it)."""
     by_key: dict[ExpertKey, int] = field(default_factory=dict)
     idle: OrderedDict[int, None] = field(default_factory=OrderedDict)
     """READY slots nobody holds, least recently released first: eviction candidates."""
@@ -46,6 +48,7 @@ class SlotPool:
         self.keys = [None] * n
         self.refs = [0] * n
         self.transfer = [0] * n
+        self.checksums = [()] * n
 
     def allocate(self, key: ExpertKey) -> int | None:
         """A slot for ``key`` in FILLING state with one reference; None when all are held."""
@@ -71,6 +74,7 @@ class SlotPool:
         self.keys[idx] = None
         self.refs[idx] = 0
         self.transfer[idx] = 0
+        self.checksums[idx] = ()
 
     def ready_count(self) -> int:
         return sum(1 for s in self.state if s == SlotState.READY)
@@ -92,6 +96,8 @@ class Device:
     """region id -> RegionKind of every region registered on this device."""
     packet_rings: dict[int, str] = field(default_factory=dict)
     """RingKind (RX_PACKET / TX_PACKET) -> export handle; the activation path's rings."""
+    peer_sources: tuple[int, ...] = ()
+    """Devices of the session whose slot pools this device's consumer can read (LinkPeers)."""
 
 
 class EventSink:

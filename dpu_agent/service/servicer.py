@@ -108,6 +108,14 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             return self.core.register_region(self.core.session(request.session_id), request)
         return pb.RegisterRegionResponse(region_id=await self._run(context, call))
 
+    async def LinkPeers(self, request: pb.LinkPeersRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.Empty:
+        def call() -> None:
+            self.core.link_peers(self.core.session(request.session_id), request.device_id,
+                                 list(request.sources))
+        await self._run(context, call)
+        return pb.Empty()
+
     async def DeregisterRegion(self, request: pb.RegionRef, context: grpc.aio.ServicerContext
                                ) -> pb.Empty:
         def call() -> None:

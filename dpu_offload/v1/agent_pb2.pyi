@@ -110,6 +110,16 @@ class RegisterDeviceResponse(_message.Message):
     device_id: int
     def __init__(self, device_id: _Optional[int] = ...) -> None: ...
 
+class LinkPeersRequest(_message.Message):
+    __slots__ = ("session_id", "device_id", "sources")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_id: int
+    sources: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., sources: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("session_id", "device_id", "kind", "size_bytes", "shm_name", "cuda_ipc_handle", "slot_bytes", "slot_count")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
