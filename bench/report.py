@@ -130,6 +130,18 @@ def cluster(d: dict[str, Any]) -> list[Row]:
              f"{p['kill_to_replaced_s']:.1f} s", "", "", "", None)]
 
 
+def multi_gpu(d: dict[str, Any]) -> list[Row]:
+    r = d["results"]
+    n, rep = r["devices"], r["replicate_layer_s"]
+    return [(f"aggregate delivery to {n} {r['device']} devices",
+             f"{r['aggregate_gbps']:.2f} GB/s",
+             f"{n} x single host-to-device {n * min(r['single_device_h2d_gbps']):.1f} GB/s",
+             f"{r['aggregate_vs_n_times_single']:.2f}x", "", None),
+            (f"replicate one layer to {n} devices", f"{rep['gpu_to_gpu'] * 1e3:.0f} ms",
+             f"arena only {rep['arena_only'] * 1e3:.0f} ms",
+             f"{r['forwarding_speedup']:.2f}x", "", None)]
+
+
 def steering(d: dict[str, Any]) -> list[Row]:
     r = d["results"]
     return [(f"steering lookups, {r['rules']} rules", f"{r['lookups_per_second'] / 1e6:.2f} M/s",
@@ -201,6 +213,9 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Rebalance and prefetch", "rebalance-cpu", rebalance, ""),
     ("Steering", "steering", steering, ""),
     ("Cluster mode (etcd, four agents on loopback)", "cluster", cluster, ""),
+    ("Several GPUs under one host client", "multi_gpu-cuda", multi_gpu, ""),
+    ("Several devices, CPU reference devices (the machinery, not GPU figures)",
+     "multi_gpu-cpu", multi_gpu, ""),
     ("Activations", "activations-cpu", activations, "activations-cpu.png"),
     ("Load", "load", load_bench, ""),
     ("Decode with offloaded experts (H200)", "decode-qwen3-30b-a3b-cuda", decode, ""),

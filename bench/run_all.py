@@ -1,8 +1,9 @@
 """`make bench`: every benchmark this machine can run, with progress, then the report.
 
-CPU benchmarks run anywhere; GPU ones (delivery, moe_kernels) only where CuPy sees a GPU (on
-the GPU machine `make gpu-check` is the entry point). Each writes its JSON (machine, date,
-source hash) under bench/results/; bench/report.py then rewrites docs/PERFORMANCE.md.
+CPU benchmarks run anywhere; GPU ones only where CuPy sees a GPU (on the GPU machine
+`make gpu-check` is the entry point), multi_gpu only where it sees two or more. Each writes
+its JSON (machine, date, source hash) under bench/results/; bench/report.py then rewrites
+docs/PERFORMANCE.md.
 
 Usage: python bench/run_all.py [--quick]
 """
@@ -28,6 +29,8 @@ CPU = [
     ("rebalance and prefetch (CPU device)", ["rebalance.py"]),
     ("steering lookups", ["steering.py"]),
     ("cluster rebalance (etcd, 4 agents)", ["cluster.py"]),
+    ("several devices (CPU reference devices)", ["multi_gpu.py", "--device", "cpu",
+                                                 "--devices", "3", "--hidden", "1024"]),
     ("activation round trips (CPU device)", ["activations.py"]),
     ("load: 64 clients", ["load.py", "--seconds", "20"]),
     ("decode with offloaded experts (CPU device)", ["decode.py", "--tokens", "8"]),
@@ -36,16 +39,19 @@ GPU = [
     ("delivery arena -> GPU", ["delivery.py", "--device", "cuda", "--experts", "8",
                                "--mechanisms", "auto", "kernel", "copy_engine"]),
     ("dispatch / combine kernels", ["moe_kernels.py"]),
+    ("decode with offloaded experts (GPU)", ["decode.py", "--device", "cuda"]),
+    ("activation round trips (GPU worker)", ["activations.py", "--device", "cuda"]),
 ]
+MULTI_GPU = [("several GPUs: aggregate delivery, replication", ["multi_gpu.py"])]
 
 
-def gpu_present() -> bool:
+def gpu_count() -> int:
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:  # noqa: BLE001 - no CuPy or no driver: no GPU
-        return False
+        return 0
 
 
 def main() -> int:
@@ -59,8 +65,9 @@ def main() -> int:
                                                             str(trace)]))
     if args.quick:
         jobs = [j for j in jobs if j[1][0] != "load.py"]
-    if gpu_present():
-        jobs += GPU
+    gpus = gpu_count()
+    if gpus:
+        jobs += GPU + (MULTI_GPU if gpus > 1 else [])
     else:
         console.print("[yellow]no GPU here: GPU benchmarks skipped (make gpu-check on the GPU "
                       "machine)[/]")

@@ -56,7 +56,11 @@ for s in $STAGES; do
       [ "$b" = decode ] && args+=(${DECODE_ARGS:-})
       timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" "${args[@]}" 2>&1 | tee "$OUT/bench-$b.log" | tail -8
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
-    done ;;
+    done
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      timeout "${BENCH_TIMEOUT:-240}" python3 bench/multi_gpu.py --device cuda 2>&1 | tee "$OUT/bench-multi_gpu.log" | tail -4
+      [ "${PIPESTATUS[0]}" = 0 ] || fail=1
+    fi ;;
   esac
 done
 python3 bench/report.py >/dev/null && cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
