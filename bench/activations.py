@@ -16,17 +16,21 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 import numpy as np
+import zmq
 from google.protobuf import wrappers_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, figure, median, pct, save_figure, write
+from dpu_offload import frames
+from dpu_offload.frames import Kind
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationSender, ExpertWorker, swiglu_f32_weights
@@ -153,6 +157,48 @@ def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, fl
             "relative_error_vs_dense": err}
 
 
+def transport_only(client: AgentClient, checkpoint: str, model: str, layer: int, hidden: int,
+                   address: str, repeats: int) -> dict[str, float]:
+    """p50 / p99 us of an 8 KiB round trip through the agent to a worker that echoes at once
+    (a raw socket registered for its own device): the transport share of a round trip."""
+    info = client.load_model(checkpoint, model)
+    dev = client.register_device(CpuReferenceDevice(7), [SlotPoolSpec(info.expert_bytes, 16)])
+    client.wait_placement(client.apply_placement(model, [[[dev.device_id]] * 16]).placement_id)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{address}")
+    hello = f"{client.session_id}:{dev.device_id}".encode()
+    sock.send_multipart([frames.pack(Kind.HELLO, payload_bytes=len(hello)), hello])
+    sock.recv_multipart()
+    stop = threading.Event()
+
+    def echo() -> None:
+        while not stop.is_set():
+            if sock.poll(100):
+                header, payload = sock.recv_multipart(copy=False)
+                h = frames.unpack(header.bytes, len(payload.buffer))
+                sock.send_multipart([frames.pack(
+                    Kind.RESULT, int(h["message_id"]), model, int(h["layer"]), int(h["expert"]),
+                    int(h["rows"]), int(h["row_bytes"]), len(payload.buffer)), payload],
+                    copy=False)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    rows = np.zeros((8 << 10) // (2 * hidden) * hidden, np.uint16).reshape(-1, hidden)
+    times = []
+    with ActivationSender(address, model, 16) as sender:
+        for i in range(repeats + 20):
+            t0 = time.perf_counter()
+            sender.request(layer, 0, rows)
+            sender.receive()
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+    stop.set()
+    thread.join()
+    sock.close(0)
+    return {"p50_us": median(times) * 1e6, "p99_us": pct(times, 99) * 1e6}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,7 +234,12 @@ def main() -> int:
                                                            0, rt_hidden), address, args.repeats)
             layer_result = moe_layer(root, address, layer, hidden)
             worker.close()
+            transport = transport_only(client, str(rt_root), "echo", layer, rt_hidden, address,
+                                       max(200, args.repeats))
+    print(f"   8KiB transport only (echo worker): p50 {transport['p50_us']:.0f} us",
+          file=sys.stderr)
     result = {"round_trips": trips, "moe_layer": layer_result, "hidden": hidden,
+              "transport_8KiB": transport,
               "targets": {"8KiB_p50_us": 200, "4MiB_speedup": 5}}
     fig, ax = figure()
     names = list(SIZES)

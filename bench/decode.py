@@ -262,8 +262,13 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 stats = {"hits": 0, "misses": 0}
                 handles: dict[int, Any] = {}
 
+                releasing: list[Any] = []
+
                 def begin(layer: int, experts: list[int], dev=dev, stats=stats,
-                          session=session, handles=handles) -> None:
+                          session=session, handles=handles, releasing=releasing) -> None:
+                    for fut in releasing:  # the slots they free may be needed now
+                        fut.result()
+                    releasing.clear()
                     got = session.acquire_batch(dev, [ExpertKey("m", layer, e) for e in experts])
                     handles.clear()
                     handles.update(zip(experts, got, strict=True))
@@ -274,10 +279,13 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     slot = handles[e].wait(120)
                     return tuple(slot.tensor(r) for r in ROLES)
 
-                def release(layer: int, e: int, dev=dev, session=session) -> None:
-                    session.release(dev, ExpertKey("m", layer, e))
+                def release(layer: int, e: int, dev=dev, session=session,
+                            releasing=releasing) -> None:
+                    releasing.append(session.release(dev, ExpertKey("m", layer, e), wait=False))
 
                 off = decoder.run(fetch, release, tokens, begin)
+                for fut in releasing:
+                    fut.result()
                 session.close()
                 assert bool((off.pop("outputs") == reference_out["outputs"]).all()), \
                     "offloaded decode differs from the dense reference"

@@ -157,6 +157,10 @@ def activations(d: dict[str, Any]) -> list[Row]:
         rows.append((f"activation round trip p50, {size}", f"{r['agent_p50_us']:.0f} us",
                      f"gRPC + hop {r['grpc_p50_us']:.0f} us", f"{r['speedup_p50']:.2f}x",
                      target, met))
+    t = d["results"].get("transport_8KiB")
+    if t:
+        rows.append(("8 KiB round trip to an echo worker (transport only)",
+                     f"{t['p50_us']:.0f} us", f"p99 {t['p99_us']:.0f} us", "", "", None))
     m = d["results"]["moe_layer"]
     rows.append(("MoE layer vs dense reference (rel. error)",
                  f"{m['relative_error_vs_dense']:.1e}", "float64 dense", "", "< 1e-2",
@@ -216,7 +220,10 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Several GPUs under one host client", "multi_gpu-cuda", multi_gpu, ""),
     ("Several devices, CPU reference devices (the machinery, not GPU figures)",
      "multi_gpu-cpu", multi_gpu, ""),
-    ("Activations", "activations-cpu", activations, "activations-cpu.png"),
+    ("Activations (CPU reference worker)", "activations-cpu", activations,
+     "activations-cpu.png"),
+    ("Activations (GPU worker: packet kernels, CuPy FFN)", "activations-cuda", activations,
+     "activations-cuda.png"),
     ("Load", "load", load_bench, ""),
     ("Decode with offloaded experts (H200)", "decode-qwen3-30b-a3b-cuda", decode, ""),
     ("Decode with offloaded experts (CPU reference device)", "decode-qwen3-30b-a3b-cpu",

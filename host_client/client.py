@@ -16,6 +16,7 @@ another keeps the session's lease alive.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -30,6 +31,8 @@ from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
 from host_client.devices import Device
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
+
+log = logging.getLogger("host_client")
 
 PACKET_RING_CAPACITY = 256
 PACKET_ENTRY_BYTES = 64 + 4096
@@ -326,10 +329,25 @@ class AgentClient:
         with self._lock:
             return self._placements.get(placement_id)
 
-    def release(self, dev: AttachedDevice, key: ExpertKey) -> None:
-        self.stub.Release(pb.ReleaseRequest(session_id=self.session_id,
-                                            device_id=dev.device_id, key=key.to_proto()),
-                         timeout=self.rpc_timeout)
+    def release(self, dev: AttachedDevice, key: ExpertKey, wait: bool = True
+                ) -> grpc.Future | None:
+        """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns the RPC's
+        future at once (a decode loop need not wait a round trip per expert; wait for them
+        before acquiring into slots they free); a refusal is then logged, not raised."""
+        req = pb.ReleaseRequest(session_id=self.session_id, device_id=dev.device_id,
+                                key=key.to_proto())
+        if wait:
+            self.stub.Release(req, timeout=self.rpc_timeout)
+            return None
+
+        def check(fut: grpc.Future) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                log.warning("release of %s on device %d failed: %s", key, dev.device_id,
+                            fut.exception())
+
+        fut = self.stub.Release.future(req, timeout=self.rpc_timeout)
+        fut.add_done_callback(check)
+        return fut
 
     def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
                        prefetch_to: AttachedDevice | None = None, prefetch_top_k: int = 0
