@@ -91,6 +91,7 @@ class Orchestrator:
         """Bytes of verified deliveries by source: "arena" or "peer" (another device)."""
         self.draining = False
         self._waiters: dict[tuple[int, int, ExpertKey], list[Callable[[bool], None]]] = {}
+        self._queue_list: tuple[DeviceQueue, ...] | None = None
         self.scheduler = Scheduler(config.link_concurrency)
         self.placements = PlacementExecutor(self)
         self.routing = RoutingStats()
@@ -206,6 +207,7 @@ class Orchestrator:
     def close_session(self, session_id: str, reason: str = "closed") -> None:
         with self._lock:
             session = self.sessions.pop(session_id, None)
+            self._queue_list = None
         if session is None:
             raise not_found(f"session {session_id!r} does not exist")
         devices = set(session.devices.values())
@@ -289,6 +291,8 @@ class Orchestrator:
                 if dev.work_shm and dev.completion_shm:
                     try:
                         dev.queue = DeviceQueue(dev.work_shm, dev.completion_shm)
+                        with self._lock:  # after the queue exists: the poller rebuilds
+                            self._queue_list = None
                     except (SharedBufferError, ValueError) as exc:
                         if kind == pb.REGION_KIND_WORK_RING:
                             dev.work_shm = ""
@@ -606,11 +610,15 @@ class Orchestrator:
         return self.prefetch(session, device_id, keys)
 
     # -- data plane ------------------------------------------------------------------------
-    def _queues(self) -> list[DeviceQueue]:
+    def _queues(self) -> tuple[DeviceQueue, ...]:
+        """Every device's queue, rebuilt only after a queue was opened or a session closed
+        (the poller asks on every pass)."""
         with self._lock:
-            sessions = list(self.sessions.values())
-        return [d.queue for s in sessions for d in list(s.devices.values())
-                if d.queue is not None]
+            if self._queue_list is None:
+                self._queue_list = tuple(d.queue for s in self.sessions.values()
+                                         for d in list(s.devices.values())
+                                         if d.queue is not None)
+            return self._queue_list
 
     def poller_alive(self) -> bool:
         return self._poller.is_alive()
