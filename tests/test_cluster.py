@@ -28,6 +28,7 @@ from host_client.activations import ExpertWorker
 from host_client.launcher import AgentProcess, EtcdProcess, free_port
 from tests.conftest import checkpoint_bytes
 from tests.test_activations import dispatch_matches_dense
+from tests.test_config_metrics import dashboard_metrics_missing
 
 pytestmark = pytest.mark.skipif(not EtcdProcess.available(),
                                 reason="etcd is not installed (Debian package etcd-server)")
@@ -179,6 +180,12 @@ def test_foreign_keys_are_ignored_and_counted(etcd: EtcdProcess, store: ClusterS
         assert until("counted", lambda: metric(agent, "dpu_agent_cluster_foreign_keys") >= 3)
         assert metric(agent, "dpu_agent_cluster_members") == 1
         assert "ignoring" in agent.log()
+
+
+def test_grafana_cluster_panels_use_exported_metrics(etcd: EtcdProcess,
+                                                      store: ClusterStore) -> None:
+    with AgentProcess(settings(etcd.endpoint, "dash", prefix=store.prefix)) as agent:
+        assert dashboard_metrics_missing(agent.metrics_port, cluster=True) == []
 
 
 def test_duplicate_agent_id_is_refused(etcd: EtcdProcess, store: ClusterStore) -> None:
