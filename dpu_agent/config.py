@@ -70,6 +70,9 @@ class AgentConfig:
     cluster_resync_seconds: int = 2
     cluster_peer_address: str = "127.0.0.1:0"
     cluster_peer_fetch: str = "auto"
+    cluster_etcd_ca: str = ""
+    cluster_etcd_cert: str = ""
+    cluster_etcd_key: str = ""
 
     @property
     def cluster(self) -> ClusterSettings | None:
@@ -83,7 +86,8 @@ class AgentConfig:
             self.cluster_agent_id or socket.gethostname(), self.cluster_prefix,
             self.cluster_lease_seconds, self.cluster_join_timeout_seconds,
             float(self.cluster_resync_seconds), self.cluster_peer_address,
-            self.cluster_peer_fetch)
+            self.cluster_peer_fetch, self.cluster_etcd_ca, self.cluster_etcd_cert,
+            self.cluster_etcd_key)
 
 
 # (section, key) -> (field, parser description, parser)
@@ -139,7 +143,8 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("activations", "curve_clients_dir"): ("curve_clients_dir", _str),
     **{("cluster", k): (f"cluster_{k}", _int if k.endswith("seconds") else _str)
        for k in ("etcd_endpoints", "agent_id", "prefix", "lease_seconds",
-                 "join_timeout_seconds", "resync_seconds", "peer_address", "peer_fetch")},
+                 "join_timeout_seconds", "resync_seconds", "peer_address", "peer_fetch",
+                 "etcd_ca", "etcd_cert", "etcd_key")},
 }
 
 
@@ -233,6 +238,14 @@ def _check_cluster(cfg: AgentConfig) -> list[str]:
     for key in ("lease_seconds", "join_timeout_seconds", "resync_seconds"):
         if getattr(cfg, f"cluster_{key}") <= 0:
             problems.append(f"cluster.{key}: must be positive")
+    if bool(cfg.cluster_etcd_cert) != bool(cfg.cluster_etcd_key):
+        problems.append("cluster.etcd_cert / cluster.etcd_key: set both or neither")
+    if cfg.cluster_etcd_cert and not cfg.cluster_etcd_ca:
+        problems.append("cluster.etcd_cert: a client certificate needs cluster.etcd_ca (TLS)")
+    for key in ("etcd_ca", "etcd_cert", "etcd_key"):
+        path = getattr(cfg, f"cluster_{key}")
+        if path and not os.access(path, os.R_OK):
+            problems.append(f"cluster.{key}: {path} is not a readable file")
     return problems
 
 

@@ -158,7 +158,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     from dpu_agent.cluster.store import ClusterStore, ClusterUnavailable
     from dpu_agent.weights.catalog import build_catalog
 
-    store = ClusterStore(args.etcd.split(","), args.prefix)
+    store = ClusterStore(args.etcd.split(","), args.prefix,
+                         tls=(args.etcd_ca, args.etcd_cert, args.etcd_key))
     try:
         store.connect(args.timeout)
         if args.cluster_command == "status":
@@ -306,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--etcd", required=True, help="etcd endpoints, host:port[,host:port]")
     p.add_argument("--prefix", default="/dpu-offload")
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--etcd-ca", default="", help="CA bundle for etcd over TLS")
+    p.add_argument("--etcd-cert", default="", help="client certificate for etcd")
+    p.add_argument("--etcd-key", default="", help="client key for etcd")
     csub = p.add_subparsers(dest="cluster_command", required=True)
     csub.add_parser("status", help="live agents, desired and actual holdings")
     cr = csub.add_parser("rebalance", help="plan a model over the live agents and write it")

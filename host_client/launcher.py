@@ -102,7 +102,8 @@ class EtcdProcess:
     """A single-member etcd (Debian's ``etcd-server``) on free loopback ports, its data in a
     temporary directory; for cluster-mode tests, benchmarks and the demo."""
 
-    def __init__(self, startup_timeout: float = 20.0) -> None:
+    def __init__(self, startup_timeout: float = 20.0,
+                 tls: tuple[str, str, str] | None = None) -> None:
         self.binary = shutil.which("etcd")
         if self.binary is None:
             raise FileNotFoundError("etcd is not installed (Debian package etcd-server; "
@@ -110,6 +111,8 @@ class EtcdProcess:
         self._dir = tempfile.TemporaryDirectory(prefix="etcd-")
         self.client_port, self.peer_port = free_port(), free_port()
         self.startup_timeout = startup_timeout
+        self.tls = tls
+        """(CA, server certificate, server key): https with client certificates required."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @staticmethod
@@ -121,13 +124,17 @@ class EtcdProcess:
         return f"127.0.0.1:{self.client_port}"
 
     def start(self) -> EtcdProcess:
-        client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        scheme = "https" if self.tls else "http"
+        client, peer = f"{scheme}://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        tls = ([] if self.tls is None else
+               ["--trusted-ca-file", self.tls[0], "--cert-file", self.tls[1], "--key-file",
+                self.tls[2], "--client-cert-auth"])
         log = open(Path(self._dir.name) / "etcd.log", "ab")
         self.proc = subprocess.Popen(
             [self.binary, "--name", "test", "--data-dir", str(Path(self._dir.name) / "data"),
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"test={peer}", "--log-level", "warn"],
+             "--initial-cluster", f"test={peer}", "--log-level", "warn", *tls],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + self.startup_timeout

@@ -29,6 +29,7 @@ from host_client.launcher import AgentProcess, EtcdProcess, free_port
 from tests.conftest import checkpoint_bytes
 from tests.test_activations import dispatch_matches_dense
 from tests.test_config_metrics import dashboard_metrics_missing
+from tests.test_security import _ca, _leaf
 
 pytestmark = pytest.mark.skipif(not EtcdProcess.available(),
                                 reason="etcd is not installed (Debian package etcd-server)")
@@ -238,3 +239,30 @@ def test_peer_fetch_verifies_chunks_and_falls_back(qwen_ckpt: Path) -> None:
             s.close()
         for c in (truth, *caches):
             c.arena.close()
+
+
+def test_etcd_over_mutual_tls(tmp_path: Path) -> None:
+    """etcd requiring client certificates: an agent with the cluster's CA and a client
+    certificate joins; one without TLS, or with a certificate from another CA, cannot."""
+    _ca(tmp_path, "ca")
+    _ca(tmp_path, "otherca")
+    _leaf(tmp_path, "etcd", "ca", "IP:127.0.0.1,DNS:localhost")
+    _leaf(tmp_path, "agent", "ca")
+    _leaf(tmp_path, "intruder", "otherca")
+    pem = {n: str(tmp_path / f"{n}.pem") for n in ("ca", "etcd", "agent", "intruder")}
+    key = {n: str(tmp_path / f"{n}.key") for n in ("etcd", "agent", "intruder")}
+    with EtcdProcess(tls=(pem["ca"], pem["etcd"], key["etcd"])) as etcd:
+        good = settings(etcd.endpoint, "secure", etcd_ca=pem["ca"], etcd_cert=pem["agent"],
+                        etcd_key=key["agent"])
+        with AgentProcess(good) as agent:
+            store = ClusterStore([etcd.endpoint], "/dpu-offload",
+                                 tls=(pem["ca"], pem["agent"], key["agent"]))
+            store.connect(5)
+            assert set(store.members()) == {"secure"}
+            assert metric(agent, "dpu_agent_cluster_members") == 1
+        for bad in (settings(etcd.endpoint, "plain", join_timeout_seconds=1),
+                    settings(etcd.endpoint, "foreign", join_timeout_seconds=1,
+                             etcd_ca=pem["ca"], etcd_cert=pem["intruder"],
+                             etcd_key=key["intruder"])):
+            with pytest.raises(RuntimeError, match="etcd unreachable"):
+                AgentProcess(bad).start()

@@ -45,6 +45,11 @@ class ClusterSettings:
     resync_seconds: float
     peer_address: str
     peer_fetch: str
+    etcd_ca: str = ""
+    """CA bundle verifying etcd's certificate; set: https to etcd."""
+    etcd_cert: str = ""
+    """Client certificate and key for etcd's client-cert-auth."""
+    etcd_key: str = ""
 
 
 class ClusterAgent:
@@ -56,7 +61,8 @@ class ClusterAgent:
         self.core = core
         self.settings = settings
         self.id = settings.agent_id
-        self.store = ClusterStore(list(settings.etcd_endpoints), settings.prefix)
+        self.store = ClusterStore(list(settings.etcd_endpoints), settings.prefix,
+                                  tls=(settings.etcd_ca, settings.etcd_cert, settings.etcd_key))
         self.server = peer.PeerServer(core.cache, settings.peer_address)
         self.rates = peer.SourceRates(settings.peer_fetch)
         self.grpc_address = grpc_address

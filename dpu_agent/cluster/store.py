@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dpu_agent.config import parse_endpoint
 
 if TYPE_CHECKING:
+    import requests
     from etcd3gw.client import Etcd3Client
     from etcd3gw.lease import Lease
 
@@ -62,14 +63,17 @@ class ClusterStore:
         endpoints: etcd client URLs as ``host:port``; the first that answers is used.
         prefix: key prefix shared by the agents of one cluster (no trailing slash).
         timeout: seconds for one etcd request.
+        tls: (CA bundle, client certificate, client key) paths; a CA means https.
     """
 
-    def __init__(self, endpoints: list[str], prefix: str, timeout: float = 2.0) -> None:
+    def __init__(self, endpoints: list[str], prefix: str, timeout: float = 2.0,
+                 tls: tuple[str, str, str] = ("", "", "")) -> None:
         if not endpoints:
             raise ValueError("cluster: no etcd endpoints")
         self.endpoints = [parse_endpoint(e) for e in endpoints]
         self.prefix = prefix.rstrip("/")
         self.timeout = timeout
+        self.tls = tls
         self.ops: Counter[str] = Counter()
         """etcd requests made, by operation (get, put, txn, lease, watch, delete)."""
         self.foreign_keys = 0
@@ -90,14 +94,16 @@ class ClusterStore:
         delay, last = 0.1, ""
         while True:
             for host, port in self.endpoints:
-                client = Etcd3Client(host, port, timeout=self.timeout, api_path="/v3/")
+                client = Etcd3Client(host, port, protocol="https" if self.tls[0] else "http",
+                                     timeout=self.timeout, api_path="/v3/",
+                                     session=self._session())
                 try:
                     client.status()
                     self.ops["status"] += 1
                     self._client = client
                     return
                 except (*_errors(), ValueError) as exc:
-                    last = f"{host}:{port}: {exc}"
+                    last = f"{host}:{port}: {_describe(exc)}"
             if time.monotonic() + delay > end:
                 names = ", ".join(f"{h}:{p}" for h, p in self.endpoints)
                 raise ClusterUnavailable(f"etcd unreachable at {names} for "
@@ -105,6 +111,20 @@ class ClusterStore:
             log.warning("etcd not reachable yet (%s); retrying in %.1f s", last, delay)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    def _session(self) -> requests.Session:
+        """An HTTP session that ignores the environment: REQUESTS_CA_BUNDLE would otherwise
+        replace the cluster's CA (a requests quirk), and proxy variables do not apply."""
+        import requests
+
+        session = requests.Session()
+        session.trust_env = False
+        ca, cert, key = self.tls
+        if ca:
+            session.verify = ca
+        if cert:
+            session.cert = (cert, key)
+        return session
 
     @property
     def client(self) -> Etcd3Client:
@@ -118,7 +138,7 @@ class ClusterStore:
         try:
             return fn(*args, **kwargs)
         except _errors() as exc:
-            raise ClusterUnavailable(f"etcd {op} failed: {exc}") from exc
+            raise ClusterUnavailable(f"etcd {op} failed: {_describe(exc)}") from exc
 
     # -- keys -----------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -174,7 +194,7 @@ class ClusterStore:
         try:
             events, cancel = self.client.watch_prefix(self.prefix + "/")
         except _errors() as exc:
-            raise ClusterUnavailable(f"etcd watch failed: {exc}") from exc
+            raise ClusterUnavailable(f"etcd watch failed: {_describe(exc)}") from exc
 
         def pump() -> None:
             try:
@@ -212,6 +232,11 @@ def _errors() -> tuple[type[Exception], ...]:
     from etcd3gw.exceptions import Etcd3Exception
 
     return Etcd3Exception, requests.RequestException
+
+
+def _describe(exc: BaseException) -> str:
+    """etcd3gw's exceptions carry their text in ``detail_text``, not in ``str()``."""
+    return str(getattr(exc, "detail_text", "") or exc or repr(exc))
 
 
 def _b64(text: str) -> str:
