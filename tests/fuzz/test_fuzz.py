@@ -23,7 +23,7 @@ from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError, read_header
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi
+from gpu_kernels import abi, reference
 from gpu_kernels.reference import ReceiveKernel
 from gpu_kernels.ring import Ring
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -143,6 +143,57 @@ def test_fuzz_descriptors_against_cpu_twin(descs: list[tuple]) -> None:
         rec = comp.pop()
         assert rec is not None and int(rec["status"]) in set(abi.Status)
     assert (dst_full[:guard] == 0xA5).all() and (dst_full[guard + size:] == 0xA5).all()
+
+
+FIELDS = ["offset", "length", "checksum", "message_id", "layer", "expert", "total_length"]
+
+
+@FUZZ
+@given(size16=st.integers(1, 14 * 32), seed=st.integers(0, 2**32 - 1),
+       mutations=st.lists(st.tuples(st.integers(0, 13), st.sampled_from([*FIELDS, "payload"]),
+                                    st.integers(0, 2**64 - 1)), max_size=6),
+       cut16=st.integers(0, 64))
+def test_fuzz_packets_against_cpu_twin(size16: int, seed: int, mutations: list[tuple],
+                                       cut16: int) -> None:
+    """Hostile rx packets into the receive twin: exactly the intact packets that fit land,
+    byte for byte; every other one is refused and writes nothing; nothing is written past
+    the destination (guard bytes)."""
+    data = np.random.default_rng(seed).integers(0, 256, 16 * size16, dtype=np.uint8)
+    ring = Ring.format(np.zeros(abi.ring_bytes(16, 64 + 512), np.uint8), abi.RingKind.RX_PACKET,
+                       16, 64 + 512)
+    n = reference.send_packets(ring, data, seed, 0, 1, 2)
+    idx = [(ring.consumed + p) & 15 for p in range(n)]
+    before = [(ring.entries[i].copy(), ring.payload[i].copy()) for i in idx]
+    for p, field, value in mutations:
+        if p >= n:
+            continue
+        if field == "payload":
+            ring.payload[idx[p], value % 512] ^= 1 + value % 255
+        else:
+            kind = ring.entries.dtype[field]
+            ring.entries[idx[p]][field] = value % (1 << (8 * kind.itemsize))
+    size = max(16, data.size - 16 * cut16)
+    full = np.full(size + 64, 0xA5, np.uint8)
+    full[:size] = 0
+    _, written, refused = reference.receive_packets(ring, full[:size])
+    # What the receiver checks: where (offset, length), the checksum and the payload; ids and
+    # totals are informational. A packet changed in those is refused (short of a 2**-32
+    # checksum collision), an intact one lands if it fits.
+    checked = ["offset", "length", "checksum"]
+    fits = [p for p in range(n)
+            if all(ring.entries[idx[p]][f] == before[p][0][f] for f in checked)
+            and np.array_equal(ring.payload[idx[p]][:int(before[p][0]["length"])],
+                               before[p][1][:int(before[p][0]["length"])])
+            and int(before[p][0]["offset"]) + int(before[p][0]["length"]) <= size]
+    expect = np.zeros(size, np.uint8)
+    for p in fits:
+        off, length = int(before[p][0]["offset"]), int(before[p][0]["length"])
+        expect[off:off + length] = data[off:off + length]
+    assert (written, refused) == (sum(int(before[p][0]["length"]) for p in fits),
+                                  n - len(fits))
+    np.testing.assert_array_equal(full[:size], expect)
+    assert (full[size:] == 0xA5).all(), "written past the destination"
+    assert ring.consumed == ring.produced
 
 
 @FUZZ
