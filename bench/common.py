@@ -11,6 +11,7 @@ import platform
 import socket
 import statistics
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -129,3 +130,30 @@ def http_fetch(server: http.server.ThreadingHTTPServer, name: str, nbytes: int) 
             data = r.read()
         buf[i * CHUNK:i * CHUNK + len(data)] = data
     return buf
+
+
+def host_to_device_rate(device: str, ordinal: int, nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s of a plain copy of ``nbytes`` into a device: pinned host memory to GPU
+    ``ordinal`` (``device="cuda"``), or a host memcpy for the CPU reference device. The
+    baseline that delivery, decode and multi-GPU figures are compared with."""
+    import numpy as np
+
+    if device == "cuda":
+        import cupy as cp
+
+        with cp.cuda.Device(ordinal):
+            host = np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+            dev = cp.empty(nbytes, np.uint8)
+            dev.set(host)
+            cp.cuda.runtime.deviceSynchronize()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                dev.set(host)
+            cp.cuda.runtime.deviceSynchronize()
+    else:
+        host = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
+        dev = np.empty_like(host)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            np.copyto(dev, host)
+    return repeats * nbytes / (time.perf_counter() - t0)

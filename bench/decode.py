@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import chunk_server, envelope, http_fetch, write
+from bench.common import chunk_server, envelope, host_to_device_rate, http_fetch, write
 from dpu_agent.planning.traces import generate_trace, read_trace
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
@@ -128,27 +128,6 @@ class Decoder:
                 "outputs": xp.concatenate(outputs)}
 
 
-def copy_bandwidth(nbytes: int, xp: Any = np) -> float:
-    """Host memcpy (CPU device) or pinned host-to-device (GPU) bandwidth, bytes/s."""
-    if xp is not np:
-        pinned = xp.cuda.alloc_pinned_memory(nbytes)
-        host = np.frombuffer(pinned, np.uint8, nbytes)
-        dev = xp.empty(nbytes, np.uint8)
-        dev.set(host)
-        xp.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            dev.set(host)
-        xp.cuda.runtime.deviceSynchronize()
-        return 5 * nbytes / (time.perf_counter() - t0)
-    src = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8)
-    dst = np.empty_like(src)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        np.copyto(dst, src)
-    return 5 * nbytes / (time.perf_counter() - t0)
-
-
 class LruHost:
     """A host-memory expert cache of ``capacity`` experts filled by ``load(layer, e)``."""
 
@@ -228,7 +207,7 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
         route = routing(trace, layers, experts, top_k, tokens)
         decoder = Decoder(hidden, list(range(layers)), route, xp)
         expert_bytes = 3 * hidden * inter * 2
-        bandwidth = copy_bandwidth(expert_bytes * 4, xp)
+        bandwidth = host_to_device_rate(device, 0, expert_bytes * 4)
         resident = {(la, e): to_device(host_weights(la, e)) for la in range(layers)
                     for e in range(experts)}
         decoder.run(lambda la, e: resident[la, e], lambda *_: None, min(tokens, 2))  # warm-up

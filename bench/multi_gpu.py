@@ -27,38 +27,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, write
+from bench.common import envelope, host_to_device_rate, write
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess
 
 LAYERS, EXPERTS = 2, 16
-
-
-def host_to_device_rate(device: str, ordinal: int, nbytes: int) -> float:
-    """Bytes/s of one device's plain host-to-device copy (pinned on a GPU)."""
-    import numpy as np
-
-    if device == "cuda":
-        import cupy as cp
-
-        with cp.cuda.Device(ordinal):
-            host = np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
-            dev = cp.empty(nbytes, np.uint8)
-            dev.set(host)
-            cp.cuda.runtime.deviceSynchronize()
-            t0 = time.perf_counter()
-            for _ in range(5):
-                dev.set(host)
-            cp.cuda.runtime.deviceSynchronize()
-    else:
-        host = np.ones(nbytes, np.uint8)
-        dev = np.empty_like(host)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            np.copyto(dev, host)
-    return 5 * nbytes / (time.perf_counter() - t0)
 
 
 def make(device: str, ordinal: int) -> Any:
