@@ -153,6 +153,34 @@ def test_three_agents_reconcile_fetch_from_peers_forward_and_survive_a_kill(
             a.stop()
 
 
+def test_agents_ride_out_an_etcd_restart(qwen_ckpt: Path) -> None:
+    """etcd stops under two agents and comes back on the same data: the agents keep serving,
+    stay members, watch again, and reconcile to a placement written after the restart."""
+    with EtcdProcess() as etcd:
+        store = ClusterStore([etcd.endpoint], "/restart")
+        store.connect(5)
+        agents = [AgentProcess(settings(etcd.endpoint, f"r{i}", prefix=store.prefix,
+                                        peer_fetch="never")).start() for i in range(2)]
+        try:
+            until("two members", lambda: set(store.members()) == {"r0", "r1"})
+            etcd.stop()
+            time.sleep(3)
+            with AgentClient(agents[0].address) as client:  # the data plane does not need etcd
+                assert client.load_model(str(qwen_ckpt), "qr").experts_per_layer == 6
+            etcd.start()
+            until("members again", lambda: set(store.members()) == {"r0", "r1"}, timeout=15)
+            catalog = build_catalog(qwen_ckpt, "qr")
+            p = planner.rebalance(store, catalog)
+            until("reconciled after the restart", lambda: all(
+                actual(store, "qr").get(a, {}).get("version") == p.version for a in p.holders),
+                timeout=15)
+            assert all(a.proc is not None and a.proc.poll() is None for a in agents)
+            assert "etcd watch ended" in agents[0].log()
+        finally:
+            for a in agents:
+                a.stop()
+
+
 def test_placement_naming_a_missing_agent_or_overfilling_is_refused_unwritten(
         etcd: EtcdProcess, store: ClusterStore, qwen_ckpt: Path) -> None:
     catalog = build_catalog(qwen_ckpt, "qr")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,7 +82,8 @@ class ClusterAgent:
         self._lease: Lease | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._cancel_watch = None
+        self._cancel_watch: Callable[[], None] | None = None
+        self._watching = False
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -96,7 +98,7 @@ class ClusterAgent:
         try:
             self.store.connect(self.settings.join_timeout_seconds)
             self._register()
-            self._cancel_watch = self.store.watch(self._wake.set)
+            self._watch()
         except ClusterUnavailable:
             self.server.close()
             raise
@@ -130,6 +132,15 @@ class ClusterAgent:
             except ClusterUnavailable as exc:
                 log.warning("cluster: keep-alive failed: %s", exc)
 
+    def _watch(self) -> None:
+        self._watching = True
+
+        def ended() -> None:
+            self._watching = False
+            self._wake.set()
+
+        self._cancel_watch = self.store.watch(self._wake.set, ended)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self.settings.resync_seconds)
@@ -137,6 +148,8 @@ class ClusterAgent:
             if self._stop.is_set():
                 return
             try:
+                if not self._watching:  # etcd went away and may be back: watch again
+                    self._watch()
                 self.reconcile()
             except ClusterUnavailable as exc:
                 log.warning("cluster: reconcile skipped: %s", exc)

@@ -188,20 +188,45 @@ class ClusterStore:
         """Keep ``lease`` alive; returns its TTL (0 or less: it has expired)."""
         return int(self._call("lease", lease.refresh))
 
-    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call ``callback`` on any change under the prefix; returns the cancel function."""
+    def watch(self, callback: Callable[[], None], on_end: Callable[[], None]
+              ) -> Callable[[], None]:
+        """Call ``callback`` on every batch of changes under the prefix, and ``on_end`` once
+        when the stream ends (etcd went away, or cancelled); returns the cancel function.
+
+        Raises:
+            ClusterUnavailable: the watch could not be created.
+        """
         self.ops["watch"] += 1
+        prefix = self.prefix + "/"
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
         try:
-            events, cancel = self.client.watch_prefix(self.prefix + "/")
+            resp = self.client.session.post(
+                self.client.get_url("/watch"), stream=True, timeout=(self.timeout, None),
+                json={"create_request": {"key": _b64(prefix), "range_end": _b64(end)}})
+            resp.raise_for_status()
         except _errors() as exc:
             raise ClusterUnavailable(f"etcd watch failed: {_describe(exc)}") from exc
+        cancelled = threading.Event()
 
         def pump() -> None:
+            why = "stream closed"
             try:
-                for _ in events:
-                    callback()
+                for line in resp.iter_lines():
+                    if cancelled.is_set():
+                        break
+                    if line and json.loads(line).get("result", {}).get("events"):
+                        callback()
             except Exception as exc:  # noqa: BLE001 - the stream ends when etcd goes away
-                log.warning("etcd watch ended: %s", exc)
+                why = _describe(exc)
+            finally:
+                if not cancelled.is_set():
+                    log.warning("etcd watch ended (%s); reconciling by resync until it is back",
+                                why)
+                on_end()
+
+        def cancel() -> None:
+            cancelled.set()
+            resp.close()
 
         threading.Thread(target=pump, name="etcd-watch", daemon=True).start()
         return cancel
