@@ -55,15 +55,37 @@ def combine_bf16(expert_out: Any, plan: DispatchPlan, weights: Any, stream: Any 
 
 def checksum(data: Any, position: int) -> int:
     """Checksum of a device buffer (length a multiple of 16), as checksum.chunk_checksum."""
+    return chunk_checksums(data, position, data.nbytes)[0]
+
+
+def chunk_checksums(data: Any, position: int, chunk_bytes: int) -> list[int]:
+    """Checksums of ``data`` (device, length a multiple of 16) cut into ``chunk_bytes`` chunks
+    (the last may be shorter), chunk c placed at ``position + c * chunk_bytes``; one launch.
+    Equals ``[chunk_checksum(chunk, its position) for each chunk]``."""
     raw = data.reshape(-1).view(cp.uint8)
-    if raw.size % 16 or position % 4:
-        raise ValueError("checksum kernel needs a 16-byte multiple and a 4-byte position")
-    out = cp.zeros(1, cp.uint32)
-    n16 = raw.size // 16
-    k = launch.kernel("moe_ops", "dpu_checksum")
-    k((_grid(max(1, n16 // THREADS)),), (THREADS,), (raw, np.uint64(n16), np.uint64(position),
-                                                     out))
-    return int(out.get()[0]) ^ ((raw.size // 4) & 0xFFFFFFFF)
+    if raw.size % 16 or position % 4 or chunk_bytes % 16 or chunk_bytes <= 0:
+        raise ValueError("checksum kernel needs 16-byte multiples and a 4-byte position")
+    chunks = -(-raw.size // chunk_bytes)
+    out = cp.zeros(chunks, cp.uint32)
+    launch_checksums(raw.data.ptr, raw.size, chunk_bytes, position, out.data.ptr)
+    words = [(min(chunk_bytes, raw.size - c * chunk_bytes) // 4) & 0xFFFFFFFF
+             for c in range(chunks)]
+    return [int(s) ^ w for s, w in zip(out.get().tolist(), words, strict=True)]
+
+
+def launch_checksums(address: int, nbytes: int, chunk_bytes: int, position: int, out: int,
+                     stream: Any = None, blocks_per_chunk: int | None = None) -> None:
+    """Enqueue ``dpu_checksum`` over ``nbytes`` at device ``address`` in ``chunk_bytes``
+    chunks, adding chunk c's sum of terms into the uint32 at ``out + 4 * c`` (zero it first;
+    the word count is not folded in)."""
+    n16, chunk_n16 = nbytes // 16, chunk_bytes // 16
+    chunks = -(-n16 // chunk_n16)
+    grid_x = blocks_per_chunk or max(1, min(chunk_n16 // THREADS,
+                                            launch.sm_count(cp.cuda.Device().id) * 8 // chunks))
+    launch.kernel("moe_ops", "dpu_checksum")(
+        (grid_x, chunks), (THREADS,),
+        (np.uint64(address), np.uint64(n16), np.uint64(chunk_n16), np.uint64(position),
+         np.uint64(out)), stream=stream)
 
 
 def send_packets(tx: Ring, tx_device_ptr: int, data: Any, message_id: int, model: int,

@@ -2,7 +2,9 @@
 
 The rules learned from GPUNetIO hold: ``CUDA_MODULE_LOADING=EAGER`` is set before CUDA starts
 (lazy loading can deadlock beside a persistent kernel), every launch goes on a non-blocking
-stream, and nothing here synchronises the whole device.
+stream, and nothing here synchronises the whole device. Loading a module waits for the device
+to drain, so a module first loaded while a persistent kernel runs stalls until that kernel
+ends: ``preload`` loads all of this package's modules first.
 """
 
 from __future__ import annotations
@@ -35,10 +37,21 @@ def module(name: str, device_id: int = 0) -> cp.RawModule:
                             name_expressions=None)
 
 
+def kernel(module_name: str, function: str, device_id: int | None = None) -> Any:
+    """A compiled kernel function for ``device_id`` (default: the current device)."""
+    return _kernel(module_name, function,
+                   cp.cuda.Device().id if device_id is None else device_id)
+
+
 @functools.cache
-def kernel(module_name: str, function: str, device_id: int = 0) -> Any:
-    """A compiled kernel function."""
+def _kernel(module_name: str, function: str, device_id: int) -> Any:
     return module(module_name, device_id).get_function(function)
+
+
+def preload(device_id: int = 0) -> None:
+    """Compile and load every ``gpu_kernels/*.cu`` module for the device now."""
+    for source in sorted(KERNEL_DIR.glob("*.cu")):
+        module(source.stem, device_id).compile()
 
 
 def non_blocking_stream() -> cp.cuda.Stream:

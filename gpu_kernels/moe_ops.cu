@@ -54,16 +54,21 @@ extern "C" __global__ void dpu_combine_bf16(const uint4* __restrict__ expert_out
     }
 }
 
-// Checksum of nbytes (a multiple of 16) at data, placed `position` bytes into its object;
-// *out must be zero on entry and receives the sum of terms (the host xors the word count).
+// Checksums of a run of consecutive chunks: n16 16-byte vectors at data, placed `position`
+// bytes into their object, cut into chunks of chunk_n16 vectors (the last may be shorter).
+// Block row blockIdx.y sums chunk blockIdx.y into out[blockIdx.y], which must be zero on entry
+// (the host xors each chunk's word count). One chunk: chunk_n16 = n16, gridDim.y = 1.
 extern "C" __global__ void dpu_checksum(const uint4* __restrict__ data, unsigned long long n16,
+                                        unsigned long long chunk_n16,
                                         unsigned long long position, unsigned int* out) {
     __shared__ uint32_t scratch[32];
     uint32_t sum = 0;
     const unsigned long long first = position / 4;
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-         i < n16; i += (unsigned long long)gridDim.x * blockDim.x)
+    const unsigned long long begin = blockIdx.y * chunk_n16;
+    const unsigned long long end = begin + chunk_n16 < n16 ? begin + chunk_n16 : n16;
+    for (unsigned long long i = begin + blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < end; i += (unsigned long long)gridDim.x * blockDim.x)
         sum += dpu_vec_terms(data[i], first + 4 * i);
     const uint32_t total = dpu_block_sum(sum, scratch);
-    if (threadIdx.x == 0) atomicAdd(out, total);
+    if (threadIdx.x == 0) atomicAdd(out + blockIdx.y, total);
 }

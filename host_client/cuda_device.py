@@ -11,8 +11,10 @@ import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, launch
+from gpu_kernels.cuda_ops import launch_checksums
 from gpu_kernels.reference import check_descriptor
 from gpu_kernels.shm import SharedBuffer
+from host_client.copy_runs import plan_runs
 from host_client.devices import RW, Device, DeviceFault
 
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
@@ -149,10 +151,12 @@ class CudaDevice(Device):
         return ptrs[0], ptrs[1], ptrs[2], ptrs[3]
 
     def warm_up(self) -> None:
-        """Launch the kernel once against a ring whose exit flag is already set, so module
-        load and first-launch costs are paid before the real persistent launch."""
+        """Load every kernel module, then launch the receive kernel once against a ring whose
+        exit flag is already set, so module loads and first-launch costs are paid before the
+        real persistent launch (a module loaded beside it would wait for it to end)."""
         from gpu_kernels.ring import Ring
 
+        self._launch.preload(self.ordinal)
         with self.dev:
             bufs = [np.zeros(abi.ring_bytes(2, abi.entry_dtype_for(k).itemsize), np.uint8)
                     for k in (abi.RingKind.WORK, abi.RingKind.COMPLETION)]
@@ -202,11 +206,10 @@ class CudaDevice(Device):
         with self.dev:
             scratch = cp.empty(n, cp.uint8)
             out = cp.zeros(1, cp.uint32)
-            checksum = self._launch.kernel("moe_ops", "dpu_checksum", self.ordinal)
 
             def kernel_read() -> None:
-                checksum((self.blocks * 4,), (256,), (np.uint64(src), np.uint64(n // 16),
-                                                      np.uint64(0), out), stream=self.stream)
+                launch_checksums(src, n, n, 0, out.data.ptr, stream=self.stream,
+                                 blocks_per_chunk=self.blocks * 4)
 
             def copy_read() -> None:
                 cp.cuda.runtime.memcpyAsync(scratch.data.ptr, src, n, 4, self.stream.ptr)
@@ -224,7 +227,6 @@ class CudaDevice(Device):
     def _copy_engine_loop(self) -> None:
         assert self.work is not None and self.completion is not None
         cp = self.cp
-        checksum = self._launch.kernel("moe_ops", "dpu_checksum", self.ordinal)
         idle = 0
         with self.dev:
             sums = cp.zeros(self.work.capacity, cp.uint32)
@@ -240,16 +242,11 @@ class CudaDevice(Device):
                 copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
                 verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
                 sums[:batch.size].fill(0)
-                for i in np.flatnonzero(copy).tolist():
-                    d = batch[i]
-                    dst = int(self.regions[int(d["dst_region"])]["base"]) + int(d["dst_offset"])
-                    src = int(self.regions[int(d["src_region"])]["base"]) + int(d["src_offset"])
-                    cp.cuda.runtime.memcpyAsync(dst, src, int(d["length"]), 4, self.stream.ptr)
-                    if verify[i]:
-                        n16 = int(d["length"]) // 16
-                        checksum((max(1, min(n16 // 256, self.blocks * 4)),), (256,),
-                                 (np.uint64(dst), np.uint64(n16), np.uint64(int(d["position"])),
-                                  np.uint64(sums.data.ptr + 4 * i)), stream=self.stream)
+                for run in plan_runs(batch, copy, verify, self.regions):
+                    cp.cuda.runtime.memcpyAsync(run.dst, run.src, run.nbytes, 4, self.stream.ptr)
+                    if run.verify:
+                        launch_checksums(run.dst, run.nbytes, run.chunk_bytes, run.position,
+                                         sums.data.ptr + 4 * run.first, stream=self.stream)
                 self.stream.synchronize()
                 got = sums[:batch.size].get() ^ (batch["length"] // 4).astype(np.uint32)
                 status[verify & (got != batch["checksum"])] = abi.Status.CHECKSUM_MISMATCH

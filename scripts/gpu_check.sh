@@ -17,6 +17,8 @@ fi
 STAGES="${GPU_CHECK_STAGES:-tests fuzz demo sanitizer bench}"
 fail=0
 stage() { echo "=== $1"; }
+# Results travel back after every stage, so a run cut short by its time limit still returns them.
+save() { tar czf "$OUT/results.tgz" -C bench/results --exclude gpu-check . 2>/dev/null; }
 nvidia-smi -L || { echo "gpu-check: no GPU" >&2; exit 1; }
 python3 -c "import cupy, grpc, google.protobuf, zmq; print('cupy', cupy.__version__, 'grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'zmq', zmq.__version__)" || exit 1
 
@@ -24,17 +26,17 @@ for s in $STAGES; do
   case "$s" in
   tests)
     stage "pytest (CPU and GPU tests)"
-    python3 -m pytest -q -p no:cacheprovider ${GPU_PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25
+    timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider --timeout-method=thread ${GPU_PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   fuzz)
     stage "hypothesis: descriptors and packets, CUDA kernels against their twins"
     HYPOTHESIS_PROFILE="${GPU_FUZZ_PROFILE:-fuzz}" timeout "${FUZZ_TIMEOUT:-300}" \
-      python3 -m pytest -q -p no:cacheprovider tests/fuzz/test_fuzz_gpu.py \
+      python3 -m pytest -q -p no:cacheprovider --timeout-method=thread tests/fuzz/test_fuzz_gpu.py tests/fuzz/test_fuzz_gpu_packets.py \
       --hypothesis-show-statistics 2>&1 | tee bench/results/fuzz-gpu.log | tail -12
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   demo)
     stage "demo on CUDA"
-    python3 examples/demo.py --device cuda 2>&1 | tee "$OUT/demo.log" | tail -8
+    timeout "${DEMO_TIMEOUT:-180}" python3 examples/demo.py --device cuda 2>&1 | tee "$OUT/demo.log" | tail -8
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   sanitizer)
     stage "compute-sanitizer memcheck and racecheck on the kernel suite"
@@ -56,14 +58,16 @@ for s in $STAGES; do
       [ "$b" = decode ] && args+=(${DECODE_ARGS:-})
       timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" "${args[@]}" 2>&1 | tee "$OUT/bench-$b.log" | tail -8
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
+      save
     done
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       timeout "${BENCH_TIMEOUT:-240}" python3 bench/multi_gpu.py --device cuda 2>&1 | tee "$OUT/bench-multi_gpu.log" | tail -4
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
     fi ;;
   esac
+  save
 done
 python3 bench/report.py >/dev/null && cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
-tar czf "$OUT/results.tgz" -C bench/results --exclude gpu-check . 2>/dev/null
+save
 echo "=== gpu-check: $([ $fail = 0 ] && echo PASSED || echo FAILED)"
 exit $fail

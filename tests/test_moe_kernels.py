@@ -79,6 +79,17 @@ def test_checksum_kernel_matches_definition(backend: str, nbytes: int, position:
     assert got == expected
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nbytes,chunk,position", [((3 << 20) + 4096, 1 << 20, 0),
+                                                   (4096, 4096, 64), (48, 32, 1 << 20)])
+def test_chunk_checksums_one_launch_equals_each_chunk(nbytes: int, chunk: int,
+                                                      position: int) -> None:
+    b = _backend("cuda")
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    expected = [chunk_checksum(data[c:c + chunk], position + c) for c in range(0, nbytes, chunk)]
+    assert b.ops.chunk_checksums(b.xp.asarray(data), position, chunk) == expected
+
 def _decode(tx: Ring, count: int) -> tuple[np.ndarray, list[dict]]:
     consumer = Ring(tx.buffer, abi.RingKind.TX_PACKET)
     total = None

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dpu_agent.weights.catalog import build_catalog
@@ -28,12 +28,11 @@ from gpu_kernels.reference import ReceiveKernel
 from gpu_kernels.ring import Ring
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
+from tests.fuzz import FUZZ
 
 DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS}
-FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                      HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,81 @@
+"""The copy-engine consumer's run planner: executing its runs (one copy each, checksums split
+per chunk) moves the same bytes and yields the same per-chunk checksums as executing every
+descriptor on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dpu_agent.dataplane.transfers import TransferPlan
+from gpu_kernels import abi
+from gpu_kernels.checksum import chunk_checksum
+from host_client.copy_runs import plan_runs
+
+SRC_BASE, DST_BASE, SRC_BYTES, DST_BYTES = 1 << 20, 1 << 30, 1 << 16, 1 << 17
+
+
+def _regions() -> np.ndarray:
+    regions = np.zeros(abi.MAX_REGIONS, abi.REGION_DTYPE)
+    regions[0] = (SRC_BASE, SRC_BYTES, abi.RegionFlags.READABLE, 0)
+    regions[1] = (DST_BASE, DST_BYTES, abi.RegionFlags.READABLE | abi.RegionFlags.WRITABLE, 0)
+    return regions
+
+
+transfer = st.tuples(st.integers(1, 64), st.integers(1, 16), st.integers(0, SRC_BYTES // 16 - 1),
+                     st.booleans())
+
+
+@given(st.lists(transfer, min_size=1, max_size=6), st.randoms(use_true_random=False),
+       st.lists(st.integers(0, 200), max_size=4))
+def test_runs_move_the_same_bytes_and_checksums(transfers: list[tuple], rnd, holes: list[int]
+                                                ) -> None:
+    src = np.random.default_rng(1).integers(0, 256, SRC_BYTES, dtype=np.uint8)
+    batches, dst_at = [], 0
+    for tid, (n16, chunk16, so16, verify) in enumerate(transfers):
+        nbytes, so = 16 * n16, min(16 * so16, SRC_BYTES - 16 * n16)
+        plan = TransferPlan(0, so, 1, dst_at, nbytes, 16 * chunk16, tuple(
+            chunk_checksum(src[so + c:so + min(nbytes, c + 16 * chunk16)], c)
+            for c in range(0, nbytes, 16 * chunk16)))
+        d = plan.descriptors(tid + 1)
+        if not verify:
+            d["flags"] = 0
+        batches.append(d)
+        dst_at += nbytes + 16 * rnd.randint(0, 2)
+    batch = np.concatenate(batches)
+    if rnd.random() < 0.5:  # interleave transfers: runs must then break at every switch
+        batch = batch[rnd.sample(range(batch.size), batch.size)]
+    copy = np.ones(batch.size, bool)
+    copy[[h % batch.size for h in holes]] = False  # refused descriptors move nothing
+    verify = (batch["flags"] & abi.DescriptorFlags.VERIFY) != 0
+
+    runs = plan_runs(batch, copy, verify, _regions())
+    covered = [i for r in runs for i in range(r.first, r.first + r.count)]
+    assert covered == np.flatnonzero(copy).tolist()
+
+    by_runs, each = np.zeros(DST_BYTES, np.uint8), np.zeros(DST_BYTES, np.uint8)
+    sums: dict[int, int] = {}
+    for r in runs:
+        got = src[r.src - SRC_BASE:r.src - SRC_BASE + r.nbytes]
+        by_runs[r.dst - DST_BASE:r.dst - DST_BASE + r.nbytes] = got
+        assert (r.count - 1) * r.chunk_bytes < r.nbytes <= r.count * r.chunk_bytes
+        for c in range(r.count):
+            part = got[c * r.chunk_bytes:(c + 1) * r.chunk_bytes]
+            sums[r.first + c] = chunk_checksum(part, r.position + c * r.chunk_bytes)
+            assert r.verify == bool(verify[r.first + c])
+    for i in np.flatnonzero(copy).tolist():
+        d = batch[i]
+        so, do, n = int(d["src_offset"]), int(d["dst_offset"]), int(d["length"])
+        each[do:do + n] = src[so:so + n]
+        assert sums[i] == int(d["checksum"])
+    np.testing.assert_array_equal(by_runs, each)
+
+
+def test_one_transfer_is_one_run() -> None:
+    plan = TransferPlan(0, 0, 1, 0, 10 * 4096 + 48, 4096, (0,) * 11)
+    d = plan.descriptors(7)
+    ok = np.ones(d.size, bool)
+    runs = plan_runs(d, ok, ok, _regions())
+    assert [(r.first, r.count, r.nbytes, r.chunk_bytes) for r in runs] == [
+        (0, 11, 10 * 4096 + 48, 4096)]
