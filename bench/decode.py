@@ -39,7 +39,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import chunk_server, envelope, host_to_device_rate, http_fetch, write
+from bench.common import (
+    chunk_server,
+    envelope,
+    figure,
+    host_to_device_rate,
+    http_fetch,
+    save_figure,
+    write,
+)
 from dpu_agent.planning.traces import generate_trace, read_trace
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
@@ -161,7 +169,11 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="print only (make demo)")
+    ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text())["results"], args.replot.with_suffix(".png"))
+        return 0
     result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
                  args.experts, device=args.device)
     print_table(result)
@@ -170,6 +182,7 @@ def main() -> int:
     path = write("decode", envelope("decode", result, device=args.device,
                                     command="python bench/decode.py " + " ".join(sys.argv[1:])),
                  f"-{args.arch}-{args.device}")
+    plot(result, path.with_suffix(".png"))
     print(json.dumps(result) if args.json else f"wrote {path}")
     return 0
 
@@ -217,7 +230,8 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                                    "tokens": tokens, "device": device,
                                    "copy_bandwidth_gbps": bandwidth / 1e9,
                                    "runs": []}
-        with AgentProcess('[arena]\nbytes = "4GiB"\n') as agent, \
+        arena_mib = max(4096, layers * experts * expert_bytes * 5 // 4 >> 20)
+        with AgentProcess(f'[arena]\nbytes = "{arena_mib}MiB"\n') as agent, \
                 AgentClient(agent.address, rpc_timeout=120) as client:
             model = client.load_model(str(root), "m")
             server = chunk_server({f"{la}-{e}": b"".join(w.tobytes() for w in
@@ -302,6 +316,26 @@ def fetch_http(server: Any, layer: int, e: int, inter: int, hidden: int
     n = inter * hidden
     return (flat[:n].reshape(inter, hidden), flat[n:2 * n].reshape(inter, hidden),
             flat[2 * n:].reshape(hidden, inter))
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    """Tokens per second against the cache fraction, one line per path."""
+    runs = sorted(r["runs"], key=lambda run: run["fraction"])
+    x = [100 * run["fraction"] for run in runs]
+    fig, ax = figure(size=(6.5, 4))
+    for label, get, style in (
+            ("offload (agent)", lambda run: run["offload"]["tokens_per_s"], "o-"),
+            ("bound: missed bytes / pinned H2D", lambda run: run["bound_tokens_per_s"], "k:"),
+            ("pageable copy on miss", lambda run: run["pageable"]["tokens_per_s"], "x--"),
+            ("host-staged HTTP", lambda run: run["http"]["tokens_per_s"], "x--"),
+            ("all resident", lambda run: run["resident_tokens_per_s"], "g-.")):
+        ax.plot(x, [get(run) for run in runs], style, label=label)
+    ax.set(yscale="log", xlabel="GPU expert cache (% of all experts)", ylabel="tokens/s",
+           title=f"decode, {r['arch']} ({r['layers']} layers x {r['experts']} experts), "
+                 f"{r['device']}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
 
 
 def print_table(r: dict[str, Any]) -> None:

@@ -225,9 +225,12 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Activations (GPU worker: packet kernels, CuPy FFN)", "activations-cuda", activations,
      "activations-cuda.png"),
     ("Load", "load", load_bench, ""),
-    ("Decode with offloaded experts (H200)", "decode-qwen3-30b-a3b-cuda", decode, ""),
+    ("Decode with offloaded experts, Qwen3-30B-A3B shapes (H200)", "decode-qwen3-30b-a3b-cuda",
+     decode, "decode-qwen3-30b-a3b-cuda.png"),
+    ("Decode with offloaded experts, DeepSeek-V3 expert shapes (H200)",
+     "decode-deepseek-v3-lite-cuda", decode, "decode-deepseek-v3-lite-cuda.png"),
     ("Decode with offloaded experts (CPU reference device)", "decode-qwen3-30b-a3b-cpu",
-     decode, ""),
+     decode, "decode-qwen3-30b-a3b-cpu.png"),
     ("The agent on Arm", "arm64", arm64, ""),
 ]
 

@@ -235,7 +235,7 @@ class CudaDevice(Device):
                                                max(1, self.completion.free_entries())))
                 if batch.size == 0:
                     idle += 1
-                    time.sleep(0 if idle < 100 else 0.0002)
+                    time.sleep(0 if idle < 1000 else 0.00005)
                     continue
                 idle = 0
                 status = np.array([check_descriptor(d, self.regions) for d in batch], np.uint32)

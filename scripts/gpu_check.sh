@@ -53,12 +53,16 @@ for s in $STAGES; do
   bench)
     stage "benchmarks"
     for b in ${GPU_BENCHES:-delivery moe_kernels decode activations}; do
-      args=(--device cuda)
-      [ "$b" = delivery ] && args+=(${DELIVERY_ARGS:-})
-      [ "$b" = decode ] && args+=(${DECODE_ARGS:-})
-      timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" "${args[@]}" 2>&1 | tee "$OUT/bench-$b.log" | tail -8
-      [ "${PIPESTATUS[0]}" = 0 ] || fail=1
-      save
+      runs=("")
+      [ "$b" = decode ] && read -ra runs <<< "${DECODE_ARCHS:-qwen3-30b-a3b deepseek-v3-lite}"
+      for arch in "${runs[@]}"; do
+        args=(--device cuda)
+        [ "$b" = delivery ] && args+=(${DELIVERY_ARGS:-})
+        [ "$b" = decode ] && args+=(--arch "$arch" ${DECODE_ARGS:-})
+        timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" "${args[@]}" 2>&1 | tee "$OUT/bench-$b$arch.log" | tail -8
+        [ "${PIPESTATUS[0]}" = 0 ] || fail=1
+        save
+      done
     done
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       timeout "${BENCH_TIMEOUT:-240}" python3 bench/multi_gpu.py --device cuda 2>&1 | tee "$OUT/bench-multi_gpu.log" | tail -4
