@@ -21,13 +21,16 @@ GPU serves several registered devices here, and persistent kernels would compete
 
 Usage: python bench/decode.py [--device cpu|cuda] [--arch qwen3-30b-a3b]
                               [--gpu-cache-fraction 0.1 0.25 0.5] [--trace FILE] [--tokens N]
-                              [--layers L] [--experts E] [--json]
+                              [--layers L] [--experts E] [--json] [--profile FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -170,12 +173,14 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="print only (make demo)")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
+    ap.add_argument("--profile", type=Path,
+                    help="append a cProfile of each offload decode loop (main thread) here")
     args = ap.parse_args()
     if args.replot:
         plot(json.loads(args.replot.read_text())["results"], args.replot.with_suffix(".png"))
         return 0
     result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
-                 args.experts, device=args.device)
+                 args.experts, device=args.device, profile=args.profile)
     print_table(result)
     if args.no_save:
         return 0
@@ -188,8 +193,10 @@ def main() -> int:
 
 
 def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, layers: int,
-        experts: int, shrink: int = 1, device: str = "cpu") -> dict[str, Any]:
-    """``shrink`` divides hidden and intermediate sizes (tests only; 1 keeps the real ones)."""
+        experts: int, shrink: int = 1, device: str = "cpu", profile: Path | None = None
+        ) -> dict[str, Any]:
+    """``shrink`` divides hidden and intermediate sizes (tests only; 1 keeps the real ones).
+    ``profile``: a text file that each fraction's offload loop appends its cProfile to."""
     xp: Any = np
     if device == "cuda":
         import cupy as xp
@@ -276,7 +283,13 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                             releasing=releasing) -> None:
                     releasing.append(session.release(dev, ExpertKey("m", layer, e), wait=False))
 
-                off = decoder.run(fetch, release, tokens, begin)
+                prof = cProfile.Profile() if profile else None
+                with prof or contextlib.nullcontext():
+                    off = decoder.run(fetch, release, tokens, begin)
+                if prof is not None and profile is not None:
+                    with profile.open("a") as f:
+                        f.write(f"== offload decode loop, {arch}, cache {fraction:.0%}\n")
+                        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
                 for fut in releasing:
                     fut.result()
                 session.close()

@@ -20,6 +20,9 @@ from host_client.devices import RW, Device, DeviceFault
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
 PROBE_BYTES = 64 << 20
+IDLE_POLL_S = 20e-6
+"""The copy-engine consumer's sleep between empty polls of the work ring (s): a real sleep
+rather than a yield, so the inference thread of the same process gets the GIL between polls."""
 
 
 def device_pointer(host_address: int) -> int:
@@ -227,17 +230,14 @@ class CudaDevice(Device):
     def _copy_engine_loop(self) -> None:
         assert self.work is not None and self.completion is not None
         cp = self.cp
-        idle = 0
         with self.dev:
             sums = cp.zeros(self.work.capacity, cp.uint32)
             while not self.work.exit_requested:
                 batch = self.work.pop_many(min(self.work.capacity,
                                                max(1, self.completion.free_entries())))
                 if batch.size == 0:
-                    idle += 1
-                    time.sleep(0 if idle < 1000 else 0.00005)
+                    time.sleep(IDLE_POLL_S)
                     continue
-                idle = 0
                 status = np.array([check_descriptor(d, self.regions) for d in batch], np.uint32)
                 copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
                 verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)

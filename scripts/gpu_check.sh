@@ -5,8 +5,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+# $OUT receives two files (the device tool returns at most 8): results.tgz, holding
+# bench/results/ with this run's logs under gpu-logs/, and the regenerated PERFORMANCE.md.
 OUT="${OUT:-bench/results/gpu-check}"
-mkdir -p "$OUT"
+LOG=bench/results/gpu-logs
+mkdir -p "$OUT" "$LOG"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/dpu-site .whl/*.whl || { echo "gpu-check: wheel install failed" >&2; exit 1; }
@@ -26,30 +29,36 @@ for s in $STAGES; do
   case "$s" in
   tests)
     stage "pytest (CPU and GPU tests)"
-    timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider --timeout-method=thread ${GPU_PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25
+    timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider --timeout-method=thread ${GPU_PYTEST_ARGS:-tests} 2>&1 | tee "$LOG/pytest.log" | tail -25
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   fuzz)
     stage "hypothesis: descriptors and packets, CUDA kernels against their twins"
     HYPOTHESIS_PROFILE="${GPU_FUZZ_PROFILE:-fuzz}" timeout "${FUZZ_TIMEOUT:-300}" \
       python3 -m pytest -q -p no:cacheprovider --timeout-method=thread tests/fuzz/test_fuzz_gpu.py tests/fuzz/test_fuzz_gpu_packets.py \
-      --hypothesis-show-statistics 2>&1 | tee bench/results/fuzz-gpu.log | tail -12
+      --hypothesis-show-statistics 2>&1 | tee "$LOG/fuzz-gpu.log" | tail -12
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   demo)
     stage "demo on CUDA"
-    timeout "${DEMO_TIMEOUT:-180}" python3 examples/demo.py --device cuda 2>&1 | tee "$OUT/demo.log" | tail -8
+    timeout "${DEMO_TIMEOUT:-180}" python3 examples/demo.py --device cuda 2>&1 | tee "$LOG/demo.log" | tail -8
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   sanitizer)
     stage "compute-sanitizer memcheck and racecheck on the kernel suite"
     for tool in memcheck racecheck; do
       compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
-        > "$OUT/sanitizer-$tool.log" 2>&1
+        > "$LOG/sanitizer-$tool.log" 2>&1
       rc=$?
-      tail -4 "$OUT/sanitizer-$tool.log"
-      if grep -q "Device not supported" "$OUT/sanitizer-$tool.log"; then
+      tail -4 "$LOG/sanitizer-$tool.log"
+      if grep -q "Device not supported" "$LOG/sanitizer-$tool.log"; then
         echo "compute-sanitizer $tool: not supported on this machine's runtime (not run)"
       elif [ "$rc" != 0 ]; then fail=1; fi
     done ;;
+  profile)
+    stage "cProfile of the offload decode loop's main thread (Qwen3 shapes, 25% cache)"
+    rm -f "$LOG/profile-decode.txt"
+    timeout "${BENCH_TIMEOUT:-240}" python3 bench/decode.py --device cuda --gpu-cache-fraction 0.25 \
+      ${DECODE_ARGS:-} --no-save --profile "$LOG/profile-decode.txt" 2>&1 | tail -3
+    head -45 "$LOG/profile-decode.txt" ;;
   bench)
     stage "benchmarks"
     for b in ${GPU_BENCHES:-delivery moe_kernels decode activations}; do
@@ -59,13 +68,13 @@ for s in $STAGES; do
         args=(--device cuda)
         [ "$b" = delivery ] && args+=(${DELIVERY_ARGS:-})
         [ "$b" = decode ] && args+=(--arch "$arch" ${DECODE_ARGS:-})
-        timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" "${args[@]}" 2>&1 | tee "$OUT/bench-$b$arch.log" | tail -8
+        timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" "${args[@]}" 2>&1 | tee "$LOG/bench-$b$arch.log" | tail -8
         [ "${PIPESTATUS[0]}" = 0 ] || fail=1
         save
       done
     done
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-      timeout "${BENCH_TIMEOUT:-240}" python3 bench/multi_gpu.py --device cuda 2>&1 | tee "$OUT/bench-multi_gpu.log" | tail -4
+      timeout "${BENCH_TIMEOUT:-240}" python3 bench/multi_gpu.py --device cuda 2>&1 | tee "$LOG/bench-multi_gpu.log" | tail -4
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
     fi ;;
   esac
