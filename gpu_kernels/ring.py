@@ -182,6 +182,8 @@ class Ring:
         releasing their places with one consumer-index store."""
         n_max = min(self.capacity, limit or self.capacity)
         pos = self._consumer
+        if int(self._seq[pos & (self.capacity - 1)]) != pos + 1:
+            return self.entries[:0]  # nothing published: no copy, no fence
         want = np.arange(pos + 1, pos + n_max + 1, dtype=np.uint64)
         idx = ((want - np.uint64(1)) & np.uint64(self.capacity - 1)).astype(np.intp)
         ready = self._seq[idx] == want

@@ -238,6 +238,15 @@ class AgentClient:
                                        resp.manifest.blob_bytes)
         return ExpertSlot(ExpertKey.from_proto(resp.manifest.key), blob, resp.manifest)
 
+    def _handles(self, dev: AttachedDevice, resps: list[pb.AcquireResponse]
+                 ) -> list[AcquireHandle]:
+        """Handles for the slots the agent granted; rings the device's doorbell when any of
+        them is being delivered (the agent has posted its descriptors)."""
+        handles = [self._handle(dev, r) for r in resps]
+        if any(r.state != pb.SLOT_STATE_READY for r in resps):
+            dev.device.ring_doorbell()
+        return handles
+
     def _handle(self, dev: AttachedDevice, resp: pb.AcquireResponse) -> AcquireHandle:
         fut: Future[ExpertSlot] = Future()
         slot = self._slot(dev, resp)
@@ -258,7 +267,7 @@ class AgentClient:
                                                    device_id=dev.device_id,
                                                    key=key.to_proto()),
                                  timeout=self.rpc_timeout)
-        return self._handle(dev, resp)
+        return self._handles(dev, [resp])[0]
 
     def link_peers(self) -> dict[int, list[int]]:
         """Let every registered device read the slot pools of each other one it can reach
@@ -287,7 +296,7 @@ class AgentClient:
         resp = self.stub.AcquireBatch(pb.AcquireBatchRequest(
             session_id=self.session_id, device_id=dev.device_id,
             keys=[k.to_proto() for k in keys]), timeout=self.rpc_timeout)
-        return [self._handle(dev, r) for r in resp.slots]
+        return self._handles(dev, list(resp.slots))
 
     def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> int:
         """Have the agent deliver ``keys`` ahead of use (nothing held); returns how many it

@@ -20,9 +20,6 @@ from host_client.devices import RW, Device, DeviceFault
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
 PROBE_BYTES = 64 << 20
-IDLE_POLL_S = 20e-6
-"""The copy-engine consumer's sleep between empty polls of the work ring (s): a real sleep
-rather than a yield, so the inference thread of the same process gets the GIL between polls."""
 
 
 def device_pointer(host_address: int) -> int:
@@ -236,8 +233,9 @@ class CudaDevice(Device):
                 batch = self.work.pop_many(min(self.work.capacity,
                                                max(1, self.completion.free_entries())))
                 if batch.size == 0:
-                    time.sleep(IDLE_POLL_S)
+                    self.doorbell.wait()
                     continue
+                self.doorbell.reset()
                 status = np.array([check_descriptor(d, self.regions) for d in batch], np.uint32)
                 copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
                 verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
@@ -281,6 +279,7 @@ class CudaDevice(Device):
         if not self._running or self.work is None:
             return
         self.work.request_exit()
+        self.doorbell.ring()
         if self._copier is not None:
             self._copier.join(timeout)
             if self._copier.is_alive():

@@ -8,7 +8,6 @@ from its shared-memory handle; slot pools get the ids the agent assigned at regi
 from __future__ import annotations
 
 import threading
-import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -27,6 +26,29 @@ class DeviceFault(RuntimeError):
     """The device's consumer faulted or stopped answering; the message says how."""
 
 
+class Doorbell:
+    """How a polling consumer thread idles: after each empty poll ``wait`` sleeps, from
+    ``first_s`` doubling up to ``max_s`` seconds while nothing arrives; ``ring`` ends the wait
+    at once (descriptors were posted); ``reset`` after a poll that found work. Every poll takes
+    the GIL from the inference thread of the same process, so an idle consumer polls rarely."""
+
+    def __init__(self, first_s: float = 20e-6, max_s: float = 1e-3) -> None:
+        self.first_s, self.max_s = first_s, max_s
+        self._event = threading.Event()
+        self._idle = 0
+
+    def wait(self) -> None:
+        self._event.wait(min(self.max_s, self.first_s * 2 ** self._idle))
+        self._event.clear()
+        self._idle = min(self._idle + 1, 16)
+
+    def reset(self) -> None:
+        self._idle = 0
+
+    def ring(self) -> None:
+        self._event.set()
+
+
 class Device(ABC):
     """A consumer of one work ring and producer of one completion ring."""
 
@@ -41,6 +63,7 @@ class Device(ABC):
         self._arena: SharedBuffer | None = None
         self.work: Ring | None = None
         self.completion: Ring | None = None
+        self.doorbell = Doorbell()
 
     @property
     def memory_bytes(self) -> int:
@@ -98,6 +121,11 @@ class Device(ABC):
     @abstractmethod
     def stop(self, timeout: float = 5.0) -> None:
         """Stop through the exit flag; DeviceFault if the consumer does not exit in time."""
+
+    def ring_doorbell(self) -> None:
+        """Tell the consumer that descriptors may have just been posted: a consumer backing
+        off while idle wakes at once instead of at its next poll."""
+        self.doorbell.ring()
 
     def check(self) -> None:
         """Raise DeviceFault if the consumer reported a fault against its rings."""
@@ -166,15 +194,13 @@ class CpuReferenceDevice(Device):
 
     def _run(self) -> None:
         assert self._kernel is not None and self.work is not None
-        idle = 0
         while not self.work.exit_requested:
             if not self._running.wait(0.01):
                 continue
             if self._kernel.poll():
-                idle = 0
-                continue
-            idle += 1
-            time.sleep(0 if idle < 100 else 0.0002 if idle < 5000 else 0.002)
+                self.doorbell.reset()
+            else:
+                self.doorbell.wait()
 
     def pause(self) -> None:
         """Stop consuming (descriptors stay in the ring: the producer is held back)."""
@@ -193,6 +219,7 @@ class CpuReferenceDevice(Device):
         if self._thread is None or self.work is None:
             return
         self.work.request_exit()
+        self.doorbell.ring()
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise DeviceFault("cpu-reference: receive thread did not exit")
