@@ -214,3 +214,37 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
     down = subprocess.run([*base, "status", "--agent", "127.0.0.1:9", "--timeout", "0.5"],
                           capture_output=True, text=True)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_acquire_wakes_a_backed_off_consumer(client: AgentClient, qwen_ckpt: Path) -> None:
+    """A consumer that backs off while idle (here 30 s per wait) still delivers at once: the
+    client rings its doorbell after an acquire that posted descriptors."""
+    from host_client.devices import Doorbell
+
+    model = client.load_model(str(qwen_ckpt), "qwen-doorbell")
+    device = CpuReferenceDevice()
+    device.doorbell = Doorbell(first_s=30.0, max_s=30.0)
+    dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 2)])
+    for expert in range(4):  # cold (arena fill) and warm misses; 2 slots force eviction
+        key = ExpertKey("qwen-doorbell", 0, expert)
+        slot = client.acquire(dev, key).wait(10)
+        assert slot.key == key
+        client.release(dev, key)
+
+
+def test_doorbell_wait_backs_off_and_ring_ends_it() -> None:
+    import threading
+    import time
+
+    from host_client.devices import Doorbell
+
+    bell = Doorbell(first_s=0.001, max_s=0.004)
+    t0 = time.monotonic()
+    for _ in range(6):  # 1 + 2 + 4 + 4 + 4 + 4 ms at least
+        bell.wait()
+    assert time.monotonic() - t0 >= 0.019
+    bell = Doorbell(first_s=60.0, max_s=60.0)
+    threading.Timer(0.05, bell.ring).start()
+    t0 = time.monotonic()
+    bell.wait()
+    assert time.monotonic() - t0 < 30
