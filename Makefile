@@ -21,7 +21,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
-	$(PY) bench/decode.py --tokens 4 --layers 2 --experts 16 --gpu-cache-fraction 0.25 0.5 --no-save
+	dev=$$($(PY) -c 'import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() < 1)' \
+	  2>/dev/null && echo cuda || echo cpu); \
+	$(PY) bench/decode.py --device $$dev --tokens 4 --layers 2 --experts 16 \
+	  --gpu-cache-fraction 0.25 0.5 --no-save
 
 test: $(STAMP)
 	bash scripts/ensure_tools.sh
