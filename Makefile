@@ -21,8 +21,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
-	dev=$$($(PY) -c 'import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() < 1)' \
-	  2>/dev/null && echo cuda || echo cpu); \
+	dev=$$($(PY) -c 'from bench.run_all import gpu_count; print("cuda" if gpu_count() else "cpu")'); \
 	$(PY) bench/decode.py --device $$dev --tokens 4 --layers 2 --experts 16 \
 	  --gpu-cache-fraction 0.25 0.5 --no-save
 
