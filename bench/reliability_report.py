@@ -1,5 +1,6 @@
-"""Regenerate docs/RELIABILITY.md: run the fault tests now, and read the latest fuzz log
-(`make fuzz`) and load results (`bench/load.py`) from bench/results/.
+"""Regenerate docs/RELIABILITY.md: run the fault tests now, and read the latest fuzz logs (`make
+fuzz` on the CPU targets, `make gpu-check`'s fuzz stage on the CUDA kernels) and load results
+(`bench/load.py`) from bench/results/.
 
 Usage: python bench/reliability_report.py
 """
@@ -97,13 +98,20 @@ def run_faults() -> dict[str, tuple[str, float]]:
     return out
 
 
-def fuzz_counts() -> tuple[dict[str, int], str]:
-    log = RESULTS / "fuzz.log"
-    if not log.exists():
-        return {}, "no fuzz log yet (make fuzz)"
-    counts, current = {}, None
-    for line in log.read_text().splitlines():
-        m = re.match(r"tests/fuzz/test_fuzz.py::(\w+):", line)
+FUZZ_LOGS = (("CPU", RESULTS / "fuzz.log", "make fuzz"),
+             ("GPU", RESULTS / "gpu-logs" / "fuzz-gpu.log", "make gpu-check, fuzz stage"))
+"""Where each device's fuzz run leaves its hypothesis statistics, and what writes it."""
+
+
+def fuzz_counts(log: Path) -> tuple[dict[str, int], str]:
+    """Examples per target (``passing``; failures as their own `` (FAILING)`` row) from a
+    ``--hypothesis-show-statistics`` log, and where and when it ran: the log's ``# fuzz-gpu``
+    first line where the GPU check wrote one, else the file's date."""
+    counts: dict[str, int] = {}
+    current = None
+    text = log.read_text().splitlines()
+    for line in text:
+        m = re.match(r"tests/fuzz/\w+\.py::(\w+):", line)
         if m:
             current = m[1]
         m = re.search(r"(\d+) passing, (\d+) failing", line)
@@ -111,13 +119,15 @@ def fuzz_counts() -> tuple[dict[str, int], str]:
             counts[current] = counts.get(current, 0) + int(m[1])
             if int(m[2]):
                 counts[current + " (FAILING)"] = int(m[2])
+    where = str(log.relative_to(ROOT))
+    if text and text[0].startswith("# fuzz-gpu "):
+        return counts, f"{where}: {text[0][len('# fuzz-gpu '):]}"
     stamp = dt.datetime.fromtimestamp(log.stat().st_mtime, dt.timezone.utc).date()
-    return counts, f"bench/results/fuzz.log, {stamp}"
+    return counts, f"{where}, {stamp}"
 
 
 def main() -> int:
     faults = run_faults()
-    fuzz, fuzz_src = fuzz_counts()
     load_path = RESULTS / "load.json"
     load = json.loads(load_path.read_text()) if load_path.exists() else None
     m = machine()
@@ -131,8 +141,17 @@ def main() -> int:
     for fault, test in FAULTS:
         status, secs = faults.get(test.split("::")[1], ("not run", 0.0))
         lines.append(f"| {fault} | {status} | {OUTCOME[fault]} | {secs:.1f} |")
-    lines += ["", f"## Bad inputs tried ({fuzz_src})", "", "| target | examples |", "|---|---|"]
-    lines += [f"| `{k}` | {v:,} |" for k, v in fuzz.items()] or ["| (none) | |"]
+    lines += ["", "## Bad inputs tried", ""]
+    rows = []
+    for device, log, how in FUZZ_LOGS:
+        if not log.exists():
+            lines.append(f"- {device}: no fuzz log yet ({how})")
+            continue
+        counts, src = fuzz_counts(log)
+        lines.append(f"- {device}: {src}")
+        rows += [f"| `{k}` | {device} | {v:,} |" for k, v in counts.items()]
+    lines += ["", "| target | device | examples |", "|---|---|---|"]
+    lines += rows or ["| (none) | | |"]
     lines += ["", "Invariants: no crash, only documented status codes, a refusal changes no "
               "state, no write outside a region.", "", "## Load held", ""]
     if load:

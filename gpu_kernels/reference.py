@@ -45,6 +45,41 @@ def check_descriptor(desc: np.void, regions: np.ndarray) -> abi.Status:
     return abi.Status.OK
 
 
+
+def check_descriptors(batch: np.ndarray, regions: np.ndarray) -> np.ndarray:
+    """``check_descriptor`` over a whole batch at once (same statuses, same precedence).
+
+    Args:
+        batch: ``DESCRIPTOR_DTYPE[n]``.
+        regions: ``REGION_DTYPE[MAX_REGIONS]`` table.
+
+    Returns:
+        ``uint32[n]``: each descriptor's status (0 is OK).
+    """
+    op = batch["opcode"]
+    src = batch["src_region"].astype(np.int64)
+    dst = batch["dst_region"].astype(np.int64)
+    known = (src < abi.MAX_REGIONS) & (dst < abi.MAX_REGIONS)
+    s = regions[np.where(known, src, 0)]
+    d = regions[np.where(known, dst, 0)]
+    usable = (known & (s["size"] > 0) & (d["size"] > 0)
+              & ((s["flags"] & abi.RegionFlags.READABLE) != 0)
+              & ((d["flags"] & abi.RegionFlags.WRITABLE) != 0))
+    length = batch["length"].astype(np.uint64)
+    so, do = batch["src_offset"], batch["dst_offset"]
+    aligned = ((length | so | do | batch["position"]) % abi.COPY_ALIGN_BYTES) == 0
+    # Written as subtractions so that offsets near 2**64 cannot wrap past the size.
+    inside = ((so <= s["size"]) & (length <= s["size"] - so)
+              & (do <= d["size"]) & (length <= d["size"] - do))
+    status = np.select(
+        [np.isin(op, (abi.Opcode.NOP, abi.Opcode.FENCE, abi.Opcode.EXIT)),
+         op != abi.Opcode.COPY, ~usable, ~aligned, ~inside],
+        [abi.Status.OK, abi.Status.BAD_OPCODE, abi.Status.BAD_REGION, abi.Status.BAD_ALIGNMENT,
+         abi.Status.OUT_OF_BOUNDS],
+        abi.Status.OK)
+    return status.astype(np.uint32)
+
+
 class ReceiveKernel:
     """Twin of ``dpu_receive`` (receive.cu): consumes a work ring, moves bytes between regions,
     verifies chunk checksums and publishes one completion per descriptor.

@@ -29,7 +29,7 @@ from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
-from host_client.devices import Device
+from host_client.devices import Device, Doorbell
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
 
 log = logging.getLogger("host_client")
@@ -138,7 +138,8 @@ class AgentClient:
         self.client_name = client_name
         self._lease_request = lease_seconds
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Future[ExpertSlot], ExpertSlot]] = {}
+        self._pending: dict[int, tuple[Future[ExpertSlot], ExpertSlot, Doorbell]] = {}
+        """transfer id -> its handle's future, slot and the doorbell of the device it goes to."""
         self._early: dict[int, pb.TransferDone] = {}
         self._placements: dict[int, pb.PlacementProgress] = {}
         self._models: dict[str, str] = {}
@@ -240,12 +241,8 @@ class AgentClient:
 
     def _handles(self, dev: AttachedDevice, resps: list[pb.AcquireResponse]
                  ) -> list[AcquireHandle]:
-        """Handles for the slots the agent granted; rings the device's doorbell when any of
-        them is being delivered (the agent has posted its descriptors)."""
-        handles = [self._handle(dev, r) for r in resps]
-        if any(r.state != pb.SLOT_STATE_READY for r in resps):
-            dev.device.ring_doorbell()
-        return handles
+        """Handles for the slots the agent granted."""
+        return [self._handle(dev, r) for r in resps]
 
     def _handle(self, dev: AttachedDevice, resp: pb.AcquireResponse) -> AcquireHandle:
         fut: Future[ExpertSlot] = Future()
@@ -253,10 +250,13 @@ class AgentClient:
         if resp.state == pb.SLOT_STATE_READY:
             fut.set_result(slot)
         else:
+            bell = dev.device.doorbell
             with self._lock:
                 early = self._early.pop(resp.transfer_id, None)
                 if early is None:
-                    self._pending[resp.transfer_id] = (fut, slot)
+                    if resp.transfer_id not in self._pending:
+                        bell.expect()  # descriptors are posted: the consumer stays awake
+                    self._pending[resp.transfer_id] = (fut, slot, bell)
             if early is not None:
                 self._resolve(fut, slot, early)
         return AcquireHandle(slot.key, fut, dev.device)
@@ -410,6 +410,7 @@ class AgentClient:
                 if entry is None:
                     self._early[done.transfer_id] = done
             if entry is not None:
+                entry[2].settle()
                 self._resolve(entry[0], entry[1], done)
 
     def _recover(self) -> None:
@@ -447,7 +448,8 @@ class AgentClient:
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
+        for fut, _, bell in pending.values():
+            bell.settle()
             if not fut.done():
                 fut.set_exception(exc)
 

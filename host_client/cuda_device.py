@@ -12,7 +12,7 @@ import numpy as np
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, launch
 from gpu_kernels.cuda_ops import launch_checksums
-from gpu_kernels.reference import check_descriptor
+from gpu_kernels.reference import check_descriptors
 from gpu_kernels.shm import SharedBuffer
 from host_client.copy_runs import plan_runs
 from host_client.devices import RW, Device, DeviceFault
@@ -236,7 +236,7 @@ class CudaDevice(Device):
                     self.doorbell.wait()
                     continue
                 self.doorbell.reset()
-                status = np.array([check_descriptor(d, self.regions) for d in batch], np.uint32)
+                status = check_descriptors(batch, self.regions)
                 copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
                 verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
                 sums[:batch.size].fill(0)

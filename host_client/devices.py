@@ -8,6 +8,7 @@ from its shared-memory handle; slot pools get the ids the agent assigned at regi
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -27,17 +28,34 @@ class DeviceFault(RuntimeError):
 
 
 class Doorbell:
-    """How a polling consumer thread idles: after each empty poll ``wait`` sleeps, from
-    ``first_s`` doubling up to ``max_s`` seconds while nothing arrives; ``ring`` ends the wait
-    at once (descriptors were posted); ``reset`` after a poll that found work. Every poll takes
-    the GIL from the inference thread of the same process, so an idle consumer polls rarely."""
+    """How a polling consumer thread idles. Every poll takes the GIL from the inference thread
+    of the same process, so a consumer with nothing to do polls rarely, and one that is owed
+    work polls at once:
+
+    - ``expect`` / ``settle``: the client counts transfers it awaits on this device (posted,
+      not yet reported done). While any is owed, ``wait`` only yields the GIL: the agent posts
+      a transfer's chunks in rounds, and a consumer asleep between rounds delays them.
+    - otherwise ``wait`` sleeps ``first_s``, doubling up to ``max_s`` seconds while polls come
+      back empty; ``ring`` (and ``expect``) end a sleep at once; ``reset`` after a poll that
+      found work.
+    """
 
     def __init__(self, first_s: float = 20e-6, max_s: float = 1e-3) -> None:
         self.first_s, self.max_s = first_s, max_s
         self._event = threading.Event()
         self._idle = 0
+        self._lock = threading.Lock()
+        self._owed = 0
+
+    @property
+    def owed(self) -> int:
+        """Transfers expected and not yet settled."""
+        return self._owed
 
     def wait(self) -> None:
+        if self._owed:
+            time.sleep(0)
+            return
         self._event.wait(min(self.max_s, self.first_s * 2 ** self._idle))
         self._event.clear()
         self._idle = min(self._idle + 1, 16)
@@ -47,6 +65,17 @@ class Doorbell:
 
     def ring(self) -> None:
         self._event.set()
+
+    def expect(self) -> None:
+        """A transfer to this device was posted; wake the consumer and keep it awake."""
+        with self._lock:
+            self._owed += 1
+        self._event.set()
+
+    def settle(self) -> None:
+        """An expected transfer was reported done (or failed)."""
+        with self._lock:
+            self._owed = max(0, self._owed - 1)
 
 
 class Device(ABC):
@@ -121,11 +150,6 @@ class Device(ABC):
     @abstractmethod
     def stop(self, timeout: float = 5.0) -> None:
         """Stop through the exit flag; DeviceFault if the consumer does not exit in time."""
-
-    def ring_doorbell(self) -> None:
-        """Tell the consumer that descriptors may have just been posted: a consumer backing
-        off while idle wakes at once instead of at its next poll."""
-        self.doorbell.ring()
 
     def check(self) -> None:
         """Raise DeviceFault if the consumer reported a fault against its rings."""

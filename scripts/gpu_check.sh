@@ -33,19 +33,21 @@ for s in $STAGES; do
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   fuzz)
     stage "hypothesis: descriptors and packets, CUDA kernels against their twins"
-    HYPOTHESIS_PROFILE="${GPU_FUZZ_PROFILE:-fuzz}" timeout "${FUZZ_TIMEOUT:-300}" \
+    # The first line says where and what ran; bench/reliability_report.py counts from this log.
+    python3 -c "import datetime, cupy; from bench.common import source_hash; print('# fuzz-gpu', datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d'), cupy.cuda.runtime.getDeviceProperties(0)['name'].decode(), 'source', source_hash(), 'profile', '${GPU_FUZZ_PROFILE:-fuzz}')" > "$LOG/fuzz-gpu.log"
+    HYPOTHESIS_PROFILE="${GPU_FUZZ_PROFILE:-fuzz}" timeout "${FUZZ_TIMEOUT:-540}" \
       python3 -m pytest -q -p no:cacheprovider --timeout-method=thread tests/fuzz/test_fuzz_gpu.py tests/fuzz/test_fuzz_gpu_packets.py \
-      --hypothesis-show-statistics 2>&1 | tee "$LOG/fuzz-gpu.log" | tail -12
+      --hypothesis-show-statistics 2>&1 | tee -a "$LOG/fuzz-gpu.log" | tail -12
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   demo)
     stage "demo on CUDA"
     timeout "${DEMO_TIMEOUT:-180}" python3 examples/demo.py --device cuda 2>&1 | tee "$LOG/demo.log" | tail -8
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   sanitizer)
-    stage "compute-sanitizer memcheck and racecheck on the kernel suite"
+    stage "compute-sanitizer memcheck and racecheck on the kernel suites"
     for tool in memcheck racecheck; do
       compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
-        python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_moe_kernels.py \
         > "$LOG/sanitizer-$tool.log" 2>&1
       rc=$?
       tail -4 "$LOG/sanitizer-$tool.log"

@@ -218,7 +218,9 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
 
 def test_acquire_wakes_a_backed_off_consumer(client: AgentClient, qwen_ckpt: Path) -> None:
     """A consumer that backs off while idle (here 30 s per wait) still delivers at once: the
-    client rings its doorbell after an acquire that posted descriptors."""
+    client rings its doorbell after an acquire that posted descriptors, and settles what it
+    expected once each transfer is reported done (a count left owed would keep the consumer
+    polling forever)."""
     from host_client.devices import Doorbell
 
     model = client.load_model(str(qwen_ckpt), "qwen-doorbell")
@@ -229,7 +231,13 @@ def test_acquire_wakes_a_backed_off_consumer(client: AgentClient, qwen_ckpt: Pat
         key = ExpertKey("qwen-doorbell", 0, expert)
         slot = client.acquire(dev, key).wait(10)
         assert slot.key == key
+        assert device.doorbell.owed == 0
         client.release(dev, key)
+    handles = client.acquire_batch(dev, [ExpertKey("qwen-doorbell", 1, e) for e in range(2)])
+    assert device.doorbell.owed <= 2
+    for h in handles:
+        h.wait(10)
+    assert device.doorbell.owed == 0
 
 
 def test_doorbell_wait_backs_off_and_ring_ends_it() -> None:
@@ -248,3 +256,21 @@ def test_doorbell_wait_backs_off_and_ring_ends_it() -> None:
     t0 = time.monotonic()
     bell.wait()
     assert time.monotonic() - t0 < 30
+
+
+def test_doorbell_keeps_an_owed_consumer_awake() -> None:
+    import time
+
+    from host_client.devices import Doorbell
+
+    bell = Doorbell(first_s=60.0, max_s=60.0)
+    bell.expect()
+    bell.expect()
+    bell.settle()
+    t0 = time.monotonic()
+    for _ in range(100):  # owed: each wait only yields
+        bell.wait()
+    assert time.monotonic() - t0 < 1 and bell.owed == 1
+    bell.settle()
+    bell.settle()  # more settles than expects never go below zero
+    assert bell.owed == 0
