@@ -10,7 +10,8 @@ Per expert shape (Qwen3-30B-A3B BF16, 9.4 MB; DeepSeek-V3 FP8, 44 MB; and a smal
 - ``pinned_h2d``: cudaMemcpyAsync from pinned host memory (the reference rate).
 - ``pageable_h2d``: ``cupy.asarray`` of a NumPy array.
 - ``http_staged``: Expert Kit style: 1 MiB HTTP chunks into a host buffer, then a copy.
-Also: acquire-to-ready latency of one cold (GPU-absent, arena-resident) expert, host-client CPU
+Also: acquire-to-ready latency of one cold (GPU-absent, arena-resident) expert and the Acquire
+RPC's share of it (likewise the AcquireBatch RPC's share of a batch), host-client CPU
 seconds per GB delivered and agent CPU seconds per GB scheduled.
 
 Usage: python bench/delivery.py [--device cuda|cpu] [--quick] [--json]
@@ -152,11 +153,14 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             layer = model.moe_layers[0]
             keys = [ExpertKey("m", layer, e) for e in range(experts)]
 
+            rpc: list[float] = []
+
             def cycle(batch: list[ExpertKey]) -> float:
                 """One AcquireBatch RPC for the batch (as a layer's experts are asked for), then
-                wait for every slot; returns seconds."""
+                wait for every slot; returns seconds (the RPC's share goes to ``rpc``)."""
                 t0 = time.perf_counter()
                 handles = client.acquire_batch(dev, batch)
+                rpc.append(time.perf_counter() - t0)
                 for h in handles:
                     h.wait(120)
                 dt = time.perf_counter() - t0
@@ -168,6 +172,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             cycle(keys[half:])  # evicts every GPU slot; arena now holds all experts
             log(f"{name}: arena warm")
             bw, cpu_client, cpu_agent, nbytes_total = [], 0.0, 0.0, 0
+            rpc.clear()
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
                 c0, a0 = time.process_time(), proc_cpu_seconds(agent.proc.pid)
@@ -177,14 +182,17 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 nbytes_total += half * model.expert_bytes
                 bw.append(half * model.expert_bytes / dt / 1e9)
             log(f"{name}: bandwidth {bw}")
-            lat = []
+            batch_rpc = rpc[:]
+            lat, single_rpc = [], []
             resident, other = keys[half:], keys[:half]  # the last cycle loaded keys[half:]
             if repeats % 2:
                 resident, other = other, resident
             for r in range(max(8, repeats * 2)):
                 k = other[r % half]  # in the arena, not on the GPU
                 t0 = time.perf_counter()
-                client.acquire(dev, k).wait(60)
+                handle = client.acquire(dev, k)
+                single_rpc.append(time.perf_counter() - t0)
+                handle.wait(60)
                 lat.append(time.perf_counter() - t0)
                 client.release(dev, k)
                 cycle(resident)  # evicts k again
@@ -195,8 +203,10 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "experts_per_batch": half,
                 "agent_delivery_gbps": median(bw),
                 "agent_delivery_gbps_all": bw,
+                "acquire_batch_rpc_p50_ms": median(batch_rpc) * 1e3,
                 "acquire_to_ready_p50_ms": median(lat) * 1e3,
                 "acquire_to_ready_p99_ms": pct(lat, 99) * 1e3,
+                "acquire_rpc_p50_ms": median(single_rpc) * 1e3,
                 "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
                 "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
             }
@@ -265,7 +275,9 @@ def main() -> int:
                 print(f"{key:<32} {r['mechanism']:<12} {r['agent_delivery_gbps']:6.2f} GB/s "
                       f"pinned {r.get('pinned_h2d_gbps', float('nan')):6.2f}  "
                       f"pageable {r['pageable_h2d_gbps']:6.2f}  http "
-                      f"{r['http_staged_gbps']:6.2f}  p50 {r['acquire_to_ready_p50_ms']:7.3f} ms"
+                      f"{r['http_staged_gbps']:6.2f}  p50 {r['acquire_to_ready_p50_ms']:7.3f} ms "
+                      f"(RPC {r['acquire_rpc_p50_ms']:.3f}; batch RPC "
+                      f"{r['acquire_batch_rpc_p50_ms']:.3f})"
                       f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
                       f"{r['agent_cpu_s_per_gb']:.4f} s/GB", file=sys.stderr)
     data = envelope("delivery", results, device=args.device,
