@@ -336,13 +336,16 @@ class Orchestrator:
         raise not_found(f"region {region_id} is not registered in this session")
 
     # -- acquire / release -----------------------------------------------------------------
-    def acquire(self, session: Session, device_id: int, key: ExpertKey) -> SlotGrant:
+    def acquire(self, session: Session, device_id: int, key: ExpertKey, wait: bool = True
+                ) -> SlotGrant:
         """Grant a slot holding ``key`` on the device (one reference), starting its delivery
-        if needed."""
+        if needed. With ``wait=False`` the call never blocks: where the delivery would need
+        an arena fill it raises WouldBlock, its reservation undone (an idle slot it evicted for
+        ``key`` stays free: the retry on a worker thread would evict it too)."""
         dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs=1)
         if not fresh:
             return self._grant(pool, idx, entry, ())
-        transfer = self._deliver_fresh(session, dev, pool, idx, entry)
+        transfer = self._deliver_fresh(session, dev, pool, idx, entry, wait)
         return self._grant(pool, idx, entry, transfer.plan.checksums)
 
     def _reserve(self, session: Session, device_id: int, key: ExpertKey, refs: int
@@ -375,9 +378,9 @@ class Orchestrator:
                          f"every slot that fits {key} on device {device_id} is held")
 
     def _deliver_fresh(self, session: Session, dev: Device, pool: SlotPool, idx: int,
-                       entry: ExpertEntry) -> Transfer:
+                       entry: ExpertEntry, wait: bool = True) -> Transfer:
         try:
-            return self._deliver(session, dev, pool, idx, entry, attempt=0)
+            return self._deliver(session, dev, pool, idx, entry, attempt=0, wait=wait)
         except BaseException:
             with session.lock:
                 pool.free(idx)
@@ -472,7 +475,7 @@ class Orchestrator:
         return None
 
     def _deliver(self, session: Session, dev: Device, pool: SlotPool, idx: int,
-                 entry: ExpertEntry, attempt: int) -> Transfer:
+                 entry: ExpertEntry, attempt: int, wait: bool = True) -> Transfer:
         # A first attempt copies from a peer device's verified slot when one can be read
         # (GPU-to-GPU); otherwise, and for every refetch, from the arena.
         peer = self._peer_slot(session, dev, entry.key) if attempt == 0 else None
@@ -487,7 +490,7 @@ class Orchestrator:
                 self.drop_ref(session, sid, entry.key)
         else:
             try:
-                cached = self.cache.acquire(entry)
+                cached = self.cache.acquire(entry, wait=wait)
             except CacheFullError as exc:
                 raise AgentError(ErrorKind.RESOURCE_EXHAUSTED, str(exc)) from exc
             except OSError as exc:

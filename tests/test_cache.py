@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dpu_agent.weights.arena import ARENA_ALIGN, Arena
-from dpu_agent.weights.cache import CacheFullError, WeightCache
+from dpu_agent.weights.cache import CacheFullError, WeightCache, WouldBlock
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES
 from gpu_kernels.checksum import blob_checksums
@@ -89,6 +89,32 @@ def test_concurrent_hits_misses_evictions_serve_true_bytes(tmp_path: Path, polic
         assert not errors, errors[:5]
         assert cache.stats.evictions > 0 and cache.stats.hits > 0
         assert cache.pinned() == 0
+    finally:
+        arena.close()
+
+
+def test_acquire_without_waiting_serves_hits_only(tmp_path: Path) -> None:
+    """``wait=False`` (the agent's event-loop fast path) returns a filled resident expert and
+    refuses an absent or still-filling one with WouldBlock, changing nothing."""
+    root = make_checkpoint(tmp_path / "m", CheckpointSpec("mixtral", layers=1, experts=2,
+                                                          hidden=256, intermediate=128))
+    e0, e1 = build_catalog(root).experts.values()
+    arena = Arena(4 * e0.blob_bytes)
+    cache = WeightCache(arena, 64 << 10, POLICIES["lru"]())
+    try:
+        with pytest.raises(WouldBlock):
+            cache.acquire(e0, wait=False)
+        assert (cache.resident, cache.stats.misses, cache.stats.hits) == (0, 0, 0)
+        filled = cache.acquire(e0)
+        cache.release(e0.key)
+        hit = cache.acquire(e0, wait=False)
+        assert hit is filled and cache.pinned() == 1 and cache.stats.hits == 1
+        cache.release(e0.key)
+        cache.acquire(e1)  # a fill in progress is not a hit either
+        cache._resident[e1.key].ready.clear()
+        with pytest.raises(WouldBlock):
+            cache.acquire(e1, wait=False)
+        assert cache.pinned() == 1
     finally:
         arena.close()
 

@@ -61,6 +61,16 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
     with pytest.raises(grpc.RpcError) as err:
         client.acquire(dev, ExpertKey("qwen-evict", 2, 5))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A batch refused part-way gives back what it had taken: the key it got a slot for is not
+    # held afterwards, and that slot serves the next request.
+    client.release(dev, held[1])
+    with pytest.raises(grpc.RpcError) as err:
+        client.acquire_batch(dev, [ExpertKey("qwen-evict", 0, 0), ExpertKey("qwen-evict", 0, 1)])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as err:
+        client.release(dev, ExpertKey("qwen-evict", 0, 0))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    client.acquire(dev, ExpertKey("qwen-evict", 0, 2)).wait(10)
 
 
 @pytest.mark.parametrize("mutate,code", [

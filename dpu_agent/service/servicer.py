@@ -18,6 +18,7 @@ from dpu_agent.dataplane.steering import Action, FlowRule, SteeringError, Traffi
 from dpu_agent.errors import AgentError, ErrorKind, invalid
 from dpu_agent.orchestrator import Orchestrator, SlotGrant
 from dpu_agent.service.registry import ARENA_REGION_ID
+from dpu_agent.weights.cache import WouldBlock
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
@@ -134,29 +135,61 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             experts_per_layer=cat.layout.experts_per_layer, expert_bytes=cat.expert_bytes,
             total_expert_bytes=cat.total_expert_bytes)
 
-    def _acquire(self, session_id: str, device_id: int, key: pb.ExpertKey
+    def _acquire(self, session_id: str, device_id: int, key: pb.ExpertKey, wait: bool = True
                  ) -> pb.AcquireResponse:
         s = self.core.session(session_id)
-        grant = self.core.acquire(s, device_id, _key(key))
+        grant = self.core.acquire(s, device_id, _key(key), wait)
         return pb.AcquireResponse(
             transfer_id=grant.transfer_id, region_id=grant.region_id,
             slot_index=grant.slot_index, slot_offset=grant.slot_offset,
             state=pb.SLOT_STATE_READY if grant.ready else pb.SLOT_STATE_FILLING,
             manifest=_manifest(grant, self.core.config.chunk_bytes))
 
+    def _acquire_all(self, session_id: str, device_id: int, keys: list[pb.ExpertKey],
+                     done: list[pb.AcquireResponse], wait: bool) -> None:
+        """Acquire ``keys[len(done):]`` into ``done``. ``wait=False`` stops at the first key
+        that needs an arena fill (WouldBlock) so the caller can go on off the event loop. Any
+        other refusal releases what this request acquired and is raised."""
+        try:
+            for k in keys[len(done):]:
+                done.append(self._acquire(session_id, device_id, k, wait))
+        except WouldBlock:
+            raise
+        except BaseException:
+            s = self.core.session(session_id)
+            for k in keys[:len(done)]:
+                self.core.release(s, device_id, _key(k))
+            raise
+
+    async def _acquire_keys(self, context: grpc.aio.ServicerContext, session_id: str,
+                            device_id: int, keys: list[pb.ExpertKey]
+                            ) -> list[pb.AcquireResponse]:
+        """Grants for ``keys`` in order. Hits (slot or arena resident) are served on the event
+        loop, which spares a worker-thread round trip per call; from the first key that needs
+        an arena fill on, the rest run on a worker thread."""
+        done: list[pb.AcquireResponse] = []
+        try:
+            await self._run(context, self._acquire_all, session_id, device_id, keys, done,
+                            False, session_id=session_id)
+        except WouldBlock:
+            await self._run(context, self._acquire_all, session_id, device_id, keys, done,
+                            True, blocking=True, session_id=session_id)
+        return done
+
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
                       ) -> pb.AcquireResponse:
-        return await self._run(context, self._acquire, request.session_id, request.device_id,
-                               request.key, blocking=True, session_id=request.session_id)
+        return (await self._acquire_keys(context, request.session_id, request.device_id,
+                                         [request.key]))[0]
 
     async def AcquireBatch(self, request: pb.AcquireBatchRequest,
                            context: grpc.aio.ServicerContext) -> pb.AcquireBatchResponse:
-        def call() -> pb.AcquireBatchResponse:
+        def check() -> None:  # every key names a loaded expert, before any is acquired
             for k in request.keys:
                 self.core.expert(_key(k, "keys[]"))
-            return pb.AcquireBatchResponse(slots=[
-                self._acquire(request.session_id, request.device_id, k) for k in request.keys])
-        return await self._run(context, call, blocking=True, session_id=request.session_id)
+
+        await self._run(context, check)
+        return pb.AcquireBatchResponse(slots=await self._acquire_keys(
+            context, request.session_id, request.device_id, list(request.keys)))
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
                        ) -> pb.PrefetchResponse:

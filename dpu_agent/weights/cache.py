@@ -29,6 +29,11 @@ class CacheFullError(RuntimeError):
     """Every resident expert is pinned and the arena cannot hold another."""
 
 
+class WouldBlock(RuntimeError):
+    """``acquire(..., wait=False)`` of an expert that is not resident and filled: serving it
+    would block on a fill. Raised before anything changed."""
+
+
 @dataclass
 class CachedExpert:
     """An expert resident in the arena."""
@@ -80,18 +85,23 @@ class WeightCache:
         self._shards = ShardMap()
         self._orphans: list[CachedExpert] = []
 
-    def acquire(self, entry: ExpertEntry, source: FillSource | None = None) -> CachedExpert:
+    def acquire(self, entry: ExpertEntry, source: FillSource | None = None,
+                wait: bool = True) -> CachedExpert:
         """Return the expert resident and pinned, filling it first on a miss (from ``source``
         when given and it succeeds, else from the checkpoint files).
 
-        Blocks the calling thread during a fill (call it from a worker thread).
+        Blocks the calling thread during a fill (call it from a worker thread); with
+        ``wait=False`` only a resident, filled expert is returned (a hit never blocks).
 
         Raises:
             CacheFullError: no room even after evicting every unpinned expert.
+            WouldBlock: ``wait=False`` and the expert is absent or still filling.
         """
         key = entry.key
         with self._lock:
             cached = self._resident.get(key)
+            if not wait and (cached is None or not cached.ready.is_set()):
+                raise WouldBlock(f"{key} is not resident in the arena")
             if cached is not None:
                 cached.pins += 1
                 self.stats.hits += 1
