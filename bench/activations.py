@@ -33,7 +33,7 @@ from dpu_offload import frames
 from dpu_offload.frames import Kind
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationSender, ExpertWorker, swiglu_f32_weights
+from host_client.activations import ActivationSender, ExpertWorker
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
 
@@ -59,7 +59,7 @@ def grpc_baseline(weights: list[np.ndarray], hidden: int) -> tuple[grpc.Server, 
 
     def compute(req: wrappers_pb2.BytesValue, ctx: object) -> wrappers_pb2.BytesValue:
         rows = np.frombuffer(req.value, np.uint16).reshape(-1, hidden)
-        return wrappers_pb2.BytesValue(value=swiglu_f32_weights(rows, *wide).tobytes())
+        return wrappers_pb2.BytesValue(value=reference.swiglu_f32_weights(rows, *wide).tobytes())
 
     opts = [("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20)]

@@ -55,7 +55,7 @@ from dpu_agent.planning.traces import generate_trace, read_trace
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import swiglu_bf16
+from host_client.activations import expert_ffn
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
 
@@ -123,7 +123,7 @@ class Decoder:
                     t0 = time.perf_counter()
                     w = fetch(layer, e)
                     t1 = time.perf_counter()
-                    acc += reference.bf16_to_f32(swiglu_bf16(hb, *w)) / len(experts)
+                    acc += reference.bf16_to_f32(expert_ffn(hb, *w)) / len(experts)
                     self.sync()
                     compute += time.perf_counter() - t1
                     wait += t1 - t0

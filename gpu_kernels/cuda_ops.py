@@ -53,6 +53,48 @@ def combine_bf16(expert_out: Any, plan: DispatchPlan, weights: Any, stream: Any 
     return out
 
 
+FFN_MAX_ROWS = 8
+"""Rows ``swiglu_bf16`` takes in one call (FFN_MAX_ROWS in expert_ffn.cu)."""
+
+
+def swiglu_bf16(x: Any, gate: Any, up: Any, down: Any, stream: Any = None) -> Any:
+    """One expert's SwiGLU FFN for a few rows, fused into two launches (expert_ffn.cu).
+
+    Args:
+        x: bf16 bits ``uint16[rows, hidden]``, ``rows <= FFN_MAX_ROWS``.
+        gate, up: bf16 bits ``uint16[inter, hidden]``; down: ``uint16[hidden, inter]``;
+            C-contiguous, 16-byte aligned (slot tensors are), ``hidden`` and ``inter``
+            multiples of 8.
+
+    Returns:
+        bf16 bits ``uint16[rows, hidden]``: ``reference.swiglu_bf16`` up to float32 summation
+        order.
+    """
+    rows, hidden = x.shape
+    inter = gate.shape[0]
+    if not 1 <= rows <= FFN_MAX_ROWS:
+        raise ValueError(f"{rows} rows; the fused FFN takes 1 to {FFN_MAX_ROWS}")
+    if gate.shape != (inter, hidden) or up.shape != (inter, hidden) \
+            or down.shape != (hidden, inter):
+        raise ValueError(f"weights {gate.shape}, {up.shape}, {down.shape} do not fit x "
+                         f"{x.shape}: want gate, up [inter, {hidden}] and down [{hidden}, inter]")
+    if hidden % 8 or inter % 8:
+        raise ValueError(f"hidden {hidden} and inter {inter} must be multiples of 8")
+    for name, a in (("x", x), ("gate", gate), ("up", up), ("down", down)):
+        if a.dtype != cp.uint16 or not a.flags.c_contiguous or a.data.ptr % 16:
+            raise ValueError(f"{name} must be C-contiguous, 16-byte aligned uint16 (bf16 bits)")
+    h = cp.empty((rows, inter), cp.float32)
+    out = cp.empty((rows, hidden), cp.uint16)
+    warps = THREADS // 32
+    launch.kernel("expert_ffn", "dpu_ffn_gate_up")(
+        (-(-inter // warps),), (THREADS,),
+        (x, gate, up, h, np.int32(rows), np.int32(hidden // 8), np.int32(inter)), stream=stream)
+    launch.kernel("expert_ffn", "dpu_ffn_down")(
+        (-(-hidden // warps),), (THREADS,),
+        (h, down, out, np.int32(rows), np.int32(inter // 8), np.int32(hidden)), stream=stream)
+    return out
+
+
 def checksum(data: Any, position: int) -> int:
     """Checksum of a device buffer (length a multiple of 16), as checksum.chunk_checksum."""
     return chunk_checksums(data, position, data.nbytes)[0]

@@ -6,6 +6,8 @@ suite in tests/test_kernels.py runs each kernel and its twin on the same inputs 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from gpu_kernels import abi
@@ -257,3 +259,34 @@ def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:
                 dst[int(offsets[i]):int(offsets[i]) + room] = rx.payload[idx[i]]
     rx.advance(n)
     return int(heads["message_id"][-1]), int(lengths[good].sum()), int(n - good.sum())
+
+
+def array_module(a: Any) -> Any:
+    """numpy, or cupy for a CuPy array (without importing CuPy where there is none)."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def swiglu_bf16(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
+                ) -> np.ndarray:
+    """``down @ (silu(gate @ x) * (up @ x))`` per row; bf16 bits in and out, fp32 math; NumPy
+    or CuPy arrays (all of one kind).
+
+    Args:
+        x: ``uint16[rows, hidden]``; gate, up: ``uint16[inter, hidden]``; down:
+            ``uint16[hidden, inter]``.
+    """
+    return swiglu_f32_weights(x, *(bf16_to_f32(w) for w in (gate, up, down)))
+
+
+def swiglu_f32_weights(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
+                       ) -> np.ndarray:
+    """:func:`swiglu_bf16` with the weights already widened to float32 (same shapes)."""
+    xf = bf16_to_f32(x)
+    g = xf @ gate.T
+    u = xf @ up.T
+    h = (g / (1.0 + array_module(g).exp(-g))) * u
+    return f32_to_bf16(h @ down.T)

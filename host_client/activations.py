@@ -55,35 +55,17 @@ class ActivationError(RuntimeError):
         self.status = status
 
 
-def array_module(a: Any) -> Any:
-    """numpy, or cupy for a CuPy array (without importing CuPy where there is none)."""
-    if type(a).__module__.startswith("cupy"):
-        import cupy
+def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
+    """An expert's SwiGLU FFN on the device holding ``x`` (shapes and dtypes as
+    :func:`gpu_kernels.reference.swiglu_bf16`): on a GPU the fused kernel
+    (gpu_kernels/expert_ffn.cu, two launches) for up to ``FFN_MAX_ROWS`` rows, as in decode;
+    the array formula (cuBLAS on a GPU, NumPy otherwise) for larger batches."""
+    if reference.array_module(x) is not np:
+        from gpu_kernels import cuda_ops
 
-        return cupy
-    return np
-
-
-def swiglu_bf16(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
-                ) -> np.ndarray:
-    """``down @ (silu(gate @ x) * (up @ x))`` per row; bf16 bits in and out, fp32 math; NumPy
-    or CuPy arrays (all of one kind).
-
-    Args:
-        x: ``uint16[rows, hidden]``; gate, up: ``uint16[inter, hidden]``; down:
-            ``uint16[hidden, inter]``.
-    """
-    return swiglu_f32_weights(x, *(reference.bf16_to_f32(w) for w in (gate, up, down)))
-
-
-def swiglu_f32_weights(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
-                       ) -> np.ndarray:
-    """:func:`swiglu_bf16` with the weights already widened to float32 (same shapes)."""
-    xf = reference.bf16_to_f32(x)
-    g = xf @ gate.T
-    u = xf @ up.T
-    h = (g / (1.0 + array_module(g).exp(-g))) * u
-    return reference.f32_to_bf16(h @ down.T)
+        if x.shape[0] <= cuda_ops.FFN_MAX_ROWS:
+            return cuda_ops.swiglu_bf16(x, gate, up, down)
+    return reference.swiglu_bf16(x, gate, up, down)
 
 
 class ExpertWorker:
@@ -188,9 +170,9 @@ class ExpertWorker:
             slot = self._keep(key, self.client.acquire(self.dev, key).wait(60))
         x = inputs.view(np.uint16).reshape(rows, row_bytes // 2)
         wide = self._wide.get(key)
-        out = (swiglu_f32_weights(x, *wide) if wide is not None else
-               swiglu_bf16(x, slot.tensor("gate_proj"), slot.tensor("up_proj"),
-                           slot.tensor("down_proj")))
+        out = (reference.swiglu_f32_weights(x, *wide) if wide is not None else
+               expert_ffn(x, slot.tensor("gate_proj"), slot.tensor("up_proj"),
+                          slot.tensor("down_proj")))
         # Send kernel (or twin): packetize the output into the tx ring; the NIC reads it out.
         flat = out.view(np.uint8).reshape(-1)
         result = np.empty(flat.size, np.uint8)

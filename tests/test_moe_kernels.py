@@ -1,4 +1,5 @@
-"""MoE dispatch/combine, the checksum kernel and the send kernel against their twins."""
+"""MoE dispatch/combine, the checksum kernel, the send kernel and the expert FFN against their
+twins."""
 
 from __future__ import annotations
 
@@ -199,3 +200,38 @@ def test_receive_packets_verifies_and_bounds(backend: str) -> None:
         pr.close()
     with pytest.raises(BufferError):
         reference.receive_packets(ring, np.zeros(16, np.uint8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows,hidden,inter", [(1, 256, 192), (3, 2048, 768), (8, 512, 2048)])
+def test_swiglu_matches_float64(backend: str, rows: int, hidden: int, inter: int) -> None:
+    """The expert FFN (fused kernel on CUDA, array formula as twin) against a float64 oracle:
+    equal up to one bf16 rounding step of the output."""
+    b = _backend(backend)
+    rng = np.random.default_rng(rows)
+    x = reference.f32_to_bf16(rng.standard_normal((rows, hidden), dtype=np.float32))
+    gate, up = (reference.f32_to_bf16(0.05 * rng.standard_normal((inter, hidden),
+                                                                  dtype=np.float32))
+                for _ in range(2))
+    down = reference.f32_to_bf16(0.05 * rng.standard_normal((hidden, inter), dtype=np.float32))
+    wide = [reference.bf16_to_f32(a).astype(np.float64) for a in (x, gate, up, down)]
+    g, u = wide[0] @ wide[1].T, wide[0] @ wide[2].T
+    want = (g / (1 + np.exp(-g)) * u) @ wide[3].T
+    got = b.get(b.ops.swiglu_bf16(*(b.xp.asarray(a) for a in (x, gate, up, down))))
+    assert got.shape == (rows, hidden) and got.dtype == np.uint16
+    np.testing.assert_allclose(reference.bf16_to_f32(got), want, rtol=1 / 64,
+                               atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+def test_fused_swiglu_refuses_what_it_cannot_take() -> None:
+    cp = pytest.importorskip("cupy")
+    from gpu_kernels import cuda_ops
+
+    w = cp.zeros((64, 64), cp.uint16)
+    with pytest.raises(ValueError, match="rows"):
+        cuda_ops.swiglu_bf16(cp.zeros((cuda_ops.FFN_MAX_ROWS + 1, 64), cp.uint16), w, w, w)
+    with pytest.raises(ValueError, match="do not fit"):
+        cuda_ops.swiglu_bf16(cp.zeros((1, 64), cp.uint16), w, w, cp.zeros((64, 32), cp.uint16))
+    with pytest.raises(ValueError, match="aligned"):
+        cuda_ops.swiglu_bf16(cp.zeros(72, cp.uint16)[4:68].reshape(1, 64), w, w, w)
