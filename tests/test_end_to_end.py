@@ -71,6 +71,14 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
         client.release(dev, ExpertKey("qwen-evict", 0, 0))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     client.acquire(dev, ExpertKey("qwen-evict", 0, 2)).wait(10)
+    # The same when both keys are arena hits (served on the agent's event loop, not a worker).
+    client.release(dev, ExpertKey("qwen-evict", 0, 2))
+    with pytest.raises(grpc.RpcError) as err:
+        client.acquire_batch(dev, [ExpertKey("qwen-evict", 1, 0), ExpertKey("qwen-evict", 1, 1)])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as err:
+        client.release(dev, ExpertKey("qwen-evict", 1, 0))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 @pytest.mark.parametrize("mutate,code", [
