@@ -27,6 +27,8 @@ FAULTS = [
      "tests/test_faults.py::test_killed_host_process_is_reclaimed"),
     ("corrupted bytes in the arena", "tests/test_faults.py::"
      "test_corrupted_arena_is_caught_refetched_and_counted"),
+    ("corrupted activation packets", "tests/test_activations.py::"
+     "test_corrupted_packets_are_caught_delivered_again_and_counted"),
     ("consumer stops reading", "tests/test_faults.py::"
      "test_stalled_consumer_holds_producers_back_and_loses_nothing"),
     ("device consumer gone (stuck ring)",
@@ -58,6 +60,10 @@ OUTCOME = {
     "transfers in flight and arena pins back to 0",
     "corrupted bytes in the arena": "checksum mismatch caught before READY, refetched from "
     "the checkpoint, dpu_agent_checksum_failures_total counts it, slot bytes correct",
+    "corrupted activation packets": "refused by the receive twin before the rows are used, the "
+    "part delivered again, dpu_worker_packets_refused_total and _packet_retransmits_total count "
+    "it, the combined output matches the dense reference; corrupted on every try: WORKER_FAILED, "
+    "credit back",
     "consumer stops reading": "ring never overwritten (<= capacity outstanding), producer "
     "backlog held, every expert lands byte-exact when it resumes",
     "device consumer gone (stuck ring)": "transfer cancelled after transfer.timeout_seconds, "

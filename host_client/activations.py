@@ -2,7 +2,8 @@
 
 - :class:`ExpertWorker` serves the experts of one registered device: a DELIVER frame from the
   agent is written by the "NIC" (this thread) into the device's rx packet ring, the receive
-  twin lands the rows in the expert's input buffer with checksums verified, the expert's
+  twin lands the rows in the expert's input buffer with checksums verified (a part with refused
+  packets is delivered again, ``PACKET_RETRIES`` times at most, and counted), the expert's
   SwiGLU FFN runs on the weights in its slot, the send twin packetizes the output into the tx
   ring, and the NIC returns it to the agent as a RESULT.
 - :class:`ActivationSender` is what attention nodes use: ``dispatch(layer, hidden, topk_ids,
@@ -24,12 +25,14 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.auth
+from prometheus_client import Counter
 
 from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import reference
+from gpu_kernels.ring import Ring
 from gpu_kernels.routing import dispatch_plan
 from host_client.client import AgentClient, AttachedDevice
 
@@ -53,6 +56,15 @@ class ActivationError(RuntimeError):
     def __init__(self, status: FrameStatus, message: str) -> None:
         super().__init__(f"{status.name}: {message}")
         self.status = status
+
+
+PACKET_RETRIES = 2
+"""Times a payload part whose packets failed their checksum is delivered again before the
+request fails with WORKER_FAILED."""
+PACKETS_REFUSED = Counter("dpu_worker_packets_refused", "Activation packets that failed their "
+                          "checksum in an expert worker's rx ring.", ["device"])
+PACKET_RETRANSMITS = Counter("dpu_worker_packet_retransmits", "Activation payload parts "
+                             "delivered again after refused packets.", ["device"])
 
 
 def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
@@ -88,6 +100,10 @@ class ExpertWorker:
             raise ActivationError(FrameStatus(int(h["status"])), reply[1].decode())
         self.served = 0
         self.refused_packets = 0
+        """rx packets that failed their checksum (also ``dpu_worker_packets_refused_total``)."""
+        self.retransmits = 0
+        """Payload parts delivered again after a refusal
+        (``dpu_worker_packet_retransmits_total``)."""
         self.xp: Any = np
         self.ops: Any = None
         """gpu_kernels.cuda_ops on a CUDA device; None: the NumPy twins."""
@@ -141,26 +157,39 @@ class ExpertWorker:
                                     ("gate_proj", "up_proj", "down_proj"))
         return slot
 
+    @staticmethod
+    def _nic_deliver(rx: Ring, part: np.ndarray, h: np.void, key: ExpertKey) -> int:
+        """The NIC's step (on a DPU, GPUNetIO's receive queue): ``part`` of the request's
+        payload (``uint8``, this worker's copy of the frame) lands in the rx ring as checksummed
+        packets; returns how many."""
+        return reference.send_packets(rx, part, int(h["message_id"]), 0, key.layer, key.expert)
+
     def _serve(self, h: np.void, payload: np.ndarray) -> np.ndarray:
         key = ExpertKey(frames.model_of(h), int(h["layer"]), int(h["expert"]))
         rows, row_bytes = int(h["rows"]), int(h["row_bytes"])
-        # NIC: the payload arrives into the rx ring as checksummed packets.
         rx, tx = self.dev.rx.ring, self.dev.tx.ring
         inputs = self.xp.zeros(rows * row_bytes, np.uint8)
+        device = str(self.dev.device_id)
         for start in range(0, payload.size, rx.payload.shape[1] * rx.capacity):
             part = payload[start:start + rx.payload.shape[1] * rx.capacity]
-            packets = reference.send_packets(rx, part, int(h["message_id"]), 0, key.layer,
-                                             key.expert)
-            # Receive kernel (or twin): land the rows in the expert's input buffer.
             view = inputs[start:start + part.size]
-            if self.ops is None:
-                _, _, refused = reference.receive_packets(rx, view)
-            else:
-                _, _, refused = self.ops.receive_packets(rx, self.dev.rx_device_ptr, view,
-                                                         packets)
-            self.refused_packets += refused
-            if refused:
-                raise ValueError(f"{refused} packets failed their checksum")
+            for attempt in range(PACKET_RETRIES + 1):
+                packets = self._nic_deliver(rx, part, h, key)
+                # Receive kernel (or twin): land the rows in the expert's input buffer.
+                if self.ops is None:
+                    _, _, refused = reference.receive_packets(rx, view)
+                else:
+                    _, _, refused = self.ops.receive_packets(rx, self.dev.rx_device_ptr, view,
+                                                             packets)
+                if not refused:
+                    break
+                self.refused_packets += refused
+                PACKETS_REFUSED.labels(device).inc(refused)
+                if attempt == PACKET_RETRIES:
+                    raise ValueError(f"{refused} packets failed their checksum "
+                                     f"{PACKET_RETRIES + 1} times")
+                self.retransmits += 1  # the NIC delivers the part again from its source
+                PACKET_RETRANSMITS.labels(device).inc()
         if self.client.generation != self._generation:
             self._slots.clear()  # the agent restarted: earlier slots are gone
             self._wide.clear()

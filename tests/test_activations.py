@@ -4,6 +4,7 @@ against a dense reference; refusals; credits; migration under traffic."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -16,25 +17,40 @@ from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationError, ActivationSender, ExpertWorker
+from host_client.activations import (
+    PACKET_RETRIES,
+    ActivationError,
+    ActivationSender,
+    ExpertWorker,
+)
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
 
 SETTINGS = '[activations]\nlisten_address = "127.0.0.1:0"\ncredits_per_sender = 4\n'
 
 
-@pytest.fixture
-def served(qwen_ckpt: Path):
+@contextlib.contextmanager
+def serving(ckpt: Path, worker_type: type[ExpertWorker] = ExpertWorker):
+    """An agent with every expert of the checkpoint placed on the first of two CPU devices,
+    served by a ``worker_type`` worker."""
     with AgentProcess(SETTINGS) as agent, AgentClient(agent.address) as client:
-        model = client.load_model(str(qwen_ckpt), "qa")
+        model = client.load_model(str(ckpt), "qa")
         devs = [client.register_device(CpuReferenceDevice(i),
                                        [SlotPoolSpec(model.expert_bytes, 18)]) for i in range(2)]
         pid = client.apply_placement("qa", [[[devs[0].device_id]] * model.experts_per_layer
                                             for _ in model.moe_layers]).placement_id
         client.wait_placement(pid)
-        worker = ExpertWorker(client, devs[0])
-        yield agent, client, model, devs, worker
-        worker.close()
+        worker = worker_type(client, devs[0])
+        try:
+            yield agent, client, model, devs, worker
+        finally:
+            worker.close()
+
+
+@pytest.fixture
+def served(qwen_ckpt: Path):
+    with serving(qwen_ckpt) as s:
+        yield s
 
 
 
@@ -203,6 +219,53 @@ def test_activation_metrics(qwen_ckpt: Path) -> None:
               for f in text_string_to_metric_families(text) for s in f.samples}
     assert values[("dpu_agent_activation_refused_total", (("reason", "BAD_FRAME"),))] == 1
     assert values[("dpu_agent_activation_outstanding", ())] == 0
+
+
+class FlakyNicWorker(ExpertWorker):
+    """A worker whose NIC corrupts one payload byte of the last packet of its first ``bad``
+    deliveries into the rx ring (a wire or NIC fault)."""
+
+    bad = 0
+
+    def _nic_deliver(self, rx, part, h, key) -> int:
+        packets = super()._nic_deliver(rx, part, h, key)
+        if self.bad > 0:
+            self.bad -= 1
+            rx.payload[(rx.produced - 1) % rx.capacity, 0] ^= 0xFF
+        return packets
+
+
+def test_corrupted_packets_are_caught_delivered_again_and_counted(qwen_ckpt: Path) -> None:
+    from prometheus_client import REGISTRY
+
+    def count(name: str, device: int) -> float:
+        return REGISTRY.get_sample_value(f"{name}_total", {"device": str(device)}) or 0.0
+
+    with serving(qwen_ckpt, FlakyNicWorker) as (agent, _, model, devs, worker):
+        dev = devs[0].device_id
+        before = (count("dpu_worker_packets_refused", dev),
+                  count("dpu_worker_packet_retransmits", dev))
+        worker.bad = 2  # the first request's part fails twice, then arrives intact
+        ids = routing(model.experts_per_layer, 8, 1, seed=3)
+        dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
+                               model.experts_per_layer, model.moe_layers[0], qwen_ckpt, ids)
+        assert worker.refused_packets == 2 and worker.retransmits == 2
+        assert count("dpu_worker_packets_refused", dev) - before[0] == 2
+        assert count("dpu_worker_packet_retransmits", dev) - before[1] == 2
+        # A part that never arrives intact fails its request with a clear status; the sender's
+        # credit comes back and the next request is served.
+        worker.bad = 10**6
+        x = reference.f32_to_bf16(np.ones((1, 256), np.float32))
+        with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa",
+                              model.experts_per_layer, credits=1) as sender:
+            with pytest.raises(ActivationError) as err:
+                sender.dispatch(model.moe_layers[0], x, np.array([[0]]),
+                                np.ones((1, 1), np.float32))
+            assert err.value.status == FrameStatus.WORKER_FAILED
+            assert f"failed their checksum {PACKET_RETRIES + 1} times" in str(err.value)
+            worker.bad = 0
+            sender.dispatch(model.moe_layers[0], x, np.array([[0]]), np.ones((1, 1), np.float32))
+        assert worker.retransmits == 2 + PACKET_RETRIES
 
 
 def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> None:
