@@ -29,6 +29,8 @@ FAULTS = [
      "test_corrupted_arena_is_caught_refetched_and_counted"),
     ("corrupted activation packets", "tests/test_activations.py::"
      "test_corrupted_packets_are_caught_delivered_again_and_counted"),
+    ("caller's deadline passes during an arena fill",
+     "tests/test_faults.py::test_caller_gone_during_a_fill_leaves_no_reference"),
     ("consumer stops reading", "tests/test_faults.py::"
      "test_stalled_consumer_holds_producers_back_and_loses_nothing"),
     ("device consumer gone (stuck ring)",
@@ -64,6 +66,8 @@ OUTCOME = {
     "part delivered again, dpu_worker_packets_refused_total and _packet_retransmits_total count "
     "it, the combined output matches the dense reference; corrupted on every try: WORKER_FAILED, "
     "credit back",
+    "caller's deadline passes during an arena fill": "DEADLINE_EXCEEDED to the caller; the "
+    "fills finish and the agent gives back every reference the lost response carried",
     "consumer stops reading": "ring never overwritten (<= capacity outstanding), producer "
     "backlog held, every expert lands byte-exact when it resumes",
     "device consumer gone (stuck ring)": "transfer cancelled after transfer.timeout_seconds, "

@@ -1,5 +1,6 @@
 """Faults on purpose: corrupted arena bytes are caught and refetched, a consumer that stops
-reading holds producers back without losing anything, a killed host process is reclaimed."""
+reading holds producers back without losing anything, a killed host process is reclaimed, a
+caller that gives up during a fill leaves no reference behind."""
 
 from __future__ import annotations
 
@@ -141,3 +142,35 @@ def test_agent_sigkill_client_notices_fails_and_recovers(qwen_ckpt: Path) -> Non
         first.kill()
         if second is not None:
             second.stop()
+
+
+def test_caller_gone_during_a_fill_leaves_no_reference(tmp_path: Path) -> None:
+    """An AcquireBatch whose deadline passes while the agent fills the arena on a worker
+    thread: the fill finishes, and the references the lost response carried are given back
+    (otherwise they would stay until the session's lease ran out)."""
+    import grpc
+
+    from dpu_offload.v1 import agent_pb2 as pb
+    from host_client.checkpoints import CheckpointSpec, make_checkpoint
+
+    root = make_checkpoint(tmp_path / "big", CheckpointSpec(
+        "qwen3-moe", layers=1, experts=8, hidden=2048, intermediate=768, dtype="bf16",
+        dense_layers=0), layers_per_shard=1)
+    with AgentProcess('[arena]\nbytes = "256MiB"\n') as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(root), "big")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 8)])
+        keys = [ExpertKey("big", model.moe_layers[0], e) for e in range(8)]
+        with pytest.raises(grpc.RpcError) as err:  # 75 MB of fills cannot finish in 20 ms
+            client.stub.AcquireBatch(pb.AcquireBatchRequest(
+                session_id=client.session_id, device_id=dev.device_id,
+                keys=[k.to_proto() for k in keys]), timeout=0.02)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 30
+        while client.status().cache_misses < 8 or client.status().transfers_in_flight:
+            assert time.monotonic() < deadline, "the fills did not finish"
+            time.sleep(0.05)
+        for k in keys:
+            with pytest.raises(grpc.RpcError) as err:
+                client.release(dev, k)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, k

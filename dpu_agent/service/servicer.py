@@ -7,6 +7,7 @@ Every refusal carries a specific status code and a message naming what was wrong
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -156,10 +157,16 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         except WouldBlock:
             raise
         except BaseException:
-            s = self.core.session(session_id)
-            for k in keys[:len(done)]:
-                self.core.release(s, device_id, _key(k))
+            self._give_back(session_id, device_id, keys[:len(done)])
             raise
+
+    def _give_back(self, session_id: str, device_id: int, keys: list[pb.ExpertKey]) -> None:
+        """Release one reference on each of ``keys`` (grants nobody will receive); a session
+        already gone released them itself."""
+        with contextlib.suppress(AgentError):
+            s = self.core.session(session_id)
+            for k in keys:
+                self.core.release(s, device_id, _key(k))
 
     async def _acquire_keys(self, context: grpc.aio.ServicerContext, session_id: str,
                             device_id: int, keys: list[pb.ExpertKey]
@@ -172,8 +179,19 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             await self._run(context, self._acquire_all, session_id, device_id, keys, done,
                             False, session_id=session_id)
         except WouldBlock:
-            await self._run(context, self._acquire_all, session_id, device_id, keys, done,
-                            True, blocking=True, session_id=session_id)
+            slow = asyncio.ensure_future(self._run(
+                context, self._acquire_all, session_id, device_id, keys, done, True,
+                blocking=True, session_id=session_id))
+            try:
+                await asyncio.shield(slow)
+            except asyncio.CancelledError:
+                # The caller is gone (deadline or cancel) while a worker thread fills: let it
+                # finish, then give back what this request took, or the references would stay
+                # until the session's lease ran out.
+                with contextlib.suppress(Exception):
+                    await slow
+                self._give_back(session_id, device_id, keys[:len(done)])
+                raise
         return done
 
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
