@@ -21,16 +21,34 @@ RESULTS = ROOT / "bench" / "results"
 SOURCE_DIRS = ("gpu_kernels", "host_client", "dpu_agent", "dpu_offload", "proto", "bench")
 
 
+def _sources() -> list[Path]:
+    """The project's source files, in hashing order."""
+    return [p for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*"))
+            if p.is_file() and p.suffix in (".py", ".cu", ".cuh", ".proto")
+            and "results" not in p.parts]
+
+
 def source_hash() -> str:
     """sha256 over the project's source files (names and contents), first 16 hex digits."""
     h = hashlib.sha256()
-    for d in SOURCE_DIRS:
-        for p in sorted((ROOT / d).rglob("*")):
-            if p.is_file() and p.suffix in (".py", ".cu", ".cuh", ".proto") \
-                    and "results" not in p.parts:
-                h.update(str(p.relative_to(ROOT)).encode())
-                h.update(p.read_bytes())
+    for p in _sources():
+        h.update(str(p.relative_to(ROOT)).encode())
+        h.update(p.read_bytes())
     return h.hexdigest()[:16]
+
+
+def source_files() -> dict[str, str]:
+    """Each source file (path relative to the root) -> sha256 of its contents, first 12 hex
+    digits: what a result was measured with, file by file, so a report can name what changed
+    since."""
+    return {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()[:12]
+            for p in _sources()}
+
+
+def changed_since(files: dict[str, str]) -> list[str]:
+    """Paths added, removed or modified in the tree since ``files`` (a ``source_files()``)."""
+    now = source_files()
+    return sorted(p for p in files.keys() | now.keys() if files.get(p) != now.get(p))
 
 
 def machine() -> dict[str, Any]:
@@ -56,7 +74,8 @@ def machine() -> dict[str, Any]:
 
 def envelope(name: str, results: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"benchmark": name, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-            "source_hash": source_hash(), "machine": machine(), **extra, "results": results}
+            "source_hash": source_hash(), "source_files": source_files(), "machine": machine(),
+            **extra, "results": results}
 
 
 def write(name: str, data: dict[str, Any], suffix: str = "") -> Path:
