@@ -239,11 +239,6 @@ class AgentClient:
                                        resp.manifest.blob_bytes)
         return ExpertSlot(ExpertKey.from_proto(resp.manifest.key), blob, resp.manifest)
 
-    def _handles(self, dev: AttachedDevice, resps: list[pb.AcquireResponse]
-                 ) -> list[AcquireHandle]:
-        """Handles for the slots the agent granted."""
-        return [self._handle(dev, r) for r in resps]
-
     def _handle(self, dev: AttachedDevice, resp: pb.AcquireResponse) -> AcquireHandle:
         fut: Future[ExpertSlot] = Future()
         slot = self._slot(dev, resp)
@@ -267,7 +262,7 @@ class AgentClient:
                                                    device_id=dev.device_id,
                                                    key=key.to_proto()),
                                  timeout=self.rpc_timeout)
-        return self._handles(dev, [resp])[0]
+        return self._handle(dev, resp)
 
     def link_peers(self) -> dict[int, list[int]]:
         """Let every registered device read the slot pools of each other one it can reach
@@ -296,7 +291,7 @@ class AgentClient:
         resp = self.stub.AcquireBatch(pb.AcquireBatchRequest(
             session_id=self.session_id, device_id=dev.device_id,
             keys=[k.to_proto() for k in keys]), timeout=self.rpc_timeout)
-        return self._handles(dev, list(resp.slots))
+        return [self._handle(dev, r) for r in resp.slots]
 
     def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> int:
         """Have the agent deliver ``keys`` ahead of use (nothing held); returns how many it
