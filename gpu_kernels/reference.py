@@ -47,7 +47,6 @@ def check_descriptor(desc: np.void, regions: np.ndarray) -> abi.Status:
     return abi.Status.OK
 
 
-
 def check_descriptors(batch: np.ndarray, regions: np.ndarray) -> np.ndarray:
     """``check_descriptor`` over a whole batch at once (same statuses, same precedence).
 
