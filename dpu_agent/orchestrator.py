@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.config import AgentConfig
+from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.dataplane.loop import DataPlaneLoop
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
+from dpu_agent.dataplane.requests import RequestServer, unknown_model
 from dpu_agent.dataplane.steering import FlowTable
 from dpu_agent.dataplane.transfers import Transfer, TransferPlan, TransferTracker
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
@@ -64,6 +67,10 @@ class SlotGrant:
     ready: bool
     entry: ExpertEntry
     checksums: tuple[int, ...]
+    state_index: int
+    """The slot's entry in the device channel's slot-state table."""
+    generation: int
+    """The slot's generation when granted: READY / FAILED of this generation ends the wait."""
 
 
 class Orchestrator:
@@ -77,15 +84,17 @@ class Orchestrator:
         self.arena = Arena(config.arena_bytes)
         self.cache = WeightCache(self.arena, config.chunk_bytes, POLICIES[config.cache_policy]())
         self.models: dict[str, ModelCatalog] = {}
+        self.model_names: list[str] = []
+        """Model index (request-ring entries name models by it) -> name, in load order."""
         self.sessions: dict[str, Session] = {}
         self.tracker = TransferTracker()
         self._lock = threading.RLock()
         self._device_ids = itertools.count()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
-        self._poller = threading.Thread(target=self._poll_loop, name="completions", daemon=True)
-        self.poller_heartbeat = time.monotonic()
+        self.requests = RequestServer(self, self._fills)
+        self._channel_list: tuple[DeviceChannel, ...] | None = None
+        self.dataplane = DataPlaneLoop(self._poll_once, lambda: self.tracker.in_flight,
+                                       [self._cancel_stuck])
         self.verify_failures = 0
         self.delivered_bytes: Counter[str] = Counter()
         """Bytes of verified deliveries by source: "arena" or "peer" (another device)."""
@@ -100,7 +109,7 @@ class Orchestrator:
         """The ActivationRouter when [activations] is enabled (set by the server)."""
         self.cluster: Any = None
         """The ClusterAgent in cluster mode (set by the server)."""
-        self._poller.start()
+        self.dataplane.start()
         if self.state is not None:
             self._restore()
 
@@ -152,10 +161,22 @@ class Orchestrator:
                                f"the arena (config arena.bytes = {self.arena.size}); the cache "
                                "budget must hold at least one expert")
         with self._lock:
-            self.models.setdefault(model_name, catalog)
+            if model_name not in self.models:
+                self.models[model_name] = catalog
+                self.model_names.append(model_name)
         if persist:
             self.persist()
         return self.models[model_name]
+
+    def model_index(self, name: str) -> int:
+        """The index request-ring entries name a loaded model by."""
+        return self.model_names.index(name)
+
+    def model_name(self, index: int) -> str:
+        names = self.model_names
+        if index >= len(names):
+            raise unknown_model(index, len(names))
+        return names[index]
 
     def expert(self, key: ExpertKey) -> ExpertEntry:
         model = self.models.get(key.model)
@@ -208,6 +229,7 @@ class Orchestrator:
         with self._lock:
             session = self.sessions.pop(session_id, None)
             self._queue_list = None
+            self._channel_list = None
         if session is None:
             raise not_found(f"session {session_id!r} does not exist")
         devices = set(session.devices.values())
@@ -217,6 +239,8 @@ class Orchestrator:
         for dev in devices:
             if dev.queue is not None:
                 dev.queue.close()
+            if dev.channel is not None:
+                dev.channel.close()
         session.events.close()
         log.info("session %s", reason, extra={"session": session_id})
 
@@ -243,8 +267,11 @@ class Orchestrator:
                                      f"device ordinal {ordinal} is already registered as "
                                      f"device {dev.device_id}")
             dev = Device(next(self._device_ids), kind, ordinal, name[:128])
+            dev.channel = DeviceChannel((session.session_id, dev.device_id))
             session.devices[dev.device_id] = dev
-            return dev
+        with self._lock:
+            self._channel_list = None
+        return dev
 
     def register_region(self, session: Session, req: pb.RegisterRegionRequest) -> int:
         dev = self.device(session, req.device_id)
@@ -265,7 +292,9 @@ class Orchestrator:
                                   f"not fit in size_bytes {req.size_bytes}")
                 rid = session.next_region_id
                 dev.pools[rid] = SlotPool(rid, req.slot_bytes, req.slot_count,
-                                          ipc_handle=bytes(req.cuda_ipc_handle))
+                                          ipc_handle=bytes(req.cuda_ipc_handle),
+                                          channel=dev.channel,
+                                          state_base=self._state_range(dev, req.slot_count))
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
                 if not req.shm_name:
                     raise invalid("a ring region needs shm_name (its export handle)")
@@ -319,6 +348,20 @@ class Orchestrator:
             session.next_region_id += 1
             dev.regions[rid] = kind
             return rid
+
+    @staticmethod
+    def _state_range(dev: Device, count: int) -> int:
+        """The lowest index of ``count`` free entries in the device's slot-state table."""
+        base = 0
+        for pool in sorted(dev.pools.values(), key=lambda p: p.state_base):
+            if pool.state_base - base >= count:
+                break
+            base = max(base, pool.state_base + pool.slot_count)
+        if base + count > abi.MAX_CHANNEL_SLOTS:
+            raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
+                             f"device {dev.device_id}'s pools would hold more than "
+                             f"{abi.MAX_CHANNEL_SLOTS} slots (the channel's slot-state table)")
+        return base
 
     def deregister_region(self, session: Session, region_id: int) -> None:
         with session.lock:
@@ -383,7 +426,7 @@ class Orchestrator:
             return self._deliver(session, dev, pool, idx, entry, attempt=0, wait=wait)
         except BaseException:
             with session.lock:
-                pool.free(idx)
+                pool.fail(idx, abi.Status.CANCELLED)  # ends any watcher of this generation
             raise
 
     def prefetch(self, session: Session, device_id: int, keys: list[ExpertKey]) -> int:
@@ -446,7 +489,25 @@ class Orchestrator:
                checksums: tuple[int, ...]) -> SlotGrant:
         ready = pool.state[idx] == SlotState.READY
         return SlotGrant(0 if ready else pool.transfer[idx], pool.region_id, idx,
-                         idx * pool.slot_bytes, ready, entry, checksums)
+                         idx * pool.slot_bytes, ready, entry, checksums,
+                         pool.state_base + idx, pool.generation[idx])
+
+    # -- the channel's requests (dataplane/requests.py calls these by owner) ---------------
+    def _owner(self, owner: tuple[str, int]) -> Session:
+        with self._lock:
+            session = self.sessions.get(owner[0])
+        if session is None:
+            raise AgentError(ErrorKind.UNAVAILABLE, "the channel's session is closed")
+        return session
+
+    def acquire_for(self, owner: tuple[str, int], key: ExpertKey, wait: bool) -> SlotGrant:
+        return self.acquire(self._owner(owner), owner[1], key, wait)
+
+    def release_for(self, owner: tuple[str, int], key: ExpertKey) -> None:
+        self.release(self._owner(owner), owner[1], key)
+
+    def prefetch_for(self, owner: tuple[str, int], key: ExpertKey) -> None:
+        self.prefetch(self._owner(owner), owner[1], [key])
 
     def link_peers(self, session: Session, device_id: int, sources: list[int]) -> None:
         """Record that ``device_id``'s consumer can read the slot pools of ``sources``."""
@@ -515,7 +576,6 @@ class Orchestrator:
             pool.checksums[idx] = plan.checksums
         assert dev.queue is not None
         dev.queue.submit(plan.descriptors(transfer.transfer_id))
-        self._wake.set()
         return transfer
 
     def _on_delivered(self, session: Session, dev: Device, pool: SlotPool, idx: int,
@@ -533,11 +593,9 @@ class Orchestrator:
         with session.lock:
             if pool.keys[idx] == entry.key and pool.state[idx] == SlotState.FILLING:
                 if status == abi.Status.OK:
-                    pool.state[idx] = SlotState.READY
-                    if pool.refs[idx] == 0:
-                        pool.idle[idx] = None
+                    pool.mark_ready(idx)
                 else:
-                    pool.free(idx)
+                    pool.fail(idx, status)
         with self._lock:
             waiters = self._waiters.pop((dev.device_id, id(dev), entry.key), [])
         for callback in waiters:
@@ -554,7 +612,7 @@ class Orchestrator:
             t.first_id = first_id
         except AgentError as exc:
             with session.lock:
-                pool.free(idx)
+                pool.fail(idx, abi.Status.CANCELLED)
             with self._lock:
                 waiters = self._waiters.pop((dev.device_id, id(dev), entry.key), [])
             for callback in waiters:
@@ -623,8 +681,20 @@ class Orchestrator:
                                          if d.queue is not None)
             return self._queue_list
 
+    def _channels(self) -> tuple[DeviceChannel, ...]:
+        with self._lock:
+            if self._channel_list is None:
+                self._channel_list = tuple(d.channel for s in self.sessions.values()
+                                           for d in list(s.devices.values())
+                                           if d.channel is not None)
+            return self._channel_list
+
     def poller_alive(self) -> bool:
-        return self._poller.is_alive()
+        return self.dataplane.alive()
+
+    @property
+    def poller_heartbeat(self) -> float:
+        return self.dataplane.heartbeat
 
     def _cancel_stuck(self) -> None:
         limit = self.config.transfer_timeout_seconds
@@ -634,35 +704,27 @@ class Orchestrator:
             log.error("transfer %d cancelled: no completion within %d s (device consumer "
                       "stuck or gone)", t.transfer_id, limit)
 
-    def _poll_loop(self) -> None:
-        last_sweep = time.monotonic()
-        while not self._stop.is_set():
-            self.poller_heartbeat = time.monotonic()
-            if self.poller_heartbeat - last_sweep > 0.5:
-                last_sweep = self.poller_heartbeat
-                self._cancel_stuck()
-            busy = False
-            for q in self._queues():
-                try:
-                    q.flush()
-                    recs = q.poll_completions()
-                    if recs.size:
-                        busy = True
-                        self.tracker.complete_many(recs)
-                except (ValueError, OSError) as exc:  # a queue closed under us
-                    log.debug("poller: %s", exc)
-            if not busy:
-                # Short naps while work is in flight keep latency low without holding the
-                # GIL away from the gRPC threads; long ones when idle.
-                if self.tracker.in_flight:
-                    time.sleep(0.00005)
-                else:
-                    self._wake.wait(0.01)
-                    self._wake.clear()
+    def _poll_once(self) -> tuple[int, int]:
+        """One pass of the data-plane loop: every channel's requests, then every queue's
+        backlog and completions. Returns (requests, completions) handled."""
+        requests = completions = 0
+        for channel in self._channels():
+            if not channel.closed:
+                requests += self.requests.serve(channel)
+        for q in self._queues():
+            try:
+                q.flush()
+                recs = q.poll_completions()
+            except (ValueError, OSError) as exc:  # a queue closed under us
+                log.debug("data plane: %s", exc)
+                continue
+            if recs.size:
+                completions += int(recs.size)
+                self.tracker.complete_many(recs)
+        return requests, completions
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._poller.join(timeout=2)
+        self.dataplane.stop()
         for sid in list(self.sessions):
             try:
                 self.close_session(sid, reason="agent stopping")

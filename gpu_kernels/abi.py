@@ -33,6 +33,7 @@ class RingKind(IntEnum):
     COMPLETION = 2
     RX_PACKET = 3
     TX_PACKET = 4
+    REQUEST = 5
 
 
 class Opcode(IntEnum):
@@ -43,6 +44,9 @@ class Opcode(IntEnum):
     PACKET = 2
     FENCE = 3
     EXIT = 4
+    VERIFY = 5
+    """Verify ``length`` bytes already landed at (dst_region, dst_offset) against ``checksum``
+    (a DMA engine wrote them); nothing is copied. ``src_*`` are ignored."""
 
 
 class Status(IntEnum):
@@ -145,9 +149,102 @@ class PacketFlags(IntEnum):
     LAST = 1
 
 
-for _dtype, _size in ((DESCRIPTOR_DTYPE, 64), (COMPLETION_DTYPE, 32), (REGION_DTYPE, 32),
-                      (HEADER_DTYPE, HEADER_BYTES), (PACKET_HEADER_DTYPE, 64)):
-    assert _dtype.itemsize == _size, _dtype
+
+
+# -- the data-plane channel: client requests, agent replies, slot states ---------------------
+
+MAX_CHANNEL_SLOTS = 4096
+"""Slot-state entries of a channel: the most slots one device's pools may hold together."""
+SLOT_STATE_BITS = 8
+"""A slot-state ``word`` is ``generation << SLOT_STATE_BITS | SlotState``."""
+
+
+class RequestOp(IntEnum):
+    """What a request-ring entry asks of the agent."""
+
+    ACQUIRE = 1
+    """Hold (model, layer, expert) in a slot of this device, delivering it if needed."""
+    RELEASE = 2
+    """Drop one reference taken by an ACQUIRE of the same expert."""
+    PREFETCH = 3
+    """Deliver the expert ahead of use; no reference is taken."""
+
+
+class RequestStatus(IntEnum):
+    """A reply's ``status``: OK, or what was wrong with the request (the reply's ``message``
+    says more). Nothing changed for a request answered with an error."""
+
+    OK = 0
+    BAD_OPCODE = 1
+    INVALID_ARGUMENT = 2
+    NOT_FOUND = 3
+    ALREADY_EXISTS = 4
+    FAILED_PRECONDITION = 5
+    PERMISSION_DENIED = 6
+    RESOURCE_EXHAUSTED = 7
+    UNAVAILABLE = 8
+    REQUEST_REUSED = 9
+    """``request_id`` is not greater than the channel's previous one."""
+
+
+class SlotState(IntEnum):
+    """State of a slot in the slot-state table (the low bits of its ``word``)."""
+
+    FREE = 0
+    FILLING = 1
+    READY = 2
+    """Every chunk of the expert's bytes was verified in the slot."""
+    FAILED = 3
+    """The delivery of this generation failed for good; ``status`` is an :class:`Status`."""
+
+
+REQUEST_DTYPE = np.dtype(
+    {
+        "names": ["request_id", "opcode", "flags", "model", "layer", "expert", "seq"],
+        "formats": ["<u8", "<u2", "<u2", "<u4", "<u4", "<u4", "<u8"],
+        "offsets": [0, 8, 10, 12, 16, 20, 56],
+        "itemsize": 64,
+    }
+)
+"""Request-ring entry, 64 bytes (client -> agent): ``opcode`` a :class:`RequestOp` on expert
+(``model`` index from LoadModel, ``layer``, ``expert``). ``request_id`` increases strictly per
+channel; the reply to the entry at ring position ``p`` is ``replies[p % capacity]``."""
+
+REPLY_DTYPE = np.dtype(
+    {
+        "names": ["request_id", "status", "region_id", "slot_index", "state_index",
+                  "generation", "slot_offset", "message", "seq"],
+        "formats": ["<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "S80", "<u8"],
+        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 120],
+        "itemsize": 128,
+    }
+)
+"""Reply-table entry, 128 bytes (agent -> client), published like a ring entry (``seq`` =
+request position + 1, written last). For an ACQUIRE: the slot (``region_id``, ``slot_index``,
+``slot_offset`` in bytes) and where to watch it (``state_index`` into the slot-state table,
+``generation``). ``message``: UTF-8, NUL-padded, says what was wrong when ``status`` is not
+OK."""
+
+SLOT_STATE_DTYPE = np.dtype(
+    {
+        "names": ["word", "status"],
+        "formats": ["<u8", "<u4"],
+        "offsets": [0, 8],
+        "itemsize": 16,
+    }
+)
+"""Slot-state entry, 16 bytes: ``word`` = ``generation << SLOT_STATE_BITS | SlotState``, one
+64-bit store, so a reader sees state and generation together; ``status`` (a :class:`Status`) is
+written before ``word`` when the state is FAILED. The generation grows each time the slot is
+given to a new delivery."""
+
+
+def channel_layout(capacity: int) -> tuple[int, int, int]:
+    """(reply table offset, slot-state table offset, total bytes) of a channel whose request
+    ring holds ``capacity`` entries; the request ring starts at offset 0."""
+    replies = ring_bytes(capacity, REQUEST_DTYPE.itemsize)
+    states = replies + capacity * REPLY_DTYPE.itemsize
+    return replies, states, states + MAX_CHANNEL_SLOTS * SLOT_STATE_DTYPE.itemsize
 
 
 def ring_bytes(capacity: int, entry_size: int) -> int:
@@ -162,4 +259,11 @@ def entry_dtype_for(kind: RingKind) -> np.dtype:
         RingKind.COMPLETION: COMPLETION_DTYPE,
         RingKind.RX_PACKET: PACKET_HEADER_DTYPE,
         RingKind.TX_PACKET: PACKET_HEADER_DTYPE,
+        RingKind.REQUEST: REQUEST_DTYPE,
     }[kind]
+
+
+for _dtype, _size in ((DESCRIPTOR_DTYPE, 64), (COMPLETION_DTYPE, 32), (REGION_DTYPE, 32),
+                      (HEADER_DTYPE, HEADER_BYTES), (PACKET_HEADER_DTYPE, 64),
+                      (REQUEST_DTYPE, 64), (REPLY_DTYPE, 128), (SLOT_STATE_DTYPE, 16)):
+    assert _dtype.itemsize == _size, _dtype

@@ -19,6 +19,9 @@ STRUCTS = {
     "dpu_completion": abi.COMPLETION_DTYPE,
     "dpu_region": abi.REGION_DTYPE,
     "dpu_packet_header": abi.PACKET_HEADER_DTYPE,
+    "dpu_request": abi.REQUEST_DTYPE,
+    "dpu_reply": abi.REPLY_DTYPE,
+    "dpu_slot_state": abi.SLOT_STATE_DTYPE,
 }
 
 
@@ -77,3 +80,11 @@ def test_constants_match() -> None:
     assert c["DPU_REGION_READABLE"] == abi.RegionFlags.READABLE
     assert c["DPU_REGION_WRITABLE"] == abi.RegionFlags.WRITABLE
     assert c["DPU_PACKET_LAST"] == abi.PacketFlags.LAST
+    assert c["DPU_MAX_CHANNEL_SLOTS"] == abi.MAX_CHANNEL_SLOTS
+    assert c["DPU_SLOT_STATE_BITS"] == abi.SLOT_STATE_BITS
+    for op in abi.RequestOp:
+        assert c[f"DPU_REQ_{op.name}"] == op
+    for state in abi.SlotState:
+        assert c[f"DPU_SLOT_{state.name}"] == state
+    for status in abi.RequestStatus:
+        assert c[f"DPU_REQSTATUS_{status.name}"] == status

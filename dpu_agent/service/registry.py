@@ -7,20 +7,15 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
+from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.queues import DeviceQueue
 from dpu_offload.keys import ExpertKey
+from gpu_kernels.abi import SlotState
 
 ARENA_REGION_ID = 0
 """Every session's region table holds the agent's arena at id 0."""
-
-
-class SlotState(IntEnum):
-    FREE = 0
-    FILLING = 1
-    READY = 2
 
 
 @dataclass
@@ -41,6 +36,12 @@ class SlotPool:
     by_key: dict[ExpertKey, int] = field(default_factory=dict)
     idle: OrderedDict[int, None] = field(default_factory=OrderedDict)
     """READY slots nobody holds, least recently released first: eviction candidates."""
+    generation: list[int] = field(default_factory=list)
+    """Per slot, how many deliveries it was given (the slot-state table's generation)."""
+    channel: DeviceChannel | None = None
+    """The device's data-plane channel, whose slot-state table mirrors ``state``."""
+    state_base: int = 0
+    """Index of slot 0 in the channel's slot-state table."""
 
     def __post_init__(self) -> None:
         n = self.slot_count
@@ -49,6 +50,12 @@ class SlotPool:
         self.refs = [0] * n
         self.transfer = [0] * n
         self.checksums = [()] * n
+        self.generation = [0] * n
+
+    def _publish(self, idx: int, status: int = 0) -> None:
+        if self.channel is not None:
+            self.channel.publish_state(self.state_base + idx, self.generation[idx],
+                                       self.state[idx], status)
 
     def allocate(self, key: ExpertKey) -> int | None:
         """A slot for ``key`` in FILLING state with one reference; None when all are held."""
@@ -63,9 +70,27 @@ class SlotPool:
         self.keys[idx] = key
         self.refs[idx] = 1
         self.by_key[key] = idx
+        self.generation[idx] += 1
+        self._publish(idx)
         return idx
 
+    def mark_ready(self, idx: int) -> None:
+        """Every chunk of the slot's delivery was verified: READY (idle if nobody holds it)."""
+        self.state[idx] = SlotState.READY
+        self._publish(idx)
+        if self.refs[idx] == 0:
+            self.idle[idx] = None
+
+    def fail(self, idx: int, status: int) -> None:
+        """The slot's delivery failed for good with ``status`` (an ``abi.Status``): watchers
+        see FAILED for this generation, and the slot is free again."""
+        self.state[idx] = SlotState.FAILED
+        self._publish(idx, status)
+        self.free(idx)
+
     def free(self, idx: int) -> None:
+        """Forget the slot's expert. The slot-state word keeps its last value (a FAILED stays
+        visible) until the next :meth:`allocate` bumps the generation."""
         key = self.keys[idx]
         if key is not None and self.by_key.get(key) == idx:
             del self.by_key[key]
@@ -98,6 +123,8 @@ class Device:
     """RingKind (RX_PACKET / TX_PACKET) -> export handle; the activation path's rings."""
     peer_sources: tuple[int, ...] = ()
     """Devices of the session whose slot pools this device's consumer can read (LinkPeers)."""
+    channel: DeviceChannel | None = None
+    """The device's data-plane channel (requests, replies, slot states), made by the agent."""
 
 
 class EventSink:

@@ -20,6 +20,7 @@ from dpu_agent.errors import AgentError, ErrorKind, invalid
 from dpu_agent.orchestrator import Orchestrator, SlotGrant
 from dpu_agent.service.registry import ARENA_REGION_ID
 from dpu_agent.weights.cache import WouldBlock
+from dpu_agent.weights.catalog import ExpertEntry
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
@@ -35,13 +36,13 @@ def _key(msg: pb.ExpertKey, what: str = "key") -> ExpertKey:
     return ExpertKey.from_proto(msg)
 
 
-def _manifest(grant: SlotGrant, chunk_bytes: int) -> pb.ExpertManifest:
-    entry = grant.entry
+def _manifest(entry: ExpertEntry, chunk_bytes: int, checksums: tuple[int, ...] = ()
+              ) -> pb.ExpertManifest:
     return pb.ExpertManifest(
         key=entry.key.to_proto(), blob_bytes=entry.blob_bytes, chunk_bytes=chunk_bytes,
         tensors=[pb.TensorEntry(name=t.role, dtype=t.dtype, shape=list(t.shape), offset=t.offset,
                                 nbytes=t.nbytes) for t in entry.tensors],
-        chunk_checksums=list(grant.checksums))
+        chunk_checksums=list(checksums))
 
 
 class DpuAgentServicer(pb_grpc.DpuAgentServicer):
@@ -98,11 +99,14 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
 
     async def RegisterDevice(self, request: pb.RegisterDeviceRequest,
                              context: grpc.aio.ServicerContext) -> pb.RegisterDeviceResponse:
-        def call() -> int:
+        def call() -> pb.RegisterDeviceResponse:
             s = self.core.session(request.session_id)
-            return self.core.register_device(s, request.kind, request.ordinal,
-                                             request.name).device_id
-        return pb.RegisterDeviceResponse(device_id=await self._run(context, call))
+            dev = self.core.register_device(s, request.kind, request.ordinal, request.name)
+            assert dev.channel is not None
+            return pb.RegisterDeviceResponse(device_id=dev.device_id, channel=pb.ChannelInfo(
+                shm_name=dev.channel.name, size_bytes=dev.channel.size,
+                capacity=dev.channel.view.capacity))
+        return await self._run(context, call)
 
     async def RegisterRegion(self, request: pb.RegisterRegionRequest,
                              context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
@@ -134,7 +138,15 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             model=cat.name, architecture=cat.layout.architecture,
             moe_layers=list(cat.layout.moe_layers),
             experts_per_layer=cat.layout.experts_per_layer, expert_bytes=cat.expert_bytes,
-            total_expert_bytes=cat.total_expert_bytes)
+            total_expert_bytes=cat.total_expert_bytes,
+            model_index=self.core.model_index(cat.name))
+
+    async def DescribeExpert(self, request: pb.DescribeExpertRequest,
+                             context: grpc.aio.ServicerContext) -> pb.ExpertManifest:
+        def call() -> pb.ExpertManifest:
+            self.core.session(request.session_id)
+            return _manifest(self.core.expert(_key(request.key)), self.core.config.chunk_bytes)
+        return await self._run(context, call)
 
     def _acquire(self, session_id: str, device_id: int, key: pb.ExpertKey, wait: bool = True
                  ) -> pb.AcquireResponse:
@@ -144,7 +156,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             transfer_id=grant.transfer_id, region_id=grant.region_id,
             slot_index=grant.slot_index, slot_offset=grant.slot_offset,
             state=pb.SLOT_STATE_READY if grant.ready else pb.SLOT_STATE_FILLING,
-            manifest=_manifest(grant, self.core.config.chunk_bytes))
+            manifest=_manifest(grant.entry, self.core.config.chunk_bytes, grant.checksums))
 
     def _acquire_all(self, session_id: str, device_id: int, keys: list[pb.ExpertKey],
                      done: list[pb.AcquireResponse], wait: bool) -> None:

@@ -104,11 +104,23 @@ class RegisterDeviceRequest(_message.Message):
     memory_bytes: int
     def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[DeviceKind, str]] = ..., ordinal: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
+class ChannelInfo(_message.Message):
+    __slots__ = ("shm_name", "size_bytes", "capacity")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    size_bytes: int
+    capacity: int
+    def __init__(self, shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+
 class RegisterDeviceResponse(_message.Message):
-    __slots__ = ("device_id",)
+    __slots__ = ("device_id", "channel")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     device_id: int
-    def __init__(self, device_id: _Optional[int] = ...) -> None: ...
+    channel: ChannelInfo
+    def __init__(self, device_id: _Optional[int] = ..., channel: _Optional[_Union[ChannelInfo, _Mapping]] = ...) -> None: ...
 
 class LinkPeersRequest(_message.Message):
     __slots__ = ("session_id", "device_id", "sources")
@@ -191,20 +203,30 @@ class ExpertManifest(_message.Message):
     def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., blob_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., chunk_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
-    __slots__ = ("model", "architecture", "moe_layers", "experts_per_layer", "expert_bytes", "total_expert_bytes")
+    __slots__ = ("model", "architecture", "moe_layers", "experts_per_layer", "expert_bytes", "total_expert_bytes", "model_index")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
     EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_INDEX_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
     experts_per_layer: int
     expert_bytes: int
     total_expert_bytes: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., experts_per_layer: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., total_expert_bytes: _Optional[int] = ...) -> None: ...
+    model_index: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., experts_per_layer: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., total_expert_bytes: _Optional[int] = ..., model_index: _Optional[int] = ...) -> None: ...
+
+class DescribeExpertRequest(_message.Message):
+    __slots__ = ("session_id", "key")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    key: ExpertKey
+    def __init__(self, session_id: _Optional[str] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("session_id", "device_id", "key")

@@ -74,6 +74,11 @@ class DpuAgentStub:
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelRequest.SerializeToString,
                 response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelResponse.FromString,
                 _registered_method=True)
+        self.DescribeExpert = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/DescribeExpert',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ExpertManifest.FromString,
+                _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/dpu_offload.v1.DpuAgent/Acquire',
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.AcquireRequest.SerializeToString,
@@ -178,6 +183,13 @@ class DpuAgentServicer:
 
     def LoadModel(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeExpert(self, request, context):
+        """The tensor layout of one expert (no checksums): what a client views a slot with.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -291,6 +303,11 @@ def add_DpuAgentServicer_to_server(servicer, server):
                     servicer.LoadModel,
                     request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelRequest.FromString,
                     response_serializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelResponse.SerializeToString,
+            ),
+            'DescribeExpert': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeExpert,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.ExpertManifest.SerializeToString,
             ),
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
@@ -564,6 +581,33 @@ class DpuAgent:
             '/dpu_offload.v1.DpuAgent/LoadModel',
             dpu__offload_dot_v1_dot_agent__pb2.LoadModelRequest.SerializeToString,
             dpu__offload_dot_v1_dot_agent__pb2.LoadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeExpert(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/DescribeExpert',
+            dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.ExpertManifest.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,12 +24,14 @@ typedef unsigned long long uint64_t;
 #define DPU_RING_COMPLETION 2u
 #define DPU_RING_RX_PACKET 3u
 #define DPU_RING_TX_PACKET 4u
+#define DPU_RING_REQUEST 5u
 
 #define DPU_OP_NOP 0u
 #define DPU_OP_COPY 1u
 #define DPU_OP_PACKET 2u
 #define DPU_OP_FENCE 3u
 #define DPU_OP_EXIT 4u
+#define DPU_OP_VERIFY 5u
 
 #define DPU_STATUS_OK 0u
 #define DPU_STATUS_CHECKSUM_MISMATCH 1u
@@ -44,6 +46,26 @@ typedef unsigned long long uint64_t;
 #define DPU_REGION_READABLE 1u
 #define DPU_REGION_WRITABLE 2u
 #define DPU_PACKET_LAST 1u
+
+#define DPU_MAX_CHANNEL_SLOTS 4096
+#define DPU_SLOT_STATE_BITS 8
+#define DPU_REQ_ACQUIRE 1u
+#define DPU_REQ_RELEASE 2u
+#define DPU_REQ_PREFETCH 3u
+#define DPU_SLOT_FREE 0u
+#define DPU_SLOT_FILLING 1u
+#define DPU_SLOT_READY 2u
+#define DPU_SLOT_FAILED 3u
+#define DPU_REQSTATUS_OK 0u
+#define DPU_REQSTATUS_BAD_OPCODE 1u
+#define DPU_REQSTATUS_INVALID_ARGUMENT 2u
+#define DPU_REQSTATUS_NOT_FOUND 3u
+#define DPU_REQSTATUS_ALREADY_EXISTS 4u
+#define DPU_REQSTATUS_FAILED_PRECONDITION 5u
+#define DPU_REQSTATUS_PERMISSION_DENIED 6u
+#define DPU_REQSTATUS_RESOURCE_EXHAUSTED 7u
+#define DPU_REQSTATUS_UNAVAILABLE 8u
+#define DPU_REQSTATUS_REQUEST_REUSED 9u
 
 typedef struct {
     uint32_t magic;
@@ -106,6 +128,36 @@ typedef struct {
     uint64_t reserved1;
     uint64_t seq;
 } dpu_packet_header;
+
+// The data-plane channel (docs/ABI.md): request ring entries, reply table, slot states.
+typedef struct {
+    uint64_t request_id;
+    uint16_t opcode;
+    uint16_t flags;
+    uint32_t model;
+    uint32_t layer;
+    uint32_t expert;
+    uint8_t reserved[56 - 24];
+    uint64_t seq;
+} dpu_request;
+
+typedef struct {
+    uint64_t request_id;
+    uint32_t status;
+    uint32_t region_id;
+    uint32_t slot_index;
+    uint32_t state_index;
+    uint64_t generation;
+    uint64_t slot_offset;
+    char message[80];
+    uint64_t seq;
+} dpu_reply;
+
+typedef struct {
+    uint64_t word;
+    uint32_t status;
+    uint32_t reserved;
+} dpu_slot_state;
 
 #ifdef __CUDACC__
 // Checksum of 32-bit little-endian words w[i] whose global word index is g = offset / 4 + i:

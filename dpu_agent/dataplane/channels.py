@@ -1,0 +1,66 @@
+"""The agent's side of a device's data-plane channel: it creates the shared buffer (so no other
+session can hand it a channel), reads requests and publishes replies and slot states.
+
+On a BlueField the request ring is a DOCA Comch consumer (or a ring the DPU reads over PCIe) and
+the slot-state table a buffer the DPU writes with DOCA DMA; see docs/DOCA.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_kernels import abi
+from gpu_kernels.channel import Channel
+from gpu_kernels.shm import SharedBuffer, unique_name
+
+CHANNEL_CAPACITY = 1024
+"""Request-ring entries (and replies) of every channel."""
+
+
+class DeviceChannel:
+    """One device's channel, owned by the agent.
+
+    Attributes:
+        name: the shared-memory export handle the client maps (given only to the session).
+        size: bytes.
+        view: the :class:`Channel` views.
+        last_request_id: the highest request id served; a request must exceed it.
+    """
+
+    def __init__(self, owner: tuple[str, int], capacity: int = CHANNEL_CAPACITY) -> None:
+        self.owner = owner
+        """(session id, device id) the channel belongs to."""
+        total = abi.channel_layout(capacity)[2]
+        self._buffer = SharedBuffer(unique_name("dpu-channel"), total, create=True)
+        self.view = Channel.format(self._buffer.array, capacity)
+        self.last_request_id = 0
+        self.closed = False
+
+    @property
+    def name(self) -> str:
+        return self._buffer.name
+
+    @property
+    def size(self) -> int:
+        return self._buffer.size
+
+    def take_requests(self, limit: int = 256) -> tuple[int, np.ndarray]:
+        """(ring position of the first, ``REQUEST_DTYPE[n]`` copies) of what was posted."""
+        first = self.view.requests.consumed
+        return first, self.view.requests.pop_many(limit)
+
+    def publish_state(self, index: int, generation: int, state: abi.SlotState,
+                      status: int = 0) -> None:
+        if not self.closed:
+            self.view.publish_state(index, generation, state, status)
+
+    def reply(self, position: int, request_id: int, status: abi.RequestStatus,
+              message: str = "", **slot: int) -> None:
+        if not self.closed:
+            self.view.reply(position, request_id, status, message, **slot)
+
+    def close(self) -> None:
+        """Unlink the name; later publications are dropped (the session is gone). The mapping
+        goes with this object, so a thread still publishing never touches unmapped memory."""
+        self.closed = True
+        self._buffer.unlink()

@@ -1,0 +1,123 @@
+"""Serving a channel's request ring: each entry is untrusted; it is checked, turned into a call
+of the agent's core, and answered in the reply table with a status that names what was wrong.
+A refused request changes nothing. An ACQUIRE whose expert must first be read into the arena
+is finished on a fill thread, so the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Executor
+from typing import Protocol
+
+import numpy as np
+
+from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.errors import AgentError, ErrorKind, not_found
+from dpu_agent.weights.cache import WouldBlock
+from dpu_offload.keys import ExpertKey
+from gpu_kernels import abi
+
+log = logging.getLogger("dpu_agent.dataplane")
+
+
+class Grant(Protocol):
+    region_id: int
+    slot_index: int
+    slot_offset: int
+    state_index: int
+    generation: int
+
+
+class RequestCore(Protocol):
+    """What serving requests needs of the agent's core (the Orchestrator)."""
+
+    def model_name(self, index: int) -> str: ...
+    def acquire_for(self, owner: tuple[str, int], key: ExpertKey, wait: bool) -> Grant: ...
+    def release_for(self, owner: tuple[str, int], key: ExpertKey) -> None: ...
+    def prefetch_for(self, owner: tuple[str, int], key: ExpertKey) -> None: ...
+
+
+def _status(kind: ErrorKind) -> abi.RequestStatus:
+    return abi.RequestStatus[kind.value]
+
+
+class RequestServer:
+    """Serves request entries of any channel against ``core``.
+
+    Args:
+        core: the agent's core.
+        fills: where an ACQUIRE that needs an arena fill finishes.
+    """
+
+    def __init__(self, core: RequestCore, fills: Executor) -> None:
+        self.core = core
+        self.fills = fills
+        self.refused = 0
+        """Requests answered with an error status."""
+
+    def serve(self, channel: DeviceChannel) -> int:
+        """Take and answer what ``channel`` has posted; returns how many requests."""
+        first, batch = channel.take_requests()
+        for j in range(batch.size):
+            self._one(channel, first + j, batch[j])
+        return int(batch.size)
+
+    def _one(self, channel: DeviceChannel, position: int, req: np.void) -> None:
+        rid = int(req["request_id"])
+        if rid <= channel.last_request_id:
+            self._refuse(channel, position, rid, abi.RequestStatus.REQUEST_REUSED,
+                         f"request id {rid} is not above the last one served "
+                         f"({channel.last_request_id})")
+            return
+        channel.last_request_id = rid
+        op = int(req["opcode"])
+        if op not in abi.RequestOp._value2member_map_:
+            self._refuse(channel, position, rid, abi.RequestStatus.BAD_OPCODE,
+                         f"request opcode {op} is not ACQUIRE, RELEASE or PREFETCH")
+            return
+        try:
+            key = ExpertKey(self.core.model_name(int(req["model"])), int(req["layer"]),
+                            int(req["expert"]))
+            if op == abi.RequestOp.ACQUIRE:
+                try:
+                    grant = self.core.acquire_for(channel.owner, key, False)
+                except WouldBlock:
+                    self.fills.submit(self._acquire_filling, channel, position, rid, key)
+                    return
+                self._granted(channel, position, rid, grant)
+            elif op == abi.RequestOp.RELEASE:
+                self.core.release_for(channel.owner, key)
+                channel.reply(position, rid, abi.RequestStatus.OK)
+            else:
+                self.core.prefetch_for(channel.owner, key)
+                channel.reply(position, rid, abi.RequestStatus.OK)
+        except AgentError as exc:
+            self._refuse(channel, position, rid, _status(exc.kind), exc.message)
+
+    def _acquire_filling(self, channel: DeviceChannel, position: int, rid: int,
+                         key: ExpertKey) -> None:
+        try:
+            self._granted(channel, position, rid, self.core.acquire_for(channel.owner, key, True))
+        except AgentError as exc:
+            self._refuse(channel, position, rid, _status(exc.kind), exc.message)
+        except Exception as exc:  # noqa: BLE001 - the client must get an answer, not a hang
+            log.exception("acquire of %s failed", key)
+            self._refuse(channel, position, rid, abi.RequestStatus.UNAVAILABLE,
+                         f"acquire of {key} failed in the agent: {exc}")
+
+    @staticmethod
+    def _granted(channel: DeviceChannel, position: int, rid: int, grant: Grant) -> None:
+        channel.reply(position, rid, abi.RequestStatus.OK, region_id=grant.region_id,
+                      slot_index=grant.slot_index, slot_offset=grant.slot_offset,
+                      state_index=grant.state_index, generation=grant.generation)
+
+    def _refuse(self, channel: DeviceChannel, position: int, rid: int,
+                status: abi.RequestStatus, message: str) -> None:
+        self.refused += 1
+        channel.reply(position, rid, status, message)
+
+
+def unknown_model(index: int, loaded: int) -> AgentError:
+    """The error for a request naming a model index nothing was loaded under."""
+    return not_found(f"model index {index} is not loaded ({loaded} models are)")

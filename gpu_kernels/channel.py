@@ -1,0 +1,111 @@
+"""The data-plane channel of one device over any shared buffer (layout: ``abi.channel_layout``).
+
+Three parts, one buffer, created by the agent per registered device and mapped by the client:
+
+- ``requests``: a ring of ``REQUEST_DTYPE`` (the client produces, the agent consumes);
+- ``replies``: ``REPLY_DTYPE[capacity]``; the reply to the request at ring position ``p`` is
+  entry ``p % capacity``, published with ``seq = p + 1`` written last;
+- ``states``: ``SLOT_STATE_DTYPE[MAX_CHANNEL_SLOTS]``, one per slot of the device's pools,
+  written by the agent (and, on a GPU, by the verifying kernel); the client polls one word.
+
+Plain NumPy: the agent (aarch64, no CUDA) and the host client both use it. See docs/ABI.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_kernels import abi
+from gpu_kernels.ring import Ring, RingError, store_fence
+
+_STATE_MASK = (1 << abi.SLOT_STATE_BITS) - 1
+
+
+def state_word(generation: int, state: abi.SlotState) -> int:
+    """The slot-state ``word`` for ``generation`` in ``state``."""
+    return (generation << abi.SLOT_STATE_BITS) | int(state)
+
+
+def split_word(word: int) -> tuple[int, abi.SlotState]:
+    """(generation, state) of a slot-state ``word``; RingError for an unknown state."""
+    try:
+        return word >> abi.SLOT_STATE_BITS, abi.SlotState(word & _STATE_MASK)
+    except ValueError as exc:
+        raise RingError(f"slot-state word {word:#x} holds no known state") from exc
+
+
+class Channel:
+    """Views of a channel laid out in ``buffer`` (``uint8``, at least
+    ``channel_layout(capacity)[2]`` bytes).
+
+    Attributes:
+        requests: the request :class:`Ring`.
+        replies: ``REPLY_DTYPE[capacity]`` view.
+        states: ``SLOT_STATE_DTYPE[MAX_CHANNEL_SLOTS]`` view.
+        words: ``uint64[MAX_CHANNEL_SLOTS]`` view of every state's ``word``.
+    """
+
+    def __init__(self, buffer: np.ndarray) -> None:
+        self.buffer = buffer
+        self.requests = Ring(buffer, abi.RingKind.REQUEST)
+        self.capacity = self.requests.capacity
+        replies_at, states_at, total = abi.channel_layout(self.capacity)
+        if buffer.size < total:
+            raise RingError(f"channel of {self.capacity} requests needs {total} bytes, "
+                            f"buffer has {buffer.size}")
+        self.replies = np.ndarray((self.capacity,), abi.REPLY_DTYPE, buffer=buffer,
+                                  offset=replies_at)
+        self._reply_seq = np.ndarray((self.capacity,), "<u8", buffer=buffer,
+                                     offset=replies_at + abi.REPLY_DTYPE.fields["seq"][1],
+                                     strides=(abi.REPLY_DTYPE.itemsize,))
+        self.states = np.ndarray((abi.MAX_CHANNEL_SLOTS,), abi.SLOT_STATE_DTYPE, buffer=buffer,
+                                 offset=states_at)
+        self.words = np.ndarray((abi.MAX_CHANNEL_SLOTS,), "<u8", buffer=buffer,
+                                offset=states_at, strides=(abi.SLOT_STATE_DTYPE.itemsize,))
+
+    @classmethod
+    def format(cls, buffer: np.ndarray, capacity: int) -> Channel:
+        """Zero the channel's bytes, write the request ring's header; return the channel."""
+        total = abi.channel_layout(capacity)[2]
+        if buffer.size < total:
+            raise RingError(f"channel of {capacity} requests needs {total} bytes, "
+                            f"buffer has {buffer.size}")
+        buffer[:total] = 0
+        Ring.format(buffer, abi.RingKind.REQUEST, capacity)
+        return cls(buffer)
+
+    # -- agent side ------------------------------------------------------------------------
+    def reply(self, position: int, request_id: int, status: abi.RequestStatus,
+              message: str = "", *, region_id: int = 0, slot_index: int = 0,
+              state_index: int = 0, generation: int = 0, slot_offset: int = 0) -> None:
+        """Publish the reply to the request at ring ``position``."""
+        i = position % self.capacity
+        self._reply_seq[i] = 0
+        store_fence()
+        self.replies[i] = (request_id, int(status), region_id, slot_index, state_index,
+                           generation, slot_offset, message.encode()[:80], 0)
+        store_fence()
+        self._reply_seq[i] = position + 1
+
+    def publish_state(self, index: int, generation: int, state: abi.SlotState,
+                      status: int = 0) -> None:
+        """Set slot-state entry ``index`` (one 64-bit store of the word, after ``status``)."""
+        self.states["status"][index] = status
+        store_fence()
+        self.words[index] = state_word(generation, state)
+
+    # -- client side -----------------------------------------------------------------------
+    def reply_at(self, position: int) -> np.void | None:
+        """A copy of the reply to the request at ``position``, or None while unpublished."""
+        i = position % self.capacity
+        if int(self._reply_seq[i]) != position + 1:
+            return None
+        store_fence()
+        return self.replies[i].copy()
+
+    def answered(self, first: int, last: int) -> np.ndarray:
+        """``bool[last - first]``: which of positions ``first .. last - 1`` have replies
+        (at most ``capacity`` positions)."""
+        pos = np.arange(first, last, dtype=np.uint64)
+        idx = (pos % np.uint64(self.capacity)).astype(np.intp)
+        return self._reply_seq[idx] == pos + np.uint64(1)
