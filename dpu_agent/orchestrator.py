@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.config import AgentConfig
+from dpu_agent.dataplane.channels import CHANNEL_CAPACITY as CHANNEL_RING_CAPACITY
 from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.dataplane.engine import EngineError, EngineRings, EngineSupervisor
 from dpu_agent.dataplane.loop import DataPlaneLoop
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.requests import RequestServer, unknown_model
@@ -93,8 +95,10 @@ class Orchestrator:
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
         self.requests = RequestServer(self, self._fills)
         self._channel_list: tuple[DeviceChannel, ...] | None = None
+        self.engine = EngineSupervisor(self._engine_died)
+        """The DMA-engine process (started when the first DMA-engine device registers)."""
         self.dataplane = DataPlaneLoop(self._poll_once, lambda: self.tracker.in_flight,
-                                       [self._cancel_stuck])
+                                       [self._cancel_stuck, self.engine.check])
         self.verify_failures = 0
         self.delivered_bytes: Counter[str] = Counter()
         """Bytes of verified deliveries by source: "arena" or "peer" (another device)."""
@@ -241,6 +245,9 @@ class Orchestrator:
                 dev.queue.close()
             if dev.channel is not None:
                 dev.channel.close()
+            if dev.engine_rings is not None:
+                self.engine.detach(dev.device_id)
+                dev.engine_rings.close()
         session.events.close()
         log.info("session %s", reason, extra={"session": session_id})
 
@@ -257,16 +264,19 @@ class Orchestrator:
         return expired
 
     # -- registration ----------------------------------------------------------------------
-    def register_device(self, session: Session, kind: int, ordinal: int, name: str) -> Device:
+    def register_device(self, session: Session, kind: int, ordinal: int, name: str,
+                        delivery: int = pb.DELIVERY_DEVICE_PULL) -> Device:
         if kind not in (pb.DEVICE_KIND_CUDA, pb.DEVICE_KIND_CPU_REFERENCE):
             raise invalid(f"device kind {kind} is not CUDA or CPU_REFERENCE")
+        if delivery not in (pb.DELIVERY_DEVICE_PULL, pb.DELIVERY_DMA_ENGINE):
+            raise invalid(f"delivery {delivery} is not DEVICE_PULL or DMA_ENGINE")
         with session.lock:
             for dev in session.devices.values():
                 if dev.kind == kind and dev.ordinal == ordinal:
                     raise AgentError(ErrorKind.ALREADY_EXISTS,
                                      f"device ordinal {ordinal} is already registered as "
                                      f"device {dev.device_id}")
-            dev = Device(next(self._device_ids), kind, ordinal, name[:128])
+            dev = Device(next(self._device_ids), kind, ordinal, name[:128], delivery=delivery)
             dev.channel = DeviceChannel((session.session_id, dev.device_id))
             session.devices[dev.device_id] = dev
         with self._lock:
@@ -291,10 +301,13 @@ class Orchestrator:
                     raise invalid(f"slot pool of {req.slot_count} x {req.slot_bytes} bytes does "
                                   f"not fit in size_bytes {req.size_bytes}")
                 rid = session.next_region_id
-                dev.pools[rid] = SlotPool(rid, req.slot_bytes, req.slot_count,
-                                          ipc_handle=bytes(req.cuda_ipc_handle),
-                                          channel=dev.channel,
-                                          state_base=self._state_range(dev, req.slot_count))
+                pool = SlotPool(rid, req.slot_bytes, req.slot_count,
+                                ipc_handle=bytes(req.cuda_ipc_handle), shm_name=req.shm_name,
+                                channel=dev.channel,
+                                state_base=self._state_range(dev, req.slot_count))
+                if dev.delivery == pb.DELIVERY_DMA_ENGINE:
+                    self._engine_pool(dev, pool)
+                dev.pools[rid] = pool
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
                 if not req.shm_name:
                     raise invalid("a ring region needs shm_name (its export handle)")
@@ -319,10 +332,12 @@ class Orchestrator:
                     dev.completion_shm = req.shm_name
                 if dev.work_shm and dev.completion_shm:
                     try:
-                        dev.queue = DeviceQueue(dev.work_shm, dev.completion_shm)
+                        dev.queue = (self._attach_engine(dev)
+                                     if dev.delivery == pb.DELIVERY_DMA_ENGINE
+                                     else DeviceQueue(dev.work_shm, dev.completion_shm))
                         with self._lock:  # after the queue exists: the poller rebuilds
                             self._queue_list = None
-                    except (SharedBufferError, ValueError) as exc:
+                    except (SharedBufferError, ValueError, EngineError) as exc:
                         if kind == pb.REGION_KIND_WORK_RING:
                             dev.work_shm = ""
                         else:
@@ -348,6 +363,81 @@ class Orchestrator:
             session.next_region_id += 1
             dev.regions[rid] = kind
             return rid
+
+    # -- the DMA engine (dataplane/engine.py) ------------------------------------------------
+    def _engine_spec(self, dev: Device, pool: SlotPool) -> dict[str, Any]:
+        if dev.kind == pb.DEVICE_KIND_CUDA:
+            if not pool.ipc_handle:
+                raise invalid("a DMA-engine CUDA device's slot pool needs cuda_ipc_handle")
+            return {"size": pool.slot_bytes * pool.slot_count, "ipc": pool.ipc_handle.hex()}
+        if not pool.shm_name:
+            raise invalid("a DMA-engine CPU reference device's slot pool needs shm_name")
+        return {"size": pool.slot_bytes * pool.slot_count, "shm": pool.shm_name}
+
+    def _engine_pool(self, dev: Device, pool: SlotPool) -> None:
+        spec = self._engine_spec(dev, pool)
+        if dev.queue is None:
+            return  # sent with the device's attach
+        try:
+            self.engine.add_pool(dev.device_id, pool.region_id, spec)
+        except EngineError as exc:
+            raise invalid(f"the DMA engine cannot open slot pool {pool.region_id}: {exc}"
+                          ) from exc
+
+    def _engine_attach_command(self, dev: Device, rings: EngineRings) -> dict[str, Any]:
+        return {"kind": "cuda" if dev.kind == pb.DEVICE_KIND_CUDA else "cpu",
+                "ordinal": dev.ordinal, "work": rings.work, "completions": rings.completions,
+                "landed": dev.work_shm,
+                "arena": {"name": self.arena.name, "size": self.arena.size,
+                          "region": ARENA_REGION_ID}}
+
+    def _attach_engine(self, dev: Device) -> DeviceQueue:
+        """Agent-owned rings to the engine, the engine attached with every pool so far; the
+        queue the agent posts on and reads both completion rings (verifier, engine) from."""
+        rings = EngineRings(CHANNEL_RING_CAPACITY)
+        try:
+            queue = DeviceQueue(rings.work, dev.completion_shm, rings.completions)
+        except BaseException:
+            rings.close()
+            raise
+        try:
+            self.engine.attach(dev.device_id, self._engine_attach_command(dev, rings))
+            for pool in dev.pools.values():
+                self.engine.add_pool(dev.device_id, pool.region_id,
+                                     self._engine_spec(dev, pool))
+        except BaseException:
+            self.engine.detach(dev.device_id)
+            queue.close()
+            rings.close()
+            raise
+        dev.engine_rings = rings
+        return queue
+
+    def _engine_died(self, device_ids: list[int]) -> dict[int, dict[str, Any]]:
+        """The engine died: fail its devices' transfers in flight (CANCELLED: their slots go
+        FAILED, their waiters get an error) and give each device fresh engine rings, so no
+        descriptor the dead engine left unconsumed ever runs."""
+        with self._lock:
+            devices = [d for s in self.sessions.values() for d in list(s.devices.values())
+                       if d.device_id in device_ids and d.engine_rings is not None]
+        wanted = set(devices)
+        gone = self.tracker.cancel(lambda t: t.owner in wanted)
+        log.error("DMA engine died: %d transfers cancelled on devices %s", len(gone),
+                  [d.device_id for d in devices])
+        fresh = {}
+        for dev in devices:
+            old_rings, old_queue = dev.engine_rings, dev.queue
+            rings = EngineRings(CHANNEL_RING_CAPACITY)
+            dev.queue = DeviceQueue(rings.work, dev.completion_shm, rings.completions)
+            dev.engine_rings = rings
+            fresh[dev.device_id] = self._engine_attach_command(dev, rings)
+            if old_queue is not None:
+                old_queue.close()
+            if old_rings is not None:
+                old_rings.close()
+        with self._lock:
+            self._queue_list = None
+        return fresh
 
     @staticmethod
     def _state_range(dev: Device, count: int) -> int:
@@ -725,6 +815,7 @@ class Orchestrator:
 
     def shutdown(self) -> None:
         self.dataplane.stop()
+        self.engine.stop()
         for sid in list(self.sessions):
             try:
                 self.close_session(sid, reason="agent stopping")

@@ -5,6 +5,7 @@ from host_client.client import (
     AcquireHandle,
     AgentClient,
     AgentUnavailable,
+    RequestRefused,
     TlsFiles,
     TransferFailed,
 )
@@ -12,4 +13,5 @@ from host_client.devices import CpuReferenceDevice, Device, DeviceFault
 from host_client.memory import ExpertSlot, SlotPoolSpec
 
 __all__ = ["AcquireHandle", "AgentClient", "AgentUnavailable", "CpuReferenceDevice", "Device",
-           "DeviceFault", "ExpertSlot", "SlotPoolSpec", "TlsFiles", "TransferFailed"]
+           "DeviceFault", "ExpertSlot", "RequestRefused", "SlotPoolSpec", "TlsFiles",
+           "TransferFailed"]

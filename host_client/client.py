@@ -10,8 +10,10 @@ Shape of the API (register -> acquire -> wait -> release)::
     w = slot.torch("gate_proj")
     client.release(gpu, slot.key)
 
-Completions arrive on the agent's event stream; a background thread resolves the handles, and
-another keeps the session's lease alive.
+Acquire, release and prefetch go through the device's data-plane channel in shared memory
+(``host_client/requests.py``): no gRPC call, no thread hop. gRPC carries the control plane
+(sessions, registration, models, placement, status); a background thread keeps the session's
+lease alive and another reads the event stream (placement progress, errors, the agent's death).
 """
 
 from __future__ import annotations
@@ -19,20 +21,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
-from host_client.devices import Device, Doorbell
+from host_client.devices import Device
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
+from host_client.requests import (
+    AcquireHandle,
+    AgentUnavailable,
+    ClientChannel,
+    RequestRefused,
+    TransferFailed,
+)
+
+__all__ = ["AcquireHandle", "AgentClient", "AgentUnavailable", "AttachedDevice",
+           "RequestRefused", "TlsFiles", "TransferFailed"]
 
 log = logging.getLogger("host_client")
+
+DELIVERIES = {"pull": pb.DELIVERY_DEVICE_PULL, "engine": pb.DELIVERY_DMA_ENGINE}
+"""``register_device``'s ``delivery`` names -> ``pb.Delivery``."""
 
 PACKET_RING_CAPACITY = 256
 PACKET_ENTRY_BYTES = 64 + 4096
@@ -54,20 +68,13 @@ class TlsFiles:
         return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
-class AgentUnavailable(ConnectionError):
-    """The agent cannot be reached (or went away)."""
-
-
-class TransferFailed(RuntimeError):
-    """A delivery completed with an error status; the slot was not marked ready."""
-
-
 @dataclass
 class AttachedDevice:
     """A device registered with the agent: its id there, its rings and pools."""
 
     device_id: int
     device: Device
+    channel: ClientChannel
     work: SharedRing
     completion: SharedRing
     rx: SharedRing
@@ -75,36 +82,11 @@ class AttachedDevice:
     pools: dict[int, SlotPoolSpec] = field(default_factory=dict)
     specs: list[SlotPoolSpec] = field(default_factory=list)
     ring_capacity: int = 1024
+    delivery: str = "pull"
+    """"pull" (the device's consumer copies) or "engine" (the agent's DMA engine does)."""
     rx_device_ptr: int = 0
     """Device address of the rx / tx packet rings (CUDA devices; 0 on the CPU device)."""
     tx_device_ptr: int = 0
-
-
-class AcquireHandle:
-    """A pending (or already satisfied) acquire; :meth:`wait` returns the :class:`ExpertSlot`."""
-
-    def __init__(self, key: ExpertKey, future: Future[ExpertSlot], device: Device) -> None:
-        self.key = key
-        self._future = future
-        self._device = device
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = 30.0) -> ExpertSlot:
-        """Block until the bytes are verified in the slot. Raises TransferFailed (an error
-        status), AgentUnavailable (the agent went away), DeviceFault (the device's consumer
-        faulted or stopped: checked while waiting, so a dead kernel is an error, not a hang),
-        or TimeoutError after ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            step = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
-            try:
-                return self._future.result(step)
-            except FutureTimeout:
-                self._device.check()
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"{self.key} not ready after {timeout} s") from None
 
 
 class AgentClient:
@@ -138,11 +120,14 @@ class AgentClient:
         self.client_name = client_name
         self._lease_request = lease_seconds
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Future[ExpertSlot], ExpertSlot, Doorbell]] = {}
-        """transfer id -> its handle's future, slot and the doorbell of the device it goes to."""
-        self._early: dict[int, pb.TransferDone] = {}
         self._placements: dict[int, pb.PlacementProgress] = {}
         self._models: dict[str, str] = {}
+        self._model_index: dict[str, int] = {}
+        """Model name -> the index request-ring entries name it by (from LoadModel)."""
+        self._manifests: dict[ExpertKey, pb.ExpertManifest] = {}
+        self._epoch = 0
+        """Bumped when the agent goes away; a handle of an older epoch fails."""
+        self._outage: BaseException = AgentUnavailable("the agent went away")
         self._closed = threading.Event()
         self.reconnected = threading.Event()
         """Set each time the client has re-created its session after the agent came back."""
@@ -175,43 +160,57 @@ class AgentClient:
         resp = self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
                                    timeout=self.rpc_timeout)
         self._models[resp.model] = path  # reloaded if the agent restarts
+        self._model_index[resp.model] = resp.model_index
         return resp
 
     def register_device(self, device: Device, pools: list[SlotPoolSpec],
-                        ring_capacity: int = 1024) -> AttachedDevice:
-        """Register a device, its slot pools and its rings; starts its consumer."""
+                        ring_capacity: int = 1024, delivery: str = "pull") -> AttachedDevice:
+        """Register a device, its slot pools and its rings; starts its consumer.
+
+        ``delivery``: ``"pull"``, the device's consumer copies each chunk from the arena and
+        verifies it; ``"engine"``, the agent's DMA-engine process writes the slots and the
+        device's consumer only verifies (no thread of this process moves bytes)."""
         if not pools:
             raise ValueError("register_device needs at least one slot pool")
-        attached = self._attach(device, list(pools), ring_capacity)
+        if delivery not in DELIVERIES:
+            raise ValueError(f"delivery must be one of {sorted(DELIVERIES)}, got {delivery!r}")
+        attached = self._attach(device, list(pools), ring_capacity, delivery=delivery)
         self.devices[attached.device_id] = attached
         return attached
 
     def _attach(self, device: Device, specs: list[SlotPoolSpec], ring_capacity: int,
-                into: AttachedDevice | None = None) -> AttachedDevice:
+                into: AttachedDevice | None = None, delivery: str = "pull") -> AttachedDevice:
         """Register ``device`` in the current session with fresh rings and pools; with
         ``into``, refill that record (a re-registration after the agent restarted)."""
         resp = self.stub.RegisterDevice(pb.RegisterDeviceRequest(
             session_id=self.session_id, kind=device.kind, ordinal=device.ordinal,
-            name=device.name, memory_bytes=device.memory_bytes), timeout=self.rpc_timeout)
+            name=device.name, memory_bytes=device.memory_bytes,
+            delivery=DELIVERIES[delivery]), timeout=self.rpc_timeout)
+        engine = delivery == "engine"
+        if engine:
+            device.use_dma_engine()
         work = SharedRing(abi.RingKind.WORK, ring_capacity)
         completion = SharedRing(abi.RingKind.COMPLETION, ring_capacity)
         rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
         tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
-        attached = into or AttachedDevice(resp.device_id, device, work, completion, rx, tx,
-                                          specs=specs, ring_capacity=ring_capacity)
-        attached.device_id = resp.device_id
+        channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes)
+        attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx,
+                                          tx, specs=specs, ring_capacity=ring_capacity,
+                                          delivery=delivery)
+        attached.device_id, attached.channel = resp.device_id, channel
         attached.work, attached.completion, attached.rx, attached.tx = work, completion, rx, tx
         attached.pools = {}
         device.attach(self.arena.shm_name, self.arena.size_bytes, self.arena.region_id,
                       work.ring, completion.ring)
         for spec in specs:
             nbytes = spec.slot_bytes * spec.slot_count
-            memory = device.allocate(nbytes)
+            memory = device.allocate(nbytes, shared=engine)
             rid = self.stub.RegisterRegion(pb.RegisterRegionRequest(
                 session_id=self.session_id, device_id=resp.device_id,
                 kind=pb.REGION_KIND_SLOT_POOL, size_bytes=nbytes,
                 slot_bytes=spec.slot_bytes, slot_count=spec.slot_count,
-                cuda_ipc_handle=device.export_handle(memory)),
+                cuda_ipc_handle=device.export_handle(memory),
+                shm_name=device.export_shm(memory)),
                 timeout=self.rpc_timeout).region_id
             device.bind(rid, memory)
             attached.pools[rid] = spec
@@ -232,37 +231,78 @@ class AgentClient:
         dev.device.close()
         for ring in (dev.work, dev.completion, dev.rx, dev.tx):
             ring.close()
+        dev.channel.close()
 
-    # -- experts ---------------------------------------------------------------------------
-    def _slot(self, dev: AttachedDevice, resp: pb.AcquireResponse) -> ExpertSlot:
-        blob = dev.device.region_bytes(resp.region_id, resp.slot_offset,
-                                       resp.manifest.blob_bytes)
-        return ExpertSlot(ExpertKey.from_proto(resp.manifest.key), blob, resp.manifest)
+    # -- experts (the data-plane channel) ---------------------------------------------------
+    def _index(self, model: str) -> int:
+        index = self._model_index.get(model)
+        if index is None:
+            for m in self.status().models:
+                self._model_index[m.model] = m.model_index
+            index = self._model_index.get(model)
+        if index is None:
+            raise RequestRefused(abi.RequestStatus.NOT_FOUND, f"model {model!r} is not loaded")
+        return index
 
-    def _handle(self, dev: AttachedDevice, resp: pb.AcquireResponse) -> AcquireHandle:
-        fut: Future[ExpertSlot] = Future()
-        slot = self._slot(dev, resp)
-        if resp.state == pb.SLOT_STATE_READY:
-            fut.set_result(slot)
-        else:
-            bell = dev.device.doorbell
-            with self._lock:
-                early = self._early.pop(resp.transfer_id, None)
-                if early is None:
-                    if resp.transfer_id not in self._pending:
-                        bell.expect()  # descriptors are posted: the consumer stays awake
-                    self._pending[resp.transfer_id] = (fut, slot, bell)
-            if early is not None:
-                self._resolve(fut, slot, early)
-        return AcquireHandle(slot.key, fut, dev.device)
+    def manifest(self, key: ExpertKey) -> pb.ExpertManifest:
+        """The tensor layout of ``key`` (asked of the agent once per expert, then cached)."""
+        m = self._manifests.get(key)
+        if m is None:
+            m = self._manifests[key] = self.stub.DescribeExpert(pb.DescribeExpertRequest(
+                session_id=self.session_id, key=key.to_proto()), timeout=self.rpc_timeout)
+        return m
+
+    def _handles(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
+        entries = [(abi.RequestOp.ACQUIRE, self._index(k.model), k) for k in keys]
+        manifests = [self.manifest(k) for k in keys]
+        epoch, bell = self._epoch, dev.device.doorbell
+
+        def check() -> None:
+            dev.device.check()
+            if self._epoch != epoch:
+                raise self._outage
+
+        handles = []
+        for _ in keys:
+            bell.expect()  # the agent may post work: the consumer stays awake until settled
+        for key, manifest, position in zip(keys, manifests, dev.channel.post(entries),
+                                           strict=True):
+            def make_slot(reply: np.void, key: ExpertKey = key,
+                          manifest: pb.ExpertManifest = manifest) -> ExpertSlot:
+                blob = dev.device.region_bytes(int(reply["region_id"]),
+                                               int(reply["slot_offset"]), manifest.blob_bytes)
+                return ExpertSlot(key, blob, manifest)
+            handles.append(AcquireHandle(key, dev.channel, position, make_slot, check,
+                                         bell.settle))
+        return handles
 
     def acquire(self, dev: AttachedDevice, key: ExpertKey) -> AcquireHandle:
-        """Ask for ``key`` on ``dev``; the handle resolves when its bytes are verified there."""
-        resp = self.stub.Acquire(pb.AcquireRequest(session_id=self.session_id,
-                                                   device_id=dev.device_id,
-                                                   key=key.to_proto()),
-                                 timeout=self.rpc_timeout)
-        return self._handle(dev, resp)
+        """Post an acquire of ``key`` on ``dev`` and return at once; the handle resolves when
+        its bytes are verified there (a refusal is raised by ``wait``)."""
+        return self._handles(dev, [key])[0]
+
+    def acquire_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
+        """Acquire several experts (a layer's) with one post, all or nothing: returns once the
+        agent granted every slot (deliveries may still be in flight); if it refused any, the
+        granted ones are released and the first refusal is raised. Each must be released."""
+        handles = self._handles(dev, keys)
+        deadline = time.monotonic() + self.rpc_timeout
+        refused: RequestRefused | None = None
+        granted = []
+        for h in handles:
+            while not h.granted():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the agent did not answer an acquire of {h.key}")
+                time.sleep(0)
+            if h.refusal is not None:
+                refused = refused or h.refusal
+            else:
+                granted.append(h.key)
+        if refused is not None:
+            for k in granted:
+                self.release(dev, k, wait=False)
+            raise refused
+        return handles
 
     def link_peers(self) -> dict[int, list[int]]:
         """Let every registered device read the slot pools of each other one it can reach
@@ -286,19 +326,26 @@ class AgentClient:
         self._linked = True
         return links
 
-    def acquire_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
-        """Acquire several experts in one call (a layer's experts); each must be released."""
-        resp = self.stub.AcquireBatch(pb.AcquireBatchRequest(
-            session_id=self.session_id, device_id=dev.device_id,
-            keys=[k.to_proto() for k in keys]), timeout=self.rpc_timeout)
-        return [self._handle(dev, r) for r in resp.slots]
+    def _answer(self, dev: AttachedDevice, position: int) -> None:
+        """Wait for the reply to ``position``; raise its refusal."""
+        deadline = time.monotonic() + self.rpc_timeout
+        while (reply := dev.channel.take(position)) is None:
+            if time.monotonic() > deadline:
+                raise AgentUnavailable(f"the agent did not answer within {self.rpc_timeout} s")
+            time.sleep(0)
+        refused = RequestRefused.of(reply)
+        if refused is not None:
+            raise refused
 
     def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> int:
         """Have the agent deliver ``keys`` ahead of use (nothing held); returns how many it
-        queued."""
-        return self.stub.Prefetch(pb.PrefetchRequest(
-            session_id=self.session_id, device_id=dev.device_id,
-            keys=[k.to_proto() for k in keys]), timeout=self.rpc_timeout).scheduled
+        queued once it answered (the first refusal is raised)."""
+        positions = dev.channel.post([(abi.RequestOp.PREFETCH, self._index(k.model), k)
+                                      for k in keys])
+        dev.device.doorbell.ring()
+        for p in positions:
+            self._answer(dev, p)
+        return len(keys)
 
     def apply_placement(self, model: str, assignment: list[list[list[int]]]
                         ) -> pb.ApplyPlacementResponse:
@@ -333,25 +380,22 @@ class AgentClient:
         with self._lock:
             return self._placements.get(placement_id)
 
-    def release(self, dev: AttachedDevice, key: ExpertKey, wait: bool = True
-                ) -> grpc.Future | None:
-        """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns the RPC's
-        future at once (a decode loop need not wait a round trip per expert; wait for them
-        before acquiring into slots they free); a refusal is then logged, not raised."""
-        req = pb.ReleaseRequest(session_id=self.session_id, device_id=dev.device_id,
-                                key=key.to_proto())
+    def release(self, dev: AttachedDevice, key: ExpertKey, wait: bool = True) -> None:
+        """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns once the
+        request is posted (the agent serves a channel's requests in order, so a later acquire
+        sees the slot freed); a refusal is then logged, not raised."""
+        entry = [(abi.RequestOp.RELEASE, self._index(key.model), key)]
         if wait:
-            self.stub.Release(req, timeout=self.rpc_timeout)
-            return None
+            self._answer(dev, dev.channel.post(entry)[0])
+            return
 
-        def check(fut: grpc.Future) -> None:
-            if not fut.cancelled() and fut.exception() is not None:
+        def check(reply: np.void) -> None:
+            refused = RequestRefused.of(reply)
+            if refused is not None:
                 log.warning("release of %s on device %d failed: %s", key, dev.device_id,
-                            fut.exception())
+                            refused)
 
-        fut = self.stub.Release.future(req, timeout=self.rpc_timeout)
-        fut.add_done_callback(check)
-        return fut
+        dev.channel.post(entry, on_reply=check)
 
     def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
                        prefetch_to: AttachedDevice | None = None, prefetch_top_k: int = 0
@@ -370,14 +414,6 @@ class AgentClient:
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.rpc_timeout)
 
     # -- background ------------------------------------------------------------------------
-    @staticmethod
-    def _resolve(fut: Future[ExpertSlot], slot: ExpertSlot, done: pb.TransferDone) -> None:
-        if done.status == "OK":
-            fut.set_result(slot)
-        else:
-            fut.set_exception(TransferFailed(f"{slot.key}: transfer {done.transfer_id} "
-                                             f"completed with {done.status}"))
-
     def _event_loop(self) -> None:
         while not self._closed.is_set():
             try:
@@ -398,15 +434,6 @@ class AgentClient:
                 if seen is None or p.done + p.failed + p.dropped >= \
                         seen.done + seen.failed + seen.dropped:
                     self._placements[p.placement_id] = p
-        if event.HasField("transfer_done"):
-            done = event.transfer_done
-            with self._lock:
-                entry = self._pending.pop(done.transfer_id, None)
-                if entry is None:
-                    self._early[done.transfer_id] = done
-            if entry is not None:
-                entry[2].settle()
-                self._resolve(entry[0], entry[1], done)
 
     def _recover(self) -> None:
         """The agent went away: wait for it, open a new session, reload the models this
@@ -424,12 +451,11 @@ class AgentClient:
                 old, self.devices = list(self.devices.values()), {}
                 for dev in old:
                     self._detach(dev)
-                    self._attach(dev.device, dev.specs, dev.ring_capacity, into=dev)
+                    self._attach(dev.device, dev.specs, dev.ring_capacity, into=dev,
+                                 delivery=dev.delivery)
                     self.devices[dev.device_id] = dev
                 if self._linked:
                     self.link_peers()
-                with self._lock:
-                    self._early.clear()
                 self.generation += 1
                 self.reconnected.set()
                 return
@@ -441,12 +467,9 @@ class AgentClient:
                 return
 
     def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for fut, _, bell in pending.values():
-            bell.settle()
-            if not fut.done():
-                fut.set_exception(exc)
+        """Every handle posted so far fails with ``exc`` (its wait raises it)."""
+        self._outage = exc
+        self._epoch += 1
 
     def _keepalive_loop(self) -> None:
         interval = max(0.2, self.lease_seconds / 3)

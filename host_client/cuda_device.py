@@ -11,15 +11,17 @@ import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, launch
+from gpu_kernels.copy_runs import plan_runs
 from gpu_kernels.cuda_ops import launch_checksums
 from gpu_kernels.reference import check_descriptors
 from gpu_kernels.shm import SharedBuffer
-from host_client.copy_runs import plan_runs
 from host_client.devices import RW, Device, DeviceFault
 
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
 PROBE_BYTES = 64 << 20
+ENGINE_VERIFY_BLOCKS = 8
+"""Blocks of the receive kernel when it only verifies what a DMA engine landed."""
 
 
 def device_pointer(host_address: int) -> int:
@@ -93,7 +95,13 @@ class CudaDevice(Device):
     def _map_arena(self, arena: SharedBuffer, region_id: int) -> int:
         return self._register_host(arena.address, arena.size)
 
-    def allocate(self, nbytes: int) -> Any:
+    def use_dma_engine(self) -> None:
+        """Only verification is left to this device: the persistent kernel on a few blocks
+        (the engine's copy engine moves the bytes; no host thread of this process does)."""
+        self.mechanism = "kernel"
+        self.blocks = min(self.blocks, ENGINE_VERIFY_BLOCKS)
+
+    def allocate(self, nbytes: int, shared: bool = False) -> Any:
         with self.dev:
             # Its own cudaMalloc, not a pool sub-allocation, so a CUDA IPC handle covers it.
             mem = self.cp.cuda.memory.Memory(nbytes)

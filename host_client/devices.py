@@ -18,7 +18,7 @@ from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.reference import ReceiveKernel
 from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer
+from gpu_kernels.shm import SharedBuffer, unique_name
 
 RW = abi.RegionFlags.READABLE | abi.RegionFlags.WRITABLE
 
@@ -111,8 +111,18 @@ class Device(ABC):
         """Register the arena with this device; returns its base as the consumer sees it."""
 
     @abstractmethod
-    def allocate(self, nbytes: int) -> Any:
-        """``nbytes`` of zeroed device memory (``uint8`` array of this device's xp)."""
+    def allocate(self, nbytes: int, shared: bool = False) -> Any:
+        """``nbytes`` of zeroed device memory (``uint8`` array of this device's xp); with
+        ``shared``, memory another process (the DMA engine) can open by :meth:`export_handle`
+        or :meth:`export_shm`."""
+
+    def use_dma_engine(self) -> None:  # noqa: B027 - only the CUDA device changes anything
+        """The agent's DMA engine will write this device's slots; its consumer only verifies
+        (VERIFY descriptors on the landed ring)."""
+
+    def export_shm(self, memory: Any) -> str:
+        """Shared-memory name of ``memory`` allocated ``shared`` (CPU reference device)."""
+        return ""
 
     @abstractmethod
     def bind(self, region_id: int, memory: Any) -> None:
@@ -183,6 +193,8 @@ class CpuReferenceDevice(Device):
     def __init__(self, ordinal: int = 0) -> None:
         super().__init__(ordinal)
         self.memory: dict[int, np.ndarray] = {}
+        self._shared: dict[int, SharedBuffer] = {}
+        """address -> the shared buffer behind memory allocated ``shared``."""
         self._thread: threading.Thread | None = None
         self._kernel: ReceiveKernel | None = None
         self._running = threading.Event()
@@ -192,8 +204,16 @@ class CpuReferenceDevice(Device):
         self.memory[region_id] = arena.array
         return arena.address
 
-    def allocate(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes, dtype=np.uint8)
+    def allocate(self, nbytes: int, shared: bool = False) -> np.ndarray:
+        if not shared:
+            return np.zeros(nbytes, dtype=np.uint8)
+        buf = SharedBuffer(unique_name("dpu-pool"), nbytes, create=True)
+        self._shared[buf.address] = buf
+        return buf.array
+
+    def export_shm(self, memory: np.ndarray) -> str:
+        buf = self._shared.get(int(memory.ctypes.data))
+        return buf.name if buf is not None else ""
 
     def bind(self, region_id: int, memory: np.ndarray) -> None:
         self.memory[region_id] = memory
@@ -252,3 +272,7 @@ class CpuReferenceDevice(Device):
     def close(self) -> None:
         super().close()
         self.memory.clear()
+        for buf in self._shared.values():
+            buf.unlink()
+            buf.close()
+        self._shared.clear()

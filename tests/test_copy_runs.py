@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from dpu_agent.dataplane.transfers import TransferPlan
 from gpu_kernels import abi
 from gpu_kernels.checksum import chunk_checksum
+from gpu_kernels.copy_runs import plan_runs
 from gpu_kernels.reference import check_descriptor, check_descriptors
-from host_client.copy_runs import plan_runs
 
 SRC_BASE, DST_BASE, SRC_BYTES, DST_BYTES = 1 << 20, 1 << 30, 1 << 16, 1 << 17
 

@@ -38,7 +38,7 @@ def test_every_expert_lands_byte_for_byte(client: AgentClient, qwen_ckpt: Path) 
         assert slot.tensor("down_proj").shape == (256, 192)
     # A second acquire of a resident expert is a hit: READY at once, same bytes.
     again = client.acquire(dev, keys[0])
-    assert again.done()
+    assert again.wait(1).raw("up_proj").tobytes() == slots[0].raw("up_proj").tobytes()
     np.testing.assert_array_equal(again.wait(1).blob, slots[0].blob)
     st = client.status()
     assert st.sessions and any(s.slots_ready == 18 for s in st.sessions)
@@ -59,7 +59,7 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
     for k in held:
         client.acquire(dev, k).wait(10)
     with pytest.raises(grpc.RpcError) as err:
-        client.acquire(dev, ExpertKey("qwen-evict", 2, 5))
+        client.acquire(dev, ExpertKey("qwen-evict", 2, 5)).wait(10)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # A batch refused part-way gives back what it had taken: the key it got a slot for is not
     # held afterwards, and that slot serves the next request. Layer 0's experts are arena

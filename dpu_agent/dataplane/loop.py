@@ -81,7 +81,7 @@ class DataPlaneLoop:
                 for sweep in self._sweeps:
                     try:
                         sweep()
-                    except Exception:  # noqa: BLE001 - a sweep must never stop the loop
+                    except Exception:
                         log.exception("data-plane sweep failed")
             requests, completions = self._poll()
             stats.passes += 1

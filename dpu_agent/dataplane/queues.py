@@ -23,27 +23,30 @@ def check_ring(shm_name: str, kind: abi.RingKind) -> None:
 
 
 class DeviceQueue:
-    """Work and completion rings of one registered device, opened from their export handles.
+    """The work ring of one registered device and the completion rings it is answered on,
+    opened from their export handles (a pulling device answers on one; a DMA-engine device on
+    the client's verifier ring and the engine's own).
 
     Descriptors that do not fit wait in a backlog, in order, and are pushed as the consumer
     frees entries (:meth:`flush`): the producer is held back, nothing is dropped.
     """
 
-    def __init__(self, work_shm: str, completion_shm: str) -> None:
-        self._work_buf = SharedBuffer(work_shm)
+    def __init__(self, work_shm: str, *completion_shms: str) -> None:
+        self._buffers: list[SharedBuffer] = []
         try:
-            self._comp_buf = SharedBuffer(completion_shm)
-        except BaseException:
-            self._work_buf.close()
-            raise
-        try:
-            self.work = Ring(self._work_buf.array, abi.RingKind.WORK)
-            self.completion = Ring(self._comp_buf.array, abi.RingKind.COMPLETION)
+            self.work = self._open(work_shm, abi.RingKind.WORK)
+            self.completions = [self._open(name, abi.RingKind.COMPLETION)
+                                for name in completion_shms]
         except BaseException:
             self.close()
             raise
         self._lock = threading.Lock()
         self._backlog: deque[np.ndarray] = deque()
+
+    def _open(self, name: str, kind: abi.RingKind) -> Ring:
+        buf = SharedBuffer(name)
+        self._buffers.append(buf)
+        return Ring(buf.array, kind)
 
     def submit(self, records: np.ndarray) -> None:
         """Queue ``DESCRIPTOR_DTYPE[n]`` for the device, in order."""
@@ -67,11 +70,14 @@ class DeviceQueue:
         return sum(int(b.size) for b in self._backlog)
 
     def poll_completions(self, limit: int = 4096) -> np.ndarray:
-        """Completed entries (``COMPLETION_DTYPE[n]``), oldest first, at most ``limit``."""
-        return self.completion.pop_many(limit)
+        """Completed entries (``COMPLETION_DTYPE[n]``) of every completion ring, each ring's
+        oldest first, at most ``limit`` per ring."""
+        got = [ring.pop_many(limit) for ring in self.completions]
+        return got[0] if len(got) == 1 else np.concatenate(got)
 
     def close(self) -> None:
-        self._backlog.clear()
-        for buf in (getattr(self, "_work_buf", None), getattr(self, "_comp_buf", None)):
-            if buf is not None:
-                buf.close()
+        if hasattr(self, "_lock"):
+            with self._lock:
+                self._backlog.clear()
+        for buf in self._buffers:
+            buf.close()

@@ -101,7 +101,7 @@ class RequestServer:
             self._granted(channel, position, rid, self.core.acquire_for(channel.owner, key, True))
         except AgentError as exc:
             self._refuse(channel, position, rid, _status(exc.kind), exc.message)
-        except Exception as exc:  # noqa: BLE001 - the client must get an answer, not a hang
+        except Exception as exc:
             log.exception("acquire of %s failed", key)
             self._refuse(channel, position, rid, abi.RequestStatus.UNAVAILABLE,
                          f"acquire of {key} failed in the agent: {exc}")

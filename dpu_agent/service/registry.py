@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.dataplane.engine import EngineRings
 from dpu_agent.dataplane.queues import DeviceQueue
 from dpu_offload.keys import ExpertKey
 from gpu_kernels.abi import SlotState
@@ -27,6 +28,8 @@ class SlotPool:
     slot_count: int
     ipc_handle: bytes = b""
     """CUDA IPC handle of the pool's device memory, for a process that must open it."""
+    shm_name: str = ""
+    """Shared-memory name of a CPU reference pool a DMA engine writes."""
     state: list[SlotState] = field(default_factory=list)
     keys: list[ExpertKey | None] = field(default_factory=list)
     refs: list[int] = field(default_factory=list)
@@ -125,6 +128,10 @@ class Device:
     """Devices of the session whose slot pools this device's consumer can read (LinkPeers)."""
     channel: DeviceChannel | None = None
     """The device's data-plane channel (requests, replies, slot states), made by the agent."""
+    delivery: int = 0
+    """``pb.Delivery``: the device's consumer pulls (0), or the DMA engine pushes (1)."""
+    engine_rings: EngineRings | None = None
+    """The agent-owned rings to the DMA engine (DMA-engine devices, once attached)."""
 
 
 class EventSink:

@@ -17,7 +17,7 @@ import grpc
 from dpu_agent import __version__
 from dpu_agent.dataplane.steering import Action, FlowRule, SteeringError, TrafficClass
 from dpu_agent.errors import AgentError, ErrorKind, invalid
-from dpu_agent.orchestrator import Orchestrator, SlotGrant
+from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.service.registry import ARENA_REGION_ID
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
@@ -101,7 +101,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                              context: grpc.aio.ServicerContext) -> pb.RegisterDeviceResponse:
         def call() -> pb.RegisterDeviceResponse:
             s = self.core.session(request.session_id)
-            dev = self.core.register_device(s, request.kind, request.ordinal, request.name)
+            dev = self.core.register_device(s, request.kind, request.ordinal, request.name,
+                                            request.delivery)
             assert dev.channel is not None
             return pb.RegisterDeviceResponse(device_id=dev.device_id, channel=pb.ChannelInfo(
                 shm_name=dev.channel.name, size_bytes=dev.channel.size,
@@ -350,7 +351,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                                 for p in d.pools.values()),
                 lease_remaining_seconds=s.lease_remaining) for s in sessions],
             models=[pb.ModelStatus(model=m.name, architecture=m.layout.architecture,
-                                   experts=len(m.experts)) for m in core.models.values()],
+                                   experts=len(m.experts), model_index=core.model_index(m.name))
+                    for m in core.models.values()],
             arena_bytes=core.arena.size, arena_used_bytes=core.arena.used_bytes,
             experts_cached=core.cache.resident, cache_hits=core.cache.stats.hits,
             cache_misses=core.cache.stats.misses, transfers_in_flight=core.tracker.in_flight,

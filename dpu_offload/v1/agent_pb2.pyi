@@ -13,6 +13,11 @@ class DeviceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DEVICE_KIND_CUDA: _ClassVar[DeviceKind]
     DEVICE_KIND_CPU_REFERENCE: _ClassVar[DeviceKind]
 
+class Delivery(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DELIVERY_DEVICE_PULL: _ClassVar[Delivery]
+    DELIVERY_DMA_ENGINE: _ClassVar[Delivery]
+
 class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REGION_KIND_UNSPECIFIED: _ClassVar[RegionKind]
@@ -30,6 +35,8 @@ class SlotState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DEVICE_KIND_UNSPECIFIED: DeviceKind
 DEVICE_KIND_CUDA: DeviceKind
 DEVICE_KIND_CPU_REFERENCE: DeviceKind
+DELIVERY_DEVICE_PULL: Delivery
+DELIVERY_DMA_ENGINE: Delivery
 REGION_KIND_UNSPECIFIED: RegionKind
 REGION_KIND_SLOT_POOL: RegionKind
 REGION_KIND_WORK_RING: RegionKind
@@ -91,18 +98,20 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterDeviceRequest(_message.Message):
-    __slots__ = ("session_id", "kind", "ordinal", "name", "memory_bytes")
+    __slots__ = ("session_id", "kind", "ordinal", "name", "memory_bytes", "delivery")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     kind: DeviceKind
     ordinal: int
     name: str
     memory_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[DeviceKind, str]] = ..., ordinal: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    delivery: Delivery
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[DeviceKind, str]] = ..., ordinal: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., delivery: _Optional[_Union[Delivery, str]] = ...) -> None: ...
 
 class ChannelInfo(_message.Message):
     __slots__ = ("shm_name", "size_bytes", "capacity")
@@ -505,14 +514,16 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., devices: _Optional[int] = ..., regions: _Optional[int] = ..., slots_ready: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("model", "architecture", "experts")
+    __slots__ = ("model", "architecture", "experts", "model_index")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_INDEX_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     experts: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., experts: _Optional[int] = ...) -> None: ...
+    model_index: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., experts: _Optional[int] = ..., model_index: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("version", "uptime_seconds", "sessions", "models", "arena_bytes", "arena_used_bytes", "experts_cached", "cache_hits", "cache_misses", "transfers_in_flight", "arena_pins")

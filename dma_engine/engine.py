@@ -1,0 +1,124 @@
+"""The engine's targets (one per attached device) and its polling loop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpu_kernels import abi
+from gpu_kernels.copy_runs import plan_runs
+from gpu_kernels.reference import check_descriptors
+from gpu_kernels.ring import Ring
+from gpu_kernels.shm import SharedBuffer
+
+log = logging.getLogger("dma_engine")
+
+
+@dataclass
+class Target:
+    """One device as the engine sees it.
+
+    Attributes:
+        work: the agent's work ring for this device (the engine consumes it).
+        completions: the engine's completion ring to the agent (refusals, unverified copies).
+        landed: the device's landed ring (the engine posts VERIFY descriptors; the client's
+            resident kernel consumes them).
+        regions: ``REGION_DTYPE[MAX_REGIONS]`` with this process's addresses.
+    """
+
+    device_id: int
+    backend: Any
+    work: Ring
+    completions: Ring
+    landed: Ring
+    buffers: list[SharedBuffer]
+    regions: np.ndarray = field(
+        default_factory=lambda: np.zeros(abi.MAX_REGIONS, abi.REGION_DTYPE))
+    moved_bytes: int = 0
+
+    def serve(self) -> int:
+        """Move what the work ring holds, as far as the landed ring has room; returns how many
+        descriptors were taken."""
+        room = min(self.landed.free_entries(), self.completions.free_entries())
+        if room <= 0:
+            return 0
+        batch = self.work.pop_many(room)
+        if batch.size == 0:
+            return 0
+        status = check_descriptors(batch, self.regions)
+        copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
+        verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
+        runs = plan_runs(batch, copy, verify, self.regions)
+        for run in self.backend.copy(runs):
+            self.moved_bytes += run.nbytes
+            if run.verify:
+                landed = batch[run.first:run.first + run.count].copy()
+                landed["opcode"] = abi.Opcode.VERIFY
+                self.landed.push_many(landed)
+        own = ~verify  # refused, not a copy, or a copy nobody asked to verify
+        if own.any():
+            out = np.zeros(int(own.sum()), abi.COMPLETION_DTYPE)
+            out["transfer_id"] = batch["transfer_id"][own]
+            out["chunk_index"] = batch["chunk_index"][own]
+            out["status"] = status[own]
+            out["nbytes"] = np.where(copy[own], batch["length"][own], 0)
+            self.completions.push_many(out)
+        return int(batch.size)
+
+    def close(self) -> None:
+        for base in self.regions["base"][1:][self.regions["size"][1:] > 0].tolist():
+            self.backend.close_pool(int(base))
+        for buf in self.buffers:
+            buf.close()
+
+
+class Engine:
+    """Every attached target, served by :meth:`run` on the calling thread; ``lock`` guards the
+    target table against the control thread."""
+
+    def __init__(self) -> None:
+        self.targets: dict[int, Target] = {}
+        self.lock = threading.Lock()
+        self._backends: dict[tuple[str, int], Any] = {}
+        self.stopping = False
+
+    def backend(self, kind: str, ordinal: int) -> Any:
+        from dma_engine.backends import CpuBackend, CudaBackend
+
+        key = (kind, ordinal)
+        if key not in self._backends:
+            self._backends[key] = CudaBackend(ordinal) if kind == "cuda" else CpuBackend()
+        return self._backends[key]
+
+    def run(self) -> None:
+        last_work = time.monotonic()
+        while not self.stopping:
+            with self.lock:
+                taken = sum(t.serve() for t in self.targets.values())
+            now = time.monotonic()
+            if taken:
+                last_work = now
+            elif now - last_work < 0.002:
+                time.sleep(0)
+            elif now - last_work < 0.1:
+                time.sleep(20e-6)
+            else:
+                time.sleep(0.0005)
+
+    def stats(self) -> dict[str, Any]:
+        return {"cpu_seconds": time.process_time(),
+                "moved_bytes": sum(t.moved_bytes for t in self.targets.values()),
+                "targets": len(self.targets)}
+
+    def close(self) -> None:
+        with self.lock:
+            for t in self.targets.values():
+                t.close()
+            self.targets.clear()
+            for b in self._backends.values():
+                b.close()

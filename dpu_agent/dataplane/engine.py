@@ -1,0 +1,182 @@
+"""The agent's supervision of the DMA-engine process (``python -m dma_engine``): started on
+first use, commanded over its stdin/stdout (JSON lines), checked every sweep of the data-plane
+loop. When it dies, ``on_death`` fails the transfers it had in hand and the engine is started
+again with every target re-attached. The agent never imports CUDA; the engine does, for CUDA
+targets only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("dpu_agent.engine")
+
+COMMAND_TIMEOUT_SECONDS = 30.0
+"""A command answered later than this counts as the engine hanging (CUDA IPC opens and the
+arena's registration are the slow ones)."""
+
+
+class EngineError(RuntimeError):
+    """The engine refused a command or is not running; the message says which and why."""
+
+
+class EngineSupervisor:
+    """One DMA-engine process and the commands that rebuild its state after a restart.
+
+    Args:
+        on_death: called (from the sweeping thread) with the ids of the devices the dead
+            engine served, before it is restarted; returns each one's attach command for the
+            new engine (fresh rings: the dead engine's unconsumed work must not run).
+    """
+
+    def __init__(self, on_death: Callable[[list[int]], dict[int, dict[str, Any]]]) -> None:
+        self._on_death = on_death
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+        self._targets: dict[int, dict[str, Any]] = {}
+        """device id -> its attach command; pools in ``_pools``."""
+        self._pools: dict[int, dict[int, dict[str, Any]]] = {}
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "dma_engine"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        self._read()  # {"ready": true}
+        log.info("dma engine started (pid %d)", self._proc.pid)
+
+    def _read(self) -> dict[str, Any]:
+        assert self._proc is not None and self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], COMMAND_TIMEOUT_SECONDS)
+        if not ready:
+            self._proc.kill()
+            raise EngineError(f"the DMA engine (pid {self._proc.pid}) did not answer within "
+                              f"{COMMAND_TIMEOUT_SECONDS} s; killed (it is restarted)")
+        line = self._proc.stdout.readline()
+        if not line:
+            raise EngineError(f"the DMA engine (pid {self._proc.pid}) exited "
+                              f"(status {self._proc.poll()})")
+        return json.loads(line)
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one command and return its answer; EngineError when refused or dead."""
+        with self._lock:
+            return self._call_locked({"op": op, **fields})
+
+    def _call_locked(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps(cmd) + "\n")
+            self._proc.stdin.flush()
+            answer = self._read()
+        except (BrokenPipeError, OSError) as exc:
+            raise EngineError(f"the DMA engine is gone: {exc}") from exc
+        if not answer.get("ok"):
+            raise EngineError(answer.get("error", "refused"))
+        return answer
+
+    def attach(self, device_id: int, cmd: dict[str, Any]) -> None:
+        with self._lock:
+            self._call_locked({"op": "attach", "device": device_id, **cmd})
+            self._targets[device_id] = cmd
+            self._pools[device_id] = {}
+
+    def add_pool(self, device_id: int, region_id: int, spec: dict[str, Any]) -> None:
+        with self._lock:
+            self._call_locked({"op": "pool", "device": device_id, "region": region_id, **spec})
+            self._pools[device_id][region_id] = spec
+
+    def remove_pool(self, device_id: int, region_id: int) -> None:
+        with self._lock:
+            if self._pools.get(device_id, {}).pop(region_id, None) is not None:
+                self._call_locked({"op": "unpool", "device": device_id, "region": region_id})
+
+    def detach(self, device_id: int) -> None:
+        with self._lock:
+            if self._targets.pop(device_id, None) is None:
+                return
+            self._pools.pop(device_id, None)
+            try:
+                self._call_locked({"op": "detach", "device": device_id})
+            except EngineError as exc:
+                log.warning("detach of device %d: %s", device_id, exc)
+
+    def check(self) -> None:
+        """Restart a dead engine (a sweep of the data-plane loop calls this)."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is None:
+                return
+            status = self._proc.returncode
+            devices = list(self._targets)
+            log.error("the DMA engine (pid %d) died with status %s; failing its transfers and "
+                      "restarting it", self._proc.pid, status)
+            self._proc = None
+        fresh = self._on_death(devices)
+        with self._lock:
+            self.restarts += 1
+            self._targets.update({d: c for d, c in fresh.items() if d in self._targets})
+            for device_id, cmd in list(self._targets.items()):
+                try:
+                    self._call_locked({"op": "attach", "device": device_id, **cmd})
+                    for region_id, spec in self._pools[device_id].items():
+                        self._call_locked({"op": "pool", "device": device_id,
+                                           "region": region_id, **spec})
+                except EngineError as exc:
+                    log.error("re-attaching device %d to the DMA engine: %s", device_id, exc)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's CPU seconds and bytes moved (empty when it is not running)."""
+        if self._proc is None:
+            return {}
+        return self.call("stats")
+
+    def stop(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+class EngineRings:
+    """The agent-owned rings between the agent and the engine for one device: the work ring
+    (agent -> engine) and the engine's completion ring (engine -> agent)."""
+
+    def __init__(self, capacity: int) -> None:
+        from gpu_kernels import abi
+        from gpu_kernels.ring import Ring
+        from gpu_kernels.shm import SharedBuffer, unique_name
+
+        self.buffers = []
+        for kind in (abi.RingKind.WORK, abi.RingKind.COMPLETION):
+            size = abi.ring_bytes(capacity, abi.entry_dtype_for(kind).itemsize)
+            buf = SharedBuffer(unique_name(f"dpu-engine-{kind.name.lower()}"), size, create=True)
+            Ring.format(buf.array, kind, capacity)
+            self.buffers.append(buf)
+        self.work, self.completions = (b.name for b in self.buffers)
+
+    def close(self) -> None:
+        for buf in self.buffers:
+            buf.unlink()
+            buf.close()

@@ -1,0 +1,259 @@
+"""The client's side of a device's data-plane channel (docs/ABI.md): post ACQUIRE / RELEASE /
+PREFETCH entries into the agent's request ring, take replies, and watch slot-state words.
+No gRPC call and no thread hop on this path: a handle polls one word of shared memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from dpu_offload.keys import ExpertKey
+from gpu_kernels import abi
+from gpu_kernels.channel import Channel, split_word
+from gpu_kernels.shm import SharedBuffer
+
+if TYPE_CHECKING:
+    from host_client.memory import ExpertSlot
+
+log = logging.getLogger("host_client")
+
+SPIN_SECONDS = 0.002
+"""A waiting handle polls without sleeping this long, then yields between polls."""
+CHECK_SECONDS = 0.05
+"""How often a waiting handle checks the device and the agent connection."""
+
+_CODES = {
+    abi.RequestStatus.BAD_OPCODE: grpc.StatusCode.INVALID_ARGUMENT,
+    abi.RequestStatus.REQUEST_REUSED: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+class AgentUnavailable(ConnectionError):
+    """The agent cannot be reached (or went away)."""
+
+
+class TransferFailed(RuntimeError):
+    """A delivery completed with an error status; the slot was not marked ready."""
+
+
+class RequestRefused(grpc.RpcError):
+    """The agent refused a request posted on the channel. ``code()`` and ``details()`` read as
+    the same refusal over gRPC would; ``status`` is the channel's :class:`abi.RequestStatus`."""
+
+    def __init__(self, status: abi.RequestStatus, message: str) -> None:
+        super().__init__(f"{status.name}: {message}")
+        self.status = status
+        self.message = message
+
+    def code(self) -> grpc.StatusCode:
+        return _CODES.get(self.status) or getattr(grpc.StatusCode, self.status.name)
+
+    def details(self) -> str:
+        return self.message
+
+    @classmethod
+    def of(cls, reply: np.void) -> RequestRefused | None:
+        """The refusal a reply carries; None for OK."""
+        status = abi.RequestStatus(int(reply["status"]))
+        if status == abi.RequestStatus.OK:
+            return None
+        return cls(status, bytes(reply["message"]).decode(errors="replace"))
+
+
+class ClientChannel:
+    """A mapped channel and the bookkeeping of this client's requests on it.
+
+    Replies are taken by whoever looks first: the handle that waits for one, or :meth:`sweep`
+    (run before every post), which hands each reply to the callback registered with its
+    request. A reply entry is reused only after its reply was taken.
+    """
+
+    def __init__(self, shm_name: str, size: int) -> None:
+        self._buffer = SharedBuffer(shm_name, size)
+        self.view = Channel(self._buffer.array)
+        self.capacity = self.view.capacity
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._waiting: dict[int, Callable[[np.void], None]] = {}
+        """ring position -> what to do with its reply."""
+        self._taken: dict[int, np.void] = {}
+        """Replies swept for handles that have not looked yet."""
+
+    def post(self, entries: list[tuple[abi.RequestOp, int, ExpertKey]],
+             on_reply: Callable[[np.void], None] | None = None,
+             timeout: float = 5.0) -> list[int]:
+        """Publish ``(op, model index, key)`` entries with one fence; returns their ring
+        positions. ``on_reply`` gets each reply a sweep takes (None: a handle will take it).
+        AgentUnavailable when the agent does not make room within ``timeout`` seconds."""
+        n = len(entries)
+        records = np.zeros(n, abi.REQUEST_DTYPE)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                self._sweep_locked()
+                first = self.view.requests.produced
+                oldest = min(self._waiting, default=first)
+                if self.view.requests.free_entries() >= n and \
+                        first + n - oldest <= self.capacity:
+                    break
+                if time.monotonic() > deadline:
+                    raise AgentUnavailable(f"the agent took no request for {timeout} s "
+                                           f"({len(self._waiting)} unanswered)")
+                time.sleep(0)
+            for j, (op, model, key) in enumerate(entries):
+                records[j] = (self._next_id + j, int(op), 0, model, key.layer, key.expert, 0)
+            self._next_id += n
+            positions = list(range(first, first + n))
+            for p in positions:
+                self._waiting[p] = on_reply or self._keep
+            self.view.requests.push_many(records)
+        return positions
+
+    def _keep(self, reply: np.void) -> None:
+        self._taken[int(reply["seq"]) - 1] = reply
+
+    def take(self, position: int) -> np.void | None:
+        """The reply to ``position`` if it has come (each reply is taken once)."""
+        with self._lock:
+            reply = self._taken.pop(position, None)
+            if reply is not None:
+                return reply
+            if position not in self._waiting:
+                return None
+            reply = self.view.reply_at(position)
+            if reply is not None:
+                del self._waiting[position]
+            return reply
+
+    def forget(self, position: int) -> None:
+        """Nobody will take ``position``'s reply: a sweep drops it."""
+        with self._lock:
+            if self._taken.pop(position, None) is None and position in self._waiting:
+                self._waiting[position] = lambda reply: None
+
+    def sweep(self) -> None:
+        with self._lock:
+            self._sweep_locked()
+
+    def _sweep_locked(self) -> None:
+        if not self._waiting:
+            return
+        first = min(self._waiting)
+        last = self.view.requests.produced
+        done = np.flatnonzero(self.view.answered(first, last))
+        for k in done.tolist():
+            p = first + k
+            callback = self._waiting.pop(p, None)
+            if callback is not None:
+                reply = self.view.reply_at(p)
+                if reply is not None:
+                    callback(reply)
+
+    def word(self, index: int) -> int:
+        return int(self.view.words[index])
+
+    def slot_status(self, index: int) -> int:
+        return int(self.view.states["status"][index])
+
+    def close(self) -> None:
+        self._buffer.close()
+
+
+class AcquireHandle:
+    """A pending (or already satisfied) acquire; :meth:`wait` returns the :class:`ExpertSlot`.
+
+    Resolved by polling shared memory: first the reply (which slot, which generation), then
+    that slot's state word until it reads READY or FAILED for the generation.
+    """
+
+    def __init__(self, key: ExpertKey, channel: ClientChannel, position: int,
+                 make_slot: Callable[[np.void], ExpertSlot], check: Callable[[], None],
+                 on_settle: Callable[[], None]) -> None:
+        self.key = key
+        self._channel = channel
+        self._position = position
+        self._make_slot = make_slot
+        self._check = check
+        self._on_settle = on_settle
+        self._reply: np.void | None = None
+        self._slot: ExpertSlot | None = None
+        self._error: BaseException | None = None
+
+    def _settle(self, slot: ExpertSlot | None, error: BaseException | None) -> None:
+        self._slot, self._error = slot, error
+        self._on_settle()
+
+    def _poll(self) -> bool:
+        """Advance as far as shared memory allows; True once the outcome is known."""
+        if self._slot is not None or self._error is not None:
+            return True
+        if self._reply is None:
+            reply = self._channel.take(self._position)
+            if reply is None:
+                return False
+            refused = RequestRefused.of(reply)
+            if refused is not None:
+                self._settle(None, refused)
+                return True
+            self._reply = reply
+        index = int(self._reply["state_index"])
+        generation, state = split_word(self._channel.word(index))
+        mine = int(self._reply["generation"])
+        if generation == mine and state == abi.SlotState.READY:
+            self._settle(self._make_slot(self._reply), None)
+        elif generation == mine and state == abi.SlotState.FAILED:
+            status = abi.Status(self._channel.slot_status(index))
+            self._settle(None, TransferFailed(f"{self.key}: delivery completed with "
+                                              f"{status.name}"))
+        elif generation > mine:
+            self._settle(None, TransferFailed(f"{self.key}: its slot was given to another "
+                                              "delivery before this one completed"))
+        else:
+            return False
+        return True
+
+    def done(self) -> bool:
+        """Whether the outcome is known (wait would return or raise at once)."""
+        return self._poll()
+
+    def granted(self) -> bool:
+        """Whether the agent has answered the acquire (a slot, or a refusal)."""
+        self._poll()
+        return self._reply is not None or isinstance(self._error, RequestRefused)
+
+    @property
+    def refusal(self) -> RequestRefused | None:
+        """The agent's refusal of the acquire, once answered."""
+        return self._error if isinstance(self._error, RequestRefused) else None
+
+    def wait(self, timeout: float | None = 30.0) -> ExpertSlot:
+        """Block until the bytes are verified in the slot. Raises RequestRefused (the agent
+        refused the acquire), TransferFailed (the delivery failed), AgentUnavailable (the agent
+        went away), DeviceFault (the device faulted: checked while waiting, so a dead consumer
+        is an error, not a hang), or TimeoutError after ``timeout`` seconds."""
+        start = time.monotonic()
+        next_check = start + CHECK_SECONDS
+        while not self._poll():
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CHECK_SECONDS
+                try:
+                    self._check()
+                except Exception as exc:  # noqa: BLE001 - DeviceFault, AgentUnavailable
+                    self._settle(None, exc)
+                    break
+                if timeout is not None and now - start >= timeout:
+                    raise TimeoutError(f"{self.key} not ready after {timeout} s")
+            if now - start > SPIN_SECONDS:
+                time.sleep(0)
+        if self._error is not None:
+            raise self._error
+        assert self._slot is not None
+        return self._slot

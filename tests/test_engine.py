@@ -1,0 +1,154 @@
+"""The shared-memory data plane: acquire / release / prefetch through the device channel, the
+DMA engine as its own process (the CPU reference device runs the same process structure as a
+GPU host), its death noticed and survived, and hostile request entries refused one by one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from dpu_offload.keys import ExpertKey
+from gpu_kernels import abi
+from gpu_kernels.channel import split_word
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec, TransferFailed
+from host_client.client import AttachedDevice
+from host_client.launcher import AgentProcess
+from tests.conftest import checkpoint_bytes
+
+
+def engine_pids(agent: AgentProcess) -> list[int]:
+    """Processes whose parent is the agent and that run ``python -m dma_engine``."""
+    assert agent.proc is not None
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == agent.proc.pid and b"dma_engine" in cmd:
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def engine_dev(client: AgentClient, qwen_ckpt: Path) -> Iterator[AttachedDevice]:
+    model = client.load_model(str(qwen_ckpt), "qwen-engine")
+    dev = client.register_device(CpuReferenceDevice(7), [SlotPoolSpec(model.expert_bytes, 18)],
+                                 delivery="engine")
+    yield dev
+
+
+@pytest.fixture
+def client(agent: AgentProcess) -> Iterator[AgentClient]:
+    with AgentClient(agent.address) as c:
+        yield c
+
+
+def test_engine_delivers_every_expert_from_its_own_process(
+        agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice,
+        qwen_ckpt: Path) -> None:
+    truth = checkpoint_bytes(qwen_ckpt)
+    keys = [ExpertKey("qwen-engine", layer, e) for layer in range(3) for e in range(6)]
+    slots = [h.wait(10) for h in client.acquire_batch(engine_dev, keys)]
+    for slot in slots:
+        for role in ("gate_proj", "up_proj", "down_proj"):
+            name = f"model.layers.{slot.key.layer}.mlp.experts.{slot.key.expert}.{role}.weight"
+            assert slot.raw(role).tobytes() == truth[name], (slot.key, role)
+    pids = engine_pids(agent)
+    assert len(pids) == 1 and pids[0] not in (os.getpid(), agent.proc.pid)
+    for k in keys:
+        client.release(engine_dev, k)
+    # Released slots are READY and idle: the next acquire is a hit, same bytes.
+    again = client.acquire(engine_dev, keys[3]).wait(5)
+    np.testing.assert_array_equal(again.blob, slots[3].blob)
+
+
+def test_engine_death_fails_in_flight_and_is_restarted(
+        agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice,
+        qwen_ckpt: Path) -> None:
+    truth = checkpoint_bytes(qwen_ckpt)
+    client.acquire(engine_dev, ExpertKey("qwen-engine", 0, 0)).wait(10)  # engine running
+    (pid,) = engine_pids(agent)
+    os.kill(pid, signal.SIGSTOP)  # the engine stops taking work ...
+    stuck = client.acquire(engine_dev, ExpertKey("qwen-engine", 1, 1))
+    time.sleep(0.2)
+    assert not stuck.done()
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)  # ... and dies
+    with pytest.raises(TransferFailed, match="CANCELLED"):
+        stuck.wait(5)
+    assert time.monotonic() - t0 < 1.5  # noticed within a sweep (0.5 s) or two
+    deadline = time.monotonic() + 10
+    while not [p for p in engine_pids(agent) if p != pid] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # A fresh engine serves the same expert again, verified byte for byte.
+    slot = client.acquire(engine_dev, ExpertKey("qwen-engine", 1, 1)).wait(10)
+    name = "model.layers.1.mlp.experts.1.down_proj.weight"
+    assert slot.raw("down_proj").tobytes() == truth[name]
+
+
+def post_raw(dev: AttachedDevice, record: dict[str, int]) -> np.void:
+    """Publish one hand-made request entry and wait for its reply."""
+    ring = dev.channel.view.requests
+    pos = ring.produced
+    assert ring.push(record)
+    deadline = time.monotonic() + 5
+    while (reply := dev.channel.view.reply_at(pos)) is None:
+        assert time.monotonic() < deadline, "no reply"
+        time.sleep(0.001)
+    return reply
+
+
+def test_hostile_requests_are_refused_and_change_nothing(
+        client: AgentClient, engine_dev: AttachedDevice) -> None:
+    key = ExpertKey("qwen-engine", 2, 4)
+    slot = client.acquire(engine_dev, key).wait(10)
+    before = slot.blob.copy()
+    words = engine_dev.channel.view.words.copy()
+    index = client._index("qwen-engine")
+    base = {"request_id": 10**12, "opcode": abi.RequestOp.ACQUIRE, "model": index,
+            "layer": 2, "expert": 4}
+    cases = [
+        ({"opcode": 77}, abi.RequestStatus.BAD_OPCODE, "opcode 77"),
+        ({"model": 999}, abi.RequestStatus.NOT_FOUND, "model index 999"),
+        ({"expert": 6}, abi.RequestStatus.NOT_FOUND, "not in model"),
+        ({"layer": 2**31}, abi.RequestStatus.NOT_FOUND, "not in model"),
+        ({"opcode": abi.RequestOp.RELEASE, "expert": 5}, abi.RequestStatus.FAILED_PRECONDITION,
+         "not held"),
+        ({"request_id": 1}, abi.RequestStatus.REQUEST_REUSED, "request id 1"),
+    ]
+    for j, (change, status, words_in_message) in enumerate(cases):
+        reply = post_raw(engine_dev, {**base, "request_id": base["request_id"] + j, **change})
+        assert abi.RequestStatus(int(reply["status"])) == status, change
+        assert words_in_message in bytes(reply["message"]).decode(), reply["message"]
+    np.testing.assert_array_equal(slot.blob, before)
+    np.testing.assert_array_equal(engine_dev.channel.view.words, words)
+    # The client's own ids continue above the hostile ones; the agent keeps serving.
+    engine_dev.channel._next_id = base["request_id"] + 100
+    client.release(engine_dev, key)
+    assert client.acquire(engine_dev, ExpertKey("qwen-engine", 0, 2)).wait(10)
+
+
+def test_refusals_reach_the_caller_with_their_status(
+        client: AgentClient, engine_dev: AttachedDevice) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        client.release(engine_dev, ExpertKey("qwen-engine", 0, 0))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert client.prefetch(engine_dev, [ExpertKey("qwen-engine", 0, e) for e in range(3)]) == 3
+    with pytest.raises(grpc.RpcError) as err:
+        client.prefetch(engine_dev, [ExpertKey("qwen-engine", 9, 0)])
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # A prefetched expert becomes READY in its slot without any reference held.
+    view = engine_dev.channel.view
+    deadline = time.monotonic() + 10
+    while sum(split_word(int(w))[1] == abi.SlotState.READY for w in view.words) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
