@@ -58,6 +58,19 @@ def log(msg: str) -> None:
     print(f"[delivery] {msg}", file=sys.stderr, flush=True)
 
 
+def engine_pid(agent_pid: int) -> int:
+    """The agent's DMA-engine child process (0 when it runs none)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == agent_pid and b"dma_engine" in cmd:
+            return int(pid)
+    return 0
+
+
 def proc_cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -141,15 +154,16 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
         client = AgentClient(agent.address, client_name="bench-delivery")
         try:
             model = client.load_model(str(root), "m")
+            delivery = "engine" if mechanism == "engine" else "pull"
             if gpu:
                 from host_client.cuda_device import CudaDevice
 
-                device = CudaDevice(0, mechanism=mechanism)
+                device = CudaDevice(0, mechanism="kernel" if delivery == "engine" else mechanism)
             else:
                 device = CpuReferenceDevice()
             half = experts // 2
             dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, half)],
-                                         ring_capacity=4096)
+                                         ring_capacity=4096, delivery=delivery)
             layer = model.moe_layers[0]
             keys = [ExpertKey("m", layer, e) for e in range(experts)]
 
@@ -171,14 +185,17 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             cycle(keys[:half])  # cold: checkpoint -> arena -> GPU
             cycle(keys[half:])  # evicts every GPU slot; arena now holds all experts
             log(f"{name}: arena warm")
-            bw, cpu_client, cpu_agent, nbytes_total = [], 0.0, 0.0, 0
+            bw, cpu_client, cpu_agent, cpu_engine, nbytes_total = [], 0.0, 0.0, 0.0, 0
+            engine = engine_pid(agent.proc.pid)
             rpc.clear()
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
                 c0, a0 = time.process_time(), proc_cpu_seconds(agent.proc.pid)
+                e0 = proc_cpu_seconds(engine) if engine else 0.0
                 dt = cycle(batch)
                 cpu_client += time.process_time() - c0
                 cpu_agent += proc_cpu_seconds(agent.proc.pid) - a0
+                cpu_engine += (proc_cpu_seconds(engine) - e0) if engine else 0.0
                 nbytes_total += half * model.expert_bytes
                 bw.append(half * model.expert_bytes / dt / 1e9)
             log(f"{name}: bandwidth {bw}")
@@ -196,6 +213,13 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 lat.append(time.perf_counter() - t0)
                 client.release(dev, k)
                 cycle(resident)  # evicts k again
+            hit = []
+            for r in range(max(20, repeats * 4)):  # an expert already READY in a slot
+                k = resident[r % half]
+                t0 = time.perf_counter()
+                client.acquire(dev, k).wait(10)
+                hit.append(time.perf_counter() - t0)
+                client.release(dev, k, wait=False)
             log(f"{name}: latency done")
             result: dict[str, object] = {
                 "expert_bytes": model.expert_bytes,
@@ -207,10 +231,14 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "acquire_to_ready_p50_ms": median(lat) * 1e3,
                 "acquire_to_ready_p99_ms": pct(lat, 99) * 1e3,
                 "acquire_rpc_p50_ms": median(single_rpc) * 1e3,
+                "ready_hit_p50_us": median(hit) * 1e6,
                 "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
                 "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
+                "engine_cpu_s_per_gb": cpu_engine / (nbytes_total / 1e9),
+                "delivery": delivery,
             }
-            result["mechanism"] = getattr(device, "mechanism", "cpu-reference")
+            result["mechanism"] = ("dma_engine" if delivery == "engine" else
+                                   getattr(device, "mechanism", "cpu-reference"))
             result["mechanism_probe"] = getattr(device, "probe", {})
             if gpu:
                 result["copy_engine_arena_gbps"] = copy_engine_from_arena(
@@ -256,7 +284,8 @@ def main() -> int:
     ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES))
     ap.add_argument("--mechanisms", nargs="+", default=["auto"],
-                    choices=["auto", "kernel", "copy_engine"])
+                    choices=["auto", "kernel", "copy_engine", "engine"],
+                    help="engine: the agent's DMA-engine process delivers, the device verifies")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
     args = ap.parse_args()
@@ -276,10 +305,12 @@ def main() -> int:
                       f"pinned {r.get('pinned_h2d_gbps', float('nan')):6.2f}  "
                       f"pageable {r['pageable_h2d_gbps']:6.2f}  http "
                       f"{r['http_staged_gbps']:6.2f}  p50 {r['acquire_to_ready_p50_ms']:7.3f} ms "
-                      f"(RPC {r['acquire_rpc_p50_ms']:.3f}; batch RPC "
-                      f"{r['acquire_batch_rpc_p50_ms']:.3f})"
+                      f"p99 {r['acquire_to_ready_p99_ms']:7.3f} ms (acquire call "
+                      f"{r['acquire_rpc_p50_ms']:.3f}; batch {r['acquire_batch_rpc_p50_ms']:.3f})"
+                      f" hit {r['ready_hit_p50_us']:.0f} us"
                       f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
-                      f"{r['agent_cpu_s_per_gb']:.4f} s/GB", file=sys.stderr)
+                      f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB",
+                      file=sys.stderr)
     data = envelope("delivery", results, device=args.device,
                     command=" ".join(["python", "bench/delivery.py", *sys.argv[1:]]),
                     repeats=args.repeats)

@@ -152,3 +152,22 @@ def test_refusals_reach_the_caller_with_their_status(
     while sum(split_word(int(w))[1] == abi.SlotState.READY for w in view.words) < 3:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+@pytest.mark.gpu
+def test_engine_delivers_into_gpu_memory(client: AgentClient, qwen_ckpt: Path) -> None:
+    """On a GPU: the engine process opens the pool by CUDA IPC handle and copies with the copy
+    engine; the client's receive kernel only verifies. Bytes in GPU memory equal the
+    checkpoint's."""
+    from host_client.cuda_device import CudaDevice
+
+    truth = checkpoint_bytes(qwen_ckpt)
+    model = client.load_model(str(qwen_ckpt), "qwen-engine-gpu")
+    dev = client.register_device(CudaDevice(0), [SlotPoolSpec(model.expert_bytes, 18)],
+                                 delivery="engine")
+    assert dev.device.mechanism == "kernel"
+    keys = [ExpertKey("qwen-engine-gpu", layer, e) for layer in range(3) for e in range(6)]
+    for slot in [h.wait(30) for h in client.acquire_batch(dev, keys)]:
+        for role in ("gate_proj", "up_proj", "down_proj"):
+            name = f"model.layers.{slot.key.layer}.mlp.experts.{slot.key.expert}.{role}.weight"
+            assert slot.raw(role).get().tobytes() == truth[name], (slot.key, role)
