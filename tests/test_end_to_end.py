@@ -4,6 +4,7 @@ reference device -> slots, with bytes checked against the checkpoint files."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import grpc
@@ -72,7 +73,16 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
         with pytest.raises(grpc.RpcError) as err:
             client.release(dev, ExpertKey("qwen-evict", layer, 0))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        client.acquire(dev, ExpertKey("qwen-evict", layer, 2)).wait(10)
+        # The refused batch's slot serves the next request once its delivery has ended.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.acquire(dev, ExpertKey("qwen-evict", layer, 2)).wait(10)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
         client.release(dev, ExpertKey("qwen-evict", layer, 2))
 
 

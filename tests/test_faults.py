@@ -89,7 +89,7 @@ def test_killed_host_process_is_reclaimed(qwen_ckpt: Path, tmp_path: Path) -> No
             for e in range(3):
                 c.acquire(d, ExpertKey("qk", 0, e)).wait(10)
             d.device.pause()
-            c.acquire(d, ExpertKey("qk", 0, 3))  # left in flight, its arena blob pinned
+            c.acquire_batch(d, [ExpertKey("qk", 0, 3)])  # granted, left in flight, blob pinned
             print("held", flush=True)
             time.sleep(60)
         """)

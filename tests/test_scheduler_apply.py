@@ -54,7 +54,7 @@ def two_devices(qwen_ckpt: Path):
 
 
 def _held_ready(client: AgentClient, dev, key: ExpertKey) -> bool:
-    h = client.acquire(dev, key)
+    (h,) = client.acquire_batch(dev, [key])  # returns once granted: a hit is READY already
     ready = h.done()
     h.wait(10)
     client.release(dev, key)

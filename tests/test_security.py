@@ -96,12 +96,17 @@ def test_calls_beyond_the_session_bound_are_resource_exhausted(tmp_path: Path) -
                       ) as agent, AgentClient(agent.address) as client:
         model = client.load_model(str(root), "big")
         dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 8)])
-        slow = threading.Thread(target=lambda: client.acquire_batch(
-            dev, [ExpertKey("big", 0, e) for e in range(8)]))  # cold fills: hundreds of ms
+        # The bound is on gRPC calls (the channel's bound is its ring): the control-plane
+        # AcquireBatch / Acquire that tools may still use.
+        def rpc_acquire(experts: range) -> None:
+            client.stub.AcquireBatch(pb.AcquireBatchRequest(
+                session_id=client.session_id, device_id=dev.device_id,
+                keys=[ExpertKey("big", 0, e).to_proto() for e in experts]), timeout=30)
+        slow = threading.Thread(target=rpc_acquire, args=(range(8),))  # cold fills: 100s of ms
         slow.start()
         time.sleep(0.05)
         with pytest.raises(grpc.RpcError) as err:
-            client.acquire(dev, ExpertKey("big", 0, 0))
+            rpc_acquire(range(1))
         slow.join()
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_concurrent_rpcs" in err.value.details()

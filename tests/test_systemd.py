@@ -137,7 +137,7 @@ def test_sigterm_drains_then_cancels_and_exits_zero(qwen_ckpt: Path) -> None:
         model = client.load_model(str(qwen_ckpt), "drain")
         dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
         dev.device.stop()  # nothing will complete: the transfer stays in flight
-        handle = client.acquire(dev, ExpertKey("drain", 0, 0))
+        (handle,) = client.acquire_batch(dev, [ExpertKey("drain", 0, 0)])  # once granted
         t0 = time.monotonic()
         assert agent.stop(timeout=15) == 0
         assert 0.9 < time.monotonic() - t0 < 10, "did not wait out the grace, or hung"
