@@ -173,6 +173,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="print only (make demo)")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
+    ap.add_argument("--delivery", choices=["pull", "engine"], default="pull",
+                    help="engine: the agent's DMA-engine process writes the slots")
     ap.add_argument("--profile", type=Path,
                     help="append a cProfile of each offload decode loop (main thread) here")
     args = ap.parse_args()
@@ -180,23 +182,26 @@ def main() -> int:
         plot(json.loads(args.replot.read_text())["results"], args.replot.with_suffix(".png"))
         return 0
     result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
-                 args.experts, device=args.device, profile=args.profile)
+                 args.experts, device=args.device, profile=args.profile,
+                 delivery=args.delivery)
     print_table(result)
     if args.no_save:
         return 0
     path = write("decode", envelope("decode", result, device=args.device,
                                     command="python bench/decode.py " + " ".join(sys.argv[1:])),
-                 f"-{args.arch}-{args.device}")
+                 f"-{args.arch}-{args.device}"
+                 + ("-engine" if args.delivery == "engine" else ""))
     plot(result, path.with_suffix(".png"))
     print(json.dumps(result) if args.json else f"wrote {path}")
     return 0
 
 
 def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, layers: int,
-        experts: int, shrink: int = 1, device: str = "cpu", profile: Path | None = None
-        ) -> dict[str, Any]:
+        experts: int, shrink: int = 1, device: str = "cpu", profile: Path | None = None,
+        delivery: str = "pull") -> dict[str, Any]:
     """``shrink`` divides hidden and intermediate sizes (tests only; 1 keeps the real ones).
-    ``profile``: a text file that each fraction's offload loop appends its cProfile to."""
+    ``profile``: a text file that each fraction's offload loop appends its cProfile to.
+    ``delivery``: "pull" (the device's consumer copies) or "engine" (the DMA engine does)."""
     xp: Any = np
     if device == "cuda":
         import cupy as xp
@@ -232,7 +237,7 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     for e in range(experts)}
         decoder.run(lambda la, e: resident[la, e], lambda *_: None, min(tokens, 2))  # warm-up
         reference_out = decoder.run(lambda la, e: resident[la, e], lambda *_: None, tokens)
-        results: dict[str, Any] = {"arch": arch, "hidden": hidden, "intermediate": inter,
+        results: dict[str, Any] = {"arch": arch, "delivery": delivery, "hidden": hidden, "intermediate": inter,
                                    "top_k": top_k, "layers": layers, "experts": experts,
                                    "tokens": tokens, "device": device,
                                    "copy_bandwidth_gbps": bandwidth / 1e9,
@@ -258,7 +263,8 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 session = AgentClient(agent.address, rpc_timeout=120)
                 made = (CudaDevice(0, mechanism="copy_engine") if device == "cuda" else
                         CpuReferenceDevice(len(results["runs"])))
-                dev = session.register_device(made, [SlotPoolSpec(model.expert_bytes, slots)])
+                dev = session.register_device(made, [SlotPoolSpec(model.expert_bytes, slots)],
+                                              delivery=delivery)
                 stats = {"hits": 0, "misses": 0}
                 handles: dict[int, Any] = {}
 
