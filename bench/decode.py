@@ -237,7 +237,8 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     for e in range(experts)}
         decoder.run(lambda la, e: resident[la, e], lambda *_: None, min(tokens, 2))  # warm-up
         reference_out = decoder.run(lambda la, e: resident[la, e], lambda *_: None, tokens)
-        results: dict[str, Any] = {"arch": arch, "delivery": delivery, "hidden": hidden, "intermediate": inter,
+        results: dict[str, Any] = {"arch": arch, "delivery": delivery, "hidden": hidden,
+                                   "intermediate": inter,
                                    "top_k": top_k, "layers": layers, "experts": experts,
                                    "tokens": tokens, "device": device,
                                    "copy_bandwidth_gbps": bandwidth / 1e9,
