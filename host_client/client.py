@@ -259,6 +259,7 @@ class AgentClient:
 
         def check() -> None:
             dev.device.check()
+            dev.channel.check()
             if self._epoch != epoch:
                 raise self._outage
 
@@ -330,6 +331,7 @@ class AgentClient:
         """Wait for the reply to ``position``; raise its refusal."""
         deadline = time.monotonic() + self.rpc_timeout
         while (reply := dev.channel.take(position)) is None:
+            dev.channel.check()
             if time.monotonic() > deadline:
                 raise AgentUnavailable(f"the agent did not answer within {self.rpc_timeout} s")
             time.sleep(0)

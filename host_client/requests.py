@@ -156,6 +156,14 @@ class ClientChannel:
                 if reply is not None:
                     callback(reply)
 
+    def check(self) -> None:
+        """RequestRefused(UNAVAILABLE) when the agent stopped serving this channel."""
+        fault = int(self.view.requests.header["fault"])
+        if fault:
+            raise RequestRefused(abi.RequestStatus.UNAVAILABLE,
+                                 f"the agent stopped serving this channel: "
+                                 f"{abi.Status(fault).name} (its header was overwritten)")
+
     def word(self, index: int) -> int:
         return int(self.view.words[index])
 

@@ -171,3 +171,22 @@ def test_engine_delivers_into_gpu_memory(client: AgentClient, qwen_ckpt: Path) -
         for role in ("gate_proj", "up_proj", "down_proj"):
             name = f"model.layers.{slot.key.layer}.mlp.experts.{slot.key.expert}.{role}.weight"
             assert slot.raw(role).get().tobytes() == truth[name], (slot.key, role)
+
+
+def test_overwritten_channel_header_stops_service_with_an_error(
+        agent: AgentProcess, qwen_ckpt: Path) -> None:
+    """A client that scribbles over its request ring's header loses the channel (BAD_RING in
+    the header's fault word): its waits end with an error, never a hang; the agent and other
+    sessions carry on."""
+    with AgentClient(agent.address) as bad, AgentClient(agent.address) as good:
+        for c in (bad, good):
+            model = c.load_model(str(qwen_ckpt), "qwen-engine")
+        devs = [c.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)],
+                                  delivery="engine") for c in (bad, good)]
+        devs[0].channel.view.requests.header["capacity"] = 4
+        handle = bad.acquire(devs[0], ExpertKey("qwen-engine", 0, 1))
+        with pytest.raises(grpc.RpcError) as err:
+            handle.wait(5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "BAD_RING" in err.value.details()
+        good.acquire(devs[1], ExpertKey("qwen-engine", 0, 1)).wait(10)

@@ -13,6 +13,8 @@ from gpu_kernels import abi
 from gpu_kernels.channel import Channel
 from gpu_kernels.shm import SharedBuffer, unique_name
 
+_HEADER_FIELDS = ("magic", "version", "kind", "entry_size", "capacity")
+
 CHANNEL_CAPACITY = 1024
 """Request-ring entries (and replies) of every channel."""
 
@@ -35,6 +37,10 @@ class DeviceChannel:
         self.view = Channel.format(self._buffer.array, capacity)
         self.last_request_id = 0
         self.closed = False
+        self.fault = ""
+        """Why the channel stopped being served (its header was overwritten), or empty."""
+        header = self.view.requests.header
+        self._expect = tuple(int(header[f]) for f in _HEADER_FIELDS)
 
     @property
     def name(self) -> str:
@@ -45,9 +51,19 @@ class DeviceChannel:
         return self._buffer.size
 
     def take_requests(self, limit: int = 256) -> tuple[int, np.ndarray]:
-        """(ring position of the first, ``REQUEST_DTYPE[n]`` copies) of what was posted."""
-        first = self.view.requests.consumed
-        return first, self.view.requests.pop_many(limit)
+        """(ring position of the first, ``REQUEST_DTYPE[n]`` copies) of what was posted.
+        A channel whose header the client overwrote is served no more: its ``fault`` word
+        says BAD_RING (the client's waits end with that error)."""
+        ring = self.view.requests
+        first = ring.consumed
+        if self.fault:
+            return first, ring.entries[:0]
+        header = ring.header
+        if tuple(int(header[f]) for f in _HEADER_FIELDS) != self._expect:
+            self.fault = "the request ring's header was overwritten"
+            header["fault"] = int(abi.Status.BAD_RING)
+            return first, ring.entries[:0]
+        return first, ring.pop_many(limit)
 
     def publish_state(self, index: int, generation: int, state: abi.SlotState,
                       status: int = 0) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,8 +23,10 @@ from hypothesis import strategies as st
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError, read_header
+from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, reference
+from gpu_kernels.channel import split_word
 from gpu_kernels.reference import ReceiveKernel
 from gpu_kernels.ring import Ring
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -232,3 +235,64 @@ def test_fuzz_index_files(tmp_path_factory: pytest.TempPathFactory, weight_map, 
     (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises((CheckpointError, LayoutError)):
         build_catalog(root)
+
+
+@pytest.fixture(scope="module")
+def channel_live(qwen_ckpt: Path) -> Iterator[tuple[AgentProcess, AgentClient, object, object]]:
+    """An agent, a DMA-engine device, and a sentinel expert held READY in one slot."""
+    with AgentProcess('[arena]\nbytes = "32MiB"\n[sessions]\nmax_lease_seconds = 60\n'
+                      ) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "fc")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 4)],
+                                     delivery="engine")
+        sentinel = client.acquire(dev, SENTINEL).wait(10)  # slot 0, state entry 0
+        yield agent, client, dev, sentinel
+
+
+SENTINEL = ExpertKey("fc", 2, 5)
+"""Held for the whole module; the entries below never name it (expert 5 is left out)."""
+
+request_entries = st.lists(st.fixed_dictionaries({
+    "opcode": st.one_of(st.sampled_from(list(abi.RequestOp)), st.integers(0, 2**16 - 1)),
+    "model": st.one_of(st.integers(0, 2), u32), "layer": st.one_of(st.integers(0, 3), u32),
+    "expert": st.one_of(st.integers(0, 4), st.integers(6, 2**32 - 1)),
+    "flags": st.integers(0, 2**16 - 1), "reuse": st.booleans()}), min_size=1, max_size=8)
+
+
+@FUZZ
+@given(entries=request_entries)
+def test_fuzz_request_ring(channel_live, entries: list[dict[str, int]]) -> None:
+    """Hostile request-ring entries (unknown ops, models, layers, experts; reused ids;
+    releases of what is not held): every one is answered with a known status (a message when
+    refused), the sentinel slot's bytes and state never change, the agent keeps serving, and
+    whatever was granted is released again."""
+    agent, client, dev, sentinel = channel_live
+    view = dev.channel.view
+    before, state = sentinel.blob.copy(), view.words.copy()
+    ring = view.requests
+    base = dev.channel._next_id
+    positions = []
+    for j, e in enumerate(entries):
+        rid = 1 if e["reuse"] else base + j
+        positions.append(ring.produced)
+        assert ring.push({"request_id": rid, "opcode": e["opcode"], "flags": e["flags"],
+                          "model": e["model"], "layer": e["layer"], "expert": e["expert"]})
+    dev.channel._next_id = base + len(entries) + 1
+    granted = []
+    for pos, e in zip(positions, entries, strict=True):
+        deadline = time.monotonic() + 10
+        while (reply := view.reply_at(pos)) is None:
+            assert time.monotonic() < deadline and agent.proc.poll() is None, "no reply"
+            time.sleep(0.0005)
+        status = abi.RequestStatus(int(reply["status"]))
+        if status != abi.RequestStatus.OK:
+            assert bytes(reply["message"]).strip(b"\0"), f"{status.name} without a message"
+        elif e["opcode"] == abi.RequestOp.ACQUIRE:
+            granted.append(ExpertKey("fc", e["layer"], e["expert"]))
+        elif e["opcode"] == abi.RequestOp.RELEASE:  # only what this example acquired
+            granted.remove(ExpertKey("fc", e["layer"], e["expert"]))
+    for k in granted:
+        client.release(dev, k)
+    np.testing.assert_array_equal(sentinel.blob, before)
+    assert split_word(int(view.words[0])) == split_word(int(state[0]))  # READY, same generation
+    assert agent.proc.poll() is None
