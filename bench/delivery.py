@@ -200,7 +200,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 bw.append(half * model.expert_bytes / dt / 1e9)
             log(f"{name}: bandwidth {bw}")
             batch_rpc = rpc[:]
-            lat, single_rpc = [], []
+            lat, single_rpc, grant = [], [], []
             resident, other = keys[half:], keys[:half]  # the last cycle loaded keys[half:]
             if repeats % 2:
                 resident, other = other, resident
@@ -209,6 +209,9 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 t0 = time.perf_counter()
                 handle = client.acquire(dev, k)
                 single_rpc.append(time.perf_counter() - t0)
+                while not handle.granted():  # the agent's reply: which slot
+                    pass
+                grant.append(time.perf_counter() - t0)
                 handle.wait(60)
                 lat.append(time.perf_counter() - t0)
                 client.release(dev, k)
@@ -231,6 +234,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "acquire_to_ready_p50_ms": median(lat) * 1e3,
                 "acquire_to_ready_p99_ms": pct(lat, 99) * 1e3,
                 "acquire_rpc_p50_ms": median(single_rpc) * 1e3,
+                "acquire_to_grant_p50_ms": median(grant) * 1e3,
                 "ready_hit_p50_us": median(hit) * 1e6,
                 "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
                 "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
@@ -307,6 +311,7 @@ def main() -> int:
                       f"{r['http_staged_gbps']:6.2f}  p50 {r['acquire_to_ready_p50_ms']:7.3f} ms "
                       f"p99 {r['acquire_to_ready_p99_ms']:7.3f} ms (acquire call "
                       f"{r['acquire_rpc_p50_ms']:.3f}; batch {r['acquire_batch_rpc_p50_ms']:.3f})"
+                      f" grant {r['acquire_to_grant_p50_ms']:.3f} ms"
                       f" hit {r['ready_hit_p50_us']:.0f} us"
                       f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
                       f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB",

@@ -11,12 +11,31 @@ from typing import Any
 import numpy as np
 
 from gpu_kernels import abi
-from gpu_kernels.copy_runs import plan_runs
+from gpu_kernels.copy_runs import CopyRun, plan_runs
 from gpu_kernels.reference import check_descriptors
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer
 
 log = logging.getLogger("dma_engine")
+
+PIECE_BYTES = 4 << 20
+"""A run is copied in pieces of about this size, each posted for verification as soon as it
+has landed, so the device verifies one piece while the next is copied."""
+
+
+def pieces(run: CopyRun, piece_bytes: int = PIECE_BYTES) -> list[CopyRun]:
+    """``run`` cut at chunk boundaries into runs of at most ``max(piece_bytes, chunk)``."""
+    step = max(1, piece_bytes // run.chunk_bytes)
+    if run.count <= step:
+        return [run]
+    out = []
+    for k in range(0, run.count, step):
+        n = min(step, run.count - k)
+        off = k * run.chunk_bytes
+        nbytes = n * run.chunk_bytes if k + n < run.count else run.nbytes - off
+        out.append(CopyRun(run.first + k, n, run.src + off, run.dst + off, nbytes,
+                           run.chunk_bytes, run.position + off, run.verify))
+    return out
 
 
 @dataclass
@@ -53,7 +72,7 @@ class Target:
         status = check_descriptors(batch, self.regions)
         copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
         verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
-        runs = plan_runs(batch, copy, verify, self.regions)
+        runs = [p for run in plan_runs(batch, copy, verify, self.regions) for p in pieces(run)]
         for run in self.backend.copy(runs):
             self.moved_bytes += run.nbytes
             if run.verify:

@@ -166,3 +166,18 @@ def receive_packets(rx: Ring, rx_device_ptr: int, dst: Any, packets: int,
     written, refused, message_id = (int(x) for x in out.get(stream=stream))
     rx.advance(packets)
     return message_id, written, refused
+
+
+WAIT_OUTCOMES = ("READY", "FAILED", "slot moved to a later generation", "timed out")
+"""What ``wait_ready``'s result word means (dpu_wait_ready in ready.cu)."""
+
+
+def wait_ready(word_address: int, generation: int, timeout_s: float, result: Any,
+               stream: Any) -> None:
+    """Enqueue on ``stream`` a wait until the slot-state word at ``word_address`` (a device
+    address of registered host memory) reads READY or FAILED for ``generation``; ``result``
+    (``uint32[1]`` device array) gets an index into ``WAIT_OUTCOMES``. Twin:
+    ``reference.wait_ready``."""
+    k = launch.kernel("ready", "dpu_wait_ready")
+    k((1,), (32,), (np.uint64(word_address), np.uint64(generation),
+                    np.uint64(int(timeout_s * 1e9)), result), stream=stream)

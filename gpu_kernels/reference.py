@@ -6,6 +6,7 @@ suite in tests/test_kernels.py runs each kernel and its twin on the same inputs 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -298,3 +299,19 @@ def swiglu_f32_weights(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np
     u = xf @ up.T
     h = (g / (1.0 + array_module(g).exp(-g))) * u
     return f32_to_bf16(h @ down.T)
+
+
+def wait_ready(words: np.ndarray, index: int, generation: int, timeout_s: float) -> int:
+    """Twin of ``dpu_wait_ready``: poll ``words[index]`` (the slot-state table) until READY or
+    FAILED for ``generation``; returns 0 READY, 1 FAILED, 2 a later generation, 3 timed out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        w = int(words[index])
+        gen, state = w >> abi.SLOT_STATE_BITS, w & ((1 << abi.SLOT_STATE_BITS) - 1)
+        if gen == generation and state in (abi.SlotState.READY, abi.SlotState.FAILED):
+            return 0 if state == abi.SlotState.READY else 1
+        if gen > generation:
+            return 2
+        if time.monotonic() > deadline:
+            return 3
+        time.sleep(0)

@@ -194,6 +194,7 @@ class AgentClient:
         rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
         tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
         channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes)
+        channel.device_address = device.register_host_ring(channel.view.buffer)
         attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx,
                                           tx, specs=specs, ring_capacity=ring_capacity,
                                           delivery=delivery)

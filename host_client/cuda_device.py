@@ -20,7 +20,7 @@ from host_client.devices import RW, Device, DeviceFault
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
 PROBE_BYTES = 64 << 20
-ENGINE_VERIFY_BLOCKS = 8
+ENGINE_VERIFY_BLOCKS = 16
 """Blocks of the receive kernel when it only verifies what a DMA engine landed."""
 
 

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -85,6 +85,8 @@ class ClientChannel:
         """ring position -> what to do with its reply."""
         self._taken: dict[int, np.void] = {}
         """Replies swept for handles that have not looked yet."""
+        self.device_address = 0
+        """The channel's address as the device's kernels see it (registered host memory)."""
 
     def post(self, entries: list[tuple[abi.RequestOp, int, ExpertKey]],
              on_reply: Callable[[np.void], None] | None = None,
@@ -164,6 +166,11 @@ class ClientChannel:
                                  f"the agent stopped serving this channel: "
                                  f"{abi.Status(fault).name} (its header was overwritten)")
 
+    def word_address(self, index: int) -> int:
+        """Device address of slot-state word ``index`` (after the device registered us)."""
+        states_at = abi.channel_layout(self.capacity)[1]
+        return self.device_address + states_at + index * abi.SLOT_STATE_DTYPE.itemsize
+
     def word(self, index: int) -> int:
         return int(self.view.words[index])
 
@@ -172,6 +179,29 @@ class ClientChannel:
 
     def close(self) -> None:
         self._buffer.close()
+
+
+class StreamWait:
+    """A wait enqueued on a CUDA stream (``AcquireHandle.enqueue_wait``).
+
+    Attributes:
+        slot: the expert's slot views; valid for kernels enqueued on the stream after the wait.
+        result: ``uint32[1]`` device word: an index into ``cuda_ops.WAIT_OUTCOMES`` once the
+            wait kernel ran (0 READY).
+    """
+
+    def __init__(self, key: ExpertKey, slot: ExpertSlot, result: Any, stream: Any) -> None:
+        self.key, self.slot, self.result, self.stream = key, slot, result, stream
+
+    def check(self) -> None:
+        """Synchronise the stream; TransferFailed unless the expert was READY."""
+        from gpu_kernels.cuda_ops import WAIT_OUTCOMES
+
+        self.stream.synchronize()
+        outcome = int(self.result.get()[0])
+        if outcome:
+            raise TransferFailed(f"{self.key}: stream wait ended with "
+                                 f"{WAIT_OUTCOMES[outcome] if outcome < 4 else outcome}")
 
 
 class AcquireHandle:
@@ -226,6 +256,27 @@ class AcquireHandle:
         else:
             return False
         return True
+
+    def enqueue_wait(self, stream: Any, timeout: float = 30.0) -> StreamWait:
+        """Make ``stream`` (a CuPy stream of the slot's GPU) wait on the GPU until this expert
+        is READY, and return at once: kernels enqueued on ``stream`` afterwards read verified
+        bytes (``StreamWait.slot``), though the expert may not have landed when they are
+        enqueued. Only the grant is awaited here (one reply). ``StreamWait.check()`` raises
+        if the delivery failed or timed out after ``timeout`` seconds."""
+        from gpu_kernels import cuda_ops
+
+        deadline = time.monotonic() + timeout
+        while not self.granted():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.key}: the agent did not answer within {timeout} s")
+            time.sleep(0)
+        if self._error is not None:
+            raise self._error
+        assert self._reply is not None
+        result = cuda_ops.cp.full(1, 255, cuda_ops.cp.uint32)
+        cuda_ops.wait_ready(self._channel.word_address(int(self._reply["state_index"])),
+                            int(self._reply["generation"]), timeout, result, stream)
+        return StreamWait(self.key, self._make_slot(self._reply), result, stream)
 
     def done(self) -> bool:
         """Whether the outcome is known (wait would return or raise at once)."""

@@ -190,3 +190,29 @@ def test_overwritten_channel_header_stops_service_with_an_error(
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "BAD_RING" in err.value.details()
         good.acquire(devs[1], ExpertKey("qwen-engine", 0, 1)).wait(10)
+
+
+@pytest.mark.gpu
+def test_compute_enqueued_behind_a_stream_wait_reads_the_landed_bytes(
+        client: AgentClient, qwen_ckpt: Path) -> None:
+    """A copy enqueued on a stream right after ``enqueue_wait`` (the expert still in flight:
+    its arena fill reads the checkpoint) reads the expert's verified bytes."""
+    import cupy as cp
+
+    from host_client.cuda_device import CudaDevice
+
+    truth = checkpoint_bytes(qwen_ckpt)
+    model = client.load_model(str(qwen_ckpt), "qwen-wait")
+    dev = client.register_device(CudaDevice(0), [SlotPoolSpec(model.expert_bytes, 4)],
+                                 delivery="engine")
+    stream = cp.cuda.Stream(non_blocking=True)
+    outs = []
+    for e in range(4):
+        handle = client.acquire(dev, ExpertKey("qwen-wait", 1, e))
+        wait = handle.enqueue_wait(stream)
+        with stream:
+            outs.append((e, handle.done(), wait, wait.slot.raw("down_proj").copy()))
+    for e, _, wait, out in outs:
+        wait.check()
+        assert out.get().tobytes() == truth[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]
+    assert not all(landed for _, landed, _, _ in outs), "every expert had landed already"
