@@ -36,8 +36,7 @@ def attach(engine: Engine, cmd: dict[str, Any]) -> dict[str, Any]:
     buffers: list[SharedBuffer] = []
     try:
         target = Target(device_id, backend, _ring(cmd["work"], abi.RingKind.WORK, buffers),
-                        _ring(cmd["completions"], abi.RingKind.COMPLETION, buffers),
-                        _ring(cmd["landed"], abi.RingKind.WORK, buffers), buffers)
+                        _ring(cmd["completions"], abi.RingKind.COMPLETION, buffers), buffers)
         arena = cmd["arena"]
         target.regions[int(arena["region"])] = (
             backend.map_arena(arena["name"], int(arena["size"])), int(arena["size"]),

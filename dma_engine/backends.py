@@ -1,5 +1,8 @@
-"""How the engine reaches memory and moves bytes: plain memory copies (CPU reference device)
-or the GPU's copy engine (``cudaMemcpyAsync`` into pools opened by CUDA IPC handle)."""
+"""How the engine reaches memory, moves bytes and verifies what landed: plain memory copies and
+NumPy checksums (CPU reference device), or the GPU's copy engine (``cudaMemcpyAsync`` into pools
+opened by CUDA IPC handle) followed by the segmented checksum kernel, in the engine's own CUDA
+context. Both yield, per run, the chunk checksums of the bytes as they lie in the slot.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,15 @@ import ctypes
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
+from gpu_kernels.checksum import chunk_checksum
 from gpu_kernels.copy_runs import CopyRun
 from gpu_kernels.shm import SharedBuffer
+
+Landed = tuple[CopyRun, np.ndarray | None]
+"""A run that has landed, and ``uint32[run.count]`` checksums of its chunks in the slot (None
+for a run nobody asked to verify)."""
 
 
 class CpuBackend:
@@ -37,10 +47,15 @@ class CpuBackend:
                 del self._buffers[name]
                 buf.close()
 
-    def copy(self, runs: list[CopyRun]) -> Iterator[CopyRun]:
+    def copy(self, runs: list[CopyRun]) -> Iterator[Landed]:
         for run in runs:
             ctypes.memmove(run.dst, run.src, run.nbytes)
-            yield run
+            if not run.verify:
+                yield run, None
+                continue
+            landed = np.ctypeslib.as_array((ctypes.c_uint8 * run.nbytes).from_address(run.dst))
+            yield run, np.array([chunk_checksum(landed[o:o + run.chunk_bytes], run.position + o)
+                                 for o in range(0, run.nbytes, run.chunk_bytes)], np.uint32)
 
     def close(self) -> None:
         for buf in self._buffers.values():
@@ -49,16 +64,24 @@ class CpuBackend:
 
 
 class CudaBackend:
-    """One GPU: the arena registered (pinned), pools opened by IPC handle, copies on one
-    non-blocking stream with an event per run, so each run is posted as soon as it landed."""
+    """One GPU: the arena registered (pinned), pools opened by IPC handle; per run a copy, the
+    checksum kernel over the landed bytes and a copy of its sums to pinned host memory, all on
+    one stream, then an event, so each run is reported as soon as it has landed and been
+    checked while later runs are still copied."""
 
     def __init__(self, ordinal: int) -> None:
         import cupy as cp
 
-        self.cp = cp
+        from gpu_kernels import cuda_ops, launch
+
+        self.cp, self.ops = cp, cuda_ops
         self.dev = cp.cuda.Device(ordinal)
         with self.dev:
+            launch.preload(ordinal)
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self._sums = cp.zeros(1 << 16, cp.uint32)
+            self._host = cp.cuda.alloc_pinned_memory(4 << 16)
+            self._host_sums = np.frombuffer(self._host, np.uint32, 1 << 16)
         self._arenas: dict[str, SharedBuffer] = {}
         self._registered: list[int] = []
         self._pools: list[int] = []
@@ -87,18 +110,37 @@ class CudaBackend:
             with self.dev:
                 self.cp.cuda.runtime.ipcCloseMemHandle(base)
 
-    def copy(self, runs: list[CopyRun]) -> Iterator[CopyRun]:
-        rt = self.cp.cuda.runtime
+    def copy(self, runs: list[CopyRun]) -> Iterator[Landed]:
+        rt, s = self.cp.cuda.runtime, self.stream
+        chunks = sum(r.count for r in runs if r.verify)
+        if chunks > self._sums.size:  # more chunks than one batch normally has: grow
+            with self.dev:
+                self._sums = self.cp.zeros(chunks, self.cp.uint32)
+                self._host = self.cp.cuda.alloc_pinned_memory(4 * chunks)
+                self._host_sums = np.frombuffer(self._host, np.uint32, chunks)
         with self.dev:
-            events = []
+            rt.memsetAsync(self._sums.data.ptr, 0, 4 * max(chunks, 1), s.ptr)
+            pending, at = [], 0
             for run in runs:
-                rt.memcpyAsync(run.dst, run.src, run.nbytes, 4, self.stream.ptr)  # Default
+                rt.memcpyAsync(run.dst, run.src, run.nbytes, 4, s.ptr)  # Default: UVA
+                if run.verify:
+                    out = self._sums.data.ptr + 4 * at
+                    self.ops.launch_checksums(run.dst, run.nbytes, run.chunk_bytes,
+                                              run.position, out, stream=s)
+                    rt.memcpyAsync(self._host_sums.ctypes.data + 4 * at, out, 4 * run.count,
+                                   2, s.ptr)  # DeviceToHost
                 event = self.cp.cuda.Event(disable_timing=True)
-                event.record(self.stream)
-                events.append(event)
-            for run, event in zip(runs, events, strict=True):
+                event.record(s)
+                pending.append((run, at if run.verify else -1, event))
+                at += run.count if run.verify else 0
+            for run, first, event in pending:
                 event.synchronize()
-                yield run
+                if first < 0:
+                    yield run, None
+                    continue
+                words = np.full(run.count, run.chunk_bytes // 4, np.uint32)
+                words[-1] = (run.nbytes - (run.count - 1) * run.chunk_bytes) // 4
+                yield run, self._host_sums[first:first + run.count] ^ words
 
     def close(self) -> None:
         with self.dev:

@@ -44,9 +44,7 @@ class Target:
 
     Attributes:
         work: the agent's work ring for this device (the engine consumes it).
-        completions: the engine's completion ring to the agent (refusals, unverified copies).
-        landed: the device's landed ring (the engine posts VERIFY descriptors; the client's
-            resident kernel consumes them).
+        completions: the engine's completion ring to the agent (one entry per descriptor).
         regions: ``REGION_DTYPE[MAX_REGIONS]`` with this process's addresses.
     """
 
@@ -54,16 +52,16 @@ class Target:
     backend: Any
     work: Ring
     completions: Ring
-    landed: Ring
     buffers: list[SharedBuffer]
     regions: np.ndarray = field(
         default_factory=lambda: np.zeros(abi.MAX_REGIONS, abi.REGION_DTYPE))
     moved_bytes: int = 0
 
     def serve(self) -> int:
-        """Move what the work ring holds, as far as the landed ring has room; returns how many
-        descriptors were taken."""
-        room = min(self.landed.free_entries(), self.completions.free_entries())
+        """Move and verify what the work ring holds, as far as the completion ring has room;
+        returns how many descriptors were taken. Each run is completed as soon as it landed
+        (CHECKSUM_MISMATCH for a chunk whose landed bytes do not match)."""
+        room = self.completions.free_entries()
         if room <= 0:
             return 0
         batch = self.work.pop_many(room)
@@ -73,21 +71,28 @@ class Target:
         copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
         verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
         runs = [p for run in plan_runs(batch, copy, verify, self.regions) for p in pieces(run)]
-        for run in self.backend.copy(runs):
+        for run, sums in self.backend.copy(runs):
             self.moved_bytes += run.nbytes
-            if run.verify:
-                landed = batch[run.first:run.first + run.count].copy()
-                landed["opcode"] = abi.Opcode.VERIFY
-                self.landed.push_many(landed)
-        own = ~verify  # refused, not a copy, or a copy nobody asked to verify
-        if own.any():
-            out = np.zeros(int(own.sum()), abi.COMPLETION_DTYPE)
-            out["transfer_id"] = batch["transfer_id"][own]
-            out["chunk_index"] = batch["chunk_index"][own]
-            out["status"] = status[own]
-            out["nbytes"] = np.where(copy[own], batch["length"][own], 0)
-            self.completions.push_many(out)
+            span = slice(run.first, run.first + run.count)
+            if sums is not None:
+                bad = sums != batch["checksum"][span]
+                status[span][bad] = abi.Status.CHECKSUM_MISMATCH
+            self._complete(batch, status, copy, np.arange(run.first, run.first + run.count))
+        self._complete(batch, status, copy, np.flatnonzero(~copy))
+        if np.any((batch["opcode"] == abi.Opcode.EXIT) & (status == 0)):
+            self.work.request_exit()
         return int(batch.size)
+
+    def _complete(self, batch: np.ndarray, status: np.ndarray, copy: np.ndarray,
+                  idx: np.ndarray) -> None:
+        if idx.size == 0:
+            return
+        out = np.zeros(idx.size, abi.COMPLETION_DTYPE)
+        out["transfer_id"] = batch["transfer_id"][idx]
+        out["chunk_index"] = batch["chunk_index"][idx]
+        out["status"] = status[idx]
+        out["nbytes"] = np.where(copy[idx], batch["length"][idx], 0)
+        self.completions.push_many(out)
 
     def close(self) -> None:
         for base in self.regions["base"][1:][self.regions["size"][1:] > 0].tolist():

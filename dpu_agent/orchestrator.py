@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.config import AgentConfig
-from dpu_agent.dataplane.channels import CHANNEL_CAPACITY as CHANNEL_RING_CAPACITY
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.engine import EngineError, EngineRings, EngineSupervisor
 from dpu_agent.dataplane.loop import DataPlaneLoop
@@ -278,9 +277,17 @@ class Orchestrator:
                                      f"device {dev.device_id}")
             dev = Device(next(self._device_ids), kind, ordinal, name[:128], delivery=delivery)
             dev.channel = DeviceChannel((session.session_id, dev.device_id))
+            if delivery == pb.DELIVERY_DMA_ENGINE:
+                try:
+                    dev.queue = self._attach_engine(dev)
+                except EngineError as exc:
+                    dev.channel.close()
+                    raise AgentError(ErrorKind.UNAVAILABLE,
+                                     f"the DMA engine cannot take device: {exc}") from exc
             session.devices[dev.device_id] = dev
         with self._lock:
             self._channel_list = None
+            self._queue_list = None
         return dev
 
     def register_region(self, session: Session, req: pb.RegisterRegionRequest) -> int:
@@ -309,6 +316,9 @@ class Orchestrator:
                     self._engine_pool(dev, pool)
                 dev.pools[rid] = pool
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
+                if dev.delivery == pb.DELIVERY_DMA_ENGINE:
+                    raise precondition(f"device {dev.device_id} is served by the DMA engine: "
+                                       "it has no work or completion ring of its own")
                 if not req.shm_name:
                     raise invalid("a ring region needs shm_name (its export handle)")
                 if dev.queue is not None:
@@ -332,12 +342,10 @@ class Orchestrator:
                     dev.completion_shm = req.shm_name
                 if dev.work_shm and dev.completion_shm:
                     try:
-                        dev.queue = (self._attach_engine(dev)
-                                     if dev.delivery == pb.DELIVERY_DMA_ENGINE
-                                     else DeviceQueue(dev.work_shm, dev.completion_shm))
+                        dev.queue = DeviceQueue(dev.work_shm, dev.completion_shm)
                         with self._lock:  # after the queue exists: the poller rebuilds
                             self._queue_list = None
-                    except (SharedBufferError, ValueError, EngineError) as exc:
+                    except (SharedBufferError, ValueError) as exc:
                         if kind == pb.REGION_KIND_WORK_RING:
                             dev.work_shm = ""
                         else:
@@ -376,8 +384,6 @@ class Orchestrator:
 
     def _engine_pool(self, dev: Device, pool: SlotPool) -> None:
         spec = self._engine_spec(dev, pool)
-        if dev.queue is None:
-            return  # sent with the device's attach
         try:
             self.engine.add_pool(dev.device_id, pool.region_id, spec)
         except EngineError as exc:
@@ -387,24 +393,20 @@ class Orchestrator:
     def _engine_attach_command(self, dev: Device, rings: EngineRings) -> dict[str, Any]:
         return {"kind": "cuda" if dev.kind == pb.DEVICE_KIND_CUDA else "cpu",
                 "ordinal": dev.ordinal, "work": rings.work, "completions": rings.completions,
-                "landed": dev.work_shm,
                 "arena": {"name": self.arena.name, "size": self.arena.size,
                           "region": ARENA_REGION_ID}}
 
     def _attach_engine(self, dev: Device) -> DeviceQueue:
-        """Agent-owned rings to the engine, the engine attached with every pool so far; the
-        queue the agent posts on and reads both completion rings (verifier, engine) from."""
-        rings = EngineRings(CHANNEL_RING_CAPACITY)
+        """Agent-owned rings to the engine and the engine attached (pools follow as they are
+        registered); the queue the agent posts on and reads the engine's completions from."""
+        rings = EngineRings()
         try:
-            queue = DeviceQueue(rings.work, dev.completion_shm, rings.completions)
+            queue = DeviceQueue(rings.work, rings.completions)
         except BaseException:
             rings.close()
             raise
         try:
             self.engine.attach(dev.device_id, self._engine_attach_command(dev, rings))
-            for pool in dev.pools.values():
-                self.engine.add_pool(dev.device_id, pool.region_id,
-                                     self._engine_spec(dev, pool))
         except BaseException:
             self.engine.detach(dev.device_id)
             queue.close()
@@ -427,8 +429,8 @@ class Orchestrator:
         fresh = {}
         for dev in devices:
             old_rings, old_queue = dev.engine_rings, dev.queue
-            rings = EngineRings(CHANNEL_RING_CAPACITY)
-            dev.queue = DeviceQueue(rings.work, dev.completion_shm, rings.completions)
+            rings = EngineRings()
+            dev.queue = DeviceQueue(rings.work, rings.completions)
             dev.engine_rings = rings
             fresh[dev.device_id] = self._engine_attach_command(dev, rings)
             if old_queue is not None:

@@ -44,9 +44,6 @@ class Opcode(IntEnum):
     PACKET = 2
     FENCE = 3
     EXIT = 4
-    VERIFY = 5
-    """Verify ``length`` bytes already landed at (dst_region, dst_offset) against ``checksum``
-    (a DMA engine wrote them); nothing is copied. ``src_*`` are ignored."""
 
 
 class Status(IntEnum):

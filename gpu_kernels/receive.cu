@@ -23,28 +23,23 @@ __device__ __forceinline__ bool dpu_exit_requested(const dpu_ring_header* h) {
 __device__ unsigned int dpu_check(const dpu_descriptor& d, const dpu_region* regions) {
     const unsigned int op = d.opcode;
     if (op == DPU_OP_NOP || op == DPU_OP_FENCE || op == DPU_OP_EXIT) return DPU_STATUS_OK;
-    if (op != DPU_OP_COPY && op != DPU_OP_VERIFY) return DPU_STATUS_BAD_OPCODE;
-    // VERIFY reads the destination in place: it is checked as its own source.
-    const bool verify_only = op == DPU_OP_VERIFY;
-    const uint32_t src_region = verify_only ? d.dst_region : d.src_region;
-    const uint64_t src_offset = verify_only ? d.dst_offset : d.src_offset;
-    if (src_region >= DPU_MAX_REGIONS || d.dst_region >= DPU_MAX_REGIONS)
+    if (op != DPU_OP_COPY) return DPU_STATUS_BAD_OPCODE;
+    if (d.src_region >= DPU_MAX_REGIONS || d.dst_region >= DPU_MAX_REGIONS)
         return DPU_STATUS_BAD_REGION;
-    const dpu_region s = regions[src_region];
+    const dpu_region s = regions[d.src_region];
     const dpu_region t = regions[d.dst_region];
     if (s.size == 0 || t.size == 0 || !(s.flags & DPU_REGION_READABLE) ||
-        !(verify_only || (t.flags & DPU_REGION_WRITABLE)))
+        !(t.flags & DPU_REGION_WRITABLE))
         return DPU_STATUS_BAD_REGION;
-    if ((d.length | src_offset | d.dst_offset | d.position) % DPU_COPY_ALIGN_BYTES)
+    if ((d.length | d.src_offset | d.dst_offset | d.position) % DPU_COPY_ALIGN_BYTES)
         return DPU_STATUS_BAD_ALIGNMENT;
     // Written so that no addition can wrap.
-    if (src_offset > s.size || d.length > s.size - src_offset) return DPU_STATUS_OUT_OF_BOUNDS;
+    if (d.src_offset > s.size || d.length > s.size - d.src_offset) return DPU_STATUS_OUT_OF_BOUNDS;
     if (d.dst_offset > t.size || d.length > t.size - d.dst_offset) return DPU_STATUS_OUT_OF_BOUNDS;
     return DPU_STATUS_OK;
 }
 
-// Copies n16 16-byte vectors (reads only, when dst is null) and returns this thread's share
-// of the checksum sum.
+// Copies n16 16-byte vectors and returns this thread's share of the checksum sum.
 __device__ __forceinline__ uint32_t dpu_copy_block(const uint4* __restrict__ src,
                                                    uint4* __restrict__ dst, uint64_t n16,
                                                    uint64_t first_word, bool verify) {
@@ -54,12 +49,10 @@ __device__ __forceinline__ uint32_t dpu_copy_block(const uint4* __restrict__ src
     // Four independent 16-byte loads in flight per thread hide PCIe latency on host sources.
     for (; i + 3 * stride < n16; i += 4 * stride) {
         uint4 v0 = src[i], v1 = src[i + stride], v2 = src[i + 2 * stride], v3 = src[i + 3 * stride];
-        if (dst) {
-            dst[i] = v0;
-            dst[i + stride] = v1;
-            dst[i + 2 * stride] = v2;
-            dst[i + 3 * stride] = v3;
-        }
+        dst[i] = v0;
+        dst[i + stride] = v1;
+        dst[i + 2 * stride] = v2;
+        dst[i + 3 * stride] = v3;
         if (verify) {
             sum += dpu_vec_terms(v0, first_word + 4 * i);
             sum += dpu_vec_terms(v1, first_word + 4 * (i + stride));
@@ -69,7 +62,7 @@ __device__ __forceinline__ uint32_t dpu_copy_block(const uint4* __restrict__ src
     }
     for (; i < n16; i += stride) {
         uint4 v = src[i];
-        if (dst) dst[i] = v;
+        dst[i] = v;
         if (verify) sum += dpu_vec_terms(v, first_word + 4 * i);
     }
     return sum;
@@ -129,13 +122,10 @@ extern "C" __global__ void dpu_receive(dpu_ring_header* work_hdr, dpu_descriptor
         if (stop) return;
 
         uint64_t nbytes = 0;
-        if (status == DPU_STATUS_OK && (d.opcode == DPU_OP_COPY || d.opcode == DPU_OP_VERIFY)) {
-            const bool verify_only = d.opcode == DPU_OP_VERIFY;
-            const bool verify = verify_only || (d.flags & DPU_DESC_VERIFY) != 0;
-            uint4* landed = (uint4*)(regions[d.dst_region].base + d.dst_offset);
-            const uint4* src = verify_only
-                ? landed : (const uint4*)(regions[d.src_region].base + d.src_offset);
-            uint4* dst = verify_only ? nullptr : landed;
+        if (status == DPU_STATUS_OK && d.opcode == DPU_OP_COPY) {
+            const bool verify = (d.flags & DPU_DESC_VERIFY) != 0;
+            const uint4* src = (const uint4*)(regions[d.src_region].base + d.src_offset);
+            uint4* dst = (uint4*)(regions[d.dst_region].base + d.dst_offset);
             const uint32_t part = dpu_copy_block(src, dst, d.length / 16, d.position / 4, verify);
             const uint32_t total = dpu_block_sum(part, scratch);
             nbytes = d.length;

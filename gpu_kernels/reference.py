@@ -30,22 +30,17 @@ def check_descriptor(desc: np.void, regions: np.ndarray) -> abi.Status:
     op = int(desc["opcode"])
     if op in (abi.Opcode.NOP, abi.Opcode.FENCE, abi.Opcode.EXIT):
         return abi.Status.OK
-    if op not in (abi.Opcode.COPY, abi.Opcode.VERIFY):
+    if op != abi.Opcode.COPY:
         return abi.Status.BAD_OPCODE
-    verify_only = op == abi.Opcode.VERIFY  # reads the destination in place: checked as source
     src, dst = int(desc["src_region"]), int(desc["dst_region"])
-    if verify_only:
-        src = dst
     if src >= abi.MAX_REGIONS or dst >= abi.MAX_REGIONS:
         return abi.Status.BAD_REGION
     s, d = regions[src], regions[dst]
     if (int(s["size"]) == 0 or int(d["size"]) == 0
             or not int(s["flags"]) & abi.RegionFlags.READABLE
-            or not (verify_only or int(d["flags"]) & abi.RegionFlags.WRITABLE)):
+            or not int(d["flags"]) & abi.RegionFlags.WRITABLE):
         return abi.Status.BAD_REGION
     length, so, do = int(desc["length"]), int(desc["src_offset"]), int(desc["dst_offset"])
-    if verify_only:
-        so = do
     if (length | so | do | int(desc["position"])) % abi.COPY_ALIGN_BYTES:
         return abi.Status.BAD_ALIGNMENT
     if so + length > int(s["size"]) or do + length > int(d["size"]):
@@ -64,25 +59,23 @@ def check_descriptors(batch: np.ndarray, regions: np.ndarray) -> np.ndarray:
         ``uint32[n]``: each descriptor's status (0 is OK).
     """
     op = batch["opcode"]
-    verify_only = op == abi.Opcode.VERIFY  # reads the destination in place: checked as source
+    src = batch["src_region"].astype(np.int64)
     dst = batch["dst_region"].astype(np.int64)
-    src = np.where(verify_only, dst, batch["src_region"].astype(np.int64))
     known = (src < abi.MAX_REGIONS) & (dst < abi.MAX_REGIONS)
     s = regions[np.where(known, src, 0)]
     d = regions[np.where(known, dst, 0)]
     usable = (known & (s["size"] > 0) & (d["size"] > 0)
               & ((s["flags"] & abi.RegionFlags.READABLE) != 0)
-              & (verify_only | ((d["flags"] & abi.RegionFlags.WRITABLE) != 0)))
+              & ((d["flags"] & abi.RegionFlags.WRITABLE) != 0))
     length = batch["length"].astype(np.uint64)
-    do = batch["dst_offset"]
-    so = np.where(verify_only, do, batch["src_offset"])
+    so, do = batch["src_offset"], batch["dst_offset"]
     aligned = ((length | so | do | batch["position"]) % abi.COPY_ALIGN_BYTES) == 0
     # Written as subtractions so that offsets near 2**64 cannot wrap past the size.
     inside = ((so <= s["size"]) & (length <= s["size"] - so)
               & (do <= d["size"]) & (length <= d["size"] - do))
     status = np.select(
         [np.isin(op, (abi.Opcode.NOP, abi.Opcode.FENCE, abi.Opcode.EXIT)),
-         (op != abi.Opcode.COPY) & ~verify_only, ~usable, ~aligned, ~inside],
+         op != abi.Opcode.COPY, ~usable, ~aligned, ~inside],
         [abi.Status.OK, abi.Status.BAD_OPCODE, abi.Status.BAD_REGION, abi.Status.BAD_ALIGNMENT,
          abi.Status.OUT_OF_BOUNDS],
         abi.Status.OK)
@@ -111,19 +104,17 @@ class ReceiveKernel:
     def execute(self, desc: np.void) -> tuple[abi.Status, int]:
         """Run one descriptor; returns (status, bytes written)."""
         status = check_descriptor(desc, self.regions)
-        op = int(desc["opcode"])
-        if status != abi.Status.OK or op not in (abi.Opcode.COPY, abi.Opcode.VERIFY):
-            if op == abi.Opcode.EXIT and status == abi.Status.OK:
+        if status != abi.Status.OK or int(desc["opcode"]) != abi.Opcode.COPY:
+            if int(desc["opcode"]) == abi.Opcode.EXIT and status == abi.Status.OK:
                 self.work.request_exit()
             return status, 0
         length = int(desc["length"])
+        src = self.memory[int(desc["src_region"])]
         dst = self.memory[int(desc["dst_region"])]
-        do = int(desc["dst_offset"])
-        if op == abi.Opcode.COPY:
-            src = self.memory[int(desc["src_region"])]
-            so = int(desc["src_offset"])
-            dst[do : do + length] = src[so : so + length]
-        if op == abi.Opcode.VERIFY or int(desc["flags"]) & abi.DescriptorFlags.VERIFY:
+        so, do = int(desc["src_offset"]), int(desc["dst_offset"])
+        chunk = src[so : so + length]
+        dst[do : do + length] = chunk
+        if int(desc["flags"]) & abi.DescriptorFlags.VERIFY:
             got = chunk_checksum(dst[do : do + length], int(desc["position"]))
             if got != int(desc["checksum"]):
                 return abi.Status.CHECKSUM_MISMATCH, length

@@ -75,8 +75,9 @@ class AttachedDevice:
     device_id: int
     device: Device
     channel: ClientChannel
-    work: SharedRing
-    completion: SharedRing
+    work: SharedRing | None
+    """The device consumer's rings (None where the DMA engine delivers)."""
+    completion: SharedRing | None
     rx: SharedRing
     tx: SharedRing
     pools: dict[int, SlotPoolSpec] = field(default_factory=dict)
@@ -186,11 +187,11 @@ class AgentClient:
             session_id=self.session_id, kind=device.kind, ordinal=device.ordinal,
             name=device.name, memory_bytes=device.memory_bytes,
             delivery=DELIVERIES[delivery]), timeout=self.rpc_timeout)
+        # A DMA-engine device has no consumer here: the agent's engine process moves and
+        # checks the bytes; this process only polls slot-state words.
         engine = delivery == "engine"
-        if engine:
-            device.use_dma_engine()
-        work = SharedRing(abi.RingKind.WORK, ring_capacity)
-        completion = SharedRing(abi.RingKind.COMPLETION, ring_capacity)
+        work = None if engine else SharedRing(abi.RingKind.WORK, ring_capacity)
+        completion = None if engine else SharedRing(abi.RingKind.COMPLETION, ring_capacity)
         rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
         tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
         channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes)
@@ -201,8 +202,9 @@ class AgentClient:
         attached.device_id, attached.channel = resp.device_id, channel
         attached.work, attached.completion, attached.rx, attached.tx = work, completion, rx, tx
         attached.pools = {}
-        device.attach(self.arena.shm_name, self.arena.size_bytes, self.arena.region_id,
-                      work.ring, completion.ring)
+        if work is not None and completion is not None:
+            device.attach(self.arena.shm_name, self.arena.size_bytes, self.arena.region_id,
+                          work.ring, completion.ring)
         for spec in specs:
             nbytes = spec.slot_bytes * spec.slot_count
             memory = device.allocate(nbytes, shared=engine)
@@ -215,12 +217,14 @@ class AgentClient:
                 timeout=self.rpc_timeout).region_id
             device.bind(rid, memory)
             attached.pools[rid] = spec
-        device.start()
+        rings = [(rx, pb.REGION_KIND_RX_RING), (tx, pb.REGION_KIND_TX_RING)]
+        if work is not None and completion is not None:
+            device.start()
+            rings += [(work, pb.REGION_KIND_WORK_RING),
+                      (completion, pb.REGION_KIND_COMPLETION_RING)]
         attached.rx_device_ptr, attached.tx_device_ptr = (
             device.register_host_ring(ring.buffer.array) for ring in (rx, tx))
-        for ring, kind in ((work, pb.REGION_KIND_WORK_RING),
-                           (completion, pb.REGION_KIND_COMPLETION_RING),
-                           (rx, pb.REGION_KIND_RX_RING), (tx, pb.REGION_KIND_TX_RING)):
+        for ring, kind in rings:
             self.stub.RegisterRegion(pb.RegisterRegionRequest(
                 session_id=self.session_id, device_id=resp.device_id, kind=kind,
                 size_bytes=ring.size, shm_name=ring.name), timeout=self.rpc_timeout)
@@ -231,7 +235,8 @@ class AgentClient:
         dev.device.stop()
         dev.device.close()
         for ring in (dev.work, dev.completion, dev.rx, dev.tx):
-            ring.close()
+            if ring is not None:
+                ring.close()
         dev.channel.close()
 
     # -- experts (the data-plane channel) ---------------------------------------------------

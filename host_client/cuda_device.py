@@ -20,8 +20,6 @@ from host_client.devices import RW, Device, DeviceFault
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
 PROBE_BYTES = 64 << 20
-ENGINE_VERIFY_BLOCKS = 16
-"""Blocks of the receive kernel when it only verifies what a DMA engine landed."""
 
 
 def device_pointer(host_address: int) -> int:
@@ -94,12 +92,6 @@ class CudaDevice(Device):
 
     def _map_arena(self, arena: SharedBuffer, region_id: int) -> int:
         return self._register_host(arena.address, arena.size)
-
-    def use_dma_engine(self) -> None:
-        """Only verification is left to this device: the persistent kernel on a few blocks
-        (the engine's copy engine moves the bytes; no host thread of this process does)."""
-        self.mechanism = "kernel"
-        self.blocks = min(self.blocks, ENGINE_VERIFY_BLOCKS)
 
     def allocate(self, nbytes: int, shared: bool = False) -> Any:
         with self.dev:

@@ -116,10 +116,6 @@ class Device(ABC):
         ``shared``, memory another process (the DMA engine) can open by :meth:`export_handle`
         or :meth:`export_shm`."""
 
-    def use_dma_engine(self) -> None:  # noqa: B027 - only the CUDA device changes anything
-        """The agent's DMA engine will write this device's slots; its consumer only verifies
-        (VERIFY descriptors on the landed ring)."""
-
     def export_shm(self, memory: Any) -> str:
         """Shared-memory name of ``memory`` allocated ``shared`` (CPU reference device)."""
         return ""

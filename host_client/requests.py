@@ -273,7 +273,8 @@ class AcquireHandle:
         if self._error is not None:
             raise self._error
         assert self._reply is not None
-        result = cuda_ops.cp.full(1, 255, cuda_ops.cp.uint32)
+        result = cuda_ops.cp.empty(1, cuda_ops.cp.uint32)  # no fill kernel: no module load
+        cuda_ops.cp.cuda.runtime.memsetAsync(result.data.ptr, 0xFF, 4, stream.ptr)
         cuda_ops.wait_ready(self._channel.word_address(int(self._reply["state_index"])),
                             int(self._reply["generation"]), timeout, result, stream)
         return StreamWait(self.key, self._make_slot(self._reply), result, stream)

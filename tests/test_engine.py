@@ -156,16 +156,16 @@ def test_refusals_reach_the_caller_with_their_status(
 
 @pytest.mark.gpu
 def test_engine_delivers_into_gpu_memory(client: AgentClient, qwen_ckpt: Path) -> None:
-    """On a GPU: the engine process opens the pool by CUDA IPC handle and copies with the copy
-    engine; the client's receive kernel only verifies. Bytes in GPU memory equal the
-    checkpoint's."""
+    """On a GPU: the engine process opens the pool by CUDA IPC handle, copies with the copy
+    engine and checks the landed bytes; this process runs no kernel and no thread for it.
+    Bytes in GPU memory equal the checkpoint's."""
     from host_client.cuda_device import CudaDevice
 
     truth = checkpoint_bytes(qwen_ckpt)
     model = client.load_model(str(qwen_ckpt), "qwen-engine-gpu")
     dev = client.register_device(CudaDevice(0), [SlotPoolSpec(model.expert_bytes, 18)],
                                  delivery="engine")
-    assert dev.device.mechanism == "kernel"
+    assert dev.work is None and dev.completion is None
     keys = [ExpertKey("qwen-engine-gpu", layer, e) for layer in range(3) for e in range(6)]
     for slot in [h.wait(30) for h in client.acquire_batch(dev, keys)]:
         for role in ("gate_proj", "up_proj", "down_proj"):

@@ -33,7 +33,9 @@ def _names(key: ExpertKey) -> dict[str, str]:
     return {r: f"{base}.{r}.weight" for r in ("gate_proj", "up_proj", "down_proj")}
 
 
-def test_corrupted_arena_is_caught_refetched_and_counted(qwen_ckpt: Path) -> None:
+@pytest.mark.parametrize("delivery", ["pull", "engine"])
+def test_corrupted_arena_is_caught_refetched_and_counted(qwen_ckpt: Path, delivery: str) -> None:
+    """Checked where the bytes land: by the device's consumer (pull) or by the DMA engine."""
     truth = checkpoint_bytes(qwen_ckpt)
     settings = ('[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n'
                 '[transfer]\nchunk_bytes = 65536\n')
@@ -47,7 +49,8 @@ def test_corrupted_arena_is_caught_refetched_and_counted(qwen_ckpt: Path) -> Non
         # Flip bits in every used 64 KiB chunk of the arena (all resident experts).
         used = int(_metric(agent, "dpu_agent_arena_used_bytes"))
         arena.array[:used:65536] ^= 0x5A
-        b = client.register_device(CpuReferenceDevice(1), [SlotPoolSpec(model.expert_bytes, 4)])
+        b = client.register_device(CpuReferenceDevice(1), [SlotPoolSpec(model.expert_bytes, 4)],
+                                   delivery=delivery)
         slot = client.acquire(b, key).wait(20)
         for role, name in _names(key).items():
             assert slot.raw(role).tobytes() == truth[name], role

@@ -24,6 +24,11 @@ COMMAND_TIMEOUT_SECONDS = 30.0
 arena's registration are the slow ones)."""
 
 
+ENGINE_RING_CAPACITY = 4096
+"""Entries of the work and completion rings between the agent and the engine (a batch of 8
+DeepSeek-V3 experts at 1 MiB chunks is 352 descriptors)."""
+
+
 class EngineError(RuntimeError):
     """The engine refused a command or is not running; the message says which and why."""
 
@@ -163,7 +168,7 @@ class EngineRings:
     """The agent-owned rings between the agent and the engine for one device: the work ring
     (agent -> engine) and the engine's completion ring (engine -> agent)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int = ENGINE_RING_CAPACITY) -> None:
         from gpu_kernels import abi
         from gpu_kernels.ring import Ring
         from gpu_kernels.shm import SharedBuffer, unique_name

@@ -23,20 +23,18 @@ def check_ring(shm_name: str, kind: abi.RingKind) -> None:
 
 
 class DeviceQueue:
-    """The work ring of one registered device and the completion rings it is answered on,
-    opened from their export handles (a pulling device answers on one; a DMA-engine device on
-    the client's verifier ring and the engine's own).
+    """The work and completion rings of one registered device, opened from their export
+    handles: the device consumer's rings, or the agent's rings to and from the DMA engine.
 
     Descriptors that do not fit wait in a backlog, in order, and are pushed as the consumer
     frees entries (:meth:`flush`): the producer is held back, nothing is dropped.
     """
 
-    def __init__(self, work_shm: str, *completion_shms: str) -> None:
+    def __init__(self, work_shm: str, completion_shm: str) -> None:
         self._buffers: list[SharedBuffer] = []
         try:
             self.work = self._open(work_shm, abi.RingKind.WORK)
-            self.completions = [self._open(name, abi.RingKind.COMPLETION)
-                                for name in completion_shms]
+            self.completion = self._open(completion_shm, abi.RingKind.COMPLETION)
         except BaseException:
             self.close()
             raise
@@ -70,10 +68,8 @@ class DeviceQueue:
         return sum(int(b.size) for b in self._backlog)
 
     def poll_completions(self, limit: int = 4096) -> np.ndarray:
-        """Completed entries (``COMPLETION_DTYPE[n]``) of every completion ring, each ring's
-        oldest first, at most ``limit`` per ring."""
-        got = [ring.pop_many(limit) for ring in self.completions]
-        return got[0] if len(got) == 1 else np.concatenate(got)
+        """Completed entries (``COMPLETION_DTYPE[n]``), oldest first, at most ``limit``."""
+        return self.completion.pop_many(limit)
 
     def close(self) -> None:
         if hasattr(self, "_lock"):

@@ -31,7 +31,6 @@ typedef unsigned long long uint64_t;
 #define DPU_OP_PACKET 2u
 #define DPU_OP_FENCE 3u
 #define DPU_OP_EXIT 4u
-#define DPU_OP_VERIFY 5u
 
 #define DPU_STATUS_OK 0u
 #define DPU_STATUS_CHECKSUM_MISMATCH 1u
