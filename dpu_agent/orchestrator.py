@@ -12,7 +12,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,12 +20,13 @@ from typing import Any
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.dataplane.delivery import Deliveries
 from dpu_agent.dataplane.engine import EngineError, EngineRings, EngineSupervisor
 from dpu_agent.dataplane.loop import DataPlaneLoop
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.requests import RequestServer, unknown_model
 from dpu_agent.dataplane.steering import FlowTable
-from dpu_agent.dataplane.transfers import Transfer, TransferPlan, TransferTracker
+from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.routing_stats import RoutingStats
@@ -40,7 +40,7 @@ from dpu_agent.service.registry import (
 )
 from dpu_agent.service.state import StateStore
 from dpu_agent.weights.arena import Arena
-from dpu_agent.weights.cache import CacheFullError, WeightCache
+from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.policies import POLICIES
@@ -52,9 +52,6 @@ from gpu_kernels.ring import RingError
 from gpu_kernels.shm import SharedBufferError
 
 log = logging.getLogger("dpu_agent")
-
-MAX_VERIFY_RETRIES = 2
-"""A chunk that fails its checksum is refetched from the checkpoint this many times."""
 
 
 @dataclass(frozen=True)
@@ -88,21 +85,18 @@ class Orchestrator:
         self.model_names: list[str] = []
         """Model index (request-ring entries name models by it) -> name, in load order."""
         self.sessions: dict[str, Session] = {}
-        self.tracker = TransferTracker()
         self._lock = threading.RLock()
         self._device_ids = itertools.count()
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
+        self.deliveries = Deliveries(self.cache, config.chunk_bytes, self._fills,
+                                     lambda sid: sid in self.sessions)
         self.requests = RequestServer(self, self._fills)
         self._channel_list: tuple[DeviceChannel, ...] | None = None
         self.engine = EngineSupervisor(self._engine_died)
         """The DMA-engine process (started when the first DMA-engine device registers)."""
-        self.dataplane = DataPlaneLoop(self._poll_once, lambda: self.tracker.in_flight,
+        self.dataplane = DataPlaneLoop(self._poll_once, lambda: self.deliveries.tracker.in_flight,
                                        [self._cancel_stuck, self.engine.check])
-        self.verify_failures = 0
-        self.delivered_bytes: Counter[str] = Counter()
-        """Bytes of verified deliveries by source: "arena" or "peer" (another device)."""
         self.draining = False
-        self._waiters: dict[tuple[int, int, ExpertKey], list[Callable[[bool], None]]] = {}
         self._queue_list: tuple[DeviceQueue, ...] | None = None
         self.scheduler = Scheduler(config.link_concurrency)
         self.placements = PlacementExecutor(self)
@@ -238,7 +232,7 @@ class Orchestrator:
         devices = set(session.devices.values())
         self.scheduler.cancel(lambda job: job.link[0] == session_id)
         self.placements.forget_session(session_id)
-        self.tracker.cancel(lambda t: t.owner in devices)
+        self.deliveries.tracker.cancel(lambda t: t.owner in devices)
         for dev in devices:
             if dev.queue is not None:
                 dev.queue.close()
@@ -423,7 +417,7 @@ class Orchestrator:
             devices = [d for s in self.sessions.values() for d in list(s.devices.values())
                        if d.device_id in device_ids and d.engine_rings is not None]
         wanted = set(devices)
-        gone = self.tracker.cancel(lambda t: t.owner in wanted)
+        gone = self.deliveries.tracker.cancel(lambda t: t.owner in wanted)
         log.error("DMA engine died: %d transfers cancelled on devices %s", len(gone),
                   [d.device_id for d in devices])
         fresh = {}
@@ -515,7 +509,7 @@ class Orchestrator:
     def _deliver_fresh(self, session: Session, dev: Device, pool: SlotPool, idx: int,
                        entry: ExpertEntry, wait: bool = True) -> Transfer:
         try:
-            return self._deliver(session, dev, pool, idx, entry, attempt=0, wait=wait)
+            return self.deliveries.deliver(session, dev, pool, idx, entry, wait=wait)
         except BaseException:
             with session.lock:
                 pool.fail(idx, abi.Status.CANCELLED)  # ends any watcher of this generation
@@ -553,29 +547,21 @@ class Orchestrator:
                     if pool.state[idx] == SlotState.READY:
                         on_ready(True)
                     else:
-                        self.when_ready(dev, key, on_ready)
+                        self.deliveries.when_ready(dev, key, on_ready)
                 return False
-            self.when_ready(dev, key, lambda ok: self._fills.submit(self.scheduler.finished,
-                                                                    link))
+            self.deliveries.when_ready(
+                dev, key, lambda ok: self._fills.submit(self.scheduler.finished, link))
             if on_ready:
-                self.when_ready(dev, key, on_ready)
+                self.deliveries.when_ready(dev, key, on_ready)
             try:
                 self._deliver_fresh(session, dev, pool, idx, entry)
             except AgentError as exc:
-                with self._lock:
-                    waiters = self._waiters.pop((dev.device_id, id(dev), key), [])
-                for callback in waiters:
-                    callback(False)
+                self.deliveries.fail(dev, key)
                 session.events.emit(pb.Event(error=f"background delivery of {key}: "
                                                    f"{exc.message}"))
             return True
 
         self.scheduler.submit(link, priority, start, order=order, tag=tag)
-
-    def when_ready(self, dev: Device, key: ExpertKey, callback: Callable[[bool], None]) -> None:
-        """Call ``callback(ok)`` once the delivery of ``key`` in flight to ``dev`` ends."""
-        with self._lock:
-            self._waiters.setdefault((dev.device_id, id(dev), key), []).append(callback)
 
     def _grant(self, pool: SlotPool, idx: int, entry: ExpertEntry,
                checksums: tuple[int, ...]) -> SlotGrant:
@@ -612,126 +598,10 @@ class Orchestrator:
             raise invalid(f"LinkPeers: sources {sources} name a device twice")
         dev.peer_sources = tuple(sources)
 
-    def _peer_slot(self, session: Session, dev: Device, key: ExpertKey
-                   ) -> tuple[int, SlotPool, int] | None:
-        """A verified slot holding ``key`` on a device ``dev`` can read, with a reference
-        taken (so it is not evicted while copied from): (source device id, pool, slot)."""
-        with session.lock:
-            for sid in dev.peer_sources:
-                src = session.devices.get(sid)
-                for p in src.pools.values() if src is not None else ():
-                    i = p.by_key.get(key)
-                    if i is not None and p.state[i] == SlotState.READY and p.checksums[i]:
-                        p.refs[i] += 1
-                        p.idle.pop(i, None)
-                        return sid, p, i
-        return None
-
-    def _deliver(self, session: Session, dev: Device, pool: SlotPool, idx: int,
-                 entry: ExpertEntry, attempt: int, wait: bool = True) -> Transfer:
-        # A first attempt copies from a peer device's verified slot when one can be read
-        # (GPU-to-GPU); otherwise, and for every refetch, from the arena.
-        peer = self._peer_slot(session, dev, entry.key) if attempt == 0 else None
-        if peer is not None:
-            sid, src, i = peer
-            plan = TransferPlan(src.region_id, i * src.slot_bytes, pool.region_id,
-                                idx * pool.slot_bytes, entry.blob_bytes, self.config.chunk_bytes,
-                                src.checksums[i])
-            source = "peer"
-
-            def let_go() -> None:
-                self.drop_ref(session, sid, entry.key)
-        else:
-            try:
-                cached = self.cache.acquire(entry, wait=wait)
-            except CacheFullError as exc:
-                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED, str(exc)) from exc
-            except OSError as exc:
-                raise AgentError(ErrorKind.UNAVAILABLE, f"reading {entry.key}: {exc}") from exc
-            plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
-                                idx * pool.slot_bytes, entry.blob_bytes,
-                                self.config.chunk_bytes, tuple(cached.checksums))
-            source = "arena"
-
-            def let_go() -> None:
-                self.cache.release(entry.key)
-
-        def done(t: Transfer) -> None:
-            let_go()
-            if t.status == abi.Status.OK:
-                self.delivered_bytes[source] += t.bytes_done
-            self._on_delivered(session, dev, pool, idx, entry, t, attempt)
-
-        transfer = self.tracker.start(plan, done, owner=dev)
-        with session.lock:
-            pool.transfer[idx] = transfer.transfer_id
-            pool.checksums[idx] = plan.checksums
-        assert dev.queue is not None
-        dev.queue.submit(plan.descriptors(transfer.transfer_id))
-        return transfer
-
-    def _on_delivered(self, session: Session, dev: Device, pool: SlotPool, idx: int,
-                      entry: ExpertEntry, t: Transfer, attempt: int) -> None:
-        status = t.status
-        if status == abi.Status.CHECKSUM_MISMATCH:
-            self.verify_failures += 1
-            if attempt < MAX_VERIFY_RETRIES and session.session_id in self.sessions:
-                log.warning("checksum mismatch on %s chunks %s; refetching", entry.key,
-                            t.failed_chunks)
-                self.cache.invalidate(entry.key)
-                self._fills.submit(self._retry, session, dev, pool, idx, entry, attempt + 1,
-                                   t.transfer_id)
-                return
-        with session.lock:
-            if pool.keys[idx] == entry.key and pool.state[idx] == SlotState.FILLING:
-                if status == abi.Status.OK:
-                    pool.mark_ready(idx)
-                else:
-                    pool.fail(idx, status)
-        with self._lock:
-            waiters = self._waiters.pop((dev.device_id, id(dev), entry.key), [])
-        for callback in waiters:
-            callback(status == abi.Status.OK)
-        session.events.emit(pb.Event(transfer_done=pb.TransferDone(
-            transfer_id=t.first_id or t.transfer_id, key=entry.key.to_proto(),
-            device_id=dev.device_id, region_id=pool.region_id, slot_index=idx,
-            status=status.name, bytes=t.bytes_done)))
-
-    def _retry(self, session: Session, dev: Device, pool: SlotPool, idx: int,
-               entry: ExpertEntry, attempt: int, first_id: int) -> None:
-        try:
-            t = self._deliver(session, dev, pool, idx, entry, attempt)
-            t.first_id = first_id
-        except AgentError as exc:
-            with session.lock:
-                pool.fail(idx, abi.Status.CANCELLED)
-            with self._lock:
-                waiters = self._waiters.pop((dev.device_id, id(dev), entry.key), [])
-            for callback in waiters:
-                callback(False)
-            session.events.emit(pb.Event(error=f"refetch of {entry.key} failed: {exc.message}"))
-
     def release(self, session: Session, device_id: int, key: ExpertKey) -> None:
         self.device(session, device_id)
-        if not self.drop_ref(session, device_id, key):
+        if not session.drop_ref(device_id, key):
             raise precondition(f"{key} is not held on device {device_id}")
-
-    @staticmethod
-    def drop_ref(session: Session, device_id: int, key: ExpertKey) -> bool:
-        """Drop one reference on the slot holding ``key``; a READY slot nobody holds becomes
-        an eviction candidate. False when no reference was held."""
-        dev = session.devices.get(device_id)
-        if dev is None:
-            return False
-        with session.lock:
-            for pool in dev.pools.values():
-                idx = pool.by_key.get(key)
-                if idx is not None and pool.refs[idx] > 0:
-                    pool.refs[idx] -= 1
-                    if pool.refs[idx] == 0 and pool.state[idx] == SlotState.READY:
-                        pool.idle[idx] = None
-                    return True
-        return False
 
     def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
                        prefetch: tuple[Session, int, int] | None = None) -> int:
@@ -791,7 +661,7 @@ class Orchestrator:
     def _cancel_stuck(self) -> None:
         limit = self.config.transfer_timeout_seconds
         now = time.monotonic()
-        stuck = self.tracker.cancel(lambda t: now - t.started > limit)
+        stuck = self.deliveries.tracker.cancel(lambda t: now - t.started > limit)
         for t in stuck:
             log.error("transfer %d cancelled: no completion within %d s (device consumer "
                       "stuck or gone)", t.transfer_id, limit)
@@ -812,7 +682,7 @@ class Orchestrator:
                 continue
             if recs.size:
                 completions += int(recs.size)
-                self.tracker.complete_many(recs)
+                self.deliveries.tracker.complete_many(recs)
         return requests, completions
 
     def shutdown(self) -> None:

@@ -175,7 +175,7 @@ class PlacementExecutor:
                 state.held.discard((d, key))
                 state.dropped += 1
         for d in devices:
-            self.core.drop_ref(session, d, key)
+            session.drop_ref(d, key)
 
     def _sync_flows(self, state: PlacementState) -> None:
         """Steering follows placement, make-before-break: an expert's rule forwards to every

@@ -50,17 +50,17 @@ class AgentCollector(Collector):
                                 "1 - largest free block / free bytes.",
                                 value=core.arena.fragmentation)
         yield GaugeMetricFamily("dpu_agent_transfers_in_flight", "Deliveries in flight.",
-                                value=core.tracker.in_flight)
+                                value=core.deliveries.tracker.in_flight)
         delivered = CounterMetricFamily("dpu_agent_delivered_bytes",
                                         "Verified expert bytes delivered to devices, by source "
                                         "(arena, or peer: another device's slot).",
                                         labels=["source"])
         for source in ("arena", "peer"):
-            delivered.add_metric([source], core.delivered_bytes[source])
+            delivered.add_metric([source], core.deliveries.delivered_bytes[source])
         yield delivered
         yield CounterMetricFamily("dpu_agent_checksum_failures",
                                   "Deliveries that failed chunk verification.",
-                                  value=core.verify_failures)
+                                  value=core.deliveries.verify_failures)
         yield GaugeMetricFamily("dpu_agent_sessions", "Open sessions.",
                                 value=len(core.sessions))
         yield GaugeMetricFamily("dpu_agent_models_loaded", "Models in the catalog.",

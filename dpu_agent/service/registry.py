@@ -191,6 +191,22 @@ class Session:
     def touch(self) -> None:
         self.expires_at = time.monotonic() + self.lease_seconds
 
+    def drop_ref(self, device_id: int, key: ExpertKey) -> bool:
+        """Drop one reference on the slot holding ``key``; a READY slot nobody holds becomes
+        an eviction candidate. False when no reference was held."""
+        dev = self.devices.get(device_id)
+        if dev is None:
+            return False
+        with self.lock:
+            for pool in dev.pools.values():
+                idx = pool.by_key.get(key)
+                if idx is not None and pool.refs[idx] > 0:
+                    pool.refs[idx] -= 1
+                    if pool.refs[idx] == 0 and pool.state[idx] == SlotState.READY:
+                        pool.idle[idx] = None
+                    return True
+        return False
+
     @property
     def lease_remaining(self) -> float:
         return max(0.0, self.expires_at - time.monotonic())

@@ -1,0 +1,165 @@
+"""Deliveries into device slots: a blob cut into chunk descriptors and posted on the device's
+queue, its completions folded into one outcome, a checksum mismatch refetched from the
+checkpoint, and whoever waits on it told. The slot's state (FILLING -> READY or FAILED) is
+published here, so a slot is never READY with unverified bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from dpu_agent.dataplane.transfers import Transfer, TransferPlan, TransferTracker
+from dpu_agent.errors import AgentError, ErrorKind
+from dpu_agent.service.registry import ARENA_REGION_ID, Device, Session, SlotPool
+from dpu_agent.weights.cache import CacheFullError, WeightCache
+from dpu_agent.weights.catalog import ExpertEntry
+from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import abi
+from gpu_kernels.abi import SlotState
+
+log = logging.getLogger("dpu_agent")
+
+MAX_VERIFY_RETRIES = 2
+"""A chunk that fails its checksum is refetched from the checkpoint this many times."""
+
+Waiter = Callable[[bool], None]
+
+
+class Deliveries:
+    """Every delivery in flight, and who waits on which.
+
+    Args:
+        cache: the arena's weight cache (the source of every first and repeated attempt).
+        chunk_bytes: descriptor size, bytes.
+        retries: where a refetch runs (it may read the checkpoint).
+        alive: whether a session id is still open (no refetch for a closed one).
+    """
+
+    def __init__(self, cache: WeightCache, chunk_bytes: int, retries: Executor,
+                 alive: Callable[[str], bool]) -> None:
+        self.cache = cache
+        self.chunk_bytes = chunk_bytes
+        self.retries = retries
+        self.alive = alive
+        self.tracker = TransferTracker()
+        self.verify_failures = 0
+        self.delivered_bytes: Counter[str] = Counter()
+        """Bytes of verified deliveries by source: "arena" or "peer" (another device)."""
+        self._lock = threading.Lock()
+        self._waiters: dict[tuple[int, int, ExpertKey], list[Waiter]] = {}
+
+    def when_ready(self, dev: Device, key: ExpertKey, callback: Waiter) -> None:
+        """Call ``callback(ok)`` once the delivery of ``key`` in flight to ``dev`` ends."""
+        with self._lock:
+            self._waiters.setdefault((dev.device_id, id(dev), key), []).append(callback)
+
+    def _settle(self, dev: Device, key: ExpertKey, ok: bool) -> None:
+        with self._lock:
+            waiters = self._waiters.pop((dev.device_id, id(dev), key), [])
+        for callback in waiters:
+            callback(ok)
+
+    def fail(self, dev: Device, key: ExpertKey) -> None:
+        """The delivery of ``key`` to ``dev`` could not start: its waiters get False."""
+        self._settle(dev, key, False)
+
+    @staticmethod
+    def _peer_slot(session: Session, dev: Device, key: ExpertKey
+                   ) -> tuple[int, SlotPool, int] | None:
+        """A verified slot holding ``key`` on a device ``dev`` can read, with a reference
+        taken (so it is not evicted while copied from): (source device id, pool, slot)."""
+        with session.lock:
+            for sid in dev.peer_sources:
+                src = session.devices.get(sid)
+                for p in src.pools.values() if src is not None else ():
+                    i = p.by_key.get(key)
+                    if i is not None and p.state[i] == SlotState.READY and p.checksums[i]:
+                        p.refs[i] += 1
+                        p.idle.pop(i, None)
+                        return sid, p, i
+        return None
+
+    def deliver(self, session: Session, dev: Device, pool: SlotPool, idx: int,
+                entry: ExpertEntry, attempt: int = 0, wait: bool = True) -> Transfer:
+        """Post the delivery of ``entry`` into slot ``idx`` of ``pool``. A first attempt
+        copies from a peer device's verified slot when ``dev`` can read one (GPU-to-GPU);
+        otherwise, and for every refetch, from the arena (``wait=False``: WouldBlock rather
+        than fill it)."""
+        peer = self._peer_slot(session, dev, entry.key) if attempt == 0 else None
+        if peer is not None:
+            sid, src, i = peer
+            plan = TransferPlan(src.region_id, i * src.slot_bytes, pool.region_id,
+                                idx * pool.slot_bytes, entry.blob_bytes, self.chunk_bytes,
+                                src.checksums[i])
+            source = "peer"
+
+            def let_go() -> None:
+                session.drop_ref(sid, entry.key)
+        else:
+            try:
+                cached = self.cache.acquire(entry, wait=wait)
+            except CacheFullError as exc:
+                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED, str(exc)) from exc
+            except OSError as exc:
+                raise AgentError(ErrorKind.UNAVAILABLE, f"reading {entry.key}: {exc}") from exc
+            plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
+                                idx * pool.slot_bytes, entry.blob_bytes, self.chunk_bytes,
+                                tuple(cached.checksums))
+            source = "arena"
+
+            def let_go() -> None:
+                self.cache.release(entry.key)
+
+        def done(t: Transfer) -> None:
+            let_go()
+            if t.status == abi.Status.OK:
+                self.delivered_bytes[source] += t.bytes_done
+            self._delivered(session, dev, pool, idx, entry, t, attempt)
+
+        transfer = self.tracker.start(plan, done, owner=dev)
+        with session.lock:
+            pool.transfer[idx] = transfer.transfer_id
+            pool.checksums[idx] = plan.checksums
+        assert dev.queue is not None
+        dev.queue.submit(plan.descriptors(transfer.transfer_id))
+        return transfer
+
+    def _delivered(self, session: Session, dev: Device, pool: SlotPool, idx: int,
+                   entry: ExpertEntry, t: Transfer, attempt: int) -> None:
+        status = t.status
+        if status == abi.Status.CHECKSUM_MISMATCH:
+            self.verify_failures += 1
+            if attempt < MAX_VERIFY_RETRIES and self.alive(session.session_id):
+                log.warning("checksum mismatch on %s chunks %s; refetching", entry.key,
+                            t.failed_chunks)
+                self.cache.invalidate(entry.key)
+                self.retries.submit(self._retry, session, dev, pool, idx, entry, attempt + 1,
+                                    t.transfer_id)
+                return
+        with session.lock:
+            if pool.keys[idx] == entry.key and pool.state[idx] == SlotState.FILLING:
+                if status == abi.Status.OK:
+                    pool.mark_ready(idx)
+                else:
+                    pool.fail(idx, status)
+        self._settle(dev, entry.key, status == abi.Status.OK)
+        session.events.emit(pb.Event(transfer_done=pb.TransferDone(
+            transfer_id=t.first_id or t.transfer_id, key=entry.key.to_proto(),
+            device_id=dev.device_id, region_id=pool.region_id, slot_index=idx,
+            status=status.name, bytes=t.bytes_done)))
+
+    def _retry(self, session: Session, dev: Device, pool: SlotPool, idx: int,
+               entry: ExpertEntry, attempt: int, first_id: int) -> None:
+        try:
+            t = self.deliver(session, dev, pool, idx, entry, attempt)
+            t.first_id = first_id
+        except AgentError as exc:
+            with session.lock:
+                pool.fail(idx, abi.Status.CANCELLED)
+            self.fail(dev, entry.key)
+            session.events.emit(pb.Event(error=f"refetch of {entry.key} failed: {exc.message}"))
