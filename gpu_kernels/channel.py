@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_kernels import abi
+from gpu_kernels import abi, futex
 from gpu_kernels.ring import Ring, RingError, store_fence
 
 _STATE_MASK = (1 << abi.SLOT_STATE_BITS) - 1
@@ -86,6 +86,7 @@ class Channel:
                            generation, slot_offset, message.encode()[:80], 0)
         store_fence()
         self._reply_seq[i] = position + 1
+        futex.wake(self.reply_seq_address(position))
 
     def publish_state(self, index: int, generation: int, state: abi.SlotState,
                       status: int = 0) -> None:
@@ -93,6 +94,16 @@ class Channel:
         self.states["status"][index] = status
         store_fence()
         self.words[index] = state_word(generation, state)
+        futex.wake(self.word_address(index))
+
+    def reply_seq_address(self, position: int) -> int:
+        """Address (this process) of the reply ``seq`` word for ring ``position``."""
+        return int(self._reply_seq.ctypes.data) + (position % self.capacity) * \
+            abi.REPLY_DTYPE.itemsize
+
+    def word_address(self, index: int) -> int:
+        """Address (this process) of slot-state ``word`` ``index``."""
+        return int(self.words.ctypes.data) + index * abi.SLOT_STATE_DTYPE.itemsize
 
     # -- client side -----------------------------------------------------------------------
     def reply_at(self, position: int) -> np.void | None:

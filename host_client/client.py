@@ -293,14 +293,10 @@ class AgentClient:
         agent granted every slot (deliveries may still be in flight); if it refused any, the
         granted ones are released and the first refusal is raised. Each must be released."""
         handles = self._handles(dev, keys)
-        deadline = time.monotonic() + self.rpc_timeout
         refused: RequestRefused | None = None
         granted = []
         for h in handles:
-            while not h.granted():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the agent did not answer an acquire of {h.key}")
-                time.sleep(0)
+            h.wait_granted(self.rpc_timeout)
             if h.refusal is not None:
                 refused = refused or h.refusal
             else:
@@ -335,13 +331,7 @@ class AgentClient:
 
     def _answer(self, dev: AttachedDevice, position: int) -> None:
         """Wait for the reply to ``position``; raise its refusal."""
-        deadline = time.monotonic() + self.rpc_timeout
-        while (reply := dev.channel.take(position)) is None:
-            dev.channel.check()
-            if time.monotonic() > deadline:
-                raise AgentUnavailable(f"the agent did not answer within {self.rpc_timeout} s")
-            time.sleep(0)
-        refused = RequestRefused.of(reply)
+        refused = RequestRefused.of(dev.channel.wait_reply(position, self.rpc_timeout))
         if refused is not None:
             raise refused
 

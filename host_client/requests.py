@@ -5,6 +5,7 @@ No gRPC call and no thread hop on this path: a handle polls one word of shared m
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ import grpc
 import numpy as np
 
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
+from gpu_kernels import abi, futex
 from gpu_kernels.channel import Channel, split_word
 from gpu_kernels.shm import SharedBuffer
 
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("host_client")
 
-SPIN_SECONDS = 0.002
-"""A waiting handle polls without sleeping this long, then yields between polls."""
+SPIN_SECONDS = 50e-6
+"""A waiter polls this long, then sleeps on the word it waits for (a futex the agent wakes)."""
+NAP_SECONDS = 0.005
+"""Longest single sleep of a waiter (it checks the device and the agent between sleeps)."""
 CHECK_SECONDS = 0.05
 """How often a waiting handle checks the device and the agent connection."""
 
@@ -134,6 +137,32 @@ class ClientChannel:
                 del self._waiting[position]
             return reply
 
+    def watch(self, position: int, index: int | None) -> tuple[int, int]:
+        """(address, value now) of the word a waiter sleeps on: the reply's ``seq`` for
+        ``position`` until it has come, then slot-state word ``index``."""
+        view = self.view
+        if index is None:
+            address = view.reply_seq_address(position)
+        else:
+            address = view.word_address(index)
+        return address, int(np.frombuffer(
+            (ctypes.c_uint8 * 8).from_address(address), np.uint64)[0])
+
+    def wait_reply(self, position: int, timeout: float) -> np.void:
+        """The reply to ``position``, sleeping until it comes; AgentUnavailable after
+        ``timeout`` seconds, RequestRefused(UNAVAILABLE) if the channel faulted."""
+        deadline = time.monotonic() + timeout
+        while True:
+            address, value = self.watch(position, None)
+            reply = self.take(position)
+            if reply is not None:
+                return reply
+            self.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentUnavailable(f"the agent did not answer within {timeout} s")
+            futex.wait(address, value, min(NAP_SECONDS, left))
+
     def forget(self, position: int) -> None:
         """Nobody will take ``position``'s reply: a sweep drops it."""
         with self._lock:
@@ -228,6 +257,20 @@ class AcquireHandle:
         self._slot, self._error = slot, error
         self._on_settle()
 
+    def _accept(self, reply: np.void) -> bool:
+        """Take the agent's reply; True when it is a refusal (the outcome)."""
+        refused = RequestRefused.of(reply)
+        if refused is not None:
+            self._settle(None, refused)
+            return True
+        self._reply = reply
+        return False
+
+    def wait_granted(self, timeout: float) -> None:
+        """Block (asleep) until the agent answered the acquire: a slot, or a refusal."""
+        if not self.granted():
+            self._accept(self._channel.wait_reply(self._position, timeout))
+
     def _poll(self) -> bool:
         """Advance as far as shared memory allows; True once the outcome is known."""
         if self._slot is not None or self._error is not None:
@@ -236,11 +279,8 @@ class AcquireHandle:
             reply = self._channel.take(self._position)
             if reply is None:
                 return False
-            refused = RequestRefused.of(reply)
-            if refused is not None:
-                self._settle(None, refused)
+            if self._accept(reply):
                 return True
-            self._reply = reply
         index = int(self._reply["state_index"])
         generation, state = split_word(self._channel.word(index))
         mine = int(self._reply["generation"])
@@ -265,11 +305,7 @@ class AcquireHandle:
         if the delivery failed or timed out after ``timeout`` seconds."""
         from gpu_kernels import cuda_ops
 
-        deadline = time.monotonic() + timeout
-        while not self.granted():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.key}: the agent did not answer within {timeout} s")
-            time.sleep(0)
+        self.wait_granted(timeout)
         if self._error is not None:
             raise self._error
         assert self._reply is not None
@@ -300,7 +336,13 @@ class AcquireHandle:
         is an error, not a hang), or TimeoutError after ``timeout`` seconds."""
         start = time.monotonic()
         next_check = start + CHECK_SECONDS
-        while not self._poll():
+        while True:
+            index = None if self._reply is None else int(self._reply["state_index"])
+            address, value = self._channel.watch(self._position, index)
+            if self._poll():
+                break
+            if (self._reply is None) != (index is None):
+                continue  # the reply came: watch the slot's word from now on
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + CHECK_SECONDS
@@ -312,7 +354,7 @@ class AcquireHandle:
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError(f"{self.key} not ready after {timeout} s")
             if now - start > SPIN_SECONDS:
-                time.sleep(0)
+                futex.wait(address, value, min(NAP_SECONDS, max(0.0, next_check - now)))
         if self._error is not None:
             raise self._error
         assert self._slot is not None

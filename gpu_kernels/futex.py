@@ -1,0 +1,41 @@
+"""Sleeping on a word of shared memory until another process changes it (Linux futexes on a
+``MAP_SHARED`` mapping): how a waiter for a slot-state word or a reply spends no CPU, and how the
+agent wakes it after publishing. The low 32 bits of a 64-bit little-endian word are the futex
+word. Elsewhere than Linux, ``wait`` naps ``timeout`` and ``wake`` does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import sys
+import time
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared between processes: no FUTEX_PRIVATE_FLAG
+_ALL = 2**31 - 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_syscall = _libc.syscall if _libc is not None and _SYS_FUTEX is not None else None
+
+
+def wait(address: int, expected: int, timeout: float) -> None:
+    """Sleep until the 32-bit word at ``address`` may differ from ``expected`` (its low 32
+    bits), a wake, or ``timeout`` seconds; returns at once if it differs already."""
+    if _syscall is None:
+        time.sleep(timeout)
+        return
+    ts = _Timespec(int(timeout), int((timeout % 1) * 1e9))
+    _syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT,
+             ctypes.c_uint32(expected & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
+
+
+def wake(address: int) -> None:
+    """Wake every process sleeping on the 32-bit word at ``address``."""
+    if _syscall is not None:
+        _syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _ALL, None, None, 0)
