@@ -54,6 +54,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--delivery", choices=("engine", "pull"), default="engine",
+                    help="engine: the agent's DMA-engine process writes and checks the slots; "
+                         "pull: the device's own consumer copies from the arena")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="dpu-demo-") as tmp:
@@ -69,7 +72,8 @@ def main() -> int:
                 keys = [ExpertKey("demo", layer, e) for layer in model.moe_layers
                         for e in range(model.experts_per_layer)]
                 dev = client.register_device(
-                    device, [SlotPoolSpec(model.expert_bytes, len(keys))])
+                    device, [SlotPoolSpec(model.expert_bytes, len(keys))],
+                    delivery=args.delivery)
                 start = time.perf_counter()
                 handles = [client.acquire(dev, k) for k in keys]
                 slots = [h.wait(timeout=60) for h in handles]
@@ -88,7 +92,9 @@ def main() -> int:
                     client.release(dev, slot.key)
             finally:
                 client.close()
-    kind = f"CUDA, {device.mechanism}" if device.xp is not np else "CPU reference"
+    kind = "CUDA" if device.xp is not np else "CPU reference"
+    kind += (", DMA-engine process" if args.delivery == "engine" else
+             f", device pull ({getattr(device, 'mechanism', 'twin thread')})")
     print(f"device      {device.name} ({kind})")
     print(f"model       {model.architecture}, {len(model.moe_layers)} MoE layers x "
           f"{model.experts_per_layer} experts, {model.expert_bytes / 2**20:.2f} MiB/expert")
