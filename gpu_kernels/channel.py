@@ -62,6 +62,9 @@ class Channel:
                                  offset=states_at)
         self.words = np.ndarray((abi.MAX_CHANNEL_SLOTS,), "<u8", buffer=buffer,
                                 offset=states_at, strides=(abi.SLOT_STATE_DTYPE.itemsize,))
+        base = int(buffer.ctypes.data)
+        self._reply_seq_at = base + replies_at + abi.REPLY_DTYPE.fields["seq"][1]
+        self._words_at = base + states_at
 
     @classmethod
     def format(cls, buffer: np.ndarray, capacity: int) -> Channel:
@@ -98,12 +101,15 @@ class Channel:
 
     def reply_seq_address(self, position: int) -> int:
         """Address (this process) of the reply ``seq`` word for ring ``position``."""
-        return int(self._reply_seq.ctypes.data) + (position % self.capacity) * \
-            abi.REPLY_DTYPE.itemsize
+        return self._reply_seq_at + (position % self.capacity) * abi.REPLY_DTYPE.itemsize
+
+    def reply_seq(self, position: int) -> int:
+        """The reply ``seq`` word for ring ``position`` as it reads now."""
+        return int(self._reply_seq[position % self.capacity])
 
     def word_address(self, index: int) -> int:
         """Address (this process) of slot-state ``word`` ``index``."""
-        return int(self.words.ctypes.data) + index * abi.SLOT_STATE_DTYPE.itemsize
+        return self._words_at + index * abi.SLOT_STATE_DTYPE.itemsize
 
     # -- client side -----------------------------------------------------------------------
     def reply_at(self, position: int) -> np.void | None:

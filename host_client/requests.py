@@ -5,7 +5,6 @@ No gRPC call and no thread hop on this path: a handle polls one word of shared m
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -142,11 +141,8 @@ class ClientChannel:
         ``position`` until it has come, then slot-state word ``index``."""
         view = self.view
         if index is None:
-            address = view.reply_seq_address(position)
-        else:
-            address = view.word_address(index)
-        return address, int(np.frombuffer(
-            (ctypes.c_uint8 * 8).from_address(address), np.uint64)[0])
+            return view.reply_seq_address(position), view.reply_seq(position)
+        return view.word_address(index), int(view.words[index])
 
     def wait_reply(self, position: int, timeout: float) -> np.void:
         """The reply to ``position``, sleeping until it comes; AgentUnavailable after
