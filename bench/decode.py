@@ -262,6 +262,7 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 slots = max(top_k, round(fraction * layers * experts))
                 # One session per fraction: a session registers each GPU ordinal once.
                 session = AgentClient(agent.address, rpc_timeout=120)
+                session.load_model(str(root), "m")  # as an inference process does
                 made = (CudaDevice(0, mechanism="copy_engine") if device == "cuda" else
                         CpuReferenceDevice(len(results["runs"])))
                 dev = session.register_device(made, [SlotPoolSpec(model.expert_bytes, slots)],
@@ -286,8 +287,11 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     session.release(dev, ExpertKey("m", layer, e), wait=False)
 
                 prof = cProfile.Profile() if profile else None
+                calls = sum(session.rpc_calls.values()) - session.rpc_calls["KeepAlive"]
                 with prof or contextlib.nullcontext():
                     off = decoder.run(fetch, release, tokens, begin)
+                off["grpc_calls_per_token"] = (sum(session.rpc_calls.values()) - calls
+                                               - session.rpc_calls["KeepAlive"]) / tokens
                 if prof is not None and profile is not None:
                     with profile.open("a") as f:
                         f.write(f"== offload decode loop, {arch}, cache {fraction:.0%}\n")
@@ -355,12 +359,16 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, top-{r['top_k']}, "
           f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s",
           file=sys.stderr)
-    print(" cache  hit rate  offload tok/s  (wait ms/tok)  bound  pageable  http  "
-          "x bound  x http", file=sys.stderr)
+    print(" cache  hit rate  offload tok/s  (wait ms/tok)  compute x resident  gRPC/tok  bound  "
+          "pageable  http  x bound  x http", file=sys.stderr)
+    resident = r["resident"]["compute_s_per_token"]
     for run in r["runs"]:
         o = run["offload"]
         print(f" {run['fraction']:5.0%}  {run['hit_rate']:8.2f}  {o['tokens_per_s']:13.1f}  "
-              f"({o['wait_s_per_token'] * 1e3:11.1f})  {run['bound_tokens_per_s']:5.1f}  "
+              f"({o['wait_s_per_token'] * 1e3:11.1f})  "
+              f"{o['compute_s_per_token'] / resident:18.2f}  "
+              f"{o.get('grpc_calls_per_token', float('nan')):8.2f}  "
+              f"{run['bound_tokens_per_s']:5.1f}  "
               f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
               f"{run['offload_vs_bound']:7.2f}  {run['offload_vs_http']:6.2f}", file=sys.stderr)
 

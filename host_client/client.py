@@ -21,7 +21,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -47,6 +50,9 @@ log = logging.getLogger("host_client")
 
 DELIVERIES = {"pull": pb.DELIVERY_DEVICE_PULL, "engine": pb.DELIVERY_DMA_ENGINE}
 """``register_device``'s ``delivery`` names -> ``pb.Delivery``."""
+
+DESCRIBE_BATCH = 4096
+"""Keys per DescribeExperts call (the agent's bound)."""
 
 PACKET_RING_CAPACITY = 256
 PACKET_ENTRY_BYTES = 64 + 4096
@@ -90,6 +96,28 @@ class AttachedDevice:
     tx_device_ptr: int = 0
 
 
+class _CallCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Counts the client's gRPC calls by method name."""
+
+    def __init__(self, counts: Counter[str]) -> None:
+        self.counts = counts
+
+    def _count(self, details: grpc.ClientCallDetails) -> None:
+        method = details.method
+        name = method.decode() if isinstance(method, bytes) else str(method)
+        self.counts[name.rsplit("/", 1)[-1]] += 1
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any],
+                              details: grpc.ClientCallDetails, request: Any) -> Any:
+        self._count(details)
+        return continuation(details, request)
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any],
+                               details: grpc.ClientCallDetails, request: Any) -> Any:
+        self._count(details)
+        return continuation(details, request)
+
+
 class AgentClient:
     """A session with one agent.
 
@@ -117,7 +145,10 @@ class AgentClient:
             self.channel.close()
             raise AgentUnavailable(f"no agent answers at {address} "
                                    f"(waited {connect_timeout} s)") from None
-        self.stub = pb_grpc.DpuAgentStub(self.channel)
+        self.rpc_calls: Counter[str] = Counter()
+        """gRPC calls this client made, by method (the data path makes none)."""
+        self.stub = pb_grpc.DpuAgentStub(grpc.intercept_channel(
+            self.channel, _CallCounter(self.rpc_calls)))
         self.client_name = client_name
         self._lease_request = lease_seconds
         self._lock = threading.Lock()
@@ -162,6 +193,8 @@ class AgentClient:
                                    timeout=self.rpc_timeout)
         self._models[resp.model] = path  # reloaded if the agent restarts
         self._model_index[resp.model] = resp.model_index
+        self.describe([ExpertKey(resp.model, layer, e) for layer in resp.moe_layers
+                       for e in range(resp.experts_per_layer)])
         return resp
 
     def register_device(self, device: Device, pools: list[SlotPoolSpec],
@@ -250,13 +283,22 @@ class AgentClient:
             raise RequestRefused(abi.RequestStatus.NOT_FOUND, f"model {model!r} is not loaded")
         return index
 
+    def describe(self, keys: list[ExpertKey]) -> None:
+        """Ask the agent for the tensor layouts of ``keys`` not known yet (``load_model`` asks
+        for every expert of the model, so the data path never needs gRPC)."""
+        todo = [k for k in keys if k not in self._manifests]
+        for i in range(0, len(todo), DESCRIBE_BATCH):
+            part = todo[i:i + DESCRIBE_BATCH]
+            resp = self.stub.DescribeExperts(pb.DescribeExpertsRequest(
+                session_id=self.session_id, keys=[k.to_proto() for k in part]),
+                timeout=self.rpc_timeout)
+            self._manifests.update(zip(part, resp.manifests, strict=True))
+
     def manifest(self, key: ExpertKey) -> pb.ExpertManifest:
-        """The tensor layout of ``key`` (asked of the agent once per expert, then cached)."""
-        m = self._manifests.get(key)
-        if m is None:
-            m = self._manifests[key] = self.stub.DescribeExpert(pb.DescribeExpertRequest(
-                session_id=self.session_id, key=key.to_proto()), timeout=self.rpc_timeout)
-        return m
+        """The tensor layout of ``key`` (cached; asked of the agent if not known yet)."""
+        if key not in self._manifests:
+            self.describe([key])
+        return self._manifests[key]
 
     def _handles(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
         entries = [(abi.RequestOp.ACQUIRE, self._index(k.model), k) for k in keys]

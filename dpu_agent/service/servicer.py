@@ -28,6 +28,8 @@ from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 T = TypeVar("T")
 
 _CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
+MAX_DESCRIBE = 4096
+"""Keys one DescribeExperts call may name."""
 
 
 def _key(msg: pb.ExpertKey, what: str = "key") -> ExpertKey:
@@ -142,11 +144,15 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             total_expert_bytes=cat.total_expert_bytes,
             model_index=self.core.model_index(cat.name))
 
-    async def DescribeExpert(self, request: pb.DescribeExpertRequest,
-                             context: grpc.aio.ServicerContext) -> pb.ExpertManifest:
-        def call() -> pb.ExpertManifest:
+    async def DescribeExperts(self, request: pb.DescribeExpertsRequest,
+                              context: grpc.aio.ServicerContext) -> pb.DescribeExpertsResponse:
+        def call() -> pb.DescribeExpertsResponse:
             self.core.session(request.session_id)
-            return _manifest(self.core.expert(_key(request.key)), self.core.config.chunk_bytes)
+            if len(request.keys) > MAX_DESCRIBE:
+                raise invalid(f"{len(request.keys)} keys in one call; at most {MAX_DESCRIBE}")
+            chunk = self.core.config.chunk_bytes
+            return pb.DescribeExpertsResponse(manifests=[
+                _manifest(self.core.expert(_key(k, "keys[]")), chunk) for k in request.keys])
         return await self._run(context, call)
 
     def _acquire(self, session_id: str, device_id: int, key: pb.ExpertKey, wait: bool = True

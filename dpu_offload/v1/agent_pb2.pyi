@@ -229,13 +229,19 @@ class LoadModelResponse(_message.Message):
     model_index: int
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., experts_per_layer: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., total_expert_bytes: _Optional[int] = ..., model_index: _Optional[int] = ...) -> None: ...
 
-class DescribeExpertRequest(_message.Message):
-    __slots__ = ("session_id", "key")
+class DescribeExpertsRequest(_message.Message):
+    __slots__ = ("session_id", "keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    key: ExpertKey
-    def __init__(self, session_id: _Optional[str] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ...) -> None: ...
+    keys: _containers.RepeatedCompositeFieldContainer[ExpertKey]
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
+
+class DescribeExpertsResponse(_message.Message):
+    __slots__ = ("manifests",)
+    MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    manifests: _containers.RepeatedCompositeFieldContainer[ExpertManifest]
+    def __init__(self, manifests: _Optional[_Iterable[_Union[ExpertManifest, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("session_id", "device_id", "key")

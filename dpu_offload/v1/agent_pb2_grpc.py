@@ -74,10 +74,10 @@ class DpuAgentStub:
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelRequest.SerializeToString,
                 response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelResponse.FromString,
                 _registered_method=True)
-        self.DescribeExpert = channel.unary_unary(
-                '/dpu_offload.v1.DpuAgent/DescribeExpert',
-                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertRequest.SerializeToString,
-                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ExpertManifest.FromString,
+        self.DescribeExperts = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/DescribeExperts',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertsRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertsResponse.FromString,
                 _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/dpu_offload.v1.DpuAgent/Acquire',
@@ -187,8 +187,8 @@ class DpuAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def DescribeExpert(self, request, context):
-        """The tensor layout of one expert (no checksums): what a client views a slot with.
+    def DescribeExperts(self, request, context):
+        """The tensor layouts of experts (no checksums): what a client views slots with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -304,10 +304,10 @@ def add_DpuAgentServicer_to_server(servicer, server):
                     request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelRequest.FromString,
                     response_serializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelResponse.SerializeToString,
             ),
-            'DescribeExpert': grpc.unary_unary_rpc_method_handler(
-                    servicer.DescribeExpert,
-                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertRequest.FromString,
-                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.ExpertManifest.SerializeToString,
+            'DescribeExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeExperts,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertsRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertsResponse.SerializeToString,
             ),
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
@@ -592,7 +592,7 @@ class DpuAgent:
             _registered_method=True)
 
     @staticmethod
-    def DescribeExpert(request,
+    def DescribeExperts(request,
             target,
             options=(),
             channel_credentials=None,
@@ -605,9 +605,9 @@ class DpuAgent:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/dpu_offload.v1.DpuAgent/DescribeExpert',
-            dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertRequest.SerializeToString,
-            dpu__offload_dot_v1_dot_agent__pb2.ExpertManifest.FromString,
+            '/dpu_offload.v1.DpuAgent/DescribeExperts',
+            dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertsRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.DescribeExpertsResponse.FromString,
             options,
             channel_credentials,
             insecure,
