@@ -299,7 +299,9 @@ def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
     pytest.importorskip("cupy")
     from host_client.cuda_device import CudaDevice
 
-    with AgentProcess(SETTINGS) as agent, AgentClient(agent.address) as client:
+    # A fresh GPU machine compiles the FFN's CuPy kernels on the first request (seconds).
+    with AgentProcess(SETTINGS + "worker_timeout_seconds = 60\n") as agent, \
+            AgentClient(agent.address) as client:
         model = client.load_model(str(qwen_ckpt), "qg")
         dev = client.register_device(CudaDevice(0, mechanism="copy_engine"),
                                      [SlotPoolSpec(model.expert_bytes, 18)])
