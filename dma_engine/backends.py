@@ -64,10 +64,10 @@ class CpuBackend:
 
 
 class CudaBackend:
-    """One GPU: the arena registered (pinned), pools opened by IPC handle; per run a copy, the
-    checksum kernel over the landed bytes and a copy of its sums to pinned host memory, all on
-    one stream, then an event, so each run is reported as soon as it has landed and been
-    checked while later runs are still copied."""
+    """One GPU: the arena registered (pinned), pools opened by IPC handle. Runs are copied back
+    to back on one stream; each landed run is checked on a second stream (the checksum kernel,
+    its sums copied to pinned host memory), so checking a run overlaps copying the next, and
+    each run is reported as soon as it has landed and been checked."""
 
     def __init__(self, ordinal: int) -> None:
         import cupy as cp
@@ -79,6 +79,7 @@ class CudaBackend:
         with self.dev:
             launch.preload(ordinal)
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self.check_stream = cp.cuda.Stream(non_blocking=True)
             self._sums = cp.zeros(1 << 16, cp.uint32)
             self._host = cp.cuda.alloc_pinned_memory(4 << 16)
             self._host_sums = np.frombuffer(self._host, np.uint32, 1 << 16)
@@ -111,7 +112,7 @@ class CudaBackend:
                 self.cp.cuda.runtime.ipcCloseMemHandle(base)
 
     def copy(self, runs: list[CopyRun]) -> Iterator[Landed]:
-        rt, s = self.cp.cuda.runtime, self.stream
+        rt, s, c = self.cp.cuda.runtime, self.stream, self.check_stream
         chunks = sum(r.count for r in runs if r.verify)
         if chunks > self._sums.size:  # more chunks than one batch normally has: grow
             with self.dev:
@@ -119,18 +120,21 @@ class CudaBackend:
                 self._host = self.cp.cuda.alloc_pinned_memory(4 * chunks)
                 self._host_sums = np.frombuffer(self._host, np.uint32, chunks)
         with self.dev:
-            rt.memsetAsync(self._sums.data.ptr, 0, 4 * max(chunks, 1), s.ptr)
+            rt.memsetAsync(self._sums.data.ptr, 0, 4 * max(chunks, 1), c.ptr)
             pending, at = [], 0
             for run in runs:
                 rt.memcpyAsync(run.dst, run.src, run.nbytes, 4, s.ptr)  # Default: UVA
-                if run.verify:
-                    out = self._sums.data.ptr + 4 * at
-                    self.ops.launch_checksums(run.dst, run.nbytes, run.chunk_bytes,
-                                              run.position, out, stream=s)
-                    rt.memcpyAsync(self._host_sums.ctypes.data + 4 * at, out, 4 * run.count,
-                                   2, s.ptr)  # DeviceToHost
                 event = self.cp.cuda.Event(disable_timing=True)
                 event.record(s)
+                if run.verify:
+                    c.wait_event(event)
+                    out = self._sums.data.ptr + 4 * at
+                    self.ops.launch_checksums(run.dst, run.nbytes, run.chunk_bytes,
+                                              run.position, out, stream=c)
+                    rt.memcpyAsync(self._host_sums.ctypes.data + 4 * at, out, 4 * run.count,
+                                   2, c.ptr)  # DeviceToHost
+                    event = self.cp.cuda.Event(disable_timing=True)
+                    event.record(c)
                 pending.append((run, at if run.verify else -1, event))
                 at += run.count if run.verify else 0
             for run, first, event in pending:
@@ -145,6 +149,7 @@ class CudaBackend:
     def close(self) -> None:
         with self.dev:
             self.stream.synchronize()
+            self.check_stream.synchronize()
             for ptr in self._pools:
                 self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
             for address in self._registered:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu_kernels import abi
+from gpu_kernels import abi, futex
 from gpu_kernels.copy_runs import CopyRun, plan_runs
 from gpu_kernels.reference import check_descriptors
 from gpu_kernels.ring import Ring
@@ -120,6 +120,7 @@ class Engine:
         return self._backends[key]
 
     def run(self) -> None:
+        futex.tight_timer_slack()
         last_work = time.monotonic()
         while not self.stopping:
             with self.lock:

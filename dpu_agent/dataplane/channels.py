@@ -13,7 +13,8 @@ from gpu_kernels import abi
 from gpu_kernels.channel import Channel
 from gpu_kernels.shm import SharedBuffer, unique_name
 
-_HEADER_FIELDS = ("magic", "version", "kind", "entry_size", "capacity")
+_HEADER_CHECKED = abi.HEADER_DTYPE.fields["exit_flag"][1]
+"""The header's first bytes (magic, version, kind, entry size, capacity) never change."""
 
 CHANNEL_CAPACITY = 1024
 """Request-ring entries (and replies) of every channel."""
@@ -39,8 +40,8 @@ class DeviceChannel:
         self.closed = False
         self.fault = ""
         """Why the channel stopped being served (its header was overwritten), or empty."""
-        header = self.view.requests.header
-        self._expect = tuple(int(header[f]) for f in _HEADER_FIELDS)
+        self._header = self.view.buffer[:_HEADER_CHECKED]
+        self._expect = self._header.tobytes()
 
     @property
     def name(self) -> str:
@@ -58,10 +59,9 @@ class DeviceChannel:
         first = ring.consumed
         if self.fault:
             return first, ring.entries[:0]
-        header = ring.header
-        if tuple(int(header[f]) for f in _HEADER_FIELDS) != self._expect:
+        if self._header.tobytes() != self._expect:
             self.fault = "the request ring's header was overwritten"
-            header["fault"] = int(abi.Status.BAD_RING)
+            ring.header["fault"] = int(abi.Status.BAD_RING)
             return first, ring.entries[:0]
         return first, ring.pop_many(limit)
 

@@ -5,12 +5,13 @@ between. On a BlueField it is one Arm core polling, as a DOCA progress engine wo
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from gpu_kernels import futex
 
 log = logging.getLogger("dpu_agent.dataplane")
 
@@ -23,14 +24,6 @@ IDLE_SECONDS = 0.1
 IDLE_NAP_SECONDS = 0.0005
 SWEEP_SECONDS = 0.5
 """How often the stuck-transfer sweep runs."""
-
-
-def _tight_timer_slack() -> None:
-    """Ask Linux for 1 us timer slack on this thread (default 50 us), so short naps are short."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass
@@ -71,7 +64,7 @@ class DataPlaneLoop:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        _tight_timer_slack()
+        futex.tight_timer_slack()
         last_work = last_sweep = time.monotonic()
         stats = self.stats
         while not self._stop.is_set():
