@@ -138,8 +138,7 @@ class Deliveries:
                 log.warning("checksum mismatch on %s chunks %s; refetching", entry.key,
                             t.failed_chunks)
                 self.cache.invalidate(entry.key)
-                self.retries.submit(self._retry, session, dev, pool, idx, entry, attempt + 1,
-                                    t.transfer_id)
+                self.retries.submit(self._retry, session, dev, pool, idx, entry, attempt + 1)
                 return
         with session.lock:
             if pool.keys[idx] == entry.key and pool.state[idx] == SlotState.FILLING:
@@ -148,16 +147,11 @@ class Deliveries:
                 else:
                     pool.fail(idx, status)
         self._settle(dev, entry.key, status == abi.Status.OK)
-        session.events.emit(pb.Event(transfer_done=pb.TransferDone(
-            transfer_id=t.first_id or t.transfer_id, key=entry.key.to_proto(),
-            device_id=dev.device_id, region_id=pool.region_id, slot_index=idx,
-            status=status.name, bytes=t.bytes_done)))
 
     def _retry(self, session: Session, dev: Device, pool: SlotPool, idx: int,
-               entry: ExpertEntry, attempt: int, first_id: int) -> None:
+               entry: ExpertEntry, attempt: int) -> None:
         try:
-            t = self.deliver(session, dev, pool, idx, entry, attempt)
-            t.first_id = first_id
+            self.deliver(session, dev, pool, idx, entry, attempt)
         except AgentError as exc:
             with session.lock:
                 pool.fail(idx, abi.Status.CANCELLED)

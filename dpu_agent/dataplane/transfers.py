@@ -60,8 +60,6 @@ class Transfer:
     failed_chunks: list[int] = field(default_factory=list)
     owner: object | None = None
     """What the transfer serves (the agent's Device); cancellation selects by it."""
-    first_id: int = 0
-    """For a retry, the id of the transfer it replaces (what the client waits on)."""
     started: float = field(default_factory=time.monotonic)
     """When the descriptors were posted (monotonic seconds)."""
 

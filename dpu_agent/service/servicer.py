@@ -163,6 +163,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             transfer_id=grant.transfer_id, region_id=grant.region_id,
             slot_index=grant.slot_index, slot_offset=grant.slot_offset,
             state=pb.SLOT_STATE_READY if grant.ready else pb.SLOT_STATE_FILLING,
+            state_index=grant.state_index, generation=grant.generation,
             manifest=_manifest(grant.entry, self.core.config.chunk_bytes, grant.checksums))
 
     def _acquire_all(self, session_id: str, device_id: int, keys: list[pb.ExpertKey],

@@ -254,20 +254,24 @@ class AcquireRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("transfer_id", "region_id", "slot_index", "slot_offset", "state", "manifest")
+    __slots__ = ("transfer_id", "region_id", "slot_index", "slot_offset", "state", "manifest", "state_index", "generation")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SLOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     region_id: int
     slot_index: int
     slot_offset: int
     state: SlotState
     manifest: ExpertManifest
-    def __init__(self, transfer_id: _Optional[int] = ..., region_id: _Optional[int] = ..., slot_index: _Optional[int] = ..., slot_offset: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., manifest: _Optional[_Union[ExpertManifest, _Mapping]] = ...) -> None: ...
+    state_index: int
+    generation: int
+    def __init__(self, transfer_id: _Optional[int] = ..., region_id: _Optional[int] = ..., slot_index: _Optional[int] = ..., slot_offset: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., manifest: _Optional[_Union[ExpertManifest, _Mapping]] = ..., state_index: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class AcquireBatchRequest(_message.Message):
     __slots__ = ("session_id", "device_id", "keys")
@@ -383,33 +387,13 @@ class ReleaseRequest(_message.Message):
     key: ExpertKey
     def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ...) -> None: ...
 
-class TransferDone(_message.Message):
-    __slots__ = ("transfer_id", "key", "device_id", "region_id", "slot_index", "status", "bytes")
-    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    KEY_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
-    REGION_ID_FIELD_NUMBER: _ClassVar[int]
-    SLOT_INDEX_FIELD_NUMBER: _ClassVar[int]
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
-    transfer_id: int
-    key: ExpertKey
-    device_id: int
-    region_id: int
-    slot_index: int
-    status: str
-    bytes: int
-    def __init__(self, transfer_id: _Optional[int] = ..., key: _Optional[_Union[ExpertKey, _Mapping]] = ..., device_id: _Optional[int] = ..., region_id: _Optional[int] = ..., slot_index: _Optional[int] = ..., status: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
-
 class Event(_message.Message):
-    __slots__ = ("transfer_done", "error", "placement_progress")
-    TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("error", "placement_progress")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_PROGRESS_FIELD_NUMBER: _ClassVar[int]
-    transfer_done: TransferDone
     error: str
     placement_progress: PlacementProgress
-    def __init__(self, transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., error: _Optional[str] = ..., placement_progress: _Optional[_Union[PlacementProgress, _Mapping]] = ...) -> None: ...
+    def __init__(self, error: _Optional[str] = ..., placement_progress: _Optional[_Union[PlacementProgress, _Mapping]] = ...) -> None: ...
 
 class RoutingStep(_message.Message):
     __slots__ = ("layer", "experts", "tokens")
