@@ -199,6 +199,16 @@ def decode(d: dict[str, Any]) -> list[Row]:
                      f"{run['offload_vs_http']:.2f}x", ">= 10x at 25%" if
                      run["fraction"] == 0.25 else "",
                      run["offload_vs_http"] >= 10 if run["fraction"] == 0.25 else None))
+        resident = r["resident"]["compute_s_per_token"]
+        ratio = run["offload"]["compute_s_per_token"] / resident
+        rows.append((f"expert compute per token, offload vs resident, {tag}",
+                     f"{run['offload']['compute_s_per_token'] * 1e3:.2f} ms",
+                     f"resident {resident * 1e3:.2f} ms", f"{ratio:.2f}x", "<= 1.1x",
+                     ratio <= 1.1))
+        if "grpc_calls_per_token" in run["offload"]:
+            calls = run["offload"]["grpc_calls_per_token"]
+            rows.append((f"gRPC calls per token, {tag}", f"{calls:.2f}", "", "", "0",
+                         calls == 0))
     return rows
 
 
@@ -234,6 +244,8 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Load", "load", load_bench, ""),
     ("Decode with offloaded experts, Qwen3-30B-A3B shapes (H200)", "decode-qwen3-30b-a3b-cuda",
      decode, "decode-qwen3-30b-a3b-cuda.png"),
+    ("Decode, Qwen3-30B-A3B shapes, the DMA-engine process delivering (H200)",
+     "decode-qwen3-30b-a3b-cuda-engine", decode, "decode-qwen3-30b-a3b-cuda-engine.png"),
     ("Decode with offloaded experts, DeepSeek-V3 expert shapes (H200)",
      "decode-deepseek-v3-lite-cuda", decode, "decode-deepseek-v3-lite-cuda.png"),
     ("Decode with offloaded experts (CPU reference device)", "decode-qwen3-30b-a3b-cpu",
