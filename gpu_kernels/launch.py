@@ -60,6 +60,8 @@ def non_blocking_stream() -> cp.cuda.Stream:
 
 
 @functools.cache
+@functools.cache
 def sm_count(device_id: int = 0) -> int:
-    """Multiprocessors of the device."""
+    """Multiprocessors of the device (cached: cudaGetDeviceProperties costs far more than a
+    kernel launch, and launchers size their grids with it on every call)."""
     return int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
