@@ -25,8 +25,16 @@ FAULTS = [
      "tests/test_faults.py::test_agent_sigkill_client_notices_fails_and_recovers"),
     ("host process killed (transfer in flight)",
      "tests/test_faults.py::test_killed_host_process_is_reclaimed"),
-    ("corrupted bytes in the arena", "tests/test_faults.py::"
-     "test_corrupted_arena_is_caught_refetched_and_counted"),
+    ("corrupted bytes in the arena (device pull)", "tests/test_faults.py::"
+     "test_corrupted_arena_is_caught_refetched_and_counted[pull]"),
+    ("corrupted bytes in the arena (DMA engine)", "tests/test_faults.py::"
+     "test_corrupted_arena_is_caught_refetched_and_counted[engine]"),
+    ("DMA-engine process killed with a transfer in hand",
+     "tests/test_engine.py::test_engine_death_fails_in_flight_and_is_restarted"),
+    ("hostile request-ring entries", "tests/test_engine.py::"
+     "test_hostile_requests_are_refused_and_change_nothing"),
+    ("request-ring header overwritten by its client", "tests/test_engine.py::"
+     "test_overwritten_channel_header_stops_service_with_an_error"),
     ("corrupted activation packets", "tests/test_activations.py::"
      "test_corrupted_packets_are_caught_delivered_again_and_counted"),
     ("caller's deadline passes during an arena fill",
@@ -60,8 +68,20 @@ OUTCOME = {
     "the client reconnects, reloads models, re-registers devices; every slot verified after",
     "host process killed (transfer in flight)": "session reclaimed within the 1 s lease; "
     "transfers in flight and arena pins back to 0",
-    "corrupted bytes in the arena": "checksum mismatch caught before READY, refetched from "
-    "the checkpoint, dpu_agent_checksum_failures_total counts it, slot bytes correct",
+    "corrupted bytes in the arena (device pull)": "the device's consumer catches the checksum "
+    "mismatch before READY; refetched from the checkpoint, dpu_agent_checksum_failures_total "
+    "counts it, slot bytes correct",
+    "corrupted bytes in the arena (DMA engine)": "the engine's check of the landed bytes "
+    "catches it before READY; refetched, counted, slot bytes correct",
+    "DMA-engine process killed with a transfer in hand": "noticed within a sweep (< 1.5 s), the "
+    "waiter gets TransferFailed(CANCELLED), fresh rings, a new engine serves the same expert "
+    "byte for byte",
+    "hostile request-ring entries": "unknown op, model, layer, expert, a release not held, a "
+    "reused id: each answered with its status and a message; held slot's bytes and state word "
+    "unchanged; the agent keeps serving",
+    "request-ring header overwritten by its client": "the agent stops serving that channel "
+    "(BAD_RING in its fault word), the client's wait raises UNAVAILABLE; other sessions carry "
+    "on",
     "corrupted activation packets": "refused by the receive twin before the rows are used, the "
     "part delivered again, dpu_worker_packets_refused_total and _packet_retransmits_total count "
     "it, the combined output matches the dense reference; corrupted on every try: WORKER_FAILED, "
