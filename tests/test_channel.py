@@ -1,0 +1,78 @@
+"""The data-plane channel's views and the slot-state word, without an agent: publication
+order, reply reuse, the futex wake, and the stream wait's CPU twin."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpu_kernels import abi, futex, reference
+from gpu_kernels.channel import Channel, split_word, state_word
+from gpu_kernels.ring import RingError
+
+
+def make_channel(capacity: int = 8) -> Channel:
+    return Channel.format(np.zeros(abi.channel_layout(capacity)[2], np.uint8), capacity)
+
+
+@given(generation=st.integers(0, 2**56 - 1), state=st.sampled_from(list(abi.SlotState)))
+def test_state_word_round_trips(generation: int, state: abi.SlotState) -> None:
+    assert split_word(state_word(generation, state)) == (generation, state)
+
+
+def test_unknown_state_is_an_error() -> None:
+    with pytest.raises(RingError, match="no known state"):
+        split_word((5 << abi.SLOT_STATE_BITS) | 77)
+
+
+def test_a_channel_needs_its_whole_layout() -> None:
+    with pytest.raises(RingError, match="needs"):
+        Channel.format(np.zeros(abi.channel_layout(8)[2] - 1, np.uint8), 8)
+
+
+def test_replies_are_matched_by_position_and_reused_per_lap() -> None:
+    ch = make_channel(4)
+    for pos in range(10):
+        assert ch.reply_at(pos) is None
+        ch.reply(pos, 100 + pos, abi.RequestStatus.NOT_FOUND, f"no {pos}", slot_index=pos)
+        got = ch.reply_at(pos)
+        assert got is not None and int(got["request_id"]) == 100 + pos
+        assert bytes(got["message"]).decode() == f"no {pos}"
+        assert ch.reply_at(pos + 4) is None  # the next lap's reply is not this one
+    assert ch.answered(6, 10).all() and not ch.answered(10, 14).any()
+
+
+def test_a_sleeping_waiter_is_woken_by_a_publication() -> None:
+    ch = make_channel()
+    ch.publish_state(3, 7, abi.SlotState.FILLING)
+    seen = []
+
+    def waiter() -> None:
+        value = int(ch.words[3])
+        while split_word(int(ch.words[3]))[1] != abi.SlotState.READY:
+            futex.wait(ch.word_address(3), value, 5.0)
+        seen.append(time.monotonic())
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)
+    published = time.monotonic()
+    ch.publish_state(3, 7, abi.SlotState.READY)
+    t.join(5)
+    assert seen and seen[0] - published < 1.0  # woken, not timed out (5 s)
+
+
+@pytest.mark.parametrize("final,expect", [(abi.SlotState.READY, 0), (abi.SlotState.FAILED, 1)])
+def test_stream_wait_twin(final: abi.SlotState, expect: int) -> None:
+    ch = make_channel()
+    ch.publish_state(1, 4, abi.SlotState.FILLING)
+    assert reference.wait_ready(ch.words, 1, 4, 0.05) == 3  # times out while FILLING
+    threading.Timer(0.05, ch.publish_state, (1, 4, final)).start()
+    assert reference.wait_ready(ch.words, 1, 4, 5.0) == expect
+    ch.publish_state(1, 5, abi.SlotState.FILLING)
+    assert reference.wait_ready(ch.words, 1, 4, 5.0) == 2  # the slot moved on
