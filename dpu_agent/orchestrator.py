@@ -91,13 +91,14 @@ class Orchestrator:
         self.deliveries = Deliveries(self.cache, config.chunk_bytes, self._fills,
                                      lambda sid: sid in self.sessions)
         self.requests = RequestServer(self, self._fills)
-        self._channel_list: tuple[DeviceChannel, ...] | None = None
         self.engine = EngineSupervisor(self._engine_died)
         """The DMA-engine process (started when the first DMA-engine device registers)."""
         self.dataplane = DataPlaneLoop(self._poll_once, lambda: self.deliveries.tracker.in_flight,
                                        [self._cancel_stuck, self.engine.check])
         self.draining = False
-        self._queue_list: tuple[DeviceQueue, ...] | None = None
+        self._device_list: tuple[Device, ...] | None = None
+        """Every session's devices, rebuilt only after a registration or a closure (the
+        data-plane loop reads it on every pass)."""
         self.scheduler = Scheduler(config.link_concurrency)
         self.placements = PlacementExecutor(self)
         self.routing = RoutingStats()
@@ -225,8 +226,7 @@ class Orchestrator:
     def close_session(self, session_id: str, reason: str = "closed") -> None:
         with self._lock:
             session = self.sessions.pop(session_id, None)
-            self._queue_list = None
-            self._channel_list = None
+            self._device_list = None
         if session is None:
             raise not_found(f"session {session_id!r} does not exist")
         devices = set(session.devices.values())
@@ -280,8 +280,7 @@ class Orchestrator:
                                      f"the DMA engine cannot take device: {exc}") from exc
             session.devices[dev.device_id] = dev
         with self._lock:
-            self._channel_list = None
-            self._queue_list = None
+            self._device_list = None
         return dev
 
     def register_region(self, session: Session, req: pb.RegisterRegionRequest) -> int:
@@ -338,7 +337,7 @@ class Orchestrator:
                     try:
                         dev.queue = DeviceQueue(dev.work_shm, dev.completion_shm)
                         with self._lock:  # after the queue exists: the poller rebuilds
-                            self._queue_list = None
+                            self._device_list = None
                     except (SharedBufferError, ValueError) as exc:
                         if kind == pb.REGION_KIND_WORK_RING:
                             dev.work_shm = ""
@@ -432,7 +431,7 @@ class Orchestrator:
             if old_rings is not None:
                 old_rings.close()
         with self._lock:
-            self._queue_list = None
+            self._device_list = None
         return fresh
 
     @staticmethod
@@ -633,23 +632,12 @@ class Orchestrator:
         return self.prefetch(session, device_id, keys)
 
     # -- data plane ------------------------------------------------------------------------
-    def _queues(self) -> tuple[DeviceQueue, ...]:
-        """Every device's queue, rebuilt only after a queue was opened or a session closed
-        (the poller asks on every pass)."""
+    def _devices(self) -> tuple[Device, ...]:
         with self._lock:
-            if self._queue_list is None:
-                self._queue_list = tuple(d.queue for s in self.sessions.values()
-                                         for d in list(s.devices.values())
-                                         if d.queue is not None)
-            return self._queue_list
-
-    def _channels(self) -> tuple[DeviceChannel, ...]:
-        with self._lock:
-            if self._channel_list is None:
-                self._channel_list = tuple(d.channel for s in self.sessions.values()
-                                           for d in list(s.devices.values())
-                                           if d.channel is not None)
-            return self._channel_list
+            if self._device_list is None:
+                self._device_list = tuple(d for s in self.sessions.values()
+                                          for d in list(s.devices.values()))
+            return self._device_list
 
     def poller_alive(self) -> bool:
         return self.dataplane.alive()
@@ -670,10 +658,11 @@ class Orchestrator:
         """One pass of the data-plane loop: every channel's requests, then every queue's
         backlog and completions. Returns (requests, completions) handled."""
         requests = completions = 0
-        for channel in self._channels():
-            if not channel.closed:
-                requests += self.requests.serve(channel)
-        for q in self._queues():
+        devices = self._devices()
+        for dev in devices:
+            if dev.channel is not None and not dev.channel.closed:
+                requests += self.requests.serve(dev.channel)
+        for q in (dev.queue for dev in devices if dev.queue is not None):
             try:
                 q.flush()
                 recs = q.poll_completions()

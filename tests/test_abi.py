@@ -70,21 +70,15 @@ def test_constants_match() -> None:
     assert c["DPU_HEADER_BYTES"] == abi.HEADER_BYTES
     assert c["DPU_COPY_ALIGN_BYTES"] == abi.COPY_ALIGN_BYTES
     assert c["DPU_MAX_REGIONS"] == abi.MAX_REGIONS
-    for kind in abi.RingKind:
-        assert c[f"DPU_RING_{kind.name}"] == kind
-    for op in abi.Opcode:
-        assert c[f"DPU_OP_{op.name}"] == op
-    for status in abi.Status:
-        assert c[f"DPU_STATUS_{status.name}"] == status
+    for prefix, enum in (("RING", abi.RingKind), ("OP", abi.Opcode), ("STATUS", abi.Status),
+                         ("REQ", abi.RequestOp), ("SLOT", abi.SlotState),
+                         ("REQSTATUS", abi.RequestStatus)):
+        for member in enum:
+            assert c[f"DPU_{prefix}_{member.name}"] == member, (prefix, member)
     assert c["DPU_DESC_VERIFY"] == abi.DescriptorFlags.VERIFY
     assert c["DPU_REGION_READABLE"] == abi.RegionFlags.READABLE
     assert c["DPU_REGION_WRITABLE"] == abi.RegionFlags.WRITABLE
     assert c["DPU_PACKET_LAST"] == abi.PacketFlags.LAST
     assert c["DPU_MAX_CHANNEL_SLOTS"] == abi.MAX_CHANNEL_SLOTS
     assert c["DPU_SLOT_STATE_BITS"] == abi.SLOT_STATE_BITS
-    for op in abi.RequestOp:
-        assert c[f"DPU_REQ_{op.name}"] == op
-    for state in abi.SlotState:
-        assert c[f"DPU_SLOT_{state.name}"] == state
-    for status in abi.RequestStatus:
-        assert c[f"DPU_REQSTATUS_{status.name}"] == status
+

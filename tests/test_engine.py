@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi
@@ -21,6 +23,13 @@ from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec, TransferF
 from host_client.client import AttachedDevice
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
+
+
+def metric(agent: AgentProcess, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
 
 
 def engine_pids(agent: AgentProcess) -> list[int]:
@@ -77,6 +86,7 @@ def test_engine_death_fails_in_flight_and_is_restarted(
     truth = checkpoint_bytes(qwen_ckpt)
     client.acquire(engine_dev, ExpertKey("qwen-engine", 0, 0)).wait(10)  # engine running
     (pid,) = engine_pids(agent)
+    restarts = metric(agent, "dpu_agent_engine_restarts_total")
     os.kill(pid, signal.SIGSTOP)  # the engine stops taking work ...
     stuck = client.acquire(engine_dev, ExpertKey("qwen-engine", 1, 1))
     time.sleep(0.2)
@@ -93,6 +103,7 @@ def test_engine_death_fails_in_flight_and_is_restarted(
     slot = client.acquire(engine_dev, ExpertKey("qwen-engine", 1, 1)).wait(10)
     name = "model.layers.1.mlp.experts.1.down_proj.weight"
     assert slot.raw("down_proj").tobytes() == truth[name]
+    assert metric(agent, "dpu_agent_engine_restarts_total") == restarts + 1
 
 
 def post_raw(dev: AttachedDevice, record: dict[str, int]) -> np.void:
@@ -108,11 +119,12 @@ def post_raw(dev: AttachedDevice, record: dict[str, int]) -> np.void:
 
 
 def test_hostile_requests_are_refused_and_change_nothing(
-        client: AgentClient, engine_dev: AttachedDevice) -> None:
+        agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice) -> None:
     key = ExpertKey("qwen-engine", 2, 4)
     slot = client.acquire(engine_dev, key).wait(10)
     before = slot.blob.copy()
     words = engine_dev.channel.view.words.copy()
+    refused = metric(agent, "dpu_agent_dataplane_refused_requests_total")
     index = client._index("qwen-engine")
     base = {"request_id": 10**12, "opcode": abi.RequestOp.ACQUIRE, "model": index,
             "layer": 2, "expert": 4}
@@ -131,6 +143,7 @@ def test_hostile_requests_are_refused_and_change_nothing(
         assert words_in_message in bytes(reply["message"]).decode(), reply["message"]
     np.testing.assert_array_equal(slot.blob, before)
     np.testing.assert_array_equal(engine_dev.channel.view.words, words)
+    assert metric(agent, "dpu_agent_dataplane_refused_requests_total") == refused + len(cases)
     # The client's own ids continue above the hostile ones; the agent keeps serving.
     engine_dev.channel._next_id = base["request_id"] + 100
     client.release(engine_dev, key)

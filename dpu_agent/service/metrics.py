@@ -61,6 +61,22 @@ class AgentCollector(Collector):
         yield CounterMetricFamily("dpu_agent_checksum_failures",
                                   "Deliveries that failed chunk verification.",
                                   value=core.deliveries.verify_failures)
+        loop = core.dataplane.stats
+        yield CounterMetricFamily("dpu_agent_dataplane_requests",
+                                  "Request-ring entries the data-plane loop served.",
+                                  value=loop.requests)
+        yield CounterMetricFamily("dpu_agent_dataplane_refused_requests",
+                                  "Request-ring entries answered with an error status.",
+                                  value=core.requests.refused)
+        yield CounterMetricFamily("dpu_agent_dataplane_completions",
+                                  "Completion entries the data-plane loop folded.",
+                                  value=loop.completions)
+        yield CounterMetricFamily("dpu_agent_dataplane_cpu_seconds",
+                                  "CPU time of the data-plane loop's thread.",
+                                  value=loop.cpu_seconds)
+        yield CounterMetricFamily("dpu_agent_engine_restarts",
+                                  "Times the DMA-engine process died and was started again.",
+                                  value=core.engine.restarts)
         yield GaugeMetricFamily("dpu_agent_sessions", "Open sessions.",
                                 value=len(core.sessions))
         yield GaugeMetricFamily("dpu_agent_models_loaded", "Models in the catalog.",
