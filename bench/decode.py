@@ -190,7 +190,8 @@ def main() -> int:
     path = write("decode", envelope("decode", result, device=args.device,
                                     command="python bench/decode.py " + " ".join(sys.argv[1:])),
                  f"-{args.arch}-{args.device}"
-                 + ("-engine" if args.delivery == "engine" else ""))
+                 + ("-engine" if args.delivery == "engine" else "")
+                 + (f"-{args.experts}experts" if args.experts != 16 else ""))
     plot(result, path.with_suffix(".png"))
     print(json.dumps(result) if args.json else f"wrote {path}")
     return 0
