@@ -21,7 +21,7 @@ from typing import Any
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.delivery import Deliveries
-from dpu_agent.dataplane.engine import EngineError, EngineRings, EngineSupervisor
+from dpu_agent.dataplane.engine import EngineDevices, EngineError
 from dpu_agent.dataplane.loop import DataPlaneLoop
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.requests import RequestServer, unknown_model
@@ -91,10 +91,11 @@ class Orchestrator:
         self.deliveries = Deliveries(self.cache, config.chunk_bytes, self._fills,
                                      lambda sid: sid in self.sessions)
         self.requests = RequestServer(self, self._fills)
-        self.engine = EngineSupervisor(self._engine_died)
-        """The DMA-engine process (started when the first DMA-engine device registers)."""
+        self.engine = EngineDevices(self.arena.name, self.arena.size, ARENA_REGION_ID,
+                                    self._devices, self._engine_died)
+        """Devices the DMA-engine process serves (it starts when the first registers)."""
         self.dataplane = DataPlaneLoop(self._poll_once, lambda: self.deliveries.tracker.in_flight,
-                                       [self._cancel_stuck, self.engine.check])
+                                       [self._cancel_stuck, self.engine.supervisor.check])
         self.draining = False
         self._device_list: tuple[Device, ...] | None = None
         """Every session's devices, rebuilt only after a registration or a closure (the
@@ -239,8 +240,7 @@ class Orchestrator:
             if dev.channel is not None:
                 dev.channel.close()
             if dev.engine_rings is not None:
-                self.engine.detach(dev.device_id)
-                dev.engine_rings.close()
+                self.engine.detach(dev)
         session.events.close()
         log.info("session %s", reason, extra={"session": session_id})
 
@@ -273,7 +273,7 @@ class Orchestrator:
             dev.channel = DeviceChannel((session.session_id, dev.device_id))
             if delivery == pb.DELIVERY_DMA_ENGINE:
                 try:
-                    dev.queue = self._attach_engine(dev)
+                    dev.queue = self.engine.attach(dev)
                 except EngineError as exc:
                     dev.channel.close()
                     raise AgentError(ErrorKind.UNAVAILABLE,
@@ -306,7 +306,7 @@ class Orchestrator:
                                 channel=dev.channel,
                                 state_base=self._state_range(dev, req.slot_count))
                 if dev.delivery == pb.DELIVERY_DMA_ENGINE:
-                    self._engine_pool(dev, pool)
+                    self.engine.add_pool(dev, pool)
                 dev.pools[rid] = pool
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
                 if dev.delivery == pb.DELIVERY_DMA_ENGINE:
@@ -364,75 +364,6 @@ class Orchestrator:
             session.next_region_id += 1
             dev.regions[rid] = kind
             return rid
-
-    # -- the DMA engine (dataplane/engine.py) ------------------------------------------------
-    def _engine_spec(self, dev: Device, pool: SlotPool) -> dict[str, Any]:
-        if dev.kind == pb.DEVICE_KIND_CUDA:
-            if not pool.ipc_handle:
-                raise invalid("a DMA-engine CUDA device's slot pool needs cuda_ipc_handle")
-            return {"size": pool.slot_bytes * pool.slot_count, "ipc": pool.ipc_handle.hex()}
-        if not pool.shm_name:
-            raise invalid("a DMA-engine CPU reference device's slot pool needs shm_name")
-        return {"size": pool.slot_bytes * pool.slot_count, "shm": pool.shm_name}
-
-    def _engine_pool(self, dev: Device, pool: SlotPool) -> None:
-        spec = self._engine_spec(dev, pool)
-        try:
-            self.engine.add_pool(dev.device_id, pool.region_id, spec)
-        except EngineError as exc:
-            raise invalid(f"the DMA engine cannot open slot pool {pool.region_id}: {exc}"
-                          ) from exc
-
-    def _engine_attach_command(self, dev: Device, rings: EngineRings) -> dict[str, Any]:
-        return {"kind": "cuda" if dev.kind == pb.DEVICE_KIND_CUDA else "cpu",
-                "ordinal": dev.ordinal, "work": rings.work, "completions": rings.completions,
-                "arena": {"name": self.arena.name, "size": self.arena.size,
-                          "region": ARENA_REGION_ID}}
-
-    def _attach_engine(self, dev: Device) -> DeviceQueue:
-        """Agent-owned rings to the engine and the engine attached (pools follow as they are
-        registered); the queue the agent posts on and reads the engine's completions from."""
-        rings = EngineRings()
-        try:
-            queue = DeviceQueue(rings.work, rings.completions)
-        except BaseException:
-            rings.close()
-            raise
-        try:
-            self.engine.attach(dev.device_id, self._engine_attach_command(dev, rings))
-        except BaseException:
-            self.engine.detach(dev.device_id)
-            queue.close()
-            rings.close()
-            raise
-        dev.engine_rings = rings
-        return queue
-
-    def _engine_died(self, device_ids: list[int]) -> dict[int, dict[str, Any]]:
-        """The engine died: fail its devices' transfers in flight (CANCELLED: their slots go
-        FAILED, their waiters get an error) and give each device fresh engine rings, so no
-        descriptor the dead engine left unconsumed ever runs."""
-        with self._lock:
-            devices = [d for s in self.sessions.values() for d in list(s.devices.values())
-                       if d.device_id in device_ids and d.engine_rings is not None]
-        wanted = set(devices)
-        gone = self.deliveries.tracker.cancel(lambda t: t.owner in wanted)
-        log.error("DMA engine died: %d transfers cancelled on devices %s", len(gone),
-                  [d.device_id for d in devices])
-        fresh = {}
-        for dev in devices:
-            old_rings, old_queue = dev.engine_rings, dev.queue
-            rings = EngineRings()
-            dev.queue = DeviceQueue(rings.work, rings.completions)
-            dev.engine_rings = rings
-            fresh[dev.device_id] = self._engine_attach_command(dev, rings)
-            if old_queue is not None:
-                old_queue.close()
-            if old_rings is not None:
-                old_rings.close()
-        with self._lock:
-            self._device_list = None
-        return fresh
 
     @staticmethod
     def _state_range(dev: Device, count: int) -> int:
@@ -646,6 +577,15 @@ class Orchestrator:
     def poller_heartbeat(self) -> float:
         return self.dataplane.heartbeat
 
+    def _engine_died(self, devices: set[Device]) -> None:
+        """The DMA engine died: its devices' transfers in flight end CANCELLED (their slots go
+        FAILED, their waiters get an error); their queues were replaced."""
+        gone = self.deliveries.tracker.cancel(lambda t: t.owner in devices)
+        log.error("DMA engine died: %d transfers cancelled on devices %s", len(gone),
+                  sorted(d.device_id for d in devices))
+        with self._lock:
+            self._device_list = None
+
     def _cancel_stuck(self) -> None:
         limit = self.config.transfer_timeout_seconds
         now = time.monotonic()
@@ -676,7 +616,7 @@ class Orchestrator:
 
     def shutdown(self) -> None:
         self.dataplane.stop()
-        self.engine.stop()
+        self.engine.supervisor.stop()
         for sid in list(self.sessions):
             try:
                 self.close_session(sid, reason="agent stopping")

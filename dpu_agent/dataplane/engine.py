@@ -15,7 +15,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dpu_agent.dataplane.queues import DeviceQueue
+from dpu_agent.errors import invalid
+from dpu_offload.v1 import agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from dpu_agent.service.registry import Device, SlotPool
 
 log = logging.getLogger("dpu_agent.engine")
 
@@ -185,3 +192,94 @@ class EngineRings:
         for buf in self.buffers:
             buf.unlink()
             buf.close()
+
+
+class EngineDevices:
+    """The agent's devices served by the DMA engine: their rings to it, the commands that
+    attach them and their pools, and what a dead engine leaves to redo.
+
+    Args:
+        arena_name, arena_size, arena_region: the arena the engine maps (bytes; region id).
+        devices: every registered device (those with engine rings are the engine's).
+        on_death: called with the dead engine's devices, after each got fresh rings and a fresh
+            queue, so their transfers in flight can be failed.
+    """
+
+    def __init__(self, arena_name: str, arena_size: int, arena_region: int,
+                 devices: Callable[[], tuple[Device, ...]],
+                 on_death: Callable[[set[Device]], None]) -> None:
+        self._arena = {"name": arena_name, "size": arena_size, "region": arena_region}
+        self._devices = devices
+        self._on_death = on_death
+        self.supervisor = EngineSupervisor(self._died)
+
+    @property
+    def restarts(self) -> int:
+        return self.supervisor.restarts
+
+    def _command(self, dev: Device, rings: EngineRings) -> dict[str, Any]:
+        return {"kind": "cuda" if dev.kind == pb.DEVICE_KIND_CUDA else "cpu",
+                "ordinal": dev.ordinal, "work": rings.work, "completions": rings.completions,
+                "arena": self._arena}
+
+    def attach(self, dev: Device) -> DeviceQueue:
+        """Agent-owned rings to the engine and the engine attached (pools follow as they are
+        registered); returns the queue the agent posts on and reads completions from."""
+        rings = EngineRings()
+        try:
+            queue = DeviceQueue(rings.work, rings.completions)
+        except BaseException:
+            rings.close()
+            raise
+        try:
+            self.supervisor.attach(dev.device_id, self._command(dev, rings))
+        except BaseException:
+            self.supervisor.detach(dev.device_id)
+            queue.close()
+            rings.close()
+            raise
+        dev.engine_rings = rings
+        return queue
+
+    @staticmethod
+    def _spec(dev: Device, pool: SlotPool) -> dict[str, Any]:
+        if dev.kind == pb.DEVICE_KIND_CUDA:
+            if not pool.ipc_handle:
+                raise invalid("a DMA-engine CUDA device's slot pool needs cuda_ipc_handle")
+            return {"size": pool.slot_bytes * pool.slot_count, "ipc": pool.ipc_handle.hex()}
+        if not pool.shm_name:
+            raise invalid("a DMA-engine CPU reference device's slot pool needs shm_name")
+        return {"size": pool.slot_bytes * pool.slot_count, "shm": pool.shm_name}
+
+    def add_pool(self, dev: Device, pool: SlotPool) -> None:
+        """Have the engine open ``pool``; INVALID_ARGUMENT when it cannot."""
+        spec = self._spec(dev, pool)
+        try:
+            self.supervisor.add_pool(dev.device_id, pool.region_id, spec)
+        except EngineError as exc:
+            raise invalid(f"the DMA engine cannot open slot pool {pool.region_id}: {exc}"
+                          ) from exc
+
+    def detach(self, dev: Device) -> None:
+        self.supervisor.detach(dev.device_id)
+        if dev.engine_rings is not None:
+            dev.engine_rings.close()
+
+    def _died(self, device_ids: list[int]) -> dict[int, dict[str, Any]]:
+        """Fresh rings and queues for the dead engine's devices (so no descriptor it left
+        unconsumed ever runs); returns their attach commands for the new engine."""
+        devices = {d for d in self._devices()
+                   if d.device_id in device_ids and d.engine_rings is not None}
+        fresh = {}
+        for dev in devices:
+            old_rings, old_queue = dev.engine_rings, dev.queue
+            rings = EngineRings()
+            dev.queue = DeviceQueue(rings.work, rings.completions)
+            dev.engine_rings = rings
+            fresh[dev.device_id] = self._command(dev, rings)
+            if old_queue is not None:
+                old_queue.close()
+            if old_rings is not None:
+                old_rings.close()
+        self._on_death(devices)
+        return fresh
