@@ -37,6 +37,8 @@ FAULTS = [
      "test_overwritten_channel_header_stops_service_with_an_error"),
     ("corrupted activation packets", "tests/test_activations.py::"
      "test_corrupted_packets_are_caught_delivered_again_and_counted"),
+    ("activation packet emptied on the wire (length 0, checksum 0: valid, short)",
+     "tests/test_activations.py::test_a_part_delivered_short_is_delivered_again"),
     ("caller's deadline passes during an arena fill",
      "tests/test_faults.py::test_caller_gone_during_a_fill_leaves_no_reference"),
     ("consumer stops reading", "tests/test_faults.py::"
@@ -86,6 +88,9 @@ OUTCOME = {
     "part delivered again, dpu_worker_packets_refused_total and _packet_retransmits_total count "
     "it, the combined output matches the dense reference; corrupted on every try: WORKER_FAILED, "
     "credit back",
+    "activation packet emptied on the wire (length 0, checksum 0: valid, short)": "no packet "
+    "is refused, but the part's byte count is short: delivered again, output equals the dense "
+    "reference",
     "caller's deadline passes during an arena fill": "DEADLINE_EXCEEDED to the caller; the "
     "fills finish and the agent gives back every reference the lost response carried",
     "consumer stops reading": "ring never overwritten (<= capacity outstanding), producer "
