@@ -13,6 +13,8 @@ import numpy as np
 from gpu_kernels import abi
 
 _FENCE = threading.Lock()
+_PROBE = 16
+"""pop_many checks this many entries one by one before it checks the rest as an array."""
 
 
 def store_fence() -> None:
@@ -140,15 +142,21 @@ class Ring:
         if n <= 0:
             return 0
         pos = self._producer
-        idx = (np.arange(pos, pos + n, dtype=np.uint64) & np.uint64(self.capacity - 1)).astype(
-            np.intp)
+        first = pos & (self.capacity - 1)
         batch = records[:n].copy()
         batch["seq"] = 0
-        self._seq[idx] = 0
+        # At most two contiguous spans of the ring (the second after a wrap).
+        spans = [(first, 0, min(n, self.capacity - first))]
+        if spans[0][2] < n:
+            spans.append((0, spans[0][2], n - spans[0][2]))
+        for at, _, m in spans:
+            self._seq[at:at + m] = 0
         store_fence()
-        self.entries[idx] = batch
+        for at, k, m in spans:
+            self.entries[at:at + m] = batch[k:k + m]
         store_fence()
-        self._seq[idx] = np.arange(pos + 1, pos + n + 1, dtype=np.uint64)
+        for at, k, m in spans:
+            self._seq[at:at + m] = np.arange(pos + k + 1, pos + k + m + 1, dtype=np.uint64)
         self._producer = pos + n
         self.header["producer"] = pos + n
         return n
@@ -181,17 +189,23 @@ class Ring:
         """Take every published entry, oldest first (at most ``limit``), as a copied array,
         releasing their places with one consumer-index store."""
         n_max = min(self.capacity, limit or self.capacity)
-        pos = self._consumer
-        if int(self._seq[pos & (self.capacity - 1)]) != pos + 1:
+        pos, mask, seq = self._consumer, self.capacity - 1, self._seq
+        if int(seq[pos & mask]) != pos + 1:
             return self.entries[:0]  # nothing published: no copy, no fence
-        want = np.arange(pos + 1, pos + n_max + 1, dtype=np.uint64)
-        idx = ((want - np.uint64(1)) & np.uint64(self.capacity - 1)).astype(np.intp)
-        ready = self._seq[idx] == want
-        n = n_max if ready.all() else int(np.argmin(ready))
-        if n == 0:
-            return self.entries[:0].copy()
+        # A few entries are the common case: probe them one by one (no array temporaries).
+        n = 1
+        while n < min(n_max, _PROBE) and int(seq[(pos + n) & mask]) == pos + n + 1:
+            n += 1
+        if n == _PROBE and n < n_max:
+            want = np.arange(pos + 1, pos + n_max + 1, dtype=np.uint64)
+            ready = seq[((want - np.uint64(1)) & np.uint64(mask)).astype(np.intp)] == want
+            n = n_max if ready.all() else int(np.argmin(ready))
         store_fence()
-        out = self.entries[idx[:n]].copy()
+        first = pos & mask
+        if first + n <= self.capacity:
+            out = self.entries[first:first + n].copy()
+        else:
+            out = np.concatenate([self.entries[first:], self.entries[:first + n - self.capacity]])
         self._consumer = pos + n
         self.header["consumer"] = self._consumer
         return out

@@ -80,3 +80,22 @@ def test_blob_checksums_cover_every_chunk() -> None:
     sums = blob_checksums(blob, 16_384)
     assert len(sums) == 3
     assert sums[2] == chunk_checksum(blob[32_768:], 32_768)
+
+
+@given(cap=st.sampled_from([2, 4, 16, 64]),
+       ops=st.lists(st.tuples(st.integers(0, 80), st.integers(0, 90)), max_size=30))
+def test_pop_many_takes_what_was_pushed_in_order_across_wraps(cap: int, ops: list) -> None:
+    """Producer and consumer over one buffer: every batch popped (at most ``limit``, probing
+    the first entries one by one, then as an array) is the next run of what was pushed."""
+    prod = Ring.format(np.zeros(abi.ring_bytes(cap, 32), np.uint8), abi.RingKind.COMPLETION, cap)
+    cons = Ring(prod.buffer, abi.RingKind.COMPLETION)
+    sent = got = 0
+    for push, limit in ops:
+        recs = np.zeros(push, abi.COMPLETION_DTYPE)
+        recs["transfer_id"] = np.arange(sent, sent + push)
+        sent += prod.push_many(recs)
+        out = cons.pop_many(limit or None)
+        assert out["transfer_id"].tolist() == list(range(got, got + out.size))
+        assert out.size <= (limit or cap)
+        got += out.size
+    assert got + cons.pop_many().size == sent
