@@ -36,10 +36,15 @@ CPU = [
     ("decode with offloaded experts (CPU device)", ["decode.py", "--tokens", "8"]),
 ]
 GPU = [
-    ("delivery arena -> GPU", ["delivery.py", "--device", "cuda", "--experts", "8",
-                               "--mechanisms", "auto", "kernel", "copy_engine"]),
+    ("delivery arena -> GPU", ["delivery.py", "--device", "cuda", "--experts", "16",
+                               "--repeats", "6", "--mechanisms", "auto", "engine"]),
     ("dispatch / combine kernels", ["moe_kernels.py"]),
-    ("decode with offloaded experts (GPU)", ["decode.py", "--device", "cuda"]),
+    ("decode with offloaded experts (GPU, device pull)", ["decode.py", "--device", "cuda"]),
+    ("decode with offloaded experts (GPU, DMA engine)", ["decode.py", "--device", "cuda",
+                                                         "--delivery", "engine"]),
+    ("decode, 128 experts per layer (GPU, DMA engine)", ["decode.py", "--device", "cuda",
+                                                         "--delivery", "engine",
+                                                         "--experts", "128"]),
     ("activation round trips (GPU worker)", ["activations.py", "--device", "cuda"]),
 ]
 MULTI_GPU = [("several GPUs: aggregate delivery, replication", ["multi_gpu.py"])]
