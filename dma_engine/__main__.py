@@ -2,7 +2,7 @@
 stdin and reads one JSON answer per line on stdout; the data path polls on the main thread.
 
 Commands: ``attach`` (device id, kind, ordinal, arena, ring names), ``pool`` / ``unpool`` (a
-slot pool by region id), ``detach``, ``stats``. Every answer is ``{"ok": true, ...}`` or
+slot pool by region id), ``detach``. Every answer is ``{"ok": true, ...}`` or
 ``{"ok": false, "error": "what was wrong"}``; a command that fails changes nothing.
 """
 
@@ -80,8 +80,7 @@ def detach(engine: Engine, cmd: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-COMMANDS = {"attach": attach, "pool": pool, "unpool": unpool, "detach": detach,
-            "stats": lambda engine, cmd: engine.stats()}
+COMMANDS = {"attach": attach, "pool": pool, "unpool": unpool, "detach": detach}
 
 
 def control(engine: Engine) -> None:

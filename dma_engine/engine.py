@@ -56,7 +56,6 @@ class Target:
     buffers: list[SharedBuffer]
     regions: np.ndarray = field(
         default_factory=lambda: np.zeros(abi.MAX_REGIONS, abi.REGION_DTYPE))
-    moved_bytes: int = 0
 
     def serve(self) -> int:
         """Move and verify what the work ring holds, as far as the completion ring has room;
@@ -73,7 +72,6 @@ class Target:
         verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
         runs = [p for run in plan_runs(batch, copy, verify, self.regions) for p in pieces(run)]
         for run, sums in self.backend.copy(runs):
-            self.moved_bytes += run.nbytes
             span = slice(run.first, run.first + run.count)
             if sums is not None:
                 bad = sums != batch["checksum"][span]
@@ -135,11 +133,6 @@ class Engine:
                 time.sleep(20e-6)
             else:
                 time.sleep(0.0005)
-
-    def stats(self) -> dict[str, Any]:
-        return {"cpu_seconds": time.process_time(),
-                "moved_bytes": sum(t.moved_bytes for t in self.targets.values()),
-                "targets": len(self.targets)}
 
     def close(self) -> None:
         with self.lock:

@@ -72,9 +72,9 @@ class RequestRefused(grpc.RpcError):
 class ClientChannel:
     """A mapped channel and the bookkeeping of this client's requests on it.
 
-    Replies are taken by whoever looks first: the handle that waits for one, or :meth:`sweep`
-    (run before every post), which hands each reply to the callback registered with its
-    request. A reply entry is reused only after its reply was taken.
+    Replies are taken by whoever looks first: the handle that waits for one, or the sweep run
+    before every post, which hands each reply to the callback registered with its request. A
+    reply entry is reused only after its reply was taken.
     """
 
     def __init__(self, shm_name: str, size: int) -> None:
@@ -97,6 +97,8 @@ class ClientChannel:
         positions. ``on_reply`` gets each reply a sweep takes (None: a handle will take it).
         AgentUnavailable when the agent does not make room within ``timeout`` seconds."""
         n = len(entries)
+        if n > self.capacity:
+            raise ValueError(f"{n} requests in one post; the channel holds {self.capacity}")
         records = np.zeros(n, abi.REQUEST_DTYPE)
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -158,16 +160,6 @@ class ClientChannel:
             if left <= 0:
                 raise AgentUnavailable(f"the agent did not answer within {timeout} s")
             futex.wait(address, value, min(NAP_SECONDS, left))
-
-    def forget(self, position: int) -> None:
-        """Nobody will take ``position``'s reply: a sweep drops it."""
-        with self._lock:
-            if self._taken.pop(position, None) is None and position in self._waiting:
-                self._waiting[position] = lambda reply: None
-
-    def sweep(self) -> None:
-        with self._lock:
-            self._sweep_locked()
 
     def _sweep_locked(self) -> None:
         if not self._waiting:

@@ -151,12 +151,6 @@ class EngineSupervisor:
                 except EngineError as exc:
                     log.error("re-attaching device %d to the DMA engine: %s", device_id, exc)
 
-    def stats(self) -> dict[str, Any]:
-        """The engine's CPU seconds and bytes moved (empty when it is not running)."""
-        if self._proc is None:
-            return {}
-        return self.call("stats")
-
     def stop(self) -> None:
         with self._lock:
             proc, self._proc = self._proc, None
