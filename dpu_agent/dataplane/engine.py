@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dpu_agent.dataplane.queues import DeviceQueue
+from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.errors import invalid
 from dpu_offload.v1 import agent_pb2 as pb
 
@@ -29,11 +29,6 @@ log = logging.getLogger("dpu_agent.engine")
 COMMAND_TIMEOUT_SECONDS = 30.0
 """A command answered later than this counts as the engine hanging (CUDA IPC opens and the
 arena's registration are the slow ones)."""
-
-
-ENGINE_RING_CAPACITY = 4096
-"""Entries of the work and completion rings between the agent and the engine (a batch of 8
-DeepSeek-V3 experts at 1 MiB chunks is 352 descriptors)."""
 
 
 class EngineError(RuntimeError):
@@ -163,29 +158,6 @@ class EngineSupervisor:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-
-
-class EngineRings:
-    """The agent-owned rings between the agent and the engine for one device: the work ring
-    (agent -> engine) and the engine's completion ring (engine -> agent)."""
-
-    def __init__(self, capacity: int = ENGINE_RING_CAPACITY) -> None:
-        from gpu_kernels import abi
-        from gpu_kernels.ring import Ring
-        from gpu_kernels.shm import SharedBuffer, unique_name
-
-        self.buffers = []
-        for kind in (abi.RingKind.WORK, abi.RingKind.COMPLETION):
-            size = abi.ring_bytes(capacity, abi.entry_dtype_for(kind).itemsize)
-            buf = SharedBuffer(unique_name(f"dpu-engine-{kind.name.lower()}"), size, create=True)
-            Ring.format(buf.array, kind, capacity)
-            self.buffers.append(buf)
-        self.work, self.completions = (b.name for b in self.buffers)
-
-    def close(self) -> None:
-        for buf in self.buffers:
-            buf.unlink()
-            buf.close()
 
 
 class EngineDevices:

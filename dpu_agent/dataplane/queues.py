@@ -12,7 +12,7 @@ import numpy as np
 
 from gpu_kernels import abi
 from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer
+from gpu_kernels.shm import SharedBuffer, unique_name
 
 
 def check_ring(shm_name: str, kind: abi.RingKind) -> None:
@@ -76,4 +76,28 @@ class DeviceQueue:
             with self._lock:
                 self._backlog.clear()
         for buf in self._buffers:
+            buf.close()
+
+
+ENGINE_RING_CAPACITY = 4096
+"""Entries of the work and completion rings between the agent and the DMA engine (a batch of
+8 DeepSeek-V3 experts at 1 MiB chunks is 352 descriptors)."""
+
+
+class EngineRings:
+    """The agent-owned rings between the agent and the engine for one device: the work ring
+    (agent -> engine) and the engine's completion ring (engine -> agent)."""
+
+    def __init__(self, capacity: int = ENGINE_RING_CAPACITY) -> None:
+        self.buffers = []
+        for kind in (abi.RingKind.WORK, abi.RingKind.COMPLETION):
+            size = abi.ring_bytes(capacity, abi.entry_dtype_for(kind).itemsize)
+            buf = SharedBuffer(unique_name(f"dpu-engine-{kind.name.lower()}"), size, create=True)
+            Ring.format(buf.array, kind, capacity)
+            self.buffers.append(buf)
+        self.work, self.completions = (b.name for b in self.buffers)
+
+    def close(self) -> None:
+        for buf in self.buffers:
+            buf.unlink()
             buf.close()

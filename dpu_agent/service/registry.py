@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpu_agent.dataplane.channels import DeviceChannel
-from dpu_agent.dataplane.engine import EngineRings
-from dpu_agent.dataplane.queues import DeviceQueue
+from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_offload.keys import ExpertKey
 from gpu_kernels.abi import SlotState
 
