@@ -2,7 +2,7 @@
 
 Every public method validates first and changes nothing when it raises :class:`AgentError`.
 Methods may block (a cache fill reads checkpoint files), so the async servicer calls them in
-worker threads; the completion poller is its own thread.
+worker threads; the data-plane loop (dataplane/loop.py) is its own thread.
 """
 
 from __future__ import annotations

@@ -140,8 +140,8 @@ class AgentServer:
                 "flight")
 
     def alive(self) -> bool:
-        """Liveness: the completion poller thread runs and looped recently (it naps at most
-        10 ms when idle). The caller being scheduled proves the event loop answers."""
+        """Liveness: the data-plane loop thread runs and looped recently (it naps at most
+        0.5 ms when idle). The caller being scheduled proves the event loop answers."""
         core = self.core
         return core is not None and core.poller_alive() and \
             time.monotonic() - core.poller_heartbeat < 2.0
@@ -153,8 +153,8 @@ class AgentServer:
                 self.notifier.watchdog()
                 self.notifier.status(self.status_line())
             else:
-                log.error("liveness check failed: completion poller stalled; withholding the "
-                          "watchdog ping")
+                log.error("liveness check failed: the data-plane loop stalled; withholding "
+                          "the watchdog ping")
 
     def reload(self, new: AgentConfig) -> list[str]:
         """Apply the settings that can change live; returns 'key: old -> new' for each."""
