@@ -82,11 +82,12 @@ def render_status(st: pb.StatusResponse) -> Group:
     models = Table("model", "architecture", "experts", title="models", title_justify="left")
     for m in st.models:
         models.add_row(m.model, m.architecture, str(m.experts))
-    sessions = Table("session", "client", "devices", "regions", "ready slots", "lease s",
-                     title="sessions", title_justify="left")
+    sessions = Table("session", "client", "devices", "regions", "ready slots", "held slots",
+                     "lease s", title="sessions", title_justify="left")
     for x in st.sessions:
         sessions.add_row(x.session_id, x.client_name, str(x.devices), str(x.regions),
-                         str(x.slots_ready), f"{x.lease_remaining_seconds:.1f}")
+                         str(x.slots_ready), str(x.slots_held),
+                         f"{x.lease_remaining_seconds:.1f}")
     return Group(head, models, sessions)
 
 

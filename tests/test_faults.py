@@ -173,6 +173,10 @@ def test_caller_gone_during_a_fill_leaves_no_reference(tmp_path: Path) -> None:
         while client.status().cache_misses < 8 or client.status().transfers_in_flight:
             assert time.monotonic() < deadline, "the fills did not finish"
             time.sleep(0.05)
+        # The give-back runs once the fill thread has returned to the cancelled call.
+        while client.status().sessions[0].slots_held:
+            assert time.monotonic() < deadline, "the lost response's references stayed held"
+            time.sleep(0.05)
         for k in keys:
             with pytest.raises(grpc.RpcError) as err:
                 client.release(dev, k)

@@ -106,6 +106,10 @@ class SlotPool:
     def ready_count(self) -> int:
         return sum(1 for s in self.state if s == SlotState.READY)
 
+    def held_count(self) -> int:
+        """Slots someone holds a reference on."""
+        return sum(1 for r in self.refs if r > 0)
+
 
 @dataclass(eq=False)
 class Device:

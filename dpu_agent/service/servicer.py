@@ -354,6 +354,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             sessions=[pb.SessionStatus(
                 session_id=s.session_id, client_name=s.client_name, devices=len(s.devices),
                 regions=sum(len(d.regions) for d in s.devices.values()),
+                slots_held=sum(p.held_count() for d in s.devices.values()
+                               for p in d.pools.values()),
                 slots_ready=sum(p.ready_count() for d in s.devices.values()
                                 for p in d.pools.values()),
                 lease_remaining_seconds=s.lease_remaining) for s in sessions],

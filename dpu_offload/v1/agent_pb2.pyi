@@ -488,20 +488,22 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionStatus(_message.Message):
-    __slots__ = ("session_id", "client_name", "devices", "regions", "slots_ready", "lease_remaining_seconds")
+    __slots__ = ("session_id", "client_name", "devices", "regions", "slots_ready", "lease_remaining_seconds", "slots_held")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_READY_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_HELD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     client_name: str
     devices: int
     regions: int
     slots_ready: int
     lease_remaining_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., devices: _Optional[int] = ..., regions: _Optional[int] = ..., slots_ready: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ...) -> None: ...
+    slots_held: int
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., devices: _Optional[int] = ..., regions: _Optional[int] = ..., slots_ready: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ..., slots_held: _Optional[int] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("model", "architecture", "experts", "model_index")
