@@ -306,6 +306,7 @@ class Orchestrator:
                                 channel=dev.channel,
                                 state_base=self._state_range(dev, req.slot_count))
                 if dev.delivery == pb.DELIVERY_DMA_ENGINE:
+                    self._check_unclaimed(req.shm_name, bytes(req.cuda_ipc_handle))
                     self.engine.add_pool(dev, pool)
                 dev.pools[rid] = pool
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
@@ -364,6 +365,19 @@ class Orchestrator:
             session.next_region_id += 1
             dev.regions[rid] = kind
             return rid
+
+    def _check_unclaimed(self, shm_name: str, ipc_handle: bytes) -> None:
+        """The DMA engine writes a pool it is handed: refuse memory the agent already knows
+        by that name or handle (the arena, any session's channel, rings or pools).
+        PERMISSION_DENIED names which."""
+        with self._lock:
+            taken = {self.arena.name}.union(*(d.exports() for d in self._devices_locked()))
+        for handle, what in ((shm_name, f"shared memory {shm_name!r}"),
+                             (ipc_handle, "that CUDA IPC handle")):
+            if handle and handle in taken:
+                raise AgentError(ErrorKind.PERMISSION_DENIED,
+                                 f"slot pool: {what} is already the agent's or a registered "
+                                 "region's; a pool must be memory of its own")
 
     @staticmethod
     def _state_range(dev: Device, count: int) -> int:
@@ -565,10 +579,13 @@ class Orchestrator:
     # -- data plane ------------------------------------------------------------------------
     def _devices(self) -> tuple[Device, ...]:
         with self._lock:
-            if self._device_list is None:
-                self._device_list = tuple(d for s in self.sessions.values()
-                                          for d in list(s.devices.values()))
-            return self._device_list
+            return self._devices_locked()
+
+    def _devices_locked(self) -> tuple[Device, ...]:
+        if self._device_list is None:
+            self._device_list = tuple(d for s in self.sessions.values()
+                                      for d in list(s.devices.values()))
+        return self._device_list
 
     def poller_alive(self) -> bool:
         return self.dataplane.alive()

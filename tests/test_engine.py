@@ -229,3 +229,34 @@ def test_compute_enqueued_behind_a_stream_wait_reads_the_landed_bytes(
         wait.check()
         assert out.get().tobytes() == truth[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]
     assert not all(landed for _, landed, _, _ in outs), "every expert had landed already"
+
+
+def test_a_pool_naming_memory_the_agent_knows_is_refused(
+        agent: AgentProcess, qwen_ckpt: Path) -> None:
+    """The DMA engine writes whatever pool it is handed, so a DMA-engine pool may not be the
+    arena, another session's pool, channel or ring (names are listed in /dev/shm):
+    PERMISSION_DENIED, nothing registered, the victim's bytes unchanged."""
+    from dpu_offload.v1 import agent_pb2 as pb
+
+    with AgentClient(agent.address) as victim, AgentClient(agent.address) as thief:
+        model = victim.load_model(str(qwen_ckpt), "qwen-engine")
+        vdev = victim.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)],
+                                      delivery="engine")
+        slot = victim.acquire(vdev, ExpertKey("qwen-engine", 0, 1)).wait(10)
+        before = slot.blob.copy()
+        victim_pool = vdev.device.export_shm(vdev.device.memory[next(iter(vdev.pools))])
+        tdev = thief.stub.RegisterDevice(pb.RegisterDeviceRequest(
+            session_id=thief.session_id, kind=pb.DEVICE_KIND_CPU_REFERENCE, ordinal=0,
+            delivery=pb.DELIVERY_DMA_ENGINE), timeout=10)
+        assert victim_pool
+        for name in (victim_pool, victim.arena.shm_name, tdev.channel.shm_name):
+            with pytest.raises(grpc.RpcError) as err:
+                thief.stub.RegisterRegion(pb.RegisterRegionRequest(
+                    session_id=thief.session_id, device_id=tdev.device_id,
+                    kind=pb.REGION_KIND_SLOT_POOL, size_bytes=model.expert_bytes * 2,
+                    slot_bytes=model.expert_bytes, slot_count=2, shm_name=name), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+            assert "already" in err.value.details()
+        assert not [s for s in thief.status().sessions
+                    if s.session_id == thief.session_id and s.regions]
+        np.testing.assert_array_equal(slot.blob, before)

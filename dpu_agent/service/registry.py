@@ -136,6 +136,18 @@ class Device:
     engine_rings: EngineRings | None = None
     """The agent-owned rings to the DMA engine (DMA-engine devices, once attached)."""
 
+    def exports(self) -> set[str | bytes]:
+        """Every shared-memory name and CUDA IPC handle this device's memory is known by."""
+        names: set[str | bytes] = {self.work_shm, self.completion_shm,
+                                   *self.packet_rings.values()}
+        if self.channel is not None:
+            names.add(self.channel.name)
+        if self.engine_rings is not None:
+            names.update((self.engine_rings.work, self.engine_rings.completions))
+        for pool in self.pools.values():
+            names.update((pool.shm_name, pool.ipc_handle))
+        return names - {"", b""}
+
 
 class EventSink:
     """Events of one session, delivered in order to the (at most one) Events stream; buffered
