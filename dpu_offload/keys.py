@@ -7,6 +7,9 @@ from typing import NamedTuple
 
 from dpu_offload.v1 import agent_pb2 as pb
 
+MAX_DESCRIBE_KEYS = 4096
+"""Keys one DescribeExperts call may name (the agent refuses more; the client sends batches)."""
+
 _KEY_RE = re.compile(r"^(?P<model>[^/\s]+)/l(?P<layer>\d+)-e(?P<expert>\d+)$")
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from dpu_offload.keys import ExpertKey
+from dpu_offload.keys import MAX_DESCRIBE_KEYS, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
@@ -50,9 +50,6 @@ log = logging.getLogger("host_client")
 
 DELIVERIES = {"pull": pb.DELIVERY_DEVICE_PULL, "engine": pb.DELIVERY_DMA_ENGINE}
 """``register_device``'s ``delivery`` names -> ``pb.Delivery``."""
-
-DESCRIBE_BATCH = 4096
-"""Keys per DescribeExperts call (the agent's bound)."""
 
 PACKET_RING_CAPACITY = 256
 PACKET_ENTRY_BYTES = 64 + 4096
@@ -202,8 +199,8 @@ class AgentClient:
         """Register a device, its slot pools and its rings; starts its consumer.
 
         ``delivery``: ``"pull"``, the device's consumer copies each chunk from the arena and
-        verifies it; ``"engine"``, the agent's DMA-engine process writes the slots and the
-        device's consumer only verifies (no thread of this process moves bytes)."""
+        verifies it; ``"engine"``, the agent's DMA-engine process writes the slots and checks
+        them, and this process runs no consumer for the device (no kernel, no thread)."""
         if not pools:
             raise ValueError("register_device needs at least one slot pool")
         if delivery not in DELIVERIES:
@@ -287,8 +284,8 @@ class AgentClient:
         """Ask the agent for the tensor layouts of ``keys`` not known yet (``load_model`` asks
         for every expert of the model, so the data path never needs gRPC)."""
         todo = [k for k in keys if k not in self._manifests]
-        for i in range(0, len(todo), DESCRIBE_BATCH):
-            part = todo[i:i + DESCRIBE_BATCH]
+        for i in range(0, len(todo), MAX_DESCRIBE_KEYS):
+            part = todo[i:i + MAX_DESCRIBE_KEYS]
             resp = self.stub.DescribeExperts(pb.DescribeExpertsRequest(
                 session_id=self.session_id, keys=[k.to_proto() for k in part]),
                 timeout=self.rpc_timeout)
@@ -312,10 +309,10 @@ class AgentClient:
                 raise self._outage
 
         handles = []
+        positions = dev.channel.post(entries)
         for _ in keys:
             bell.expect()  # the agent may post work: the consumer stays awake until settled
-        for key, manifest, position in zip(keys, manifests, dev.channel.post(entries),
-                                           strict=True):
+        for key, manifest, position in zip(keys, manifests, positions, strict=True):
             def make_slot(reply: np.void, key: ExpertKey = key,
                           manifest: pb.ExpertManifest = manifest) -> ExpertSlot:
                 blob = dev.device.region_bytes(int(reply["region_id"]),

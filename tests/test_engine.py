@@ -260,3 +260,23 @@ def test_a_pool_naming_memory_the_agent_knows_is_refused(
         assert not [s for s in thief.status().sessions
                     if s.session_id == thief.session_id and s.regions]
         np.testing.assert_array_equal(slot.blob, before)
+
+
+def test_describe_experts_is_bounded_and_checked(client: AgentClient, qwen_ckpt: Path) -> None:
+    from dpu_offload.keys import MAX_DESCRIBE_KEYS
+    from dpu_offload.v1 import agent_pb2 as pb
+
+    client.load_model(str(qwen_ckpt), "qwen-engine")
+    good = ExpertKey("qwen-engine", 0, 0).to_proto()
+    cases = [(client.session_id, [good] * (MAX_DESCRIBE_KEYS + 1), "INVALID_ARGUMENT", "at most"),
+             (client.session_id, [good, ExpertKey("qwen-engine", 0, 99).to_proto()],
+              "NOT_FOUND", "not in model"),
+             ("not-a-session", [good], "NOT_FOUND", "does not exist")]
+    for sid, keys, code, words in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.DescribeExperts(pb.DescribeExpertsRequest(session_id=sid, keys=keys),
+                                        timeout=10)
+        assert err.value.code().name == code and words in err.value.details(), code
+    got = client.stub.DescribeExperts(pb.DescribeExpertsRequest(
+        session_id=client.session_id, keys=[good]), timeout=10)
+    assert [t.name for t in got.manifests[0].tensors] == ["gate_proj", "up_proj", "down_proj"]

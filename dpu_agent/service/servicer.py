@@ -21,15 +21,13 @@ from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.service.registry import ARENA_REGION_ID
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
-from dpu_offload.keys import ExpertKey
+from dpu_offload.keys import MAX_DESCRIBE_KEYS, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
 _CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
-MAX_DESCRIBE = 4096
-"""Keys one DescribeExperts call may name."""
 
 
 def _key(msg: pb.ExpertKey, what: str = "key") -> ExpertKey:
@@ -148,8 +146,9 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                               context: grpc.aio.ServicerContext) -> pb.DescribeExpertsResponse:
         def call() -> pb.DescribeExpertsResponse:
             self.core.session(request.session_id)
-            if len(request.keys) > MAX_DESCRIBE:
-                raise invalid(f"{len(request.keys)} keys in one call; at most {MAX_DESCRIBE}")
+            if len(request.keys) > MAX_DESCRIBE_KEYS:
+                raise invalid(f"{len(request.keys)} keys in one call; at most "
+                              f"{MAX_DESCRIBE_KEYS}")
             chunk = self.core.config.chunk_bytes
             return pb.DescribeExpertsResponse(manifests=[
                 _manifest(self.core.expert(_key(k, "keys[]")), chunk) for k in request.keys])

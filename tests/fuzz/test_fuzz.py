@@ -67,6 +67,8 @@ def requests(client: AgentClient) -> st.SearchStrategy[tuple[str, object]]:
             keys=st.lists(keys, max_size=4))),
         st.tuples(st.just("Prefetch"), st.builds(pb.PrefetchRequest, session_id=sid,
                                                  device_id=u32, keys=st.lists(keys, max_size=4))),
+        st.tuples(st.just("DescribeExperts"), st.builds(
+            pb.DescribeExpertsRequest, session_id=sid, keys=st.lists(keys, max_size=4))),
         st.tuples(st.just("Release"), st.builds(pb.ReleaseRequest, session_id=sid,
                                                 device_id=u32, key=keys)),
         st.tuples(st.just("RegisterRegion"), st.builds(
