@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 
 from gpu_kernels import abi, futex
-from gpu_kernels.copy_runs import CopyRun, plan_runs
-from gpu_kernels.reference import check_descriptors
+from gpu_kernels.copy_runs import CopyRun, asks_exit, classify, completions, plan_runs
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer
 
@@ -67,31 +66,18 @@ class Target:
         batch = self.work.pop_many(room)
         if batch.size == 0:
             return 0
-        status = check_descriptors(batch, self.regions)
-        copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
-        verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
+        status, copy, verify = classify(batch, self.regions)
         runs = [p for run in plan_runs(batch, copy, verify, self.regions) for p in pieces(run)]
         for run, sums in self.backend.copy(runs):
             span = slice(run.first, run.first + run.count)
             if sums is not None:
                 bad = sums != batch["checksum"][span]
                 status[span][bad] = abi.Status.CHECKSUM_MISMATCH
-            self._complete(batch, status, copy, np.arange(run.first, run.first + run.count))
-        self._complete(batch, status, copy, np.flatnonzero(~copy))
-        if np.any((batch["opcode"] == abi.Opcode.EXIT) & (status == 0)):
+            self.completions.push_many(completions(batch, status, copy, span))
+        self.completions.push_many(completions(batch, status, copy, np.flatnonzero(~copy)))
+        if asks_exit(batch, status):
             self.work.request_exit()
         return int(batch.size)
-
-    def _complete(self, batch: np.ndarray, status: np.ndarray, copy: np.ndarray,
-                  idx: np.ndarray) -> None:
-        if idx.size == 0:
-            return
-        out = np.zeros(idx.size, abi.COMPLETION_DTYPE)
-        out["transfer_id"] = batch["transfer_id"][idx]
-        out["chunk_index"] = batch["chunk_index"][idx]
-        out["status"] = status[idx]
-        out["nbytes"] = np.where(copy[idx], batch["length"][idx], 0)
-        self.completions.push_many(out)
 
     def close(self) -> None:
         for base in self.regions["base"][1:][self.regions["size"][1:] > 0].tolist():

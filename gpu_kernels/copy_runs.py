@@ -1,4 +1,6 @@
-"""Coalescing a batch of copy descriptors into runs for the copy-engine consumer.
+"""Coalescing a batch of copy descriptors into runs, for the consumers that move bytes with a
+copy engine (the client's copy-engine thread, the DMA-engine process), and the bookkeeping
+they share around it: which descriptors to copy and verify, and their completions.
 
 A transfer's chunks are contiguous in source, destination and position, so the consumer moves
 each run with one ``cudaMemcpyAsync`` and verifies it with one checksum launch instead of one of
@@ -11,6 +13,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from gpu_kernels import abi
+from gpu_kernels.reference import check_descriptors
+
+
+def classify(batch: np.ndarray, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                np.ndarray]:
+    """(status ``uint32[n]``, copy ``bool[n]``, verify ``bool[n]``) of a batch
+    (``DESCRIPTOR_DTYPE[n]``): each descriptor's check against ``regions``, the valid COPY
+    descriptors, and those of them that ask for verification."""
+    status = check_descriptors(batch, regions)
+    copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
+    return status, copy, copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
+
+
+def completions(batch: np.ndarray, status: np.ndarray, copy: np.ndarray,
+                idx: np.ndarray | slice = slice(None)) -> np.ndarray:
+    """``COMPLETION_DTYPE`` entries for descriptors ``idx`` of ``batch``: their statuses, and
+    the bytes written (a copy's length, 0 for anything else)."""
+    ids = batch["transfer_id"][idx]
+    out = np.zeros(ids.size, abi.COMPLETION_DTYPE)
+    out["transfer_id"] = ids
+    out["chunk_index"] = batch["chunk_index"][idx]
+    out["status"] = status[idx]
+    out["nbytes"] = np.where(copy[idx], batch["length"][idx], 0)
+    return out
+
+
+def asks_exit(batch: np.ndarray, status: np.ndarray) -> bool:
+    """Whether the batch holds a valid EXIT descriptor."""
+    return bool(np.any((batch["opcode"] == abi.Opcode.EXIT) & (status == 0)))
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, launch
-from gpu_kernels.copy_runs import plan_runs
+from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
 from gpu_kernels.cuda_ops import launch_checksums
-from gpu_kernels.reference import check_descriptors
 from gpu_kernels.shm import SharedBuffer
 from host_client.devices import RW, Device, DeviceFault
 
@@ -236,9 +235,7 @@ class CudaDevice(Device):
                     self.doorbell.wait()
                     continue
                 self.doorbell.reset()
-                status = check_descriptors(batch, self.regions)
-                copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
-                verify = copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
+                status, copy, verify = classify(batch, self.regions)
                 sums[:batch.size].fill(0)
                 for run in plan_runs(batch, copy, verify, self.regions):
                     cp.cuda.runtime.memcpyAsync(run.dst, run.src, run.nbytes, 4, self.stream.ptr)
@@ -248,15 +245,11 @@ class CudaDevice(Device):
                 self.stream.synchronize()
                 got = sums[:batch.size].get() ^ (batch["length"] // 4).astype(np.uint32)
                 status[verify & (got != batch["checksum"])] = abi.Status.CHECKSUM_MISMATCH
-                out = np.zeros(batch.size, abi.COMPLETION_DTYPE)
-                out["transfer_id"] = batch["transfer_id"]
-                out["chunk_index"] = batch["chunk_index"]
-                out["status"] = status
-                out["nbytes"] = np.where(copy, batch["length"], 0)
+                out = completions(batch, status, copy)
                 sent = 0
                 while sent < out.size:
                     sent += self.completion.push_many(out[sent:])
-                if np.any((batch["opcode"] == abi.Opcode.EXIT) & (status == 0)):
+                if asks_exit(batch, status):
                     self.work.request_exit()
 
     def check(self) -> None:
