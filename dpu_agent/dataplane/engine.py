@@ -84,8 +84,13 @@ class EngineSupervisor:
             return self._call_locked({"op": op, **fields})
 
     def _call_locked(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        if self._proc is None or self._proc.poll() is not None:
+        if self._proc is None:
             self._start()
+        elif self._proc.poll() is not None:
+            # Restarting here would skip what check() does first: fail the dead engine's
+            # transfers and re-attach every device.
+            raise EngineError(f"the DMA engine exited (status {self._proc.returncode}); it is "
+                              "restarted within a sweep (0.5 s)")
         assert self._proc is not None and self._proc.stdin is not None
         try:
             self._proc.stdin.write(json.dumps(cmd) + "\n")
