@@ -185,8 +185,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 for h in handles:
                     h.wait(120)
                 dt = time.perf_counter() - t0
-                for k in batch:
-                    client.release(dev, k)
+                client.release_batch(dev, batch)
                 return dt
 
             cycle(keys[:half])  # cold: checkpoint -> arena -> GPU

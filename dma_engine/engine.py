@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from dma_engine.backends import MAX_RUN_CHUNKS, CpuBackend, CudaBackend
 from gpu_kernels import abi, futex
 from gpu_kernels.copy_runs import CopyRun, asks_exit, classify, completions, plan_runs
 from gpu_kernels.ring import Ring
@@ -24,8 +26,9 @@ from Python (~0.1 ms), so pieces are no smaller than needed to overlap a 44 MB e
 
 
 def pieces(run: CopyRun, piece_bytes: int = PIECE_BYTES) -> list[CopyRun]:
-    """``run`` cut at chunk boundaries into runs of at most ``max(piece_bytes, chunk)``."""
-    step = max(1, piece_bytes // run.chunk_bytes)
+    """``run`` cut at chunk boundaries into runs of at most ``max(piece_bytes, chunk)`` bytes
+    and ``MAX_RUN_CHUNKS`` chunks."""
+    step = max(1, min(piece_bytes // run.chunk_bytes, MAX_RUN_CHUNKS))
     if run.count <= step:
         return [run]
     out = []
@@ -36,6 +39,17 @@ def pieces(run: CopyRun, piece_bytes: int = PIECE_BYTES) -> list[CopyRun]:
         out.append(CopyRun(run.first + k, n, run.src + off, run.dst + off, nbytes,
                            run.chunk_bytes, run.position + off, run.verify))
     return out
+
+
+@dataclass
+class _Batch:
+    """A popped batch whose runs are in flight: completions are written per run as it lands."""
+
+    entries: np.ndarray
+    status: np.ndarray
+    copy: np.ndarray
+    runs_left: int
+    exit: bool
 
 
 @dataclass
@@ -55,31 +69,60 @@ class Target:
     buffers: list[SharedBuffer]
     regions: np.ndarray = field(
         default_factory=lambda: np.zeros(abi.MAX_REGIONS, abi.REGION_DTYPE))
+    lane: Any = None
+    """Where this target's runs are moved (``backend.lane()``)."""
+    _in_flight: deque[_Batch] = field(default_factory=deque)
+    """The batch of each run submitted and not landed, in submission order."""
+    _owed: int = 0
+    """Completions owed for runs in flight (room kept for them in the completion ring)."""
+
+    def __post_init__(self) -> None:
+        self.lane = self.backend.lane()
+
+    def busy(self) -> bool:
+        """Whether runs are in flight (the loop keeps polling closely)."""
+        return bool(self._in_flight)
 
     def serve(self) -> int:
-        """Move and verify what the work ring holds, as far as the completion ring has room;
-        returns how many descriptors were taken. Each run is completed as soon as it landed
-        (CHECKSUM_MISMATCH for a chunk whose landed bytes do not match)."""
-        room = self.completions.free_entries()
-        if room <= 0:
-            return 0
-        batch = self.work.pop_many(room)
+        """Complete the runs that landed, then take what the work ring holds (as far as the
+        completion ring and the backend have room) and submit it without waiting for it to
+        land; returns how many descriptors were completed or taken. Each run is completed as
+        soon as it landed and was checked (CHECKSUM_MISMATCH for a chunk whose landed bytes do
+        not match), so copying never waits for the agent and new work never waits for old."""
+        done = self._finish()
+        room = min(self.completions.free_entries() - self._owed, self.lane.room())
+        batch = self.work.pop_many(room) if room > 0 else self.work.entries[:0]
         if batch.size == 0:
-            return 0
+            return done
         status, copy, verify = classify(batch, self.regions)
         runs = [p for run in plan_runs(batch, copy, verify, self.regions) for p in pieces(run)]
-        for run, sums in self.backend.copy(runs):
+        job = _Batch(batch, status, copy, len(runs), asks_exit(batch, status))
+        self._in_flight.extend(job for _ in runs)
+        self._owed += sum(r.count for r in runs)
+        self.lane.submit(runs)
+        self.completions.push_many(completions(batch, status, copy, np.flatnonzero(~copy)))
+        if not runs and job.exit:
+            self.work.request_exit()
+        return done + int(batch.size)
+
+    def _finish(self) -> int:
+        done = 0
+        for run, sums in self.lane.landed():
+            job = self._in_flight.popleft()
             span = slice(run.first, run.first + run.count)
             if sums is not None:
-                bad = sums != batch["checksum"][span]
-                status[span][bad] = abi.Status.CHECKSUM_MISMATCH
-            self.completions.push_many(completions(batch, status, copy, span))
-        self.completions.push_many(completions(batch, status, copy, np.flatnonzero(~copy)))
-        if asks_exit(batch, status):
-            self.work.request_exit()
-        return int(batch.size)
+                bad = sums != job.entries["checksum"][span]
+                job.status[span][bad] = abi.Status.CHECKSUM_MISMATCH
+            self.completions.push_many(completions(job.entries, job.status, job.copy, span))
+            self._owed -= run.count
+            done += run.count
+            job.runs_left -= 1
+            if job.runs_left == 0 and job.exit:
+                self.work.request_exit()
+        return done
 
     def close(self) -> None:
+        self.lane.close()
         for base in self.regions["base"][1:][self.regions["size"][1:] > 0].tolist():
             self.backend.close_pool(int(base))
         for buf in self.buffers:
@@ -97,8 +140,6 @@ class Engine:
         self.stopping = False
 
     def backend(self, kind: str, ordinal: int) -> Any:
-        from dma_engine.backends import CpuBackend, CudaBackend
-
         key = (kind, ordinal)
         if key not in self._backends:
             self._backends[key] = CudaBackend(ordinal) if kind == "cuda" else CpuBackend()
@@ -110,10 +151,14 @@ class Engine:
         while not self.stopping:
             with self.lock:
                 taken = sum(t.serve() for t in self.targets.values())
+                busy = any(t.busy() for t in self.targets.values())
             now = time.monotonic()
             if taken:
                 last_work = now
-            elif now - last_work < 0.002:
+                continue
+            if busy:
+                last_work = now
+            if now - last_work < 0.002:
                 time.sleep(0)
             elif now - last_work < 0.1:
                 time.sleep(20e-6)

@@ -12,6 +12,7 @@ host): the producer writes an entry's fields, fences, then writes the entry's ``
 
 from __future__ import annotations
 
+import struct
 from enum import IntEnum
 
 import numpy as np
@@ -77,16 +78,19 @@ class RegionFlags(IntEnum):
 HEADER_DTYPE = np.dtype(
     {
         "names": ["magic", "version", "kind", "entry_size", "capacity", "exit_flag", "fault",
-                  "producer", "consumer"],
-        "formats": ["<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8"],
-        "offsets": [0, 4, 8, 12, 16, 20, 24, 64, 128],
+                  "producer", "sleepers", "consumer"],
+        "formats": ["<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u4", "<u8"],
+        "offsets": [0, 4, 8, 12, 16, 20, 24, 64, 72, 128],
         "itemsize": HEADER_BYTES,
     }
 )
 """Ring header. ``producer`` and ``consumer`` are monotonically increasing positions (entries,
 not bytes), each on its own cache line and written only by its owner. ``exit_flag`` is set by
 the host to stop a persistent consumer; ``fault`` holds a :class:`Status` a consumer reports
-when the ring itself is unusable (wrong magic or version)."""
+when the ring itself is unusable (wrong magic or version). ``sleepers`` (request rings) counts
+the producer's threads asleep on a futex of the channel (a reply or slot-state word): the agent
+makes the wake system call only when it is non-zero (a hint: a wrong value costs the producer
+its own latency, nothing else)."""
 
 DESCRIPTOR_DTYPE = np.dtype(
     {
@@ -247,6 +251,23 @@ def channel_layout(capacity: int) -> tuple[int, int, int]:
 def ring_bytes(capacity: int, entry_size: int) -> int:
     """Total bytes of a ring of ``capacity`` entries of ``entry_size`` bytes, header included."""
     return HEADER_BYTES + capacity * entry_size
+
+
+def packer(dtype: np.dtype) -> struct.Struct:
+    """The :class:`struct.Struct` of ``dtype`` (little-endian, gaps as pad bytes): writing one
+    entry with ``pack_into`` costs a fraction of a NumPy structured assignment."""
+    codes = {(np.dtype(t).kind, np.dtype(t).itemsize): c for t, c in
+             (("<u1", "B"), ("<u2", "H"), ("<u4", "I"), ("<u8", "Q"), ("<i4", "i"),
+              ("<i8", "q"))}
+    fmt, at = "<", 0
+    for ftype, offset in sorted((f[:2] for f in dtype.fields.values()), key=lambda f: f[1]):
+        fmt += f"{offset - at}x" if offset > at else ""
+        fmt += f"{ftype.itemsize}s" if ftype.kind == "S" else codes[(ftype.kind, ftype.itemsize)]
+        at = offset + ftype.itemsize
+    fmt += f"{dtype.itemsize - at}x" if dtype.itemsize > at else ""
+    packed = struct.Struct(fmt)
+    assert packed.size == dtype.itemsize, (dtype, fmt)
+    return packed
 
 
 def entry_dtype_for(kind: RingKind) -> np.dtype:

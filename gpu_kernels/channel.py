@@ -13,12 +13,19 @@ Plain NumPy: the agent (aarch64, no CUDA) and the host client both use it. See d
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from gpu_kernels import abi, futex
 from gpu_kernels.ring import Ring, RingError, store_fence
 
 _STATE_MASK = (1 << abi.SLOT_STATE_BITS) - 1
+_REPLY = abi.packer(abi.REPLY_DTYPE)
+_REPLY_BODY = abi.REPLY_DTYPE.fields["seq"][1]
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_STATUS_AT = abi.SLOT_STATE_DTYPE.fields["status"][1]
+_SLEEPERS_AT = abi.HEADER_DTYPE.fields["sleepers"][1]
 
 
 def state_word(generation: int, state: abi.SlotState) -> int:
@@ -62,6 +69,8 @@ class Channel:
                                  offset=states_at)
         self.words = np.ndarray((abi.MAX_CHANNEL_SLOTS,), "<u8", buffer=buffer,
                                 offset=states_at, strides=(abi.SLOT_STATE_DTYPE.itemsize,))
+        self._bytes = memoryview(buffer)
+        self._replies_at, self._states_at = replies_at, states_at
         base = int(buffer.ctypes.data)
         self._reply_seq_at = base + replies_at + abi.REPLY_DTYPE.fields["seq"][1]
         self._words_at = base + states_at
@@ -82,22 +91,33 @@ class Channel:
               message: str = "", *, region_id: int = 0, slot_index: int = 0,
               state_index: int = 0, generation: int = 0, slot_offset: int = 0) -> None:
         """Publish the reply to the request at ring ``position``."""
-        i = position % self.capacity
-        self._reply_seq[i] = 0
+        at = self._replies_at + (position % self.capacity) * _REPLY.size
+        mem = self._bytes
+        _U64.pack_into(mem, at + _REPLY_BODY, 0)
         store_fence()
-        self.replies[i] = (request_id, int(status), region_id, slot_index, state_index,
-                           generation, slot_offset, message.encode()[:80], 0)
+        mem[at:at + _REPLY_BODY] = _REPLY.pack(
+            request_id, int(status), region_id, slot_index, state_index, generation,
+            slot_offset, message.encode()[:80], 0)[:_REPLY_BODY]
         store_fence()
-        self._reply_seq[i] = position + 1
-        futex.wake(self.reply_seq_address(position))
+        _U64.pack_into(mem, at + _REPLY_BODY, position + 1)
+        self._wake(self.reply_seq_address(position))
 
     def publish_state(self, index: int, generation: int, state: abi.SlotState,
                       status: int = 0) -> None:
         """Set slot-state entry ``index`` (one 64-bit store of the word, after ``status``)."""
-        self.states["status"][index] = status
+        at = self._states_at + index * abi.SLOT_STATE_DTYPE.itemsize
+        _U32.pack_into(self._bytes, at + _STATUS_AT, status)
         store_fence()
-        self.words[index] = state_word(generation, state)
-        futex.wake(self.word_address(index))
+        _U64.pack_into(self._bytes, at, state_word(generation, state))
+        self._wake(self.word_address(index))
+
+    def _wake(self, address: int) -> None:
+        """Wake the sleepers on ``address`` if the client says it has any. The fence orders the
+        word just published before the load of ``sleepers`` (the client's mirror image: it
+        counts itself, fences, and the futex re-reads the word), so no sleeper is missed."""
+        store_fence()
+        if _U32.unpack_from(self._bytes, _SLEEPERS_AT)[0]:
+            futex.wake(address)
 
     def reply_seq_address(self, position: int) -> int:
         """Address (this process) of the reply ``seq`` word for ring ``position``."""
@@ -119,6 +139,12 @@ class Channel:
             return None
         store_fence()
         return self.replies[i].copy()
+
+    def set_sleepers(self, count: int) -> None:
+        """Publish how many of the client's threads are (about to be) asleep on a word of this
+        channel, fenced before the caller's futex wait reads that word."""
+        _U32.pack_into(self._bytes, _SLEEPERS_AT, count)
+        store_fence()
 
     def answered(self, first: int, last: int) -> np.ndarray:
         """``bool[last - first]``: which of positions ``first .. last - 1`` have replies

@@ -6,6 +6,7 @@ device (the kernel's twin) and the tests. The GPU side is receive.cu over the sa
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import numpy as np
@@ -14,7 +15,10 @@ from gpu_kernels import abi
 
 _FENCE = threading.Lock()
 _PROBE = 16
-"""pop_many checks this many entries one by one before it checks the rest as an array."""
+"""pop_many checks this many entries one by one before it checks the rest as an array;
+push_many writes up to this many entries one by one (struct stores, no array temporaries)."""
+_U64 = struct.Struct("<Q")
+_PRODUCER_AT = abi.HEADER_DTYPE.fields["producer"][1]
 
 
 def store_fence() -> None:
@@ -53,6 +57,9 @@ class Ring:
                                   strides=(size,))
         self._seq = np.ndarray((cap,), "<u8", buffer=buffer,
                                offset=abi.HEADER_BYTES + dtype.fields["seq"][1], strides=(size,))
+        self._seq_at = dtype.fields["seq"][1]
+        assert self._seq_at == dtype.itemsize - 8, "seq is the last word of every entry"
+        self._bytes = memoryview(buffer)
         self.payload = None
         if size > dtype.itemsize:
             self.payload = np.ndarray((cap, size - dtype.itemsize), np.uint8, buffer=buffer,
@@ -143,7 +150,10 @@ class Ring:
             return 0
         pos = self._producer
         first = pos & (self.capacity - 1)
-        batch = records[:n].copy()
+        if n <= _PROBE and first + n <= self.capacity:
+            self._push_few(records, n, pos, first)
+            return n
+        batch = records[:n]
         batch["seq"] = 0
         # At most two contiguous spans of the ring (the second after a wrap).
         spans = [(first, 0, min(n, self.capacity - first))]
@@ -160,6 +170,23 @@ class Ring:
         self._producer = pos + n
         self.header["producer"] = pos + n
         return n
+
+    def _push_few(self, records: np.ndarray, n: int, pos: int, first: int) -> None:
+        """push_many of ``n`` entries that need no wrap, by byte stores."""
+        mem, size, body = self._bytes, self.entry_size, self._seq_at
+        item = records.dtype.itemsize
+        raw = memoryview(records[:n].tobytes())
+        at = abi.HEADER_BYTES + first * size
+        for j in range(n):
+            _U64.pack_into(mem, at + j * size + body, 0)
+        store_fence()
+        for j in range(n):
+            mem[at + j * size:at + j * size + body] = raw[j * item:j * item + body]
+        store_fence()
+        for j in range(n):
+            _U64.pack_into(mem, at + j * size + body, pos + j + 1)
+        self._producer = pos + n
+        _U64.pack_into(mem, _PRODUCER_AT, pos + n)
 
     def advance_producer(self, n: int) -> None:
         """Account for ``n`` entries published by another agent of this producer (a kernel
@@ -184,6 +211,11 @@ class Ring:
         out = rec.copy()
         self.advance()
         return out
+
+    def has_entries(self) -> bool:
+        """Whether the next entry is published (one load: the cheap test of an idle poll)."""
+        pos = self._consumer
+        return int(self._seq[pos & (self.capacity - 1)]) == pos + 1
 
     def pop_many(self, limit: int | None = None) -> np.ndarray:
         """Take every published entry, oldest first (at most ``limit``), as a copied array,

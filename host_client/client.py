@@ -88,9 +88,16 @@ class AttachedDevice:
     ring_capacity: int = 1024
     delivery: str = "pull"
     """"pull" (the device's consumer copies) or "engine" (the agent's DMA engine does)."""
+    slots: dict[tuple[int, int], ExpertSlot] = field(default_factory=dict)
+    """(region id, slot offset) -> the views of the expert last granted there (views cost
+    tens of microseconds to build; a slot holds the same expert across many acquires)."""
     rx_device_ptr: int = 0
     """Device address of the rx / tx packet rings (CUDA devices; 0 on the CPU device)."""
     tx_device_ptr: int = 0
+
+
+def _nothing() -> None:
+    pass
 
 
 class _CallCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -232,6 +239,7 @@ class AgentClient:
         attached.device_id, attached.channel = resp.device_id, channel
         attached.work, attached.completion, attached.rx, attached.tx = work, completion, rx, tx
         attached.pools = {}
+        attached.slots = {}
         if work is not None and completion is not None:
             device.attach(self.arena.shm_name, self.arena.size_bytes, self.arena.region_id,
                           work.ring, completion.ring)
@@ -310,16 +318,22 @@ class AgentClient:
 
         handles = []
         positions = dev.channel.post(entries)
-        for _ in keys:
-            bell.expect()  # the agent may post work: the consumer stays awake until settled
+        if dev.work is None:  # the DMA engine delivers: no consumer of ours to keep awake
+            settle = _nothing
+        else:
+            settle = bell.settle
+            for _ in keys:
+                bell.expect()  # the agent may post work: the consumer stays awake until settled
         for key, manifest, position in zip(keys, manifests, positions, strict=True):
             def make_slot(reply: np.void, key: ExpertKey = key,
                           manifest: pb.ExpertManifest = manifest) -> ExpertSlot:
-                blob = dev.device.region_bytes(int(reply["region_id"]),
-                                               int(reply["slot_offset"]), manifest.blob_bytes)
-                return ExpertSlot(key, blob, manifest)
-            handles.append(AcquireHandle(key, dev.channel, position, make_slot, check,
-                                         bell.settle))
+                where = (int(reply["region_id"]), int(reply["slot_offset"]))
+                slot = dev.slots.get(where)
+                if slot is None or slot.key != key:
+                    blob = dev.device.region_bytes(*where, manifest.blob_bytes)
+                    slot = dev.slots[where] = ExpertSlot(key, blob, manifest)
+                return slot
+            handles.append(AcquireHandle(key, dev.channel, position, make_slot, check, settle))
         return handles
 
     def acquire(self, dev: AttachedDevice, key: ExpertKey) -> AcquireHandle:
@@ -341,8 +355,8 @@ class AgentClient:
             else:
                 granted.append(h.key)
         if refused is not None:
-            for k in granted:
-                self.release(dev, k, wait=False)
+            if granted:
+                self.release_batch(dev, granted)
             raise refused
         return handles
 
@@ -421,18 +435,23 @@ class AgentClient:
         """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns once the
         request is posted (the agent serves a channel's requests in order, so a later acquire
         sees the slot freed); a refusal is then logged, not raised."""
-        entry = [(abi.RequestOp.RELEASE, self._index(key.model), key)]
         if wait:
+            entry = [(abi.RequestOp.RELEASE, self._index(key.model), key)]
             self._answer(dev, dev.channel.post(entry)[0])
             return
+        self.release_batch(dev, [key])
+
+    def release_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> None:
+        """Drop one reference on each of ``keys`` with one post (a layer's experts), returning
+        at once; refusals are logged (as ``release(wait=False)``)."""
 
         def check(reply: np.void) -> None:
             refused = RequestRefused.of(reply)
             if refused is not None:
-                log.warning("release of %s on device %d failed: %s", key, dev.device_id,
-                            refused)
+                log.warning("release on device %d failed: %s", dev.device_id, refused)
 
-        dev.channel.post(entry, on_reply=check)
+        dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in keys],
+                         on_reply=check)
 
     def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
                        prefetch_to: AttachedDevice | None = None, prefetch_top_k: int = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("host_client")
 
-SPIN_SECONDS = 50e-6
+SPIN_SECONDS = 150e-6
 """A waiter polls this long, then sleeps on the word it waits for (a futex the agent wakes)."""
 NAP_SECONDS = 0.005
 """Longest single sleep of a waiter (it checks the device and the agent between sleeps)."""
@@ -72,9 +73,10 @@ class RequestRefused(grpc.RpcError):
 class ClientChannel:
     """A mapped channel and the bookkeeping of this client's requests on it.
 
-    Replies are taken by whoever looks first: the handle that waits for one, or the sweep run
-    before every post, which hands each reply to the callback registered with its request. A
-    reply entry is reused only after its reply was taken.
+    Replies are taken by whoever looks first: the handle that waits for one, or a post, which
+    hands each answered reply to the callback registered with its request (oldest first) and,
+    when the ring is short of room, sweeps every reply in. A reply entry is reused only after
+    its reply was taken.
     """
 
     def __init__(self, shm_name: str, size: int) -> None:
@@ -84,9 +86,13 @@ class ClientChannel:
         self._lock = threading.Lock()
         self._next_id = 1
         self._waiting: dict[int, Callable[[np.void], None]] = {}
-        """ring position -> what to do with its reply."""
+        """ring position -> what to do with its reply, in posting order (the first key is the
+        oldest reply entry still in use)."""
+        self._callbacks: deque[int] = deque()
+        """Positions posted with ``on_reply``, oldest first."""
         self._taken: dict[int, np.void] = {}
         """Replies swept for handles that have not looked yet."""
+        self._sleepers = 0
         self.device_address = 0
         """The channel's address as the device's kernels see it (registered host memory)."""
 
@@ -102,12 +108,16 @@ class ClientChannel:
         records = np.zeros(n, abi.REQUEST_DTYPE)
         deadline = time.monotonic() + timeout
         with self._lock:
+            self._call_back_locked()
             while True:
+                first = self.view.requests.produced
+                if self.view.requests.free_entries() >= n and \
+                        first + n - next(iter(self._waiting), first) <= self.capacity:
+                    break
                 self._sweep_locked()
                 first = self.view.requests.produced
-                oldest = min(self._waiting, default=first)
                 if self.view.requests.free_entries() >= n and \
-                        first + n - oldest <= self.capacity:
+                        first + n - next(iter(self._waiting), first) <= self.capacity:
                     break
                 if time.monotonic() > deadline:
                     raise AgentUnavailable(f"the agent took no request for {timeout} s "
@@ -119,6 +129,8 @@ class ClientChannel:
             positions = list(range(first, first + n))
             for p in positions:
                 self._waiting[p] = on_reply or self._keep
+            if on_reply is not None:
+                self._callbacks.extend(positions)
             self.view.requests.push_many(records)
         return positions
 
@@ -146,22 +158,54 @@ class ClientChannel:
             return view.reply_seq_address(position), view.reply_seq(position)
         return view.word_address(index), int(view.words[index])
 
+    def sleep(self, address: int, value: int, timeout: float) -> None:
+        """Sleep until the word at ``address`` may differ from ``value`` (or ``timeout`` s),
+        counted in the channel's ``sleepers`` so that the agent wakes us (it skips the wake
+        system call while nobody of ours sleeps)."""
+        with self._lock:
+            self._sleepers += 1
+            self.view.set_sleepers(self._sleepers)
+        try:
+            futex.wait(address, value, timeout)
+        finally:
+            with self._lock:
+                self._sleepers -= 1
+                self.view.set_sleepers(self._sleepers)
+
     def wait_reply(self, position: int, timeout: float) -> np.void:
-        """The reply to ``position``, sleeping until it comes; AgentUnavailable after
-        ``timeout`` seconds, RequestRefused(UNAVAILABLE) if the channel faulted."""
-        deadline = time.monotonic() + timeout
+        """The reply to ``position``, polled ``SPIN_SECONDS``, then slept for until it comes;
+        AgentUnavailable after ``timeout`` seconds, RequestRefused(UNAVAILABLE) if the channel
+        faulted."""
+        start = time.monotonic()
         while True:
             address, value = self.watch(position, None)
             reply = self.take(position)
             if reply is not None:
                 return reply
+            now = time.monotonic()
+            if now - start < SPIN_SECONDS:
+                continue
             self.check()
-            left = deadline - time.monotonic()
+            left = start + timeout - now
             if left <= 0:
                 raise AgentUnavailable(f"the agent did not answer within {timeout} s")
-            futex.wait(address, value, min(NAP_SECONDS, left))
+            self.sleep(address, value, min(NAP_SECONDS, left))
+
+    def _call_back_locked(self) -> None:
+        """Hand the replies that came, oldest first, to their callbacks (a few loads when
+        nothing came)."""
+        callbacks = self._callbacks
+        while callbacks:
+            p = callbacks[0]
+            if p in self._waiting:
+                reply = self.view.reply_at(p)
+                if reply is None:
+                    return
+                self._waiting.pop(p)(reply)
+            callbacks.popleft()
 
     def _sweep_locked(self) -> None:
+        """Take every reply that came (for callbacks, or kept for their handles)."""
         if not self._waiting:
             return
         first = min(self._waiting)
@@ -342,7 +386,8 @@ class AcquireHandle:
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError(f"{self.key} not ready after {timeout} s")
             if now - start > SPIN_SECONDS:
-                futex.wait(address, value, min(NAP_SECONDS, max(0.0, next_check - now)))
+                self._channel.sleep(address, value,
+                                    min(NAP_SECONDS, max(0.0, next_check - now)))
         if self._error is not None:
             raise self._error
         assert self._slot is not None

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gpu_kernels import abi
@@ -82,3 +83,24 @@ def test_constants_match() -> None:
     assert c["DPU_MAX_CHANNEL_SLOTS"] == abi.MAX_CHANNEL_SLOTS
     assert c["DPU_SLOT_STATE_BITS"] == abi.SLOT_STATE_BITS
 
+
+
+@pytest.mark.parametrize("dtype", [abi.REQUEST_DTYPE, abi.REPLY_DTYPE, abi.DESCRIPTOR_DTYPE,
+                                   abi.COMPLETION_DTYPE, abi.SLOT_STATE_DTYPE,
+                                   abi.HEADER_DTYPE, abi.PACKET_HEADER_DTYPE])
+def test_packer_writes_the_bytes_numpy_does(dtype: np.dtype) -> None:
+    """abi.packer (the fast writers' struct) lays every field where the dtype says."""
+    rng = np.random.default_rng(int(dtype.itemsize))
+    fields = sorted(dtype.fields.items(), key=lambda f: f[1][1])
+    for _ in range(20):
+        record = np.zeros(1, dtype)
+        values = []
+        for name, (ftype, _) in fields:
+            if ftype.kind == "S":
+                value = bytes(rng.integers(1, 256, rng.integers(0, ftype.itemsize + 1),
+                                           dtype=np.uint8))
+            else:
+                value = int(rng.integers(0, 2 ** (8 * ftype.itemsize - 1)))
+            record[name] = value
+            values.append(value)
+        assert abi.packer(dtype).pack(*values) == record.tobytes()

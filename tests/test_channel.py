@@ -47,15 +47,20 @@ def test_replies_are_matched_by_position_and_reused_per_lap() -> None:
     assert ch.answered(6, 10).all() and not ch.answered(10, 14).any()
 
 
-def test_a_sleeping_waiter_is_woken_by_a_publication() -> None:
+@pytest.mark.parametrize("counted", [True, False])
+def test_a_sleeping_waiter_is_woken_by_a_publication_when_counted(counted: bool) -> None:
+    """The publisher wakes only when the header's ``sleepers`` says someone sleeps: a counted
+    waiter is woken at once, an uncounted one sleeps out its timeout."""
     ch = make_channel()
     ch.publish_state(3, 7, abi.SlotState.FILLING)
     seen = []
 
     def waiter() -> None:
         value = int(ch.words[3])
+        ch.set_sleepers(int(counted))
         while split_word(int(ch.words[3]))[1] != abi.SlotState.READY:
-            futex.wait(ch.word_address(3), value, 5.0)
+            futex.wait(ch.word_address(3), value, 1.5)
+        ch.set_sleepers(0)
         seen.append(time.monotonic())
 
     t = threading.Thread(target=waiter)
@@ -64,7 +69,11 @@ def test_a_sleeping_waiter_is_woken_by_a_publication() -> None:
     published = time.monotonic()
     ch.publish_state(3, 7, abi.SlotState.READY)
     t.join(5)
-    assert seen and seen[0] - published < 1.0  # woken, not timed out (5 s)
+    assert seen
+    if counted:
+        assert seen[0] - published < 0.5  # woken, not timed out
+    else:
+        assert seen[0] - published > 1.0  # no wake system call was made
 
 
 @pytest.mark.parametrize("final,expect", [(abi.SlotState.READY, 0), (abi.SlotState.FAILED, 1)])

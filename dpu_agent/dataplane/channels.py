@@ -53,11 +53,12 @@ class DeviceChannel:
 
     def take_requests(self, limit: int = 256) -> tuple[int, np.ndarray]:
         """(ring position of the first, ``REQUEST_DTYPE[n]`` copies) of what was posted.
-        A channel whose header the client overwrote is served no more: its ``fault`` word
-        says BAD_RING (the client's waits end with that error)."""
+        A channel whose header the client overwrote is served no more (checked whenever an
+        entry waits): its ``fault`` word says BAD_RING (the client's waits end with that
+        error)."""
         ring = self.view.requests
         first = ring.consumed
-        if self.fault:
+        if self.fault or not ring.has_entries():
             return first, ring.entries[:0]
         if self._header.tobytes() != self._expect:
             self.fault = "the request ring's header was overwritten"

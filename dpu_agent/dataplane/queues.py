@@ -54,6 +54,8 @@ class DeviceQueue:
 
     def flush(self) -> int:
         """Push backlog into freed ring entries; returns descriptors still waiting."""
+        if not self._backlog:
+            return 0
         with self._lock:
             return self._flush_locked()
 

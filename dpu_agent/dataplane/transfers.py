@@ -3,6 +3,7 @@ that turns completion entries into one outcome per transfer."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -29,22 +30,49 @@ class TransferPlan:
 
     def descriptors(self, transfer_id: int) -> np.ndarray:
         """``DESCRIPTOR_DTYPE[chunks]`` for this plan, VERIFY set on every chunk."""
-        n = len(self.checksums)
-        d = np.zeros(n, dtype=abi.DESCRIPTOR_DTYPE)
-        pos = np.arange(n, dtype=np.uint64) * np.uint64(self.chunk_bytes)
+        d = _source_side(self.src_region, self.src_offset, self.nbytes, self.chunk_bytes,
+                         self.checksums).copy()
         d["transfer_id"] = transfer_id
-        d["opcode"] = abi.Opcode.COPY
-        d["flags"] = abi.DescriptorFlags.VERIFY
-        d["chunk_index"] = np.arange(n)
-        d["chunk_count"] = n
-        d["src_region"] = self.src_region
-        d["src_offset"] = pos + np.uint64(self.src_offset)
         d["dst_region"] = self.dst_region
-        d["dst_offset"] = pos + np.uint64(self.dst_offset)
-        d["length"] = np.minimum(np.uint64(self.chunk_bytes), np.uint64(self.nbytes) - pos)
-        d["position"] = pos
-        d["checksum"] = np.asarray(self.checksums, dtype=np.uint32)
+        d["dst_offset"] = self.dst_offset
+        d["dst_offset"] += d["position"]
         return d
+
+
+@functools.lru_cache(maxsize=1024)
+def _source_side(src_region: int, src_offset: int, nbytes: int, chunk_bytes: int,
+                 checksums: tuple[int, ...]) -> np.ndarray:
+    """The descriptors of a blob's chunks without their destination and transfer id: the same
+    for every delivery of a cached blob, so built once."""
+    n = len(checksums)
+    d = np.zeros(n, dtype=abi.DESCRIPTOR_DTYPE)
+    pos = np.arange(n, dtype=np.uint64) * np.uint64(chunk_bytes)
+    d["opcode"] = abi.Opcode.COPY
+    d["flags"] = abi.DescriptorFlags.VERIFY
+    d["chunk_index"] = np.arange(n)
+    d["chunk_count"] = n
+    d["src_region"] = src_region
+    d["src_offset"] = pos + np.uint64(src_offset)
+    d["length"] = np.minimum(np.uint64(chunk_bytes), np.uint64(nbytes) - pos)
+    d["position"] = pos
+    d["checksum"] = np.asarray(checksums, dtype=np.uint32)
+    d.flags.writeable = False
+    return d
+
+
+_FEW = 64
+"""complete_many folds at most this many completions in plain Python (cheaper than the
+array passes for the few runs a single delivery lands as)."""
+
+
+def _fold_few(recs: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+    """(transfer ids, completions per id, bytes per id) of ``recs``, ids in first-seen order."""
+    count: dict[int, int] = {}
+    nbytes: dict[int, int] = {}
+    for tid, n in zip(recs["transfer_id"].tolist(), recs["nbytes"].tolist(), strict=True):
+        count[tid] = count.get(tid, 0) + 1
+        nbytes[tid] = nbytes.get(tid, 0) + n
+    return list(count), list(count.values()), list(nbytes.values())
 
 
 @dataclass
@@ -88,18 +116,22 @@ class TransferTracker:
         return t
 
     def complete_many(self, recs: np.ndarray) -> list[Transfer]:
-        """Fold a batch of completion entries in (vectorised: one pass per transfer, not per
-        chunk); returns the transfers they finished, whose ``on_done`` has been called."""
+        """Fold a batch of completion entries in (one pass per transfer, not per chunk: array
+        passes for a large batch, a dict for a few entries); returns the transfers they finished, whose ``on_done`` has been called."""
         if recs.size == 0:
             return []
-        ids, inverse = np.unique(recs["transfer_id"], return_inverse=True)
-        counts = np.bincount(inverse, minlength=ids.size)
-        nbytes = np.bincount(inverse, weights=recs["nbytes"].astype(np.float64),
-                             minlength=ids.size)
+        if recs.size <= _FEW:
+            ids, counts, nbytes = _fold_few(recs)
+        else:
+            uniq, inverse = np.unique(recs["transfer_id"], return_inverse=True)
+            ids = uniq.tolist()
+            counts = np.bincount(inverse, minlength=uniq.size).tolist()
+            nbytes = np.bincount(inverse, weights=recs["nbytes"].astype(np.float64),
+                                 minlength=uniq.size).tolist()
         bad = np.flatnonzero(recs["status"] != 0)
         finished = []
         with self._lock:
-            for j, tid in enumerate(ids.tolist()):
+            for j, tid in enumerate(ids):
                 t = self._live.get(tid)
                 if t is None:
                     continue

@@ -76,7 +76,8 @@ typedef struct {
     uint32_t fault;
     uint8_t pad0[64 - 28];
     uint64_t producer;
-    uint8_t pad1[64 - 8];
+    uint32_t sleepers;
+    uint8_t pad1[64 - 12];
     uint64_t consumer;
     uint8_t pad2[128 - 8];
 } dpu_ring_header;
