@@ -117,7 +117,8 @@ class TransferTracker:
 
     def complete_many(self, recs: np.ndarray) -> list[Transfer]:
         """Fold a batch of completion entries in (one pass per transfer, not per chunk: array
-        passes for a large batch, a dict for a few entries); returns the transfers they finished, whose ``on_done`` has been called."""
+        passes for a large batch, a dict for a few entries); returns the transfers they
+        finished, whose ``on_done`` has been called."""
         if recs.size == 0:
             return []
         if recs.size <= _FEW:
