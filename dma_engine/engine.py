@@ -112,7 +112,7 @@ class Target:
             span = slice(run.first, run.first + run.count)
             if sums is not None:
                 bad = sums != job.entries["checksum"][span]
-                job.status[span][bad] = abi.Status.CHECKSUM_MISMATCH
+                job.status[span][bad] = int(abi.Status.CHECKSUM_MISMATCH)
             self.completions.push_many(completions(job.entries, job.status, job.copy, span))
             self._owed -= run.count
             done += run.count

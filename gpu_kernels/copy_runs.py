@@ -24,8 +24,8 @@ def classify(batch: np.ndarray, regions: np.ndarray) -> tuple[np.ndarray, np.nda
     (``DESCRIPTOR_DTYPE[n]``): each descriptor's check against ``regions``, the valid COPY
     descriptors, and those of them that ask for verification."""
     status = check_descriptors(batch, regions)
-    copy = (status == 0) & (batch["opcode"] == abi.Opcode.COPY)
-    return status, copy, copy & ((batch["flags"] & abi.DescriptorFlags.VERIFY) != 0)
+    copy = (status == 0) & (batch["opcode"] == int(abi.Opcode.COPY))
+    return status, copy, copy & ((batch["flags"] & int(abi.DescriptorFlags.VERIFY)) != 0)
 
 
 def completions(batch: np.ndarray, status: np.ndarray, copy: np.ndarray,
@@ -43,7 +43,7 @@ def completions(batch: np.ndarray, status: np.ndarray, copy: np.ndarray,
 
 def asks_exit(batch: np.ndarray, status: np.ndarray) -> bool:
     """Whether the batch holds a valid EXIT descriptor."""
-    return bool(np.any((batch["opcode"] == abi.Opcode.EXIT) & (status == 0)))
+    return bool(np.any((batch["opcode"] == int(abi.Opcode.EXIT)) & (status == 0)))
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ def check_descriptor(desc: np.void, regions: np.ndarray) -> abi.Status:
     return abi.Status.OK
 
 
+_CONTROL_OPS = np.array([abi.Opcode.NOP, abi.Opcode.FENCE, abi.Opcode.EXIT], np.uint16)
+
+
 def check_descriptors(batch: np.ndarray, regions: np.ndarray) -> np.ndarray:
     """``check_descriptor`` over a whole batch at once (same statuses, same precedence).
 
@@ -59,27 +62,32 @@ def check_descriptors(batch: np.ndarray, regions: np.ndarray) -> np.ndarray:
         ``uint32[n]``: each descriptor's status (0 is OK).
     """
     op = batch["opcode"]
-    src = batch["src_region"].astype(np.int64)
-    dst = batch["dst_region"].astype(np.int64)
+    src, dst = batch["src_region"], batch["dst_region"]
     known = (src < abi.MAX_REGIONS) & (dst < abi.MAX_REGIONS)
-    s = regions[np.where(known, src, 0)]
-    d = regions[np.where(known, dst, 0)]
-    usable = (known & (s["size"] > 0) & (d["size"] > 0)
-              & ((s["flags"] & abi.RegionFlags.READABLE) != 0)
-              & ((d["flags"] & abi.RegionFlags.WRITABLE) != 0))
+    if not known.all():
+        src, dst = np.where(known, src, 0), np.where(known, dst, 0)
+    size, flags = regions["size"], regions["flags"]
+    s_size, d_size = size[src], size[dst]
+    usable = (known & (s_size > 0) & (d_size > 0)
+              & ((flags[src] & int(abi.RegionFlags.READABLE)) != 0)
+              & ((flags[dst] & int(abi.RegionFlags.WRITABLE)) != 0))
     length = batch["length"].astype(np.uint64)
     so, do = batch["src_offset"], batch["dst_offset"]
     aligned = ((length | so | do | batch["position"]) % abi.COPY_ALIGN_BYTES) == 0
     # Written as subtractions so that offsets near 2**64 cannot wrap past the size.
-    inside = ((so <= s["size"]) & (length <= s["size"] - so)
-              & (do <= d["size"]) & (length <= d["size"] - do))
-    status = np.select(
-        [np.isin(op, (abi.Opcode.NOP, abi.Opcode.FENCE, abi.Opcode.EXIT)),
-         op != abi.Opcode.COPY, ~usable, ~aligned, ~inside],
-        [abi.Status.OK, abi.Status.BAD_OPCODE, abi.Status.BAD_REGION, abi.Status.BAD_ALIGNMENT,
-         abi.Status.OUT_OF_BOUNDS],
-        abi.Status.OK)
-    return status.astype(np.uint32)
+    inside = ((so <= s_size) & (length <= s_size - so)
+              & (do <= d_size) & (length <= d_size - do))
+    copy = op == int(abi.Opcode.COPY)
+    status = np.zeros(batch.size, np.uint32)
+    if (usable & aligned & inside & copy).all():
+        return status
+    # Later assignments take precedence, as in check_descriptor.
+    status[~inside] = int(abi.Status.OUT_OF_BOUNDS)
+    status[~aligned] = int(abi.Status.BAD_ALIGNMENT)
+    status[~usable] = int(abi.Status.BAD_REGION)
+    status[~copy] = int(abi.Status.BAD_OPCODE)
+    status[np.isin(op, _CONTROL_OPS)] = 0
+    return status
 
 
 class ReceiveKernel:
