@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("host_client")
 
 SPIN_SECONDS = 150e-6
-"""A waiter polls this long, then sleeps on the word it waits for (a futex the agent wakes)."""
+"""A waiter polls until this long after its request was posted, then sleeps on the word it
+waits for (a futex the agent wakes): the handles of one post, waited one after another, spin
+once between them, not once each."""
 NAP_SECONDS = 0.005
 """Longest single sleep of a waiter (it checks the device and the agent between sleeps)."""
 CHECK_SECONDS = 0.05
@@ -172,18 +174,20 @@ class ClientChannel:
                 self._sleepers -= 1
                 self.view.set_sleepers(self._sleepers)
 
-    def wait_reply(self, position: int, timeout: float) -> np.void:
-        """The reply to ``position``, polled ``SPIN_SECONDS``, then slept for until it comes;
-        AgentUnavailable after ``timeout`` seconds, RequestRefused(UNAVAILABLE) if the channel
-        faulted."""
+    def wait_reply(self, position: int, timeout: float, posted: float | None = None
+                   ) -> np.void:
+        """The reply to ``position``, polled until ``SPIN_SECONDS`` after ``posted`` (monotonic
+        seconds; default now), then slept for until it comes; AgentUnavailable after
+        ``timeout`` seconds, RequestRefused(UNAVAILABLE) if the channel faulted."""
         start = time.monotonic()
+        spin_until = (start if posted is None else posted) + SPIN_SECONDS
         while True:
             address, value = self.watch(position, None)
             reply = self.take(position)
             if reply is not None:
                 return reply
             now = time.monotonic()
-            if now - start < SPIN_SECONDS:
+            if now < spin_until:
                 continue
             self.check()
             left = start + timeout - now
@@ -284,6 +288,7 @@ class AcquireHandle:
         self._reply: np.void | None = None
         self._slot: ExpertSlot | None = None
         self._error: BaseException | None = None
+        self._posted = time.monotonic()
 
     def _settle(self, slot: ExpertSlot | None, error: BaseException | None) -> None:
         self._slot, self._error = slot, error
@@ -301,7 +306,7 @@ class AcquireHandle:
     def wait_granted(self, timeout: float) -> None:
         """Block (asleep) until the agent answered the acquire: a slot, or a refusal."""
         if not self.granted():
-            self._accept(self._channel.wait_reply(self._position, timeout))
+            self._accept(self._channel.wait_reply(self._position, timeout, self._posted))
 
     def _poll(self) -> bool:
         """Advance as far as shared memory allows; True once the outcome is known."""
@@ -385,7 +390,7 @@ class AcquireHandle:
                     break
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError(f"{self.key} not ready after {timeout} s")
-            if now - start > SPIN_SECONDS:
+            if now - self._posted > SPIN_SECONDS:
                 self._channel.sleep(address, value,
                                     min(NAP_SECONDS, max(0.0, next_check - now)))
         if self._error is not None:
