@@ -532,8 +532,12 @@ class Orchestrator:
         self.prefetch(self._owner(owner), owner[1], [key])
 
     def link_peers(self, session: Session, device_id: int, sources: list[int]) -> None:
-        """Record that ``device_id``'s consumer can read the slot pools of ``sources``."""
+        """Record that ``device_id``'s consumer can read the slot pools of ``sources``. A
+        DMA-engine device has no consumer of its own: the engine reads the arena only."""
         dev = self.device(session, device_id)
+        if dev.delivery == pb.DELIVERY_DMA_ENGINE and sources:
+            raise precondition(f"LinkPeers: device {device_id} is served by the DMA engine, "
+                               "which copies from the arena, not from other devices' pools")
         for sid in sources:
             if sid == device_id:
                 raise invalid(f"LinkPeers: device {device_id} cannot be its own source")

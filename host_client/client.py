@@ -365,12 +365,13 @@ class AgentClient:
         (CUDA peer access; every CPU reference device of this process), and tell the agent,
         which may then deliver an expert by copying a verified slot of a peer instead of
         reading the arena. Call it after registering all devices (pools registered later are
-        not mapped); redone on its own after an agent restart. Returns device id -> the ids
-        of the devices it can read."""
+        not mapped); redone on its own after an agent restart. A device the DMA engine serves
+        reads no peer (the engine copies from the arena), though pull devices may read its
+        pools. Returns device id -> the ids of the devices it can read."""
         links: dict[int, list[int]] = {}
         for dst in self.devices.values():
-            sources = [src for src in self.devices.values()
-                       if src is not dst and dst.device.can_read(src.device)]
+            sources = [src for src in self.devices.values() if src is not dst and
+                       dst.delivery == "pull" and dst.device.can_read(src.device)]
             for src in sources:
                 for rid, spec in src.pools.items():
                     dst.device.map_peer(rid, src.device.region_bytes(

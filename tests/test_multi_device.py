@@ -100,3 +100,27 @@ def test_link_peers_refusals(three) -> None:
                                                       device_id=devs[0].device_id,
                                                       sources=sources))
         assert err.value.code() == code, (sources, err.value.details())
+
+
+def test_a_dma_engine_device_takes_no_peer_sources(qwen_ckpt: Path) -> None:
+    """The DMA engine reads the arena, not other devices' pools (a BlueField's DMA engine
+    writes GPU memory; GPU-to-GPU copies are the GPUs'): LinkPeers naming an engine device as
+    the destination is refused, and the device's deliveries still come from the arena, whole."""
+    with AgentProcess('[arena]\nbytes = "64MiB"\n') as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "mg")
+        pull, engine = (client.register_device(CpuReferenceDevice(i), [SlotPoolSpec(
+            model.expert_bytes, 4)], delivery=d) for i, d in enumerate(("pull", "engine")))
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.LinkPeers(pb.LinkPeersRequest(session_id=client.session_id,
+                                                      device_id=engine.device_id,
+                                                      sources=[pull.device_id]))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "DMA engine" in err.value.details()
+        links = client.link_peers()  # the pull device may still read the engine device's pool
+        assert links == {pull.device_id: [engine.device_id], engine.device_id: []}
+        key = ExpertKey("mg", model.moe_layers[0], 1)
+        client.acquire(pull, key).wait(10)
+        assert_bytes(client.acquire(engine, key).wait(10), qwen_ckpt)
+        assert_bytes(client.acquire(pull, ExpertKey("mg", model.moe_layers[0], 1)).wait(10),
+                     qwen_ckpt)
