@@ -23,6 +23,8 @@ from bench.common import RESULTS, ROOT, machine, source_hash
 FAULTS = [
     ("agent SIGKILLed during transfers",
      "tests/test_faults.py::test_agent_sigkill_client_notices_fails_and_recovers"),
+    ("agent restarted gracefully (SIGTERM, as systemctl restart)",
+     "tests/test_faults.py::test_graceful_restart_is_survived_like_a_kill"),
     ("host process killed (transfer in flight)",
      "tests/test_faults.py::test_killed_host_process_is_reclaimed"),
     ("corrupted bytes in the arena (device pull)", "tests/test_faults.py::"
@@ -64,10 +66,17 @@ FAULTS = [
      "tests/test_cluster.py::test_peer_fetch_verifies_chunks_and_falls_back"),
     ("fuzzed descriptors, guard bytes (CPU twin)",
      "tests/test_kernels.py::test_fuzzed_descriptors_status_and_guards[cpu]"),
+    ("undecodable request bodies on every RPC", "tests/test_hostile_rpc.py::"
+     "test_undecodable_bodies_are_invalid_argument_on_every_method"),
+    ("a handler raises what it should have turned into a status", "tests/test_hostile_rpc.py::"
+     "test_an_exception_that_escapes_a_handler_is_internal_with_a_request_id"),
 ]
 OUTCOME = {
     "agent SIGKILLed during transfers": "in-flight acquires fail with UNAVAILABLE in < 1 s; "
     "the client reconnects, reloads models, re-registers devices; every slot verified after",
+    "agent restarted gracefully (SIGTERM, as systemctl restart)": "the clean end of the event "
+    "stream is taken as the agent going away: the client's event thread idles (< 5 % of a core) "
+    "while it is down, then reconnects and serves verified bytes as after SIGKILL",
     "host process killed (transfer in flight)": "session reclaimed within the 1 s lease; "
     "transfers in flight and arena pins back to 0",
     "corrupted bytes in the arena (device pull)": "the device's consumer catches the checksum "
@@ -98,6 +107,10 @@ OUTCOME = {
     "device consumer gone (stuck ring)": "transfer cancelled after transfer.timeout_seconds, "
     "slot freed, client gets CANCELLED, no hang",
     "lease expiry, twice": "both sessions reclaimed; the reaper survives",
+    "undecodable request bodies on every RPC": "25 bodies per method: INVALID_ARGUMENT naming "
+    "the message, never UNKNOWN or INTERNAL; the agent stays SERVING",
+    "a handler raises what it should have turned into a status": "INTERNAL naming a request "
+    "id, and the agent's log line carries the same id (unary and streaming)",
     "SIGKILL at random points of state writes": "restart finds the old or the new state",
     "SIGTERM with transfers in flight": "waits out the grace, cancels the rest, exit 0",
     "activation worker vanishes mid-request (ZeroMQ path)": "the sender gets WORKER_FAILED "

@@ -41,11 +41,11 @@ from dpu_agent.service.registry import (
 from dpu_agent.service.state import StateStore
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
-from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog
+from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog, path_problem
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.policies import POLICIES
 from dpu_agent.weights.safetensors_file import CheckpointError
-from dpu_offload.keys import ExpertKey
+from dpu_offload.keys import ExpertKey, model_name_problem
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.ring import RingError
@@ -137,11 +137,13 @@ class Orchestrator:
 
     # -- models ----------------------------------------------------------------------------
     def load_model(self, path: str, name: str = "", persist: bool = True) -> ModelCatalog:
-        if not path:
-            raise invalid("LoadModel: path is empty")
+        problem = path_problem(path)
+        if problem:
+            raise invalid(f"LoadModel: {problem}")
         model_name = name or Path(path).name
-        if "/" in model_name or not model_name.strip():
-            raise invalid(f"LoadModel: model name {model_name!r} is empty or has a '/'")
+        problem = model_name_problem(model_name)
+        if problem:
+            raise invalid(f"LoadModel: {problem}")
         with self._lock:
             existing = self.models.get(model_name)
         if existing is not None:

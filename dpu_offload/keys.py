@@ -10,6 +10,25 @@ from dpu_offload.v1 import agent_pb2 as pb
 MAX_DESCRIBE_KEYS = 4096
 """Keys one DescribeExperts call may name (the agent refuses more; the client sends batches)."""
 
+MAX_MODEL_NAME_CHARS = 128
+"""Longest model name the agent accepts (names are part of every expert key and persisted)."""
+
+
+def model_name_problem(name: str) -> str | None:
+    """What makes ``name`` unusable as a model name (None when it is fine): empty, longer than
+    ``MAX_MODEL_NAME_CHARS``, or holding a '/', whitespace or a non-printable character (the
+    key ``model/l{layer}-e{expert}`` must parse back). The message shows at most 40 characters
+    of the name."""
+    shown = repr(name[:40]) + ("..." if len(name) > 40 else "")
+    if not name:
+        return "the model name is empty"
+    if len(name) > MAX_MODEL_NAME_CHARS:
+        return f"model name {shown} has {len(name)} characters, more than {MAX_MODEL_NAME_CHARS}"
+    if "/" in name or any(c.isspace() or not c.isprintable() for c in name):
+        return f"model name {shown} holds a '/', whitespace or a non-printable character"
+    return None
+
+
 _KEY_RE = re.compile(r"^(?P<model>[^/\s]+)/l(?P<layer>\d+)-e(?P<expert>\d+)$")
 
 

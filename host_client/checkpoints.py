@@ -135,6 +135,11 @@ def _layer_tensors(spec: CheckpointSpec, layer: int, rng: np.random.Generator
 _SPEC_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F32": "float32"}
 
 
+FILE_MODE, DIR_MODE = 0o644, 0o755
+"""Modes of a written checkpoint's files and directory: readable by an agent that runs as its
+own service user."""
+
+
 def _save(path: Path, tensors: list[tuple[str, str, np.ndarray]]) -> None:
     specs = {name: safetensors.TensorSpec(dtype=_SPEC_DTYPES[dt], shape=list(arr.shape),
                                           data_ptr=arr.ctypes.data, data_len=arr.nbytes)
@@ -146,9 +151,11 @@ def _save(path: Path, tensors: list[tuple[str, str, np.ndarray]]) -> None:
 
 def make_checkpoint(directory: str | Path, spec: CheckpointSpec,
                     layers_per_shard: int = 2) -> Path:
-    """Write the checkpoint; returns its directory. Deterministic for a given spec."""
+    """Write the checkpoint; returns its directory. Deterministic for a given spec. Files are
+    ``FILE_MODE`` in a ``DIR_MODE`` directory whatever the umask."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    root.chmod(DIR_MODE)
     cfg = _config(spec)
     rng = np.random.default_rng(spec.seed)
     nshards = -(-spec.layers // layers_per_shard)
@@ -169,6 +176,9 @@ def make_checkpoint(directory: str | Path, spec: CheckpointSpec,
     (root / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for f in [root / "config.json", root / "model.safetensors.index.json",
+              *(root / fname for fname in set(weight_map.values()))]:
+        f.chmod(FILE_MODE)  # serialize_file creates 0600 and a umask may narrow the rest
     return root
 
 

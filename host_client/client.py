@@ -476,12 +476,13 @@ class AgentClient:
             try:
                 for event in self._events:
                     self._on_event(event)
+                why = "closed by the agent"  # a graceful shutdown ends the stream with OK
             except grpc.RpcError as exc:
-                if self._closed.is_set():
-                    return
-                self._fail_all(AgentUnavailable(f"agent event stream ended: "
-                                                f"{exc.code().name}"))
-                self._recover()
+                why = exc.code().name
+            if self._closed.is_set():
+                return
+            self._fail_all(AgentUnavailable(f"agent event stream ended: {why}"))
+            self._recover()
 
     def _on_event(self, event: pb.Event) -> None:
         if event.HasField("placement_progress"):

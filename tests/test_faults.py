@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -145,6 +146,47 @@ def test_agent_sigkill_client_notices_fails_and_recovers(qwen_ckpt: Path) -> Non
         first.kill()
         if second is not None:
             second.stop()
+
+
+def test_graceful_restart_is_survived_like_a_kill(qwen_ckpt: Path) -> None:
+    """SIGTERM (what systemctl restart sends) ends the event stream cleanly: the client must
+    take that as the agent going away, idle while it is down (its event thread once spun at
+    100 % CPU on the ended stream) and recover exactly as after SIGKILL."""
+    truth = checkpoint_bytes(qwen_ckpt)
+    first = AgentProcess().start()
+    port_env = {"DPU_AGENT_SERVER_LISTEN_ADDRESS": f"127.0.0.1:{first.port}"}
+    client = AgentClient(first.address, rpc_timeout=10)
+    second = None
+    try:
+        model = client.load_model(str(qwen_ckpt), "qt")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 4)])
+        client.acquire(dev, ExpertKey("qt", 0, 0)).wait(10)
+        assert first.stop() == 0
+        events = next(t for t in threading.enumerate() if t.name == "agent-events")
+        cpu0, t0 = _thread_cpu(events), time.monotonic()
+        time.sleep(1.5)
+        busy = (_thread_cpu(events) - cpu0) / (time.monotonic() - t0)
+        assert busy < 0.05, f"the client's event thread used {busy:.0%} of a core while down"
+        second = AgentProcess(env=port_env).start()
+        assert client.reconnected.wait(20), "the client did not reconnect after SIGTERM"
+        assert client.generation == 1
+        slot = client.acquire(dev, ExpertKey("qt", 0, 1)).wait(10)
+        for role, name in _names(slot.key).items():
+            assert slot.raw(role).tobytes() == truth[name], (slot.key, role)
+    finally:
+        client.close()
+        first.kill()
+        if second is not None:
+            second.stop()
+
+
+def _thread_cpu(thread: threading.Thread) -> float:
+    """CPU seconds a thread of this process has used (Linux /proc)."""
+    import os
+
+    tid = thread.native_id
+    fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_caller_gone_during_a_fill_leaves_no_reference(tmp_path: Path) -> None:

@@ -26,7 +26,9 @@ class StateStore:
         self.path = self.dir / STATE_FILE
         self._lock = threading.Lock()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.dir.stat().st_uid == os.geteuid():
+                self.dir.chmod(0o700)  # what it holds names checkpoints and sessions' devices
             probe = self.dir / ".write-probe"
             probe.write_text("")
             probe.unlink()

@@ -133,6 +133,26 @@ def _expected_shape(layout: ModelLayout, src: TensorSource) -> tuple[int, ...] |
     return None
 
 
+MAX_PATH_BYTES = 4096
+"""Linux's PATH_MAX; each component at most NAME_MAX_BYTES."""
+NAME_MAX_BYTES = 255
+
+
+def path_problem(path: str) -> str | None:
+    """What makes ``path`` unusable as a checkpoint path, before any system call sees it."""
+    shown = repr(path[:60]) + ("..." if len(path) > 60 else "")
+    if not path:
+        return "path is empty"
+    if "\0" in path:
+        return f"path {shown} holds a NUL character"
+    if len(path.encode(errors="surrogateescape")) > MAX_PATH_BYTES:
+        return f"path {shown} is longer than {MAX_PATH_BYTES} bytes"
+    if any(len(part.encode(errors="surrogateescape")) > NAME_MAX_BYTES
+           for part in path.split("/")):
+        return f"path {shown} has a component longer than {NAME_MAX_BYTES} bytes"
+    return None
+
+
 def build_catalog(directory: str | Path, name: str | None = None, *,
                   require_shards: bool = True) -> ModelCatalog:
     """Build a model's catalog.

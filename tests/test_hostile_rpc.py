@@ -1,0 +1,170 @@
+"""Bodies that do not decode, and the standard services, against a real agent: no call may end
+UNKNOWN (or INTERNAL for bad input), and the agent stays SERVING (issue 21)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dpu_offload.v1 import agent_pb2 as pb
+from dpu_offload.v1 import agent_pb2_grpc
+from host_client.launcher import AgentProcess
+
+SERVICE = pb.DESCRIPTOR.services_by_name["DpuAgent"]
+
+
+def _undecodable(rng: random.Random) -> list[bytes]:
+    """Bodies no protobuf message parses: a truncated varint, a length past the end, a field
+    number 0, an end-group tag with no group, and random noise that happens not to parse."""
+    fixed = [b"\x08", b"\x0a\xff\x01ab", b"\x00\x01", b"\x0c", b"\xff" * 11]
+    return fixed + [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+                    for _ in range(20)]
+
+
+def test_undecodable_bodies_are_invalid_argument_on_every_method(agent: AgentProcess) -> None:
+    rng = random.Random(21)
+    bodies = _undecodable(rng)
+    seen = 0
+    with grpc.insecure_channel(agent.address) as ch:
+        for method in SERVICE.methods:
+            path = f"/{SERVICE.full_name}/{method.name}"
+            call = (ch.unary_stream if method.server_streaming else ch.unary_unary)(path)
+            for body in bodies:
+                try:
+                    out = call(body, timeout=5)
+                    if method.server_streaming:
+                        next(iter(out), None)
+                except grpc.RpcError as exc:
+                    assert exc.code() not in (grpc.StatusCode.UNKNOWN,
+                                              grpc.StatusCode.INTERNAL), \
+                        (method.name, body, exc.code(), exc.details())
+                    seen += exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        health = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE.full_name), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert seen >= len(SERVICE.methods)  # the fixed bodies do not decode as any message
+
+
+def test_health_watch_streams_the_status(agent: AgentProcess) -> None:
+    with grpc.insecure_channel(agent.address) as ch:
+        stream = health_pb2_grpc.HealthStub(ch).Watch(
+            health_pb2.HealthCheckRequest(service=SERVICE.full_name), timeout=5)
+        first = next(iter(stream))
+        stream.cancel()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("body", [b"\x08", b"\x0a\xff\x01ab"])
+def test_a_body_that_does_not_decode_names_the_message(agent: AgentProcess,
+                                                        body: bytes) -> None:
+    with grpc.insecure_channel(agent.address) as ch, pytest.raises(grpc.RpcError) as err:
+        ch.unary_unary(f"/{SERVICE.full_name}/GetStatus")(body, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "StatusRequest" in err.value.details()
+
+
+@pytest.mark.parametrize("path,name,what", [
+    ("/tmp/" + "x" * 300, "", "component longer than 255 bytes"),
+    ("/tmp/" + "a/" * 3000, "m", "longer than 4096 bytes"),
+    ("/tmp/\0bad", "m", "NUL"),
+    ("/tmp/ok", "bad\nname", "whitespace or a non-printable"),
+    ("/tmp/ok", "n\0", "non-printable"),
+    ("/tmp/ok", "m" * 1_000_000, "more than 128"),
+])
+def test_load_model_bounds_paths_and_names(agent: AgentProcess, path: str, name: str,
+                                           what: str) -> None:
+    """Each is INVALID_ARGUMENT naming what was wrong, quoting at most a short prefix of the
+    input, and nothing is loaded."""
+    with grpc.insecure_channel(agent.address,
+                               options=[("grpc.max_send_message_length", 4 << 20)]) as ch:
+        stub = agent_pb2_grpc.DpuAgentStub(ch)
+        before = list(stub.GetStatus(pb.StatusRequest(), timeout=5).models)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.LoadModel(pb.LoadModelRequest(path=path, name=name), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert what in err.value.details()
+        assert len(err.value.details()) < 300
+        assert list(stub.GetStatus(pb.StatusRequest(), timeout=5).models) == before
+
+
+def test_an_exception_that_escapes_a_handler_is_internal_with_a_request_id(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The guard's last resort, on a real aio server on loopback: a handler that raises
+    (unary and streaming) answers INTERNAL naming the request id the log line carries."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from dpu_agent.service.interceptors import GuardInterceptor, MetricsInterceptor
+
+    async def boom(request: bytes, context: object) -> bytes:
+        raise RuntimeError("defect")
+
+    async def boom_stream(request: bytes, context: object):
+        yield b"x"
+        raise RuntimeError("defect")
+
+    handlers = grpc.method_handlers_generic_handler("t.T", {
+        "U": grpc.unary_unary_rpc_method_handler(boom),
+        "S": grpc.unary_stream_rpc_method_handler(boom_stream)})
+
+    async def run() -> list[grpc.aio.AioRpcError]:
+        server = grpc.aio.server(interceptors=[MetricsInterceptor(CollectorRegistry()),
+                                               GuardInterceptor()])
+        server.add_generic_rpc_handlers((handlers,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        errors = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            for call in (ch.unary_unary("/t.T/U")(b""),):
+                try:
+                    await call
+                except grpc.aio.AioRpcError as exc:
+                    errors.append(exc)
+            try:
+                async for _ in ch.unary_stream("/t.T/S")(b""):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                errors.append(exc)
+        await server.stop(None)
+        return errors
+
+    with caplog.at_level("ERROR", logger="dpu_agent"):
+        errors = asyncio.run(run())
+    assert [e.code() for e in errors] == [grpc.StatusCode.INTERNAL] * 2
+    for e in errors:
+        rid = e.details().split("request ")[1].split(",")[0]
+        assert any(rid in r.getMessage() and "RuntimeError" in r.getMessage()
+                   for r in caplog.records), (rid, [r.getMessage() for r in caplog.records])
+
+
+def test_file_modes_state_dir_private_checkpoint_readable(tmp_path: Path) -> None:
+    """The agent's state directory is 0700 (it names checkpoints and devices); a written
+    checkpoint is 0644 files in a 0755 directory even under a umask of 077, so an agent
+    running as its own service user can read it."""
+    import os
+    import stat
+
+    from dpu_agent.service.state import StateStore
+    from host_client.checkpoints import CheckpointSpec, make_checkpoint
+
+    loose = tmp_path / "state"
+    loose.mkdir(mode=0o755)
+    StateStore(loose)
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    unit = (Path(__file__).parent.parent / "systemd" / "dpu-agent.service").read_text()
+    assert "StateDirectoryMode=0700" in unit.splitlines()
+    old = os.umask(0o077)
+    try:
+        root = make_checkpoint(tmp_path / "ckpt", CheckpointSpec(
+            "qwen3-moe", layers=1, experts=2, hidden=64, intermediate=32, dense_layers=0))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755
+    files = list(root.iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in files), \
+        {f.name: oct(f.stat().st_mode) for f in files}
