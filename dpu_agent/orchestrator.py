@@ -28,6 +28,7 @@ from dpu_agent.dataplane.requests import RequestServer, unknown_model
 from dpu_agent.dataplane.steering import FlowTable
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
+from dpu_agent.identity import Binding, current_caller
 from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.routing_stats import RoutingStats
 from dpu_agent.planning.scheduler import Priority, Scheduler
@@ -191,7 +192,9 @@ class Orchestrator:
         return entry
 
     # -- sessions --------------------------------------------------------------------------
-    def create_session(self, client_name: str, lease_seconds: int) -> Session:
+    def create_session(self, client_name: str, lease_seconds: int) -> tuple[Session, str]:
+        """A new session bound to the calling identity, and its token (handed out once: every
+        later call naming the session must present it)."""
         if len(client_name) > 64:
             raise invalid("client_name is longer than 64 characters")
         lease = lease_seconds or self.config.default_lease_seconds
@@ -199,18 +202,24 @@ class Orchestrator:
             raise invalid(f"lease_seconds {lease} exceeds the maximum "
                           f"{self.config.max_lease_seconds}")
         sid = secrets.token_hex(8)
-        session = Session(sid, client_name, float(lease), time.monotonic() + lease)
+        binding, token = Binding.issue(current_caller().identity)
+        session = Session(sid, client_name, float(lease), time.monotonic() + lease,
+                          binding=binding)
         with self._lock:
             self.sessions[sid] = session
         log.info("session %s opened by %r", sid, client_name,
                  extra={"session": sid, "client": client_name})
-        return session
+        return session, token
 
     def session(self, session_id: str) -> Session:
         with self._lock:
             s = self.sessions.get(session_id)
         if s is None:
-            raise not_found(f"session {session_id!r} does not exist (expired or closed)")
+            raise not_found(f"session {session_id[:40]!r} does not exist (expired or closed)")
+        if s.binding is not None and not s.binding.admits(current_caller()):
+            raise AgentError(ErrorKind.PERMISSION_DENIED,
+                             f"session {session_id!r} belongs to another caller (the call "
+                             "lacks its token, or comes from another identity)")
         s.touch()
         return s
 

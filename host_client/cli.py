@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ import grpc
 from rich.console import Console, Group
 from rich.table import Table
 
+from dpu_offload.identity import SESSION_TOKEN_METADATA
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
@@ -142,11 +144,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _session_args(p: argparse.ArgumentParser) -> None:
+    """--session and its token: a command acting on a session must present its secret."""
+    p.add_argument("--session", required=True, help="session id (expertctl status lists them)")
+    p.add_argument("--session-token", default=os.environ.get("DPU_AGENT_SESSION_TOKEN", ""),
+                   help="the session's token (AgentClient.session_token; default "
+                   "$DPU_AGENT_SESSION_TOKEN)")
+
+
+def _token(args: argparse.Namespace) -> list[tuple[str, str]]:
+    return [(SESSION_TOKEN_METADATA, args.session_token)] if args.session_token else []
+
+
 def cmd_rebalance(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.agent) as channel:
         r = pb_grpc.DpuAgentStub(channel).Rebalance(pb.RebalanceRequest(
             session_id=args.session, model=args.model, replicas=args.replicas),
-            timeout=args.timeout)
+            timeout=args.timeout, metadata=_token(args))
     print(f"placement {r.placement_id}: max_load_ratio {r.max_load_ratio:.4f}, "
           f"{r.copies_to_add} copies to add, {r.copies_to_drop} to drop, "
           f"{r.bytes_moved} bytes to move (progress on the session's event stream)")
@@ -232,7 +246,7 @@ def cmd_flows(args: argparse.Namespace) -> int:
         r = stub.ApplyFlows(pb.ApplyFlowsRequest(
             session_id=args.session, add=[rule] if rule else [],
             delete=args.rule_ids if args.flows_command == "delete" else []),
-            timeout=args.timeout)
+            timeout=args.timeout, metadata=_token(args))
         print(f"flow table v{r.version}" + (f", added rule {list(r.added)}" if r.added else ""))
     return 0
 
@@ -276,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     fsub = p.add_subparsers(dest="flows_command", required=True)
     fsub.add_parser("list")
     fa = fsub.add_parser("add")
-    fa.add_argument("--session", required=True)
+    _session_args(fa)
     fa.add_argument("--traffic", choices=("activations", "weights"), default="activations")
     fa.add_argument("--action", choices=("forward", "to_agent", "drop", "count"),
                     required=True)
@@ -288,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     fa.add_argument("--queue", type=int, action="append", default=[])
     fa.add_argument("--priority", type=int, default=10)
     fd = fsub.add_parser("delete")
-    fd.add_argument("--session", required=True)
+    _session_args(fd)
     fd.add_argument("rule_ids", type=int, nargs="+")
     p.set_defaults(fn=cmd_flows)
     p = sub.add_parser("top", help="the status screen, refreshed live")
@@ -299,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_top)
     p = sub.add_parser("rebalance", help="re-plan a session's model from its reported routing")
     p.add_argument("--agent", default="127.0.0.1:50051")
-    p.add_argument("--session", required=True, help="session id (expertctl status lists them)")
+    _session_args(p)
     p.add_argument("--model", required=True)
     p.add_argument("--replicas", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0)

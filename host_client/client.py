@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from dpu_offload.identity import SESSION_TOKEN_METADATA
 from dpu_offload.keys import MAX_DESCRIBE_KEYS, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
@@ -100,26 +101,38 @@ def _nothing() -> None:
     pass
 
 
-class _CallCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Counts the client's gRPC calls by method name."""
+class _Details(namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                         "wait_for_ready", "compression")),
+               grpc.ClientCallDetails):
+    pass
 
-    def __init__(self, counts: Counter[str]) -> None:
+
+class _Calls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Counts the client's gRPC calls by method name and sends the session token with each
+    (the agent refuses a call naming the session without it)."""
+
+    def __init__(self, counts: Counter[str], token: Callable[[], str]) -> None:
         self.counts = counts
+        self.token = token
 
-    def _count(self, details: grpc.ClientCallDetails) -> None:
+    def _prepare(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         method = details.method
         name = method.decode() if isinstance(method, bytes) else str(method)
         self.counts[name.rsplit("/", 1)[-1]] += 1
+        token = self.token()
+        if not token:
+            return details
+        return _Details(details.method, details.timeout,
+                        [*(details.metadata or ()), (SESSION_TOKEN_METADATA, token)],
+                        details.credentials, details.wait_for_ready, details.compression)
 
     def intercept_unary_unary(self, continuation: Callable[..., Any],
                               details: grpc.ClientCallDetails, request: Any) -> Any:
-        self._count(details)
-        return continuation(details, request)
+        return continuation(self._prepare(details), request)
 
     def intercept_unary_stream(self, continuation: Callable[..., Any],
                                details: grpc.ClientCallDetails, request: Any) -> Any:
-        self._count(details)
-        return continuation(details, request)
+        return continuation(self._prepare(details), request)
 
 
 class AgentClient:
@@ -151,8 +164,9 @@ class AgentClient:
                                    f"(waited {connect_timeout} s)") from None
         self.rpc_calls: Counter[str] = Counter()
         """gRPC calls this client made, by method (the data path makes none)."""
+        self._token = ""
         self.stub = pb_grpc.DpuAgentStub(grpc.intercept_channel(
-            self.channel, _CallCounter(self.rpc_calls)))
+            self.channel, _Calls(self.rpc_calls, lambda: self._token)))
         self.client_name = client_name
         self._lease_request = lease_seconds
         self._lock = threading.Lock()
@@ -180,11 +194,18 @@ class AgentClient:
                                            daemon=True)
         self._keepalive.start()
 
+    @property
+    def session_token(self) -> str:
+        """The session's secret (a tool acting on this session, such as ``expertctl flows``,
+        needs it; the agent refuses calls naming the session without it)."""
+        return self._token
+
     def _open_session(self) -> None:
         resp = self.stub.CreateSession(pb.CreateSessionRequest(
             client_name=self.client_name, lease_seconds=self._lease_request),
             timeout=self.rpc_timeout)
         self.session_id = resp.session_id
+        self._token = resp.session_token
         self.lease_seconds = resp.lease_seconds
         self.arena = resp.arena
         self.activations_port = resp.activations_port

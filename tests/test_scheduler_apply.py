@@ -176,7 +176,8 @@ def test_expertctl_rebalance(two_devices) -> None:
     client, model, _ = two_devices
     client.report_routing("qp", [(layer, {0: 3}) for layer in model.moe_layers])
     cmd = [sys.executable, "-m", "host_client.cli", "rebalance", "--agent", client.address,
-           "--session", client.session_id, "--model", "qp", "--replicas", "1"]
+           "--session", client.session_id, "--session-token", client.session_token,
+           "--model", "qp", "--replicas", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0 and "copies to add" in out.stdout, out.stderr
     bad = subprocess.run([*cmd[:-4], "--model", "nope"], capture_output=True, text=True)

@@ -148,3 +148,57 @@ def test_curve_on_the_activation_socket(tmp_path: Path) -> None:
         assert ask((str(keys / "sender.key_secret"), str(keys / "agent.key")))
         assert not ask((str(keys / "stranger.key_secret"), str(keys / "agent.key")))
         assert not ask(None)
+
+
+def test_a_session_cannot_be_named_by_another_caller(agent: AgentProcess,
+                                                     qwen_ckpt: Path) -> None:
+    """Every RPC that names a session, called with another session's id (which status lists)
+    under the caller's own token, or with no token at all: PERMISSION_DENIED, and the owner's
+    session, held slot, device and event stream are untouched (issue 21)."""
+    from google.protobuf import message_factory
+
+    from dpu_offload.keys import ExpertKey
+    from dpu_offload.v1 import agent_pb2_grpc
+    from host_client import CpuReferenceDevice, SlotPoolSpec
+
+    service = pb.DESCRIPTOR.services_by_name["DpuAgent"]
+    with AgentClient(agent.address) as owner, AgentClient(agent.address) as thief:
+        model = owner.load_model(str(qwen_ckpt), "owned")
+        dev = owner.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        key = ExpertKey("owned", model.moe_layers[0], 0)
+        held = owner.acquire(dev, key).wait(10)
+        anonymous = agent_pb2_grpc.DpuAgentStub(grpc.insecure_channel(agent.address))
+        named = 0
+        for method in service.methods:
+            if "session_id" not in method.input_type.fields_by_name:
+                continue
+            request = message_factory.GetMessageClass(method.input_type)()
+            request.session_id = owner.session_id
+            fields = method.input_type.fields_by_name
+            if "device_id" in fields:
+                request.device_id = dev.device_id
+            if "model" in fields and fields["model"].type == fields["model"].TYPE_STRING:
+                request.model = "owned"
+            if "key" in fields:
+                request.key.CopyFrom(key.to_proto())
+            if "keys" in fields:
+                request.keys.append(key.to_proto())
+            for stub in (thief.stub, anonymous):
+                call = getattr(stub, method.name)
+                with pytest.raises(grpc.RpcError) as err:
+                    out = call(request, timeout=5)
+                    if method.server_streaming:
+                        next(iter(out))
+                    pytest.fail(f"{method.name} answered OK for another caller")
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, \
+                    (method.name, err.value.code(), err.value.details())
+            named += 1
+        assert named >= 12
+        mine = next(s for s in owner.status().sessions if s.session_id == owner.session_id)
+        assert mine.slots_held == 1
+        assert held.raw("gate_proj").tobytes() == owner.acquire(dev, key).wait(10) \
+            .raw("gate_proj").tobytes()
+        owner.release(dev, key)
+        owner.release(dev, key)
+        assert owner.placement_progress(0) is None  # the owner's event thread is still its own
+        assert owner._event_thread.is_alive()

@@ -156,7 +156,8 @@ def test_apply_flows_rpc_and_cli(agent: AgentProcess) -> None:
     with AgentClient(agent.address) as client:
         dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(1 << 16, 1)])
         base = [sys.executable, "-m", "host_client.cli", "flows", "--agent", agent.address]
-        out = subprocess.run([*base, "add", "--session", client.session_id, "--action",
+        out = subprocess.run([*base, "add", "--session", client.session_id, "--session-token",
+                              client.session_token, "--action",
                               "forward", "--model", "x", "--expert", "4", "--queue",
                               str(dev.device_id)], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
@@ -182,7 +183,8 @@ def test_apply_flows_rpc_and_cli(agent: AgentProcess) -> None:
                 client.stub.ApplyFlows(req)
             assert err.value.code() == code, err.value.details()
             assert client.stub.ListFlows(pb.ListFlowsRequest()).version == before
-        out = subprocess.run([*base, "delete", "--session", client.session_id,
+        out = subprocess.run([*base, "delete", "--session", client.session_id, "--session-token",
+                              client.session_token,
                               str(mine[0].rule_id)], capture_output=True, text=True)
         assert out.returncode == 0
         assert not [r for r in client.stub.ListFlows(pb.ListFlowsRequest()).rules

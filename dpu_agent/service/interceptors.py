@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import inspect
 import logging
 import secrets
@@ -20,6 +21,9 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from dpu_agent.identity import Caller, set_caller
+from dpu_offload.identity import SESSION_TOKEN_METADATA
 
 log = logging.getLogger("dpu_agent")
 
@@ -197,3 +201,38 @@ async def _guarded(context: Any) -> AsyncIterator[None]:
         log.exception("unhandled %s in a call (request %s)", type(exc).__name__, rid)
         await context.abort(grpc.StatusCode.INTERNAL,
                             f"internal error (request {rid}, in the agent's log)")
+
+
+class CallerInterceptor(grpc.aio.ServerInterceptor):
+    """Records who is calling (:mod:`dpu_agent.identity`) for the core's checks: the session
+    token from the metadata, and under mutual TLS a digest of the peer's certificate."""
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+            details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                _around_stream(handler.unary_stream, _as_caller),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        behavior = handler.unary_unary
+
+        async def unary(request: Any, context: Any) -> Any:
+            async with _as_caller(context):
+                return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+@contextlib.asynccontextmanager
+async def _as_caller(context: Any) -> AsyncIterator[None]:
+    metadata = dict(context.invocation_metadata() or ())
+    pem = (context.auth_context() or {}).get("x509_pem_cert") or [b""]
+    set_caller(Caller(token=str(metadata.get(SESSION_TOKEN_METADATA, ""))[:256],
+                      identity=hashlib.sha256(pem[0]).hexdigest() if pem[0] else ""))
+    yield

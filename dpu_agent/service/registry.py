@@ -11,6 +11,7 @@ from typing import Any
 
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
+from dpu_agent.identity import Binding
 from dpu_offload.keys import ExpertKey
 from gpu_kernels.abi import SlotState
 
@@ -202,6 +203,8 @@ class Session:
     """Region ids index the session's per-device region tables, so they are per session;
     device ids are global (naming another session's device is PERMISSION_DENIED)."""
     lock: threading.RLock = field(default_factory=threading.RLock)
+    binding: Binding | None = None
+    """Who may name the session (None only for sessions the agent makes for itself)."""
 
     def touch(self) -> None:
         self.expires_at = time.monotonic() + self.lease_seconds

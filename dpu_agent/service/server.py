@@ -20,7 +20,11 @@ from dpu_agent.cluster.store import ClusterUnavailable
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.activations import ActivationRouter
 from dpu_agent.orchestrator import Orchestrator
-from dpu_agent.service.interceptors import GuardInterceptor, MetricsInterceptor
+from dpu_agent.service.interceptors import (
+    CallerInterceptor,
+    GuardInterceptor,
+    MetricsInterceptor,
+)
 from dpu_agent.service.lifecycle import Notifier
 from dpu_agent.service.metrics import AgentCollector
 from dpu_agent.service.servicer import DpuAgentServicer
@@ -63,7 +67,7 @@ class AgentServer:
         self.registry.register(AgentCollector(self.core))
         server = grpc.aio.server(options=opts,
                                  interceptors=[MetricsInterceptor(self.registry),
-                                               GuardInterceptor()])
+                                               GuardInterceptor(), CallerInterceptor()])
         agent_pb2_grpc.add_DpuAgentServicer_to_server(DpuAgentServicer(self.core), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

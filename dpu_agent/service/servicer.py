@@ -78,11 +78,11 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
 
     async def CreateSession(self, request: pb.CreateSessionRequest,
                             context: grpc.aio.ServicerContext) -> pb.CreateSessionResponse:
-        s = await self._run(context, self.core.create_session, request.client_name,
-                            request.lease_seconds)
+        s, token = await self._run(context, self.core.create_session, request.client_name,
+                                   request.lease_seconds)
         arena = self.core.arena
         return pb.CreateSessionResponse(
-            session_id=s.session_id, lease_seconds=int(s.lease_seconds),
+            session_id=s.session_id, session_token=token, lease_seconds=int(s.lease_seconds),
             arena=pb.ArenaInfo(shm_name=arena.name, size_bytes=arena.size,
                                region_id=ARENA_REGION_ID),
             activations_port=self.core.activations.port if self.core.activations else 0)
@@ -94,7 +94,11 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
 
     async def CloseSession(self, request: pb.SessionRef, context: grpc.aio.ServicerContext
                            ) -> pb.Empty:
-        await self._run(context, self.core.close_session, request.session_id)
+        def call() -> None:
+            self.core.session(request.session_id)  # the caller's own (close_session is also
+            self.core.close_session(request.session_id)  # the reaper's, which has no caller)
+
+        await self._run(context, call)
         return pb.Empty()
 
     async def RegisterDevice(self, request: pb.RegisterDeviceRequest,

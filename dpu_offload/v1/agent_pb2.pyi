@@ -76,16 +76,18 @@ class ArenaInfo(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
-    __slots__ = ("session_id", "lease_seconds", "arena", "activations_port")
+    __slots__ = ("session_id", "lease_seconds", "arena", "activations_port", "session_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_PORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_seconds: int
     arena: ArenaInfo
     activations_port: int
-    def __init__(self, session_id: _Optional[str] = ..., lease_seconds: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., activations_port: _Optional[int] = ...) -> None: ...
+    session_token: str
+    def __init__(self, session_id: _Optional[str] = ..., lease_seconds: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., activations_port: _Optional[int] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id",)
