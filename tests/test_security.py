@@ -40,6 +40,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _ca(d, "otherca")
     _leaf(d, "agent", "ca", "IP:127.0.0.1,DNS:localhost")
     _leaf(d, "client", "ca")
+    _leaf(d, "colleague", "ca")
     _leaf(d, "intruder", "otherca")
     return d
 
@@ -57,6 +58,37 @@ def test_mutual_tls_refuses_plaintext_foreign_ca_and_anonymous(pki: Path) -> Non
                     TlsFiles(str(pki / "ca.pem"))):
             with pytest.raises(AgentUnavailable):
                 AgentClient(agent.address, tls=tls, connect_timeout=1.5)
+
+
+def test_under_mutual_tls_a_session_is_its_certificates(pki: Path) -> None:
+    """A second valid certificate of the same CA holding the session's id and token is still
+    PERMISSION_DENIED: the session is bound to the certificate that created it."""
+    from dpu_offload.identity import SESSION_TOKEN_METADATA
+    from dpu_offload.v1 import agent_pb2_grpc
+
+    settings = (f'[server]\ntls_cert = "{pki}/agent.pem"\ntls_key = "{pki}/agent.key"\n'
+                f'tls_client_ca = "{pki}/ca.pem"\n')
+    with AgentProcess(settings) as agent:
+        files = {"client": TlsFiles(str(pki / "ca.pem"), str(pki / "client.pem"),
+                                    str(pki / "client.key"))}
+        with AgentClient(agent.address, tls=files["client"]) as owner:
+            stolen = [(SESSION_TOKEN_METADATA, owner.session_token)]
+            creds = grpc.ssl_channel_credentials(
+                (pki / "ca.pem").read_bytes(), (pki / "colleague.key").read_bytes(),
+                (pki / "colleague.pem").read_bytes())
+            with grpc.secure_channel(agent.address, creds) as ch:
+                stub = agent_pb2_grpc.DpuAgentStub(ch)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.KeepAlive(pb.SessionRef(session_id=owner.session_id),
+                                   metadata=stolen, timeout=5)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            owner.stub.KeepAlive(pb.SessionRef(session_id=owner.session_id), timeout=5)
+            creds = grpc.ssl_channel_credentials(
+                (pki / "ca.pem").read_bytes(), (pki / "client.key").read_bytes(),
+                (pki / "client.pem").read_bytes())
+            with grpc.secure_channel(agent.address, creds) as ch:  # same certificate: admitted
+                agent_pb2_grpc.DpuAgentStub(ch).KeepAlive(
+                    pb.SessionRef(session_id=owner.session_id), metadata=stolen, timeout=5)
 
 
 def test_unreadable_certificate_is_a_startup_error(tmp_path: Path) -> None:
