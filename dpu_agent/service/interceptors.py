@@ -66,17 +66,9 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         service, _, method = details.method.lstrip("/").rpartition("/")
         kind = _TYPES[(handler.request_streaming, handler.response_streaming)]
         labels = (service, method, kind)
-        if kind == "unary":
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary, labels),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if kind == "server_stream":
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream, labels),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return handler
+        if kind not in ("unary", "server_stream"):
+            return handler
+        return _around(handler, lambda context: self._observe(labels, context))
 
     @contextlib.asynccontextmanager
     async def _observe(self, labels: tuple[str, str, str], context: Any
@@ -100,14 +92,25 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             self.handled.labels(*labels, name).inc()
             self.seconds.labels(*labels).observe(time.perf_counter() - start)
 
-    def _unary(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
-        async def wrapped(request: Any, context: Any) -> Any:
-            async with self._observe(labels, context):
-                return await behavior(request, context)
-        return wrapped
 
-    def _stream(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
-        return _around_stream(behavior, lambda context: self._observe(labels, context))
+def _around(handler: grpc.RpcMethodHandler, around: Callable[[Any], Any]
+            ) -> grpc.RpcMethodHandler:
+    """``handler`` (unary or server-streaming) with every call run inside the async context
+    manager ``around(context)``."""
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            _around_stream(handler.unary_stream, around),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+    behavior = handler.unary_unary
+
+    async def unary(request: Any, context: Any) -> Any:
+        async with around(context):
+            return await behavior(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        unary, request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer)
 
 
 def _around_stream(behavior: Any, around: Callable[[Any], Any]) -> Any:
@@ -213,20 +216,7 @@ class CallerInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_streaming:
             return handler
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                _around_stream(handler.unary_stream, _as_caller),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        behavior = handler.unary_unary
-
-        async def unary(request: Any, context: Any) -> Any:
-            async with _as_caller(context):
-                return await behavior(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            unary, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+        return _around(handler, _as_caller)
 
 
 @contextlib.asynccontextmanager
