@@ -113,39 +113,55 @@ def test_killed_host_process_is_reclaimed(qwen_ckpt: Path, tmp_path: Path) -> No
         assert st.transfers_in_flight == 0 and st.arena_pins == 0
 
 
+class _Restartable:
+    """An agent on a fixed port with a client that loaded ``qwen_ckpt`` as ``name`` and
+    registered one CPU reference device; ``restart()`` starts a second agent on that port."""
+
+    def __init__(self, qwen_ckpt: Path, name: str, slots: int) -> None:
+        self.first = AgentProcess().start()
+        self.second: AgentProcess | None = None
+        self.client = AgentClient(self.first.address, rpc_timeout=10)
+        self.model = self.client.load_model(str(qwen_ckpt), name)
+        self.dev = self.client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
+            self.model.expert_bytes, slots)])
+
+    def restart(self) -> None:
+        self.second = AgentProcess(env={
+            "DPU_AGENT_SERVER_LISTEN_ADDRESS": f"127.0.0.1:{self.first.port}"}).start()
+        assert self.client.reconnected.wait(20), "the client did not reconnect on its own"
+        assert self.client.generation == 1
+
+    def close(self) -> None:
+        self.client.close()
+        self.first.kill()
+        if self.second is not None:
+            self.second.stop()
+
+
 def test_agent_sigkill_client_notices_fails_and_recovers(qwen_ckpt: Path) -> None:
     from host_client import AgentUnavailable
 
     truth = checkpoint_bytes(qwen_ckpt)
-    first = AgentProcess().start()
-    port_env = {"DPU_AGENT_SERVER_LISTEN_ADDRESS": f"127.0.0.1:{first.port}"}
-    client = AgentClient(first.address, rpc_timeout=10)
-    second = None
+    r = _Restartable(qwen_ckpt, "qr", 6)
     try:
-        model = client.load_model(str(qwen_ckpt), "qr")
-        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 6)])
+        client, dev, model = r.client, r.dev, r.model
         client.acquire(dev, ExpertKey("qr", 0, 0)).wait(10)
         dev.device.pause()  # keep the next transfers in flight
         in_flight = client.acquire_batch(dev, [ExpertKey("qr", 1, e) for e in range(3)])
-        first.kill()
+        r.first.kill()
         t0 = time.monotonic()
         for h in in_flight:
             with pytest.raises(AgentUnavailable):
                 h.wait(5)
         assert time.monotonic() - t0 < 1.0, "the client took over 1 s to notice"
-        second = AgentProcess(env=port_env).start()
-        assert client.reconnected.wait(20), "the client did not reconnect on its own"
-        assert client.generation == 1
+        r.restart()
         # Re-registered device, reloaded model: every slot verified against the checkpoint.
         keys = [ExpertKey("qr", layer, e) for layer in model.moe_layers for e in range(2)]
         for slot in (h.wait(10) for h in client.acquire_batch(dev, keys)):
             for role, name in _names(slot.key).items():
                 assert slot.raw(role).tobytes() == truth[name], (slot.key, role)
     finally:
-        client.close()
-        first.kill()
-        if second is not None:
-            second.stop()
+        r.close()
 
 
 def test_graceful_restart_is_survived_like_a_kill(qwen_ckpt: Path) -> None:
@@ -153,31 +169,21 @@ def test_graceful_restart_is_survived_like_a_kill(qwen_ckpt: Path) -> None:
     take that as the agent going away, idle while it is down (its event thread once spun at
     100 % CPU on the ended stream) and recover exactly as after SIGKILL."""
     truth = checkpoint_bytes(qwen_ckpt)
-    first = AgentProcess().start()
-    port_env = {"DPU_AGENT_SERVER_LISTEN_ADDRESS": f"127.0.0.1:{first.port}"}
-    client = AgentClient(first.address, rpc_timeout=10)
-    second = None
+    r = _Restartable(qwen_ckpt, "qt", 4)
     try:
-        model = client.load_model(str(qwen_ckpt), "qt")
-        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 4)])
-        client.acquire(dev, ExpertKey("qt", 0, 0)).wait(10)
-        assert first.stop() == 0
+        r.client.acquire(r.dev, ExpertKey("qt", 0, 0)).wait(10)
+        assert r.first.stop() == 0
         events = next(t for t in threading.enumerate() if t.name == "agent-events")
         cpu0, t0 = _thread_cpu(events), time.monotonic()
         time.sleep(1.5)
         busy = (_thread_cpu(events) - cpu0) / (time.monotonic() - t0)
         assert busy < 0.05, f"the client's event thread used {busy:.0%} of a core while down"
-        second = AgentProcess(env=port_env).start()
-        assert client.reconnected.wait(20), "the client did not reconnect after SIGTERM"
-        assert client.generation == 1
-        slot = client.acquire(dev, ExpertKey("qt", 0, 1)).wait(10)
+        r.restart()
+        slot = r.client.acquire(r.dev, ExpertKey("qt", 0, 1)).wait(10)
         for role, name in _names(slot.key).items():
             assert slot.raw(role).tobytes() == truth[name], (slot.key, role)
     finally:
-        client.close()
-        first.kill()
-        if second is not None:
-            second.stop()
+        r.close()
 
 
 def _thread_cpu(thread: threading.Thread) -> float:

@@ -16,6 +16,7 @@ import inspect
 import logging
 import secrets
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -42,7 +43,25 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class _OneRequestInterceptor(grpc.aio.ServerInterceptor, ABC):
+    """Wraps the handlers of methods that take one request (unary and server-streaming: every
+    method the agent serves); client-streaming ones pass through."""
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+            details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        return self.wrap(handler, details)
+
+    @abstractmethod
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+             ) -> grpc.RpcMethodHandler:
+        """``handler`` wrapped for this interceptor's duty."""
+
+
+class MetricsInterceptor(_OneRequestInterceptor):
     """Counts and times every call; labels are bounded (service, method, type, code)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -57,17 +76,10 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                                  buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5,
                                           1, 2.5, 5, 10))
 
-    async def intercept_service(
-            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-            details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None:
-            return None
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+             ) -> grpc.RpcMethodHandler:
         service, _, method = details.method.lstrip("/").rpartition("/")
-        kind = _TYPES[(handler.request_streaming, handler.response_streaming)]
-        labels = (service, method, kind)
-        if kind not in ("unary", "server_stream"):
-            return handler
+        labels = (service, method, _TYPES[(False, handler.response_streaming)])
         return _around(handler, lambda context: self._observe(labels, context))
 
     @contextlib.asynccontextmanager
@@ -129,19 +141,15 @@ def _around_stream(behavior: Any, around: Callable[[Any], Any]) -> Any:
     return writer
 
 
-class GuardInterceptor(grpc.aio.ServerInterceptor):
+class GuardInterceptor(_OneRequestInterceptor):
     """No call ends UNKNOWN. A body that does not decode as the method's request message is
     INVALID_ARGUMENT naming the message; an exception a handler did not turn into a status is
     logged with the call's request id and answered INTERNAL naming that id (a defect to fix:
     the hostile-input tests require that it never happens). Register it after
     :class:`MetricsInterceptor`, which sets the request id."""
 
-    async def intercept_service(
-            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-            details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.request_streaming:
-            return handler
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+             ) -> grpc.RpcMethodHandler:
         method, decode = details.method, handler.request_deserializer
         if handler.response_streaming:
             inner = _around_stream(handler.unary_stream, _guarded)
@@ -206,16 +214,12 @@ async def _guarded(context: Any) -> AsyncIterator[None]:
                             f"internal error (request {rid}, in the agent's log)")
 
 
-class CallerInterceptor(grpc.aio.ServerInterceptor):
+class CallerInterceptor(_OneRequestInterceptor):
     """Records who is calling (:mod:`dpu_agent.identity`) for the core's checks: the session
     token from the metadata, and under mutual TLS a digest of the peer's certificate."""
 
-    async def intercept_service(
-            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-            details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.request_streaming:
-            return handler
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+             ) -> grpc.RpcMethodHandler:
         return _around(handler, _as_caller)
 
 
