@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 from dpu_offload.v1 import agent_pb2 as pb
 
-MAX_DESCRIBE_KEYS = 4096
-"""Keys one DescribeExperts call may name (the agent refuses more; the client sends batches)."""
+MAX_KEYS_PER_CALL = 4096
+"""Keys one DescribeExperts, AcquireBatch or Prefetch call may name (the agent refuses more
+before any work; the client sends DescribeExperts in batches)."""
 
 MAX_MODEL_NAME_CHARS = 128
 """Longest model name the agent accepts (names are part of every expert key and persisted)."""

@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 
 from dpu_offload.identity import SESSION_TOKEN_METADATA
-from dpu_offload.keys import MAX_DESCRIBE_KEYS, ExpertKey
+from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
@@ -313,8 +313,8 @@ class AgentClient:
         """Ask the agent for the tensor layouts of ``keys`` not known yet (``load_model`` asks
         for every expert of the model, so the data path never needs gRPC)."""
         todo = [k for k in keys if k not in self._manifests]
-        for i in range(0, len(todo), MAX_DESCRIBE_KEYS):
-            part = todo[i:i + MAX_DESCRIBE_KEYS]
+        for i in range(0, len(todo), MAX_KEYS_PER_CALL):
+            part = todo[i:i + MAX_KEYS_PER_CALL]
             resp = self.stub.DescribeExperts(pb.DescribeExpertsRequest(
                 session_id=self.session_id, keys=[k.to_proto() for k in part]),
                 timeout=self.rpc_timeout)

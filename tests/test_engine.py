@@ -263,12 +263,12 @@ def test_a_pool_naming_memory_the_agent_knows_is_refused(
 
 
 def test_describe_experts_is_bounded_and_checked(client: AgentClient, qwen_ckpt: Path) -> None:
-    from dpu_offload.keys import MAX_DESCRIBE_KEYS
+    from dpu_offload.keys import MAX_KEYS_PER_CALL
     from dpu_offload.v1 import agent_pb2 as pb
 
     client.load_model(str(qwen_ckpt), "qwen-engine")
     good = ExpertKey("qwen-engine", 0, 0).to_proto()
-    cases = [(client.session_id, [good] * (MAX_DESCRIBE_KEYS + 1), "INVALID_ARGUMENT", "at most"),
+    cases = [(client.session_id, [good] * (MAX_KEYS_PER_CALL + 1), "INVALID_ARGUMENT", "at most"),
              (client.session_id, [good, ExpertKey("qwen-engine", 0, 99).to_proto()],
               "NOT_FOUND", "not in model"),
              ("not-a-session", [good], "NOT_FOUND", "does not exist")]

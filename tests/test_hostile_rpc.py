@@ -168,3 +168,30 @@ def test_file_modes_state_dir_private_checkpoint_readable(tmp_path: Path) -> Non
     files = list(root.iterdir())
     assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in files), \
         {f.name: oct(f.stat().st_mode) for f in files}
+
+
+def test_batch_calls_bound_their_keys_before_any_work(agent: AgentProcess,
+                                                      qwen_ckpt: Path) -> None:
+    """AcquireBatch, Prefetch and DescribeExperts name at most MAX_KEYS_PER_CALL keys: one
+    more is INVALID_ARGUMENT at once (100,000 keys once stalled every client for seconds on the
+    event loop), and nothing is held or queued."""
+    from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+
+    with AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "bounded")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        keys = [ExpertKey("bounded", model.moe_layers[0], 0).to_proto()] * (MAX_KEYS_PER_CALL + 1)
+        for call, request in (
+                (client.stub.AcquireBatch, pb.AcquireBatchRequest(
+                    session_id=client.session_id, device_id=dev.device_id, keys=keys)),
+                (client.stub.Prefetch, pb.PrefetchRequest(
+                    session_id=client.session_id, device_id=dev.device_id, keys=keys)),
+                (client.stub.DescribeExperts, pb.DescribeExpertsRequest(
+                    session_id=client.session_id, keys=keys))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"at most {MAX_KEYS_PER_CALL}" in err.value.details()
+        mine = next(s for s in client.status().sessions if s.session_id == client.session_id)
+        assert mine.slots_held == 0 and mine.slots_ready == 0

@@ -109,7 +109,7 @@ def test_move_completes_and_releases_old_copies(two_devices) -> None:
 
 @pytest.mark.parametrize("mutate,code,msg", [
     (lambda p, a, b: p.pop(), grpc.StatusCode.INVALID_ARGUMENT, "MoE layers"),
-    (lambda p, a, b: p[0][0].append(77), grpc.StatusCode.INVALID_ARGUMENT, "device 77"),
+    (lambda p, a, b: p[0][0].append(77), grpc.StatusCode.FAILED_PRECONDITION, "device 77"),
     (lambda p, a, b: p[0].__setitem__(0, []), grpc.StatusCode.INVALID_ARGUMENT, "nowhere"),
 ])
 def test_bad_placements_are_refused(two_devices, mutate, code, msg: str) -> None:
@@ -120,6 +120,24 @@ def test_bad_placements_are_refused(two_devices, mutate, code, msg: str) -> None
     with pytest.raises(grpc.RpcError) as err:
         client.apply_placement("qp", placement)
     assert err.value.code() == code and msg in err.value.details()
+
+
+def test_a_placement_naming_another_sessions_device_is_permission_denied(
+        two_devices, qwen_ckpt: Path) -> None:
+    """As every other RPC answers for another session's device (it once said
+    INVALID_ARGUMENT here), and the other session's device is untouched."""
+    client, model, (a, _) = two_devices
+    with AgentClient(client.address) as other:
+        other.load_model(str(qwen_ckpt), "qp")
+        theirs = other.register_device(CpuReferenceDevice(ordinal=7),
+                                       [SlotPoolSpec(model.expert_bytes, 4)])
+        placement = [[[a.device_id, theirs.device_id]
+                      for _ in range(model.experts_per_layer)] for _ in model.moe_layers]
+        with pytest.raises(grpc.RpcError) as err:
+            client.apply_placement("qp", placement)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        st = next(s for s in other.status().sessions if s.session_id == other.session_id)
+        assert st.slots_ready == 0 and st.slots_held == 0
 
 
 def test_over_capacity_placement_refused(qwen_ckpt: Path) -> None:

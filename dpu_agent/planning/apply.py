@@ -81,9 +81,7 @@ class PlacementExecutor:
                     raise invalid(f"layer {catalog.layout.moe_layers[li]} expert {e} names a "
                                   "device twice")
                 for d in devs:
-                    if d not in session.devices:
-                        raise invalid(f"placement names device {d}, not registered in this "
-                                      "session")
+                    self.core.device(session, d)  # another session's: PERMISSION_DENIED
                     need[d] = need.get(d, 0) + 1
         size = catalog.expert_bytes
         for d, n in need.items():

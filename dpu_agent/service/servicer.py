@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -21,7 +21,7 @@ from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.service.registry import ARENA_REGION_ID
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
-from dpu_offload.keys import MAX_DESCRIBE_KEYS, ExpertKey
+from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 
@@ -43,6 +43,12 @@ def _manifest(entry: ExpertEntry, chunk_bytes: int, checksums: tuple[int, ...] =
         tensors=[pb.TensorEntry(name=t.role, dtype=t.dtype, shape=list(t.shape), offset=t.offset,
                                 nbytes=t.nbytes) for t in entry.tensors],
         chunk_checksums=list(checksums))
+
+
+def _bounded(keys: Sequence[pb.ExpertKey]) -> None:
+    """INVALID_ARGUMENT before any work when a call names more than MAX_KEYS_PER_CALL keys."""
+    if len(keys) > MAX_KEYS_PER_CALL:
+        raise invalid(f"{len(keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
 
 
 class DpuAgentServicer(pb_grpc.DpuAgentServicer):
@@ -150,9 +156,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                               context: grpc.aio.ServicerContext) -> pb.DescribeExpertsResponse:
         def call() -> pb.DescribeExpertsResponse:
             self.core.session(request.session_id)
-            if len(request.keys) > MAX_DESCRIBE_KEYS:
-                raise invalid(f"{len(request.keys)} keys in one call; at most "
-                              f"{MAX_DESCRIBE_KEYS}")
+            _bounded(request.keys)
             chunk = self.core.config.chunk_bytes
             return pb.DescribeExpertsResponse(manifests=[
                 _manifest(self.core.expert(_key(k, "keys[]")), chunk) for k in request.keys])
@@ -225,6 +229,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     async def AcquireBatch(self, request: pb.AcquireBatchRequest,
                            context: grpc.aio.ServicerContext) -> pb.AcquireBatchResponse:
         def check() -> None:  # every key names a loaded expert, before any is acquired
+            self.core.session(request.session_id)
+            _bounded(request.keys)
             for k in request.keys:
                 self.core.expert(_key(k, "keys[]"))
 
@@ -235,6 +241,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
                        ) -> pb.PrefetchResponse:
         def call() -> pb.PrefetchResponse:
+            self.core.session(request.session_id)
+            _bounded(request.keys)
             keys = [_key(k, "keys[]") for k in request.keys]
             n = self.core.prefetch(self.core.session(request.session_id), request.device_id,
                                    keys)
