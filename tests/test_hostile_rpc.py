@@ -195,3 +195,25 @@ def test_batch_calls_bound_their_keys_before_any_work(agent: AgentProcess,
             assert f"at most {MAX_KEYS_PER_CALL}" in err.value.details()
         mine = next(s for s in client.status().sessions if s.session_id == client.session_id)
         assert mine.slots_held == 0 and mine.slots_ready == 0
+
+
+def test_a_huge_name_is_refused_for_what_it_is_not_for_its_size(agent: AgentProcess) -> None:
+    """A 1 MB model name or session id: the refusal names what is wrong (NOT_FOUND), its
+    message cut short, instead of RESOURCE_EXHAUSTED from details over gRPC's limit."""
+    from host_client import AgentClient
+
+    big = "m" * 1_000_000
+    with AgentClient(agent.address) as c:
+        for call, request in (
+                (c.stub.DescribeExperts, pb.DescribeExpertsRequest(
+                    session_id=c.session_id, keys=[pb.ExpertKey(model=big)])),
+                (c.stub.ReportRouting, pb.ReportRoutingRequest(session_id=c.session_id,
+                                                               model=big)),
+                (c.stub.ApplyPlacement, pb.ApplyPlacementRequest(session_id=c.session_id,
+                                                                 model=big)),
+                (c.stub.Rebalance, pb.RebalanceRequest(session_id=c.session_id, model=big)),
+                (c.stub.KeepAlive, pb.SessionRef(session_id=big))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()[:200]
+            assert len(err.value.details()) < 1100

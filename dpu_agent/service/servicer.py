@@ -45,6 +45,17 @@ def _manifest(entry: ExpertEntry, chunk_bytes: int, checksums: tuple[int, ...] =
         chunk_checksums=list(checksums))
 
 
+MAX_DETAILS_CHARS = 1000
+"""A refusal's message is cut to this many characters: messages quote the input, and details
+beyond gRPC's metadata limit turn the answer into RESOURCE_EXHAUSTED."""
+
+
+def _shown(message: str) -> str:
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    return f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} characters)"
+
+
 def _bounded(keys: Sequence[pb.ExpertKey]) -> None:
     """INVALID_ARGUMENT before any work when a call names more than MAX_KEYS_PER_CALL keys."""
     if len(keys) > MAX_KEYS_PER_CALL:
@@ -74,7 +85,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 return await asyncio.to_thread(fn, *args)
             return fn(*args)
         except AgentError as exc:
-            await context.abort(_CODES[exc.kind], exc.message)
+            await context.abort(_CODES[exc.kind], _shown(exc.message))
             raise  # unreachable: abort raises
         finally:
             if session_id:
