@@ -111,20 +111,15 @@ class ClientChannel:
         deadline = time.monotonic() + timeout
         with self._lock:
             self._call_back_locked()
-            while True:
-                first = self.view.requests.produced
-                if self.view.requests.free_entries() >= n and \
-                        first + n - next(iter(self._waiting), first) <= self.capacity:
-                    break
-                self._sweep_locked()
-                first = self.view.requests.produced
-                if self.view.requests.free_entries() >= n and \
-                        first + n - next(iter(self._waiting), first) <= self.capacity:
+            while not self._has_room_locked(n):
+                self._sweep_locked()  # replies handles have not taken yet hold their entries
+                if self._has_room_locked(n):
                     break
                 if time.monotonic() > deadline:
                     raise AgentUnavailable(f"the agent took no request for {timeout} s "
                                            f"({len(self._waiting)} unanswered)")
                 time.sleep(0)
+            first = self.view.requests.produced
             for j, (op, model, key) in enumerate(entries):
                 records[j] = (self._next_id + j, int(op), 0, model, key.layer, key.expert, 0)
             self._next_id += n
@@ -135,6 +130,13 @@ class ClientChannel:
                 self._callbacks.extend(positions)
             self.view.requests.push_many(records)
         return positions
+
+    def _has_room_locked(self, n: int) -> bool:
+        """Whether ``n`` more requests fit: free ring entries, and no reply entry they would
+        reuse still waiting to be taken (the oldest waiting position is the first key)."""
+        first = self.view.requests.produced
+        return self.view.requests.free_entries() >= n and \
+            first + n - next(iter(self._waiting), first) <= self.capacity
 
     def _keep(self, reply: np.void) -> None:
         self._taken[int(reply["seq"]) - 1] = reply
@@ -212,7 +214,7 @@ class ClientChannel:
         """Take every reply that came (for callbacks, or kept for their handles)."""
         if not self._waiting:
             return
-        first = min(self._waiting)
+        first = next(iter(self._waiting))  # the oldest waiting position
         last = self.view.requests.produced
         done = np.flatnonzero(self.view.answered(first, last))
         for k in done.tolist():

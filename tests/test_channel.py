@@ -85,3 +85,35 @@ def test_stream_wait_twin(final: abi.SlotState, expect: int) -> None:
     assert reference.wait_ready(ch.words, 1, 4, 5.0) == expect
     ch.publish_state(1, 5, abi.SlotState.FILLING)
     assert reference.wait_ready(ch.words, 1, 4, 5.0) == 2  # the slot moved on
+
+
+def test_a_post_reuses_a_reply_entry_only_after_its_reply_was_taken() -> None:
+    """Client side against the agent's side, capacity 4: replies a handle has not taken yet
+    are swept in (kept for it) when room is needed; with a reply not yet written the post
+    waits, then fails with AgentUnavailable, writing nothing."""
+    from dpu_agent.dataplane.channels import DeviceChannel
+    from dpu_offload.keys import ExpertKey
+    from host_client.requests import AgentUnavailable, ClientChannel
+
+    agent = DeviceChannel(("s", 1), capacity=4)
+    client = ClientChannel(agent.name, agent.size)
+    key = ExpertKey("m", 0, 1)
+
+    def answer() -> int:
+        first, batch = agent.take_requests()
+        for j in range(batch.size):
+            agent.reply(first + j, int(batch[j]["request_id"]), abi.RequestStatus.OK,
+                        slot_index=first + j)
+        return int(batch.size)
+
+    old = client.post([(abi.RequestOp.ACQUIRE, 0, key)] * 4)
+    assert answer() == 4
+    new = client.post([(abi.RequestOp.ACQUIRE, 0, key)] * 2)  # sweeps two untaken replies
+    assert new == [4, 5]
+    assert [int(client.take(p)["slot_index"]) for p in old] == old  # kept, not overwritten
+    with pytest.raises(AgentUnavailable):
+        client.post([(abi.RequestOp.ACQUIRE, 0, key)] * 3, timeout=0.2)  # 4, 5 unanswered
+    assert answer() == 2  # the refused post wrote nothing
+    assert [int(client.take(p)["slot_index"]) for p in new] == new
+    client.close()
+    agent.close()
