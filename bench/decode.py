@@ -277,11 +277,11 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     got = session.acquire_batch(dev, [ExpertKey("m", layer, e) for e in experts])
                     handles.clear()
                     handles.update(zip(experts, got, strict=True))
-                    for h in got:
-                        stats["hits" if h.done() else "misses"] += 1
 
-                def fetch(layer: int, e: int, handles=handles) -> tuple[np.ndarray, ...]:
+                def fetch(layer: int, e: int, handles=handles, stats=stats
+                          ) -> tuple[np.ndarray, ...]:
                     slot = handles[e].wait(120)
+                    stats["hits" if handles[e].resident else "misses"] += 1
                     return tuple(slot.tensor(r) for r in ROLES)
 
                 def release(layer: int, e: int, dev=dev, session=session) -> None:

@@ -94,6 +94,8 @@ class ClientChannel:
         """Positions posted with ``on_reply``, oldest first."""
         self._taken: dict[int, np.void] = {}
         """Replies swept for handles that have not looked yet."""
+        self._granted: dict[int, int] = {}
+        """slot-state index -> the newest generation a reply granted this client."""
         self._sleepers = 0
         self.device_address = 0
         """The channel's address as the device's kernels see it (registered host memory)."""
@@ -137,6 +139,16 @@ class ClientChannel:
         first = self.view.requests.produced
         return self.view.requests.free_entries() >= n and \
             first + n - next(iter(self._waiting), first) <= self.capacity
+
+    def note_grant(self, reply: np.void) -> bool:
+        """Record a grant; True when its slot generation was granted before (no new delivery:
+        a slot's generation grows with each delivery into it, and only this client's
+        requests are granted its slots)."""
+        index, generation = int(reply["state_index"]), int(reply["generation"])
+        with self._lock:
+            seen = self._granted.get(index, -1)
+            self._granted[index] = max(seen, generation)
+        return generation <= seen
 
     def _keep(self, reply: np.void) -> None:
         self._taken[int(reply["seq"]) - 1] = reply
@@ -288,6 +300,7 @@ class AcquireHandle:
         self._check = check
         self._on_settle = on_settle
         self._reply: np.void | None = None
+        self._resident: bool | None = None
         self._slot: ExpertSlot | None = None
         self._error: BaseException | None = None
         self._posted = time.monotonic()
@@ -303,6 +316,7 @@ class AcquireHandle:
             self._settle(None, refused)
             return True
         self._reply = reply
+        self._resident = self._channel.note_grant(reply)
         return False
 
     def wait_granted(self, timeout: float) -> None:
@@ -362,6 +376,14 @@ class AcquireHandle:
         """Whether the agent has answered the acquire (a slot, or a refusal)."""
         self._poll()
         return self._reply is not None or isinstance(self._error, RequestRefused)
+
+    @property
+    def resident(self) -> bool | None:
+        """Once granted: True when this acquire started no delivery (the expert was in its
+        slot, or already on its way there, for an earlier request of this client); False when
+        the agent began a delivery for it; None before the grant or after a refusal."""
+        self._poll()
+        return self._resident
 
     @property
     def refusal(self) -> RequestRefused | None:

@@ -31,7 +31,9 @@ def test_every_expert_lands_byte_for_byte(client: AgentClient, qwen_ckpt: Path) 
     assert model.architecture == "qwen3_moe" and list(model.moe_layers) == [0, 1, 2]
     keys = [ExpertKey("qwen-e2e", layer, e) for layer in model.moe_layers for e in range(6)]
     dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 18)])
-    slots = [h.wait(10) for h in [client.acquire(dev, k) for k in keys]]
+    handles = [client.acquire(dev, k) for k in keys]
+    slots = [h.wait(10) for h in handles]
+    assert [h.resident for h in handles] == [False] * len(keys)  # each began a delivery
     for slot in slots:
         for role in ("gate_proj", "up_proj", "down_proj"):
             name = f"model.layers.{slot.key.layer}.mlp.experts.{slot.key.expert}.{role}.weight"
@@ -39,6 +41,7 @@ def test_every_expert_lands_byte_for_byte(client: AgentClient, qwen_ckpt: Path) 
         assert slot.tensor("down_proj").shape == (256, 192)
     # A second acquire of a resident expert is a hit: READY at once, same bytes.
     again = client.acquire(dev, keys[0])
+    assert again.wait(1) and again.resident
     assert again.wait(1).raw("up_proj").tobytes() == slots[0].raw("up_proj").tobytes()
     np.testing.assert_array_equal(again.wait(1).blob, slots[0].blob)
     st = client.status()
@@ -51,7 +54,9 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
     dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
     for e in range(6):
         key = ExpertKey("qwen-evict", 1, e)
-        slot = client.acquire(dev, key).wait(10)
+        handle = client.acquire(dev, key)
+        slot = handle.wait(10)
+        assert handle.resident is False  # a new generation of one of two slots
         name = f"model.layers.1.mlp.experts.{e}.up_proj.weight"
         assert slot.raw("up_proj").tobytes() == truth[name]
         client.release(dev, key)
