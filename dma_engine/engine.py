@@ -11,35 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from dma_engine.backends import MAX_RUN_CHUNKS, CpuBackend, CudaBackend
+from dma_engine.backends import CpuBackend, CudaBackend
 from gpu_kernels import abi, futex
-from gpu_kernels.copy_runs import CopyRun, asks_exit, classify, completions, plan_runs
+from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer
 
 log = logging.getLogger("dma_engine")
-
-PIECE_BYTES = 16 << 20
-"""A run is copied in pieces of about this size, each checked and completed as soon as it has
-landed, so checking one piece overlaps copying the next. Each piece costs several CUDA calls
-from Python (~0.1 ms), so pieces are no smaller than needed to overlap a 44 MB expert."""
-
-
-def pieces(run: CopyRun, piece_bytes: int = PIECE_BYTES) -> list[CopyRun]:
-    """``run`` cut at chunk boundaries into runs of at most ``max(piece_bytes, chunk)`` bytes
-    and ``MAX_RUN_CHUNKS`` chunks."""
-    step = max(1, min(piece_bytes // run.chunk_bytes, MAX_RUN_CHUNKS))
-    if run.count <= step:
-        return [run]
-    out = []
-    for k in range(0, run.count, step):
-        n = min(step, run.count - k)
-        off = k * run.chunk_bytes
-        nbytes = n * run.chunk_bytes if k + n < run.count else run.nbytes - off
-        out.append(CopyRun(run.first + k, n, run.src + off, run.dst + off, nbytes,
-                           run.chunk_bytes, run.position + off, run.verify))
-    return out
-
 
 @dataclass
 class _Batch:
@@ -85,17 +63,17 @@ class Target:
 
     def serve(self) -> int:
         """Complete the runs that landed, then take what the work ring holds (as far as the
-        completion ring and the backend have room) and submit it without waiting for it to
-        land; returns how many descriptors were completed or taken. Each run is completed as
-        soon as it landed and was checked (CHECKSUM_MISMATCH for a chunk whose landed bytes do
-        not match), so copying never waits for the agent and new work never waits for old."""
+        completion ring has room) and submit it without waiting for it to land; returns how
+        many descriptors were completed or taken. Each run is completed as soon as it landed,
+        so copying never waits for the agent and new work never waits for old. VERIFY is not
+        acted on: a DMA engine cannot check bytes (the slot's consumer checks the blob)."""
         done = self._finish()
-        room = min(self.completions.free_entries() - self._owed, self.lane.room())
+        room = self.completions.free_entries() - self._owed
         batch = self.work.pop_many(room) if room > 0 else self.work.entries[:0]
         if batch.size == 0:
             return done
-        status, copy, verify = classify(batch, self.regions)
-        runs = [p for run in plan_runs(batch, copy, verify, self.regions) for p in pieces(run)]
+        status, copy, _ = classify(batch, self.regions)
+        runs = plan_runs(batch, copy, copy, self.regions)
         job = _Batch(batch, status, copy, len(runs), asks_exit(batch, status))
         self._in_flight.extend(job for _ in runs)
         self._owed += sum(r.count for r in runs)
@@ -107,12 +85,9 @@ class Target:
 
     def _finish(self) -> int:
         done = 0
-        for run, sums in self.lane.landed():
+        for run in self.lane.landed():
             job = self._in_flight.popleft()
             span = slice(run.first, run.first + run.count)
-            if sums is not None:
-                bad = sums != job.entries["checksum"][span]
-                job.status[span][bad] = int(abi.Status.CHECKSUM_MISMATCH)
             self.completions.push_many(completions(job.entries, job.status, job.copy, span))
             self._owed -= run.count
             done += run.count

@@ -54,6 +54,10 @@ from gpu_kernels.shm import SharedBufferError
 
 log = logging.getLogger("dpu_agent")
 
+LANDED_CHECK_SECONDS = 0.001
+"""How often the data-plane loop takes up consumers' verdicts on LANDED slots (an acquire of
+a LANDED slot takes its verdict up at once)."""
+
 
 @dataclass(frozen=True)
 class SlotGrant:
@@ -70,6 +74,8 @@ class SlotGrant:
     """The slot's entry in the device channel's slot-state table."""
     generation: int
     """The slot's generation when granted: READY / FAILED of this generation ends the wait."""
+    resident: bool
+    """The slot already held the expert or was receiving it: no delivery was started."""
 
 
 class Orchestrator:
@@ -97,6 +103,7 @@ class Orchestrator:
         """Devices the DMA-engine process serves (it starts when the first registers)."""
         self.dataplane = DataPlaneLoop(self._poll_once, lambda: self.deliveries.tracker.in_flight,
                                        [self._cancel_stuck, self.engine.supervisor.check])
+        self._landed_checked = 0.0
         self.draining = False
         self._device_list: tuple[Device, ...] | None = None
         """Every session's devices, rebuilt only after a registration or a closure (the
@@ -411,6 +418,7 @@ class Orchestrator:
                 if pool is not None:
                     if any(s == SlotState.FILLING for s in pool.state):
                         raise precondition(f"region {region_id} has transfers in flight")
+                    self.deliveries.forget(pool)
                     del dev.pools[region_id]
                     del dev.regions[region_id]
                     return
@@ -428,9 +436,9 @@ class Orchestrator:
         ``key`` stays free: the retry on a worker thread would evict it too)."""
         dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs=1)
         if not fresh:
-            return self._grant(pool, idx, entry, ())
+            return self._grant(pool, idx, entry, (), resident=True)
         transfer = self._deliver_fresh(session, dev, pool, idx, entry, wait)
-        return self._grant(pool, idx, entry, transfer.plan.checksums)
+        return self._grant(pool, idx, entry, transfer.plan.checksums, resident=False)
 
     def _reserve(self, session: Session, device_id: int, key: ExpertKey, refs: int
                  ) -> tuple[Device, SlotPool, int, ExpertEntry, bool]:
@@ -448,6 +456,10 @@ class Orchestrator:
                                    f"({entry.blob_bytes} bytes)")
             for pool in fitting:
                 idx = pool.by_key.get(key)
+                if idx is not None and pool.state[idx] == SlotState.LANDED:
+                    # A verdict may have come since the loop last looked: a mismatch frees it.
+                    self.deliveries.settle_landed(session, pool, idx)
+                    idx = pool.by_key.get(key)
                 if idx is not None:
                     pool.refs[idx] += refs
                     if pool.refs[idx]:
@@ -499,7 +511,7 @@ class Orchestrator:
                 return False
             if not fresh:
                 if on_ready:
-                    if pool.state[idx] == SlotState.READY:
+                    if pool.state[idx] in (SlotState.READY, SlotState.LANDED):
                         on_ready(True)
                     else:
                         self.deliveries.when_ready(dev, key, on_ready)
@@ -519,11 +531,11 @@ class Orchestrator:
         self.scheduler.submit(link, priority, start, order=order, tag=tag)
 
     def _grant(self, pool: SlotPool, idx: int, entry: ExpertEntry,
-               checksums: tuple[int, ...]) -> SlotGrant:
+               checksums: tuple[int, ...], *, resident: bool) -> SlotGrant:
         ready = pool.state[idx] == SlotState.READY
         return SlotGrant(0 if ready else pool.transfer[idx], pool.region_id, idx,
                          idx * pool.slot_bytes, ready, entry, checksums,
-                         pool.state_base + idx, pool.generation[idx])
+                         pool.state_base + idx, pool.generation[idx], resident)
 
     # -- the channel's requests (dataplane/requests.py calls these by owner) ---------------
     def _owner(self, owner: tuple[str, int]) -> Session:
@@ -644,6 +656,10 @@ class Orchestrator:
             if recs.size:
                 completions += int(recs.size)
                 self.deliveries.tracker.complete_many(recs)
+        now = time.monotonic()
+        if now - self._landed_checked > LANDED_CHECK_SECONDS:
+            self._landed_checked = now
+            self.deliveries.check_landed()
         return requests, completions
 
     def shutdown(self) -> None:

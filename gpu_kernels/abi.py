@@ -68,6 +68,14 @@ class DescriptorFlags(IntEnum):
     """Compute the chunk checksum over the copied bytes and compare it with ``checksum``."""
 
 
+class ReplyFlags(IntEnum):
+    """Bits of a reply's ``flags``."""
+
+    RESIDENT = 1
+    """The slot already held the expert, or was receiving it: this acquire started no
+    delivery (a cache hit)."""
+
+
 class RegionFlags(IntEnum):
     """Bits of a region table entry's ``flags``."""
 
@@ -197,6 +205,10 @@ class SlotState(IntEnum):
     """Every chunk of the expert's bytes was verified in the slot."""
     FAILED = 3
     """The delivery of this generation failed for good; ``status`` is an :class:`Status`."""
+    LANDED = 4
+    """Every chunk was copied into the slot and nothing has checked it yet (a DMA-engine
+    device): ``expected`` holds the blob's sum, and the slot's consumer, in the inference
+    process, checksums the slot and writes READY, or FAILED with CHECKSUM_MISMATCH."""
 
 
 REQUEST_DTYPE = np.dtype(
@@ -214,30 +226,31 @@ channel; the reply to the entry at ring position ``p`` is ``replies[p % capacity
 REPLY_DTYPE = np.dtype(
     {
         "names": ["request_id", "status", "region_id", "slot_index", "state_index",
-                  "generation", "slot_offset", "message", "seq"],
-        "formats": ["<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "S80", "<u8"],
-        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 120],
+                  "generation", "slot_offset", "message", "flags", "seq"],
+        "formats": ["<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "S76", "<u4", "<u8"],
+        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 116, 120],
         "itemsize": 128,
     }
 )
 """Reply-table entry, 128 bytes (agent -> client), published like a ring entry (``seq`` =
 request position + 1, written last). For an ACQUIRE: the slot (``region_id``, ``slot_index``,
 ``slot_offset`` in bytes) and where to watch it (``state_index`` into the slot-state table,
-``generation``). ``message``: UTF-8, NUL-padded, says what was wrong when ``status`` is not
-OK."""
+``generation``) and ``flags`` (:class:`ReplyFlags`). ``message``: UTF-8, NUL-padded, says
+what was wrong when ``status`` is not OK."""
 
 SLOT_STATE_DTYPE = np.dtype(
     {
-        "names": ["word", "status"],
-        "formats": ["<u8", "<u4"],
-        "offsets": [0, 8],
+        "names": ["word", "status", "expected"],
+        "formats": ["<u8", "<u4", "<u4"],
+        "offsets": [0, 8, 12],
         "itemsize": 16,
     }
 )
 """Slot-state entry, 16 bytes: ``word`` = ``generation << SLOT_STATE_BITS | SlotState``, one
 64-bit store, so a reader sees state and generation together; ``status`` (a :class:`Status`) is
-written before ``word`` when the state is FAILED. The generation grows each time the slot is
-given to a new delivery."""
+written before ``word`` when the state is FAILED; ``expected`` (written before ``word`` when
+the state is LANDED) is ``checksum.blob_sum`` of the blob that should be in the slot. The
+generation grows each time the slot is given to a new delivery."""
 
 
 def channel_layout(capacity: int) -> tuple[int, int, int]:

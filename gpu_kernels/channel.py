@@ -23,8 +23,11 @@ from gpu_kernels.ring import Ring, RingError, store_fence
 _STATE_MASK = (1 << abi.SLOT_STATE_BITS) - 1
 _REPLY = abi.packer(abi.REPLY_DTYPE)
 _REPLY_BODY = abi.REPLY_DTYPE.fields["seq"][1]
+_MESSAGE_BYTES = abi.REPLY_DTYPE.fields["message"][0].itemsize
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _STATUS_AT = abi.SLOT_STATE_DTYPE.fields["status"][1]
+_STATUS_EXPECTED = struct.Struct("<II")
+assert abi.SLOT_STATE_DTYPE.fields["expected"][1] == _STATUS_AT + 4
 _SLEEPERS_AT = abi.HEADER_DTYPE.fields["sleepers"][1]
 
 
@@ -89,7 +92,8 @@ class Channel:
     # -- agent side ------------------------------------------------------------------------
     def reply(self, position: int, request_id: int, status: abi.RequestStatus,
               message: str = "", *, region_id: int = 0, slot_index: int = 0,
-              state_index: int = 0, generation: int = 0, slot_offset: int = 0) -> None:
+              state_index: int = 0, generation: int = 0, slot_offset: int = 0,
+              flags: int = 0) -> None:
         """Publish the reply to the request at ring ``position``."""
         at = self._replies_at + (position % self.capacity) * _REPLY.size
         mem = self._bytes
@@ -97,16 +101,17 @@ class Channel:
         store_fence()
         mem[at:at + _REPLY_BODY] = _REPLY.pack(
             request_id, int(status), region_id, slot_index, state_index, generation,
-            slot_offset, message.encode()[:80], 0)[:_REPLY_BODY]
+            slot_offset, message.encode()[:_MESSAGE_BYTES], flags, 0)[:_REPLY_BODY]
         store_fence()
         _U64.pack_into(mem, at + _REPLY_BODY, position + 1)
         self._wake(self.reply_seq_address(position))
 
     def publish_state(self, index: int, generation: int, state: abi.SlotState,
-                      status: int = 0) -> None:
-        """Set slot-state entry ``index`` (one 64-bit store of the word, after ``status``)."""
+                      status: int = 0, expected: int = 0) -> None:
+        """Set slot-state entry ``index`` (one 64-bit store of the word, after ``status`` and
+        ``expected``)."""
         at = self._states_at + index * abi.SLOT_STATE_DTYPE.itemsize
-        _U32.pack_into(self._bytes, at + _STATUS_AT, status)
+        _STATUS_EXPECTED.pack_into(self._bytes, at + _STATUS_AT, status, expected)
         store_fence()
         _U64.pack_into(self._bytes, at, state_word(generation, state))
         self._wake(self.word_address(index))

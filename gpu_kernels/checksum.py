@@ -71,3 +71,21 @@ def row_checksums(rows: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         terms = _fmix32(words ^ (index * _GOLDEN))
         total = (terms.sum(axis=1, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     return total ^ np.uint32((m // 4) & 0xFFFFFFFF)
+
+
+def blob_sum(checksums: tuple[int, ...] | list[int], nbytes: int, chunk_bytes: int) -> int:
+    """The sum of terms over a whole blob of ``nbytes`` (the ``expected`` a LANDED slot
+    carries), from its per-chunk checksums (``chunk_bytes`` chunks, the last may be shorter):
+    each chunk's checksum with its word count xored back out, added mod 2**32. Equals
+    :func:`terms_sum` of the blob's bytes, so one pass over the slot checks it."""
+    total = 0
+    for c, checksum in enumerate(checksums):
+        words = (min(chunk_bytes, nbytes - c * chunk_bytes) // 4) & 0xFFFFFFFF
+        total += int(checksum) ^ words
+    return total & 0xFFFFFFFF
+
+
+def terms_sum(blob: np.ndarray | memoryview | bytes) -> int:
+    """Sum of terms over a whole blob's bytes (placed at offset 0), mod 2**32."""
+    raw = np.frombuffer(blob, np.uint8) if not isinstance(blob, np.ndarray) else blob
+    return chunk_checksum(raw, 0) ^ ((raw.size // 4) & 0xFFFFFFFF)

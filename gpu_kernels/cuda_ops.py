@@ -168,8 +168,9 @@ def receive_packets(rx: Ring, rx_device_ptr: int, dst: Any, packets: int,
     return message_id, written, refused
 
 
-WAIT_OUTCOMES = ("READY", "FAILED", "slot moved to a later generation", "timed out")
-"""What ``wait_ready``'s result word means (dpu_wait_ready in ready.cu)."""
+WAIT_OUTCOMES = ("READY", "FAILED", "slot moved to a later generation", "timed out",
+                 "LANDED, not checked")
+"""What the result word of ``wait_ready`` and ``verify_landed`` means (ready.cu)."""
 
 
 def wait_ready(word_address: int, generation: int, timeout_s: float, result: Any,
@@ -181,3 +182,23 @@ def wait_ready(word_address: int, generation: int, timeout_s: float, result: Any
     k = launch.kernel("ready", "dpu_wait_ready")
     k((1,), (32,), (np.uint64(word_address), np.uint64(generation),
                     np.uint64(int(timeout_s * 1e9)), result), stream=stream)
+
+
+def verify_landed(entry_address: int, generation: int, data: int, nbytes: int,
+                  timeout_s: float, result: Any, scratch: Any, stream: Any) -> None:
+    """Enqueue on ``stream`` the check of a DMA-engine delivery: wait until the slot-state
+    entry at ``entry_address`` (device address of registered host memory) reads LANDED for
+    ``generation``, sum the ``nbytes`` (a multiple of 16) at device address ``data`` and publish
+    READY, or FAILED with CHECKSUM_MISMATCH, against the entry's ``expected``. ``result``
+    (``uint32[1]``) gets an index into ``WAIT_OUTCOMES``; ``scratch`` (``uint32[2]`` device
+    words, zero, left zero) must not be in use by another check at the same time. Twin:
+    ``reference.verify_landed``."""
+    timeout_ns = np.uint64(int(timeout_s * 1e9))
+    launch.kernel("ready", "dpu_wait_landed")(
+        (1,), (32,), (np.uint64(entry_address), np.uint64(generation), timeout_ns, result),
+        stream=stream)
+    n16 = nbytes // 16
+    launch.kernel("ready", "dpu_verify_landed")(
+        (_grid(-(-n16 // THREADS), cp.cuda.Device().id),), (THREADS,),
+        (np.uint64(entry_address), np.uint64(generation), np.uint64(data), np.uint64(n16),
+         np.uint32(abi.Status.CHECKSUM_MISMATCH), result, scratch), stream=stream)

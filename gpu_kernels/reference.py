@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from gpu_kernels import abi
-from gpu_kernels.checksum import chunk_checksum, row_checksums
+from gpu_kernels.checksum import chunk_checksum, row_checksums, terms_sum
 from gpu_kernels.ring import Ring, store_fence
 from gpu_kernels.routing import DispatchPlan
 
@@ -300,17 +300,43 @@ def swiglu_f32_weights(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np
     return f32_to_bf16(h @ down.T)
 
 
-def wait_ready(words: np.ndarray, index: int, generation: int, timeout_s: float) -> int:
-    """Twin of ``dpu_wait_ready``: poll ``words[index]`` (the slot-state table) until READY or
-    FAILED for ``generation``; returns 0 READY, 1 FAILED, 2 a later generation, 3 timed out."""
+def _poll_word(words: np.ndarray, index: int, generation: int, timeout_s: float,
+               stop_at_landed: bool) -> int:
     deadline = time.monotonic() + timeout_s
     while True:
         w = int(words[index])
         gen, state = w >> abi.SLOT_STATE_BITS, w & ((1 << abi.SLOT_STATE_BITS) - 1)
         if gen == generation and state in (abi.SlotState.READY, abi.SlotState.FAILED):
             return 0 if state == abi.SlotState.READY else 1
+        if gen == generation and state == abi.SlotState.LANDED and stop_at_landed:
+            return 4
         if gen > generation:
             return 2
         if time.monotonic() > deadline:
             return 3
         time.sleep(0)
+
+
+def wait_ready(words: np.ndarray, index: int, generation: int, timeout_s: float) -> int:
+    """Twin of ``dpu_wait_ready``: poll ``words[index]`` (the slot-state table) until READY or
+    FAILED for ``generation``; returns 0 READY, 1 FAILED, 2 a later generation, 3 timed out."""
+    return _poll_word(words, index, generation, timeout_s, False)
+
+
+def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndarray,
+                  timeout_s: float) -> int:
+    """Twin of ``cuda_ops.verify_landed``: wait until ``states[index]`` (``SLOT_STATE_DTYPE``
+    entries) reads LANDED for ``generation``, then check ``blob`` (``uint8[nbytes]``, the slot's
+    bytes) against the entry's ``expected`` and publish READY, or FAILED with
+    CHECKSUM_MISMATCH. Returns the outcome (an index into ``cuda_ops.WAIT_OUTCOMES``)."""
+    outcome = _poll_word(states["word"], index, generation, timeout_s, True)
+    if outcome != 4:
+        return outcome
+    entry = states[index:index + 1]
+    ok = terms_sum(blob) == int(entry["expected"][0])
+    if not ok:
+        entry["status"] = int(abi.Status.CHECKSUM_MISMATCH)
+    store_fence()
+    entry["word"] = (generation << abi.SLOT_STATE_BITS) | int(
+        abi.SlotState.READY if ok else abi.SlotState.FAILED)
+    return 0 if ok else 1

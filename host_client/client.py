@@ -35,9 +35,9 @@ from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
 from host_client.devices import Device
+from host_client.handles import AcquireHandle, LandedCheck
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
 from host_client.requests import (
-    AcquireHandle,
     AgentUnavailable,
     ClientChannel,
     RequestRefused,
@@ -339,13 +339,16 @@ class AgentClient:
 
         handles = []
         positions = dev.channel.post(entries)
+        landed = None
         if dev.work is None:  # the DMA engine delivers: no consumer of ours to keep awake
             settle = _nothing
+            landed = LandedCheck(dev.device, dev.channel)
         else:
             settle = bell.settle
             for _ in keys:
                 bell.expect()  # the agent may post work: the consumer stays awake until settled
-        for key, manifest, position in zip(keys, manifests, positions, strict=True):
+        for key, manifest, position, entry in zip(keys, manifests, positions, entries,
+                                                  strict=True):
             def make_slot(reply: np.void, key: ExpertKey = key,
                           manifest: pb.ExpertManifest = manifest) -> ExpertSlot:
                 where = (int(reply["region_id"]), int(reply["slot_offset"]))
@@ -354,7 +357,10 @@ class AgentClient:
                     blob = dev.device.region_bytes(*where, manifest.blob_bytes)
                     slot = dev.slots[where] = ExpertSlot(key, blob, manifest)
                 return slot
-            handles.append(AcquireHandle(key, dev.channel, position, make_slot, check, settle))
+            repost = None if landed is None else (
+                lambda entry=entry: dev.channel.post([entry])[0])
+            handles.append(AcquireHandle(key, dev.channel, position, make_slot, check, settle,
+                                         landed, repost))
         return handles
 
     def acquire(self, dev: AttachedDevice, key: ExpertKey) -> AcquireHandle:

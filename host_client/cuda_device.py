@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi, launch
+from gpu_kernels import abi, cuda_ops, launch
 from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
-from gpu_kernels.cuda_ops import launch_checksums
 from gpu_kernels.shm import SharedBuffer
 from host_client.devices import RW, Device, DeviceFault
 
@@ -74,6 +73,9 @@ class CudaDevice(Device):
             self._state = self.cp.zeros(_STATE_WORDS, dtype=self.cp.uint64)
             self._kernel = launch.kernel("receive", "dpu_receive", ordinal)
         self._pools: dict[int, Any] = {}
+        self._check_stream: Any = None
+        self._check_scratch: Any = None
+        """``uint32[2 * MAX_CHANNEL_SLOTS]``: each slot's check's running sum and count."""
         self._registered: list[int] = []
         self._running = False
         self._done_event: Any = None
@@ -149,6 +151,29 @@ class CudaDevice(Device):
             ptrs += [base, base + abi.HEADER_BYTES]
         return ptrs[0], ptrs[1], ptrs[2], ptrs[3]
 
+    def enqueue_check(self, entry_address: int, index: int, generation: int, blob: Any,
+                      timeout: float, result: Any, stream: Any) -> None:
+        if blob.size % 16:
+            raise ValueError(f"a slot check needs a multiple of 16 bytes, got {blob.size}")
+        with self.dev:
+            if self._check_scratch is None:
+                self._check_scratch = self.cp.zeros(2 * abi.MAX_CHANNEL_SLOTS, self.cp.uint32)
+            scratch = self._check_scratch[2 * index:2 * index + 2]
+            cuda_ops.verify_landed(entry_address, generation, int(blob.data.ptr),
+                                   int(blob.size), timeout, result, scratch, stream)
+
+    def check_landed(self, states: np.ndarray, entry_address: int, index: int,
+                     generation: int, blob: Any, timeout: float) -> int:
+        """The check's kernels on a stream of this device's, waited for."""
+        with self.dev:
+            if self._check_stream is None:
+                self._check_stream = launch.non_blocking_stream()
+            result = self.cp.empty(1, self.cp.uint32)
+            self.enqueue_check(entry_address, index, generation, blob, timeout, result,
+                               self._check_stream)
+            self._check_stream.synchronize()
+            return int(result.get(stream=self._check_stream)[0])
+
     def warm_up(self) -> None:
         """Load every kernel module, then launch the receive kernel once against a ring whose
         exit flag is already set, so module loads and first-launch costs are paid before the
@@ -207,7 +232,7 @@ class CudaDevice(Device):
             out = cp.zeros(1, cp.uint32)
 
             def kernel_read() -> None:
-                launch_checksums(src, n, n, 0, out.data.ptr, stream=self.stream,
+                cuda_ops.launch_checksums(src, n, n, 0, out.data.ptr, stream=self.stream,
                                  blocks_per_chunk=self.blocks * 4)
 
             def copy_read() -> None:
@@ -240,8 +265,9 @@ class CudaDevice(Device):
                 for run in plan_runs(batch, copy, verify, self.regions):
                     cp.cuda.runtime.memcpyAsync(run.dst, run.src, run.nbytes, 4, self.stream.ptr)
                     if run.verify:
-                        launch_checksums(run.dst, run.nbytes, run.chunk_bytes, run.position,
-                                         sums.data.ptr + 4 * run.first, stream=self.stream)
+                        cuda_ops.launch_checksums(run.dst, run.nbytes, run.chunk_bytes,
+                                                  run.position, sums.data.ptr + 4 * run.first,
+                                                  stream=self.stream)
                 self.stream.synchronize()
                 got = sums[:batch.size].get() ^ (batch["length"] // 4).astype(np.uint32)
                 status[verify & (got != batch["checksum"])] = abi.Status.CHECKSUM_MISMATCH

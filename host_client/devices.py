@@ -1,5 +1,6 @@
 """Devices that consume the agent's work ring: the CUDA device (the persistent receive kernel)
-and the CPU reference device (its NumPy twin, on a thread, for machines without a GPU).
+and the CPU reference device (its NumPy twin, on a thread, for machines without a GPU). Where
+the DMA engine delivers instead, the device checks what landed (``check_landed``).
 
 Both hold a region table (``REGION_DTYPE[MAX_REGIONS]``): region 0 is the agent's arena, mapped
 from its shared-memory handle; slot pools get the ids the agent assigned at registration.
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi
+from gpu_kernels import abi, reference
 from gpu_kernels.reference import ReceiveKernel
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer, unique_name
@@ -148,6 +149,22 @@ class Device(ABC):
     @abstractmethod
     def region_bytes(self, region_id: int, offset: int, nbytes: int) -> Any:
         """``uint8[nbytes]`` view of a region's memory on this device."""
+
+    def check_landed(self, states: np.ndarray, entry_address: int, index: int,
+                     generation: int, blob: Any, timeout: float) -> int:
+        """Check a slot the DMA engine filled, before returning: wait until ``states[index]``
+        (``SLOT_STATE_DTYPE`` entries; ``entry_address`` is that entry as the device sees it)
+        reads LANDED for ``generation``, sum ``blob`` (the slot's ``uint8[n]`` bytes, n a
+        multiple of 16) and publish READY, or FAILED with CHECKSUM_MISMATCH, against the
+        entry's ``expected``. Returns the outcome (an index into ``cuda_ops.WAIT_OUTCOMES``).
+        Here the NumPy twin, in the calling thread (it stands for the GPU's kernel)."""
+        return reference.verify_landed(states, index, generation, blob, timeout)
+
+    def enqueue_check(self, entry_address: int, index: int, generation: int, blob: Any,
+                      timeout: float, result: Any, stream: Any) -> None:
+        """:meth:`check_landed` enqueued on ``stream``, its outcome into ``result``
+        (``uint32[1]``); only a device with streams has it."""
+        raise DeviceFault(f"{self.name} has no streams to enqueue a check on")
 
     @abstractmethod
     def start(self) -> None:

@@ -10,18 +10,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi, futex
-from gpu_kernels.channel import Channel, split_word
+from gpu_kernels.channel import Channel
 from gpu_kernels.shm import SharedBuffer
-
-if TYPE_CHECKING:
-    from host_client.memory import ExpertSlot
 
 log = logging.getLogger("host_client")
 
@@ -94,8 +90,8 @@ class ClientChannel:
         """Positions posted with ``on_reply``, oldest first."""
         self._taken: dict[int, np.void] = {}
         """Replies swept for handles that have not looked yet."""
-        self._granted: dict[int, int] = {}
-        """slot-state index -> the newest generation a reply granted this client."""
+        self._checked: dict[int, int] = {}
+        """slot-state index -> the newest generation whose check this client started."""
         self._sleepers = 0
         self.device_address = 0
         """The channel's address as the device's kernels see it (registered host memory)."""
@@ -140,15 +136,14 @@ class ClientChannel:
         return self.view.requests.free_entries() >= n and \
             first + n - next(iter(self._waiting), first) <= self.capacity
 
-    def note_grant(self, reply: np.void) -> bool:
-        """Record a grant; True when its slot generation was granted before (no new delivery:
-        a slot's generation grows with each delivery into it, and only this client's
-        requests are granted its slots)."""
-        index, generation = int(reply["state_index"]), int(reply["generation"])
+    def claim_check(self, index: int, generation: int) -> bool:
+        """True for the first caller to claim the check of slot ``index``'s LANDED
+        ``generation`` (it must launch it); later callers wait for its verdict."""
         with self._lock:
-            seen = self._granted.get(index, -1)
-            self._granted[index] = max(seen, generation)
-        return generation <= seen
+            if self._checked.get(index, -1) >= generation:
+                return False
+            self._checked[index] = generation
+            return True
 
     def _keep(self, reply: np.void) -> None:
         self._taken[int(reply["seq"]) - 1] = reply
@@ -258,166 +253,3 @@ class ClientChannel:
 
     def close(self) -> None:
         self._buffer.close()
-
-
-class StreamWait:
-    """A wait enqueued on a CUDA stream (``AcquireHandle.enqueue_wait``).
-
-    Attributes:
-        slot: the expert's slot views; valid for kernels enqueued on the stream after the wait.
-        result: ``uint32[1]`` device word: an index into ``cuda_ops.WAIT_OUTCOMES`` once the
-            wait kernel ran (0 READY).
-    """
-
-    def __init__(self, key: ExpertKey, slot: ExpertSlot, result: Any, stream: Any) -> None:
-        self.key, self.slot, self.result, self.stream = key, slot, result, stream
-
-    def check(self) -> None:
-        """Synchronise the stream; TransferFailed unless the expert was READY."""
-        from gpu_kernels.cuda_ops import WAIT_OUTCOMES
-
-        self.stream.synchronize()
-        outcome = int(self.result.get()[0])
-        if outcome:
-            raise TransferFailed(f"{self.key}: stream wait ended with "
-                                 f"{WAIT_OUTCOMES[outcome] if outcome < 4 else outcome}")
-
-
-class AcquireHandle:
-    """A pending (or already satisfied) acquire; :meth:`wait` returns the :class:`ExpertSlot`.
-
-    Resolved by polling shared memory: first the reply (which slot, which generation), then
-    that slot's state word until it reads READY or FAILED for the generation.
-    """
-
-    def __init__(self, key: ExpertKey, channel: ClientChannel, position: int,
-                 make_slot: Callable[[np.void], ExpertSlot], check: Callable[[], None],
-                 on_settle: Callable[[], None]) -> None:
-        self.key = key
-        self._channel = channel
-        self._position = position
-        self._make_slot = make_slot
-        self._check = check
-        self._on_settle = on_settle
-        self._reply: np.void | None = None
-        self._resident: bool | None = None
-        self._slot: ExpertSlot | None = None
-        self._error: BaseException | None = None
-        self._posted = time.monotonic()
-
-    def _settle(self, slot: ExpertSlot | None, error: BaseException | None) -> None:
-        self._slot, self._error = slot, error
-        self._on_settle()
-
-    def _accept(self, reply: np.void) -> bool:
-        """Take the agent's reply; True when it is a refusal (the outcome)."""
-        refused = RequestRefused.of(reply)
-        if refused is not None:
-            self._settle(None, refused)
-            return True
-        self._reply = reply
-        self._resident = self._channel.note_grant(reply)
-        return False
-
-    def wait_granted(self, timeout: float) -> None:
-        """Block (asleep) until the agent answered the acquire: a slot, or a refusal."""
-        if not self.granted():
-            self._accept(self._channel.wait_reply(self._position, timeout, self._posted))
-
-    def _poll(self) -> bool:
-        """Advance as far as shared memory allows; True once the outcome is known."""
-        if self._slot is not None or self._error is not None:
-            return True
-        if self._reply is None:
-            reply = self._channel.take(self._position)
-            if reply is None:
-                return False
-            if self._accept(reply):
-                return True
-        index = int(self._reply["state_index"])
-        generation, state = split_word(self._channel.word(index))
-        mine = int(self._reply["generation"])
-        if generation == mine and state == abi.SlotState.READY:
-            self._settle(self._make_slot(self._reply), None)
-        elif generation == mine and state == abi.SlotState.FAILED:
-            status = abi.Status(self._channel.slot_status(index))
-            self._settle(None, TransferFailed(f"{self.key}: delivery completed with "
-                                              f"{status.name}"))
-        elif generation > mine:
-            self._settle(None, TransferFailed(f"{self.key}: its slot was given to another "
-                                              "delivery before this one completed"))
-        else:
-            return False
-        return True
-
-    def enqueue_wait(self, stream: Any, timeout: float = 30.0) -> StreamWait:
-        """Make ``stream`` (a CuPy stream of the slot's GPU) wait on the GPU until this expert
-        is READY, and return at once: kernels enqueued on ``stream`` afterwards read verified
-        bytes (``StreamWait.slot``), though the expert may not have landed when they are
-        enqueued. Only the grant is awaited here (one reply). ``StreamWait.check()`` raises
-        if the delivery failed or timed out after ``timeout`` seconds."""
-        from gpu_kernels import cuda_ops
-
-        self.wait_granted(timeout)
-        if self._error is not None:
-            raise self._error
-        assert self._reply is not None
-        result = cuda_ops.cp.empty(1, cuda_ops.cp.uint32)  # no fill kernel: no module load
-        cuda_ops.cp.cuda.runtime.memsetAsync(result.data.ptr, 0xFF, 4, stream.ptr)
-        cuda_ops.wait_ready(self._channel.word_address(int(self._reply["state_index"])),
-                            int(self._reply["generation"]), timeout, result, stream)
-        return StreamWait(self.key, self._make_slot(self._reply), result, stream)
-
-    def done(self) -> bool:
-        """Whether the outcome is known (wait would return or raise at once)."""
-        return self._poll()
-
-    def granted(self) -> bool:
-        """Whether the agent has answered the acquire (a slot, or a refusal)."""
-        self._poll()
-        return self._reply is not None or isinstance(self._error, RequestRefused)
-
-    @property
-    def resident(self) -> bool | None:
-        """Once granted: True when this acquire started no delivery (the expert was in its
-        slot, or already on its way there, for an earlier request of this client); False when
-        the agent began a delivery for it; None before the grant or after a refusal."""
-        self._poll()
-        return self._resident
-
-    @property
-    def refusal(self) -> RequestRefused | None:
-        """The agent's refusal of the acquire, once answered."""
-        return self._error if isinstance(self._error, RequestRefused) else None
-
-    def wait(self, timeout: float | None = 30.0) -> ExpertSlot:
-        """Block until the bytes are verified in the slot. Raises RequestRefused (the agent
-        refused the acquire), TransferFailed (the delivery failed), AgentUnavailable (the agent
-        went away), DeviceFault (the device faulted: checked while waiting, so a dead consumer
-        is an error, not a hang), or TimeoutError after ``timeout`` seconds."""
-        start = time.monotonic()
-        next_check = start + CHECK_SECONDS
-        while True:
-            index = None if self._reply is None else int(self._reply["state_index"])
-            address, value = self._channel.watch(self._position, index)
-            if self._poll():
-                break
-            if (self._reply is None) != (index is None):
-                continue  # the reply came: watch the slot's word from now on
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + CHECK_SECONDS
-                try:
-                    self._check()
-                except Exception as exc:  # noqa: BLE001 - DeviceFault, AgentUnavailable
-                    self._settle(None, exc)
-                    break
-                if timeout is not None and now - start >= timeout:
-                    raise TimeoutError(f"{self.key} not ready after {timeout} s")
-            if now - self._posted > SPIN_SECONDS:
-                self._channel.sleep(address, value,
-                                    min(NAP_SECONDS, max(0.0, next_check - now)))
-        if self._error is not None:
-            raise self._error
-        assert self._slot is not None
-        return self._slot

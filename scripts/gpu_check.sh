@@ -47,7 +47,7 @@ for s in $STAGES; do
     stage "compute-sanitizer memcheck and racecheck on the kernel suites"
     for tool in memcheck racecheck; do
       compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
-        python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_moe_kernels.py \
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_moe_kernels.py tests/test_landed.py \
         > "$LOG/sanitizer-$tool.log" 2>&1
       rc=$?
       tail -4 "$LOG/sanitizer-$tool.log"

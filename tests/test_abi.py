@@ -77,6 +77,7 @@ def test_constants_match() -> None:
         for member in enum:
             assert c[f"DPU_{prefix}_{member.name}"] == member, (prefix, member)
     assert c["DPU_DESC_VERIFY"] == abi.DescriptorFlags.VERIFY
+    assert c["DPU_REPLY_RESIDENT"] == abi.ReplyFlags.RESIDENT
     assert c["DPU_REGION_READABLE"] == abi.RegionFlags.READABLE
     assert c["DPU_REGION_WRITABLE"] == abi.RegionFlags.WRITABLE
     assert c["DPU_PACKET_LAST"] == abi.PacketFlags.LAST

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from dpu_agent.dataplane.transfers import TransferPlan
 from gpu_kernels import abi
 from gpu_kernels.checksum import chunk_checksum
-from gpu_kernels.copy_runs import CopyRun, plan_runs
+from gpu_kernels.copy_runs import plan_runs
 from gpu_kernels.reference import check_descriptor, check_descriptors
 
 SRC_BASE, DST_BASE, SRC_BYTES, DST_BYTES = 1 << 20, 1 << 30, 1 << 16, 1 << 17
@@ -104,23 +104,3 @@ def test_one_transfer_is_one_run() -> None:
     runs = plan_runs(d, ok, ok, _regions())
     assert [(r.first, r.count, r.nbytes, r.chunk_bytes) for r in runs] == [
         (0, 11, 10 * 4096 + 48, 4096)]
-
-
-@given(count=st.integers(1, 40), chunk16=st.integers(1, 64), tail16=st.integers(1, 64),
-       piece16=st.integers(1, 512))
-def test_pieces_cover_a_run_at_chunk_boundaries(count: int, chunk16: int, tail16: int,
-                                                piece16: int) -> None:
-    """The DMA engine's pieces of a run: consecutive, at chunk boundaries, the same bytes."""
-    from dma_engine.engine import pieces
-
-    chunk, tail = 16 * chunk16, 16 * min(tail16, chunk16)
-    run = CopyRun(3, count, 1 << 20, 1 << 30, (count - 1) * chunk + tail, chunk, 4096, True)
-    got = pieces(run, 16 * piece16)
-    assert sum(p.count for p in got) == count and sum(p.nbytes for p in got) == run.nbytes
-    at = run.first
-    for p in got:
-        assert p.first == at and p.chunk_bytes == chunk and p.verify
-        offset = (p.first - run.first) * chunk
-        assert (p.src, p.dst, p.position) == (run.src + offset, run.dst + offset,
-                                              run.position + offset)
-        at += p.count

@@ -159,12 +159,19 @@ def test_refusals_reach_the_caller_with_their_status(
     with pytest.raises(grpc.RpcError) as err:
         client.prefetch(engine_dev, [ExpertKey("qwen-engine", 9, 0)])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    # A prefetched expert becomes READY in its slot without any reference held.
+    # A prefetched expert lands in its slot without any reference held, unchecked (LANDED):
+    # the acquire that takes it checks it here (READY), and starts no delivery.
     view = engine_dev.channel.view
     deadline = time.monotonic() + 10
-    while sum(split_word(int(w))[1] == abi.SlotState.READY for w in view.words) < 3:
+    while sum(split_word(int(w))[1] == abi.SlotState.LANDED for w in view.words) < 3:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    handle = client.acquire(engine_dev, ExpertKey("qwen-engine", 0, 1))
+    handle.wait(10)
+    assert handle.resident
+    states = [split_word(int(w))[1] for w in view.words]
+    assert states.count(abi.SlotState.READY) == 1 and states.count(abi.SlotState.LANDED) == 2
+    client.release(engine_dev, ExpertKey("qwen-engine", 0, 1))
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,9 +35,26 @@ def _names(key: ExpertKey) -> dict[str, str]:
     return {r: f"{base}.{r}.weight" for r in ("gate_proj", "up_proj", "down_proj")}
 
 
-@pytest.mark.parametrize("delivery", ["pull", "engine"])
-def test_corrupted_arena_is_caught_refetched_and_counted(qwen_ckpt: Path, delivery: str) -> None:
-    """Checked where the bytes land: by the device's consumer (pull) or by the DMA engine."""
+def _device(kind: str, ordinal: int) -> Any:
+    if kind == "cuda":
+        from host_client.cuda_device import CudaDevice
+
+        return CudaDevice(0)
+    return CpuReferenceDevice(ordinal)
+
+
+def _host(array: Any) -> bytes:
+    return (array.get() if hasattr(array, "get") else array).tobytes()
+
+
+@pytest.mark.parametrize("delivery,kind", [
+    ("pull", "cpu"), ("engine", "cpu"), pytest.param("engine", "cuda", marks=pytest.mark.gpu)])
+def test_corrupted_arena_is_caught_refetched_and_counted(qwen_ckpt: Path, delivery: str,
+                                                         kind: str) -> None:
+    """Checked where the bytes land: by the device's consumer as it copies each chunk (pull),
+    or, where the DMA engine copied, by the check of the landed slot on the device (a kernel on
+    a GPU, the NumPy twin on the CPU reference device), after which the wait acquires again
+    and the agent refetches from the checkpoint."""
     truth = checkpoint_bytes(qwen_ckpt)
     settings = ('[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n'
                 '[transfer]\nchunk_bytes = 65536\n')
@@ -50,11 +68,11 @@ def test_corrupted_arena_is_caught_refetched_and_counted(qwen_ckpt: Path, delive
         # Flip bits in every used 64 KiB chunk of the arena (all resident experts).
         used = int(_metric(agent, "dpu_agent_arena_used_bytes"))
         arena.array[:used:65536] ^= 0x5A
-        b = client.register_device(CpuReferenceDevice(1), [SlotPoolSpec(model.expert_bytes, 4)],
+        b = client.register_device(_device(kind, 1), [SlotPoolSpec(model.expert_bytes, 4)],
                                    delivery=delivery)
         slot = client.acquire(b, key).wait(20)
         for role, name in _names(key).items():
-            assert slot.raw(role).tobytes() == truth[name], role
+            assert _host(slot.raw(role)) == truth[name], role
         assert _metric(agent, "dpu_agent_checksum_failures_total") >= before + 1
         arena.close()
 
@@ -229,3 +247,41 @@ def test_caller_gone_during_a_fill_leaves_no_reference(tmp_path: Path) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 client.release(dev, k)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, k
+
+
+@pytest.mark.gpu
+def test_a_stream_wait_on_corrupted_bytes_fails_and_the_next_acquire_is_right(
+        qwen_ckpt: Path) -> None:
+    """The check on the caller's stream finds the mismatch: ``StreamWait.check`` raises (the
+    kernels behind it already ran), the agent counts it and drops the arena's copy, and the
+    next acquire refetches from the checkpoint."""
+    import cupy as cp
+
+    from host_client import TransferFailed
+
+    truth = checkpoint_bytes(qwen_ckpt)
+    settings = ('[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n')
+    with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qs")
+        key = ExpertKey("qs", 2, 1)
+        warm = client.register_device(CpuReferenceDevice(0), [SlotPoolSpec(model.expert_bytes,
+                                                                            2)])
+        client.acquire(warm, key).wait(10)
+        client.release(warm, key)
+        arena = SharedBuffer(client.arena.shm_name, client.arena.size_bytes)
+        arena.array[:int(_metric(agent, "dpu_agent_arena_used_bytes"))] ^= 0x01
+        dev = _device("cuda", 0)
+        gpu = client.register_device(dev, [SlotPoolSpec(model.expert_bytes, 2)],
+                                     delivery="engine")
+        stream = cp.cuda.Stream(non_blocking=True)
+        wait = client.acquire(gpu, key).enqueue_wait(stream)
+        with pytest.raises(TransferFailed, match="FAILED"):
+            wait.check()
+        deadline = time.monotonic() + 5
+        while _metric(agent, "dpu_agent_checksum_failures_total") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        slot = client.acquire(gpu, key).wait(20)
+        for role, name in _names(key).items():
+            assert _host(slot.raw(role)) == truth[name], role
+        arena.close()

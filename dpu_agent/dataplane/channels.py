@@ -67,9 +67,9 @@ class DeviceChannel:
         return first, ring.pop_many(limit)
 
     def publish_state(self, index: int, generation: int, state: abi.SlotState,
-                      status: int = 0) -> None:
+                      status: int = 0, expected: int = 0) -> None:
         if not self.closed:
-            self.view.publish_state(index, generation, state, status)
+            self.view.publish_state(index, generation, state, status, expected)
 
     def reply(self, position: int, request_id: int, status: abi.RequestStatus,
               message: str = "", **slot: int) -> None:

@@ -1,7 +1,10 @@
 """Deliveries into device slots: a blob cut into chunk descriptors and posted on the device's
 queue, its completions folded into one outcome, a checksum mismatch refetched from the
-checkpoint, and whoever waits on it told. The slot's state (FILLING -> READY or FAILED) is
-published here, so a slot is never READY with unverified bytes.
+checkpoint, and whoever waits on it told. The slot's state is published here, so a slot is
+never READY with unverified bytes: FILLING -> READY or FAILED where the device's consumer
+checked each chunk as it copied (pull), FILLING -> LANDED where the DMA engine copied (it
+cannot check), and then READY or FAILED as the consumer in the inference process publishes
+after checking the slot; the agent takes that verdict up (``check_landed``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.abi import SlotState
+from gpu_kernels.checksum import blob_sum
 
 log = logging.getLogger("dpu_agent")
 
@@ -52,6 +56,8 @@ class Deliveries:
         """Bytes of verified deliveries by source: "arena" or "peer" (another device)."""
         self._lock = threading.Lock()
         self._waiters: dict[tuple[int, int, ExpertKey], list[Waiter]] = {}
+        self._landed: dict[tuple[int, int], tuple[Session, SlotPool, int, ExpertKey]] = {}
+        """(pool id, slot) -> the LANDED slots whose consumer's verdict is not taken up yet."""
 
     def when_ready(self, dev: Device, key: ExpertKey, callback: Waiter) -> None:
         """Call ``callback(ok)`` once the delivery of ``key`` in flight to ``dev`` ends."""
@@ -109,7 +115,8 @@ class Deliveries:
                 raise AgentError(ErrorKind.UNAVAILABLE, f"reading {entry.key}: {exc}") from exc
             plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
                                 idx * pool.slot_bytes, entry.blob_bytes, self.chunk_bytes,
-                                tuple(cached.checksums))
+                                tuple(cached.checksums),
+                                verify=dev.delivery != pb.DELIVERY_DMA_ENGINE)
             source = "arena"
 
             def let_go() -> None:
@@ -142,11 +149,57 @@ class Deliveries:
                 return
         with session.lock:
             if pool.keys[idx] == entry.key and pool.state[idx] == SlotState.FILLING:
-                if status == abi.Status.OK:
+                if status != abi.Status.OK:
+                    pool.fail(idx, status)
+                elif t.plan.verify:
                     pool.mark_ready(idx)
                 else:
-                    pool.fail(idx, status)
+                    pool.mark_landed(idx, blob_sum(t.plan.checksums, t.plan.nbytes,
+                                                   t.plan.chunk_bytes))
+                    with self._lock:
+                        self._landed[(id(pool), idx)] = (session, pool, idx, entry.key)
         self._settle(dev, entry.key, status == abi.Status.OK)
+
+    def settle_landed(self, session: Session, pool: SlotPool, idx: int) -> None:
+        """Take up the consumer's verdict on LANDED slot ``idx``: READY, or a checksum
+        mismatch (counted; the arena's copy is dropped and the slot freed, so the next acquire
+        refetches from the checkpoint). Nothing while unchecked."""
+        with session.lock:
+            if pool.state[idx] != SlotState.LANDED:
+                verdict = None
+            else:
+                verdict = pool.verdict(idx)
+                if verdict is None:
+                    return
+            key = pool.keys[idx]
+            if verdict == SlotState.READY:
+                pool.state[idx] = SlotState.READY
+            elif verdict == SlotState.FAILED:
+                pool.fail(idx, abi.Status.CHECKSUM_MISMATCH)
+        with self._lock:
+            self._landed.pop((id(pool), idx), None)
+        if verdict == SlotState.FAILED and key is not None:
+            self.verify_failures += 1
+            log.warning("checksum mismatch on %s found by its consumer; its next acquire "
+                        "refetches it from the checkpoint", key)
+            self.cache.invalidate(key)
+
+    def check_landed(self) -> None:
+        """Take up every verdict published on a LANDED slot (the data-plane loop calls this);
+        a closed session's slots are forgotten."""
+        with self._lock:
+            landed = list(self._landed.values())
+        for session, pool, idx, _ in landed:
+            if self.alive(session.session_id):
+                self.settle_landed(session, pool, idx)
+            else:
+                self.forget(pool)
+
+    def forget(self, pool: SlotPool) -> None:
+        """Stop watching ``pool``'s LANDED slots (it was deregistered or its session closed)."""
+        with self._lock:
+            for k in [k for k in self._landed if k[0] == id(pool)]:
+                del self._landed[k]
 
     def _retry(self, session: Session, dev: Device, pool: SlotPool, idx: int,
                entry: ExpertEntry, attempt: int) -> None:

@@ -32,6 +32,8 @@ class LoopStats:
 
     requests: int = 0
     completions: int = 0
+    errors: int = 0
+    """Passes that raised (logged; the loop goes on)."""
     cpu_seconds: float = 0.0
     """CPU time of the loop's thread (``time.thread_time``), updated after every pass that
     found work and at every sweep (reading it is a system call, not to be paid per idle pass)."""
@@ -77,7 +79,12 @@ class DataPlaneLoop:
                         sweep()
                     except Exception:
                         log.exception("data-plane sweep failed")
-            requests, completions = self._poll()
+            try:
+                requests, completions = self._poll()
+            except Exception:  # a bug must not stop the data plane: logged, counted
+                log.exception("data-plane pass failed")
+                stats.errors += 1
+                requests = completions = 0
             stats.requests += requests
             stats.completions += completions
             if requests or completions:

@@ -27,6 +27,7 @@ class Grant(Protocol):
     slot_offset: int
     state_index: int
     generation: int
+    resident: bool
 
 
 class RequestCore(Protocol):
@@ -94,6 +95,10 @@ class RequestServer:
                 channel.reply(position, rid, abi.RequestStatus.OK)
         except AgentError as exc:
             self._refuse(channel, position, rid, _status(exc.kind), exc.message)
+        except Exception as exc:
+            log.exception("request %d on channel %s failed", rid, channel.name)
+            self._refuse(channel, position, rid, abi.RequestStatus.UNAVAILABLE,
+                         f"the agent failed serving request {rid}: {exc}")
 
     def _acquire_filling(self, channel: DeviceChannel, position: int, rid: int,
                          key: ExpertKey) -> None:
@@ -110,7 +115,8 @@ class RequestServer:
     def _granted(channel: DeviceChannel, position: int, rid: int, grant: Grant) -> None:
         channel.reply(position, rid, abi.RequestStatus.OK, region_id=grant.region_id,
                       slot_index=grant.slot_index, slot_offset=grant.slot_offset,
-                      state_index=grant.state_index, generation=grant.generation)
+                      state_index=grant.state_index, generation=grant.generation,
+                      flags=abi.ReplyFlags.RESIDENT if grant.resident else 0)
 
     def _refuse(self, channel: DeviceChannel, position: int, rid: int,
                 status: abi.RequestStatus, message: str) -> None:

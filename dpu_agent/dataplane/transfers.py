@@ -18,7 +18,8 @@ from gpu_kernels import abi
 @dataclass(frozen=True)
 class TransferPlan:
     """The byte moves of one delivery: a blob of ``nbytes`` at (src_region, src_offset) to
-    (dst_region, dst_offset), cut into ``chunk_bytes`` chunks with their checksums."""
+    (dst_region, dst_offset), cut into ``chunk_bytes`` chunks with their checksums, each
+    checked where it lands when ``verify`` (VERIFY set), else left to the slot's consumer."""
 
     src_region: int
     src_offset: int
@@ -27,11 +28,12 @@ class TransferPlan:
     nbytes: int
     chunk_bytes: int
     checksums: tuple[int, ...]
+    verify: bool = True
 
     def descriptors(self, transfer_id: int) -> np.ndarray:
-        """``DESCRIPTOR_DTYPE[chunks]`` for this plan, VERIFY set on every chunk."""
+        """``DESCRIPTOR_DTYPE[chunks]`` for this plan (VERIFY on every chunk if ``verify``)."""
         d = _source_side(self.src_region, self.src_offset, self.nbytes, self.chunk_bytes,
-                         self.checksums).copy()
+                         self.checksums, self.verify).copy()
         d["transfer_id"] = transfer_id
         d["dst_region"] = self.dst_region
         d["dst_offset"] = self.dst_offset
@@ -41,14 +43,14 @@ class TransferPlan:
 
 @functools.lru_cache(maxsize=1024)
 def _source_side(src_region: int, src_offset: int, nbytes: int, chunk_bytes: int,
-                 checksums: tuple[int, ...]) -> np.ndarray:
+                 checksums: tuple[int, ...], verify: bool) -> np.ndarray:
     """The descriptors of a blob's chunks without their destination and transfer id: the same
     for every delivery of a cached blob, so built once."""
     n = len(checksums)
     d = np.zeros(n, dtype=abi.DESCRIPTOR_DTYPE)
     pos = np.arange(n, dtype=np.uint64) * np.uint64(chunk_bytes)
     d["opcode"] = abi.Opcode.COPY
-    d["flags"] = abi.DescriptorFlags.VERIFY
+    d["flags"] = abi.DescriptorFlags.VERIFY if verify else 0
     d["chunk_index"] = np.arange(n)
     d["chunk_count"] = n
     d["src_region"] = src_region

@@ -13,7 +13,10 @@ from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.identity import Binding
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.abi import SlotState
+from gpu_kernels.abi import SLOT_STATE_BITS, SlotState
+
+_SETTLED = (SlotState.READY, SlotState.LANDED)
+"""States in which a slot nobody holds may be evicted."""
 
 ARENA_REGION_ID = 0
 """Every session's region table holds the agent's arena at id 0."""
@@ -38,7 +41,8 @@ class SlotPool:
     """Per slot, the chunk checksums of the blob it holds (to verify copies made from it)."""
     by_key: dict[ExpertKey, int] = field(default_factory=dict)
     idle: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    """READY slots nobody holds, least recently released first: eviction candidates."""
+    """READY or LANDED slots nobody holds, least recently released first: eviction
+    candidates."""
     generation: list[int] = field(default_factory=list)
     """Per slot, how many deliveries it was given (the slot-state table's generation)."""
     channel: DeviceChannel | None = None
@@ -55,10 +59,10 @@ class SlotPool:
         self.checksums = [()] * n
         self.generation = [0] * n
 
-    def _publish(self, idx: int, status: int = 0) -> None:
+    def _publish(self, idx: int, status: int = 0, expected: int = 0) -> None:
         if self.channel is not None:
             self.channel.publish_state(self.state_base + idx, self.generation[idx],
-                                       self.state[idx], status)
+                                       self.state[idx], status, expected)
 
     def allocate(self, key: ExpertKey) -> int | None:
         """A slot for ``key`` in FILLING state with one reference; None when all are held."""
@@ -83,6 +87,26 @@ class SlotPool:
         self._publish(idx)
         if self.refs[idx] == 0:
             self.idle[idx] = None
+
+    def mark_landed(self, idx: int, expected: int) -> None:
+        """Every chunk was copied, unchecked (a DMA-engine device): LANDED with the blob's
+        ``expected`` sum, for the consumer to check (idle if nobody holds it)."""
+        self.state[idx] = SlotState.LANDED
+        self._publish(idx, expected=expected)
+        if self.refs[idx] == 0:
+            self.idle[idx] = None
+
+    def verdict(self, idx: int) -> SlotState | None:
+        """What the consumer published for a LANDED slot's generation: READY, FAILED, or None
+        while unchecked (any other word, which only the session's own process could have
+        written, counts as unchecked)."""
+        if self.channel is None:
+            return None
+        word = int(self.channel.view.words[self.state_base + idx])
+        state = word & ((1 << SLOT_STATE_BITS) - 1)
+        if word >> SLOT_STATE_BITS != self.generation[idx]:
+            return None
+        return SlotState(state) if state in (SlotState.READY, SlotState.FAILED) else None
 
     def fail(self, idx: int, status: int) -> None:
         """The slot's delivery failed for good with ``status`` (an ``abi.Status``): watchers
@@ -210,8 +234,8 @@ class Session:
         self.expires_at = time.monotonic() + self.lease_seconds
 
     def drop_ref(self, device_id: int, key: ExpertKey) -> bool:
-        """Drop one reference on the slot holding ``key``; a READY slot nobody holds becomes
-        an eviction candidate. False when no reference was held."""
+        """Drop one reference on the slot holding ``key``; a READY or LANDED slot nobody holds
+        becomes an eviction candidate. False when no reference was held."""
         dev = self.devices.get(device_id)
         if dev is None:
             return False
@@ -220,7 +244,7 @@ class Session:
                 idx = pool.by_key.get(key)
                 if idx is not None and pool.refs[idx] > 0:
                     pool.refs[idx] -= 1
-                    if pool.refs[idx] == 0 and pool.state[idx] == SlotState.READY:
+                    if pool.refs[idx] == 0 and pool.state[idx] in _SETTLED:
                         pool.idle[idx] = None
                     return True
         return False

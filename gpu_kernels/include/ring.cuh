@@ -42,6 +42,7 @@ typedef unsigned long long uint64_t;
 #define DPU_STATUS_CANCELLED 7u
 
 #define DPU_DESC_VERIFY 1u
+#define DPU_REPLY_RESIDENT 1u
 #define DPU_REGION_READABLE 1u
 #define DPU_REGION_WRITABLE 2u
 #define DPU_PACKET_LAST 1u
@@ -55,6 +56,7 @@ typedef unsigned long long uint64_t;
 #define DPU_SLOT_FILLING 1u
 #define DPU_SLOT_READY 2u
 #define DPU_SLOT_FAILED 3u
+#define DPU_SLOT_LANDED 4u
 #define DPU_REQSTATUS_OK 0u
 #define DPU_REQSTATUS_BAD_OPCODE 1u
 #define DPU_REQSTATUS_INVALID_ARGUMENT 2u
@@ -149,14 +151,15 @@ typedef struct {
     uint32_t state_index;
     uint64_t generation;
     uint64_t slot_offset;
-    char message[80];
+    char message[76];
+    uint32_t flags;
     uint64_t seq;
 } dpu_reply;
 
 typedef struct {
     uint64_t word;
     uint32_t status;
-    uint32_t reserved;
+    uint32_t expected;
 } dpu_slot_state;
 
 #ifdef __CUDACC__

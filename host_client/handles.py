@@ -1,0 +1,250 @@
+"""What an acquire returns: a handle that polls one slot-state word (docs/ABI.md), and checks
+a DMA-engine delivery's landed bytes in this process, on this process's device (the slot's
+consumer: a kernel on the caller's stream, or the NumPy twin on the CPU reference device).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dpu_offload.keys import ExpertKey
+from gpu_kernels import abi
+from gpu_kernels.channel import split_word
+from host_client.requests import (
+    CHECK_SECONDS,
+    NAP_SECONDS,
+    SPIN_SECONDS,
+    ClientChannel,
+    RequestRefused,
+    TransferFailed,
+)
+
+if TYPE_CHECKING:
+    from host_client.devices import Device
+    from host_client.memory import ExpertSlot
+
+MAX_REFETCHES = 2
+"""A host ``wait`` whose check finds a mismatch acquires again this many times (the agent
+refetches the expert from the checkpoint); a stream wait cannot (its kernels already ran)."""
+
+
+class StreamWait:
+    """A wait enqueued on a CUDA stream (``AcquireHandle.enqueue_wait``).
+
+    Attributes:
+        slot: the expert's slot views; valid for kernels enqueued on the stream after the wait.
+        result: ``uint32[1]`` device word: an index into ``cuda_ops.WAIT_OUTCOMES`` once the
+            wait ran (0 READY).
+    """
+
+    def __init__(self, key: ExpertKey, slot: ExpertSlot, result: Any, stream: Any) -> None:
+        self.key, self.slot, self.result, self.stream = key, slot, result, stream
+
+    def check(self) -> None:
+        """Synchronise the stream; TransferFailed unless the expert was READY (after a
+        checksum mismatch the agent refetches it for the next acquire)."""
+        from gpu_kernels.cuda_ops import WAIT_OUTCOMES
+
+        self.stream.synchronize()
+        outcome = int(self.result.get()[0])
+        if outcome:
+            raise TransferFailed(f"{self.key}: stream wait ended with "
+                                 f"{WAIT_OUTCOMES[outcome] if outcome < 5 else outcome}")
+
+
+class LandedCheck:
+    """How one device's slots that the DMA engine filled are checked: the device sums the
+    landed blob and publishes READY or FAILED (CHECKSUM_MISMATCH) in the slot-state table,
+    once per delivery (the first waiter to see it claims it)."""
+
+    def __init__(self, device: Device, channel: ClientChannel) -> None:
+        self.device, self.channel = device, channel
+
+    def now(self, reply: np.void, slot: ExpertSlot, timeout: float) -> None:
+        """Check a LANDED slot before returning (on the device; the caller then reads its
+        word)."""
+        index = int(reply["state_index"])
+        self.device.check_landed(self.channel.view.states, self.channel.word_address(index),
+                                 index, int(reply["generation"]), slot.blob, timeout)
+
+    def enqueue(self, reply: np.void, slot: ExpertSlot, stream: Any, timeout: float,
+                result: Any) -> None:
+        """Enqueue on ``stream`` the wait for the slot's verdict: the check itself for the
+        first claimant of this delivery, a wait for someone else's check otherwise."""
+        from gpu_kernels import cuda_ops
+
+        index, generation = int(reply["state_index"]), int(reply["generation"])
+        address = self.channel.word_address(index)
+        if self.channel.claim_check(index, generation):
+            self.device.enqueue_check(address, index, generation, slot.blob, timeout, result,
+                                      stream)
+        else:
+            cuda_ops.wait_ready(address, generation, timeout, result, stream)
+
+
+class AcquireHandle:
+    """A pending (or already satisfied) acquire; :meth:`wait` returns the :class:`ExpertSlot`.
+
+    Resolved by polling shared memory: first the reply (which slot, which generation), then
+    that slot's state word until it reads READY or FAILED for the generation. A slot the DMA
+    engine filled reads LANDED first: the handle checks it (``LandedCheck``) and reads on.
+    """
+
+    def __init__(self, key: ExpertKey, channel: ClientChannel, position: int,
+                 make_slot: Callable[[np.void], ExpertSlot], check: Callable[[], None],
+                 on_settle: Callable[[], None], landed: LandedCheck | None = None,
+                 repost: Callable[[], int] | None = None) -> None:
+        self.key = key
+        self._channel = channel
+        self._position = position
+        self._make_slot = make_slot
+        self._check = check
+        self._on_settle = on_settle
+        self._landed = landed
+        self._repost = repost
+        """Posts the acquire again, returning its ring position (DMA-engine devices)."""
+        self._refetches = 0
+        self._reply: np.void | None = None
+        self._slot: ExpertSlot | None = None
+        self._error: BaseException | None = None
+        self._posted = time.monotonic()
+
+    def _settle(self, slot: ExpertSlot | None, error: BaseException | None) -> None:
+        self._slot, self._error = slot, error
+        self._on_settle()
+
+    def _accept(self, reply: np.void) -> bool:
+        """Take the agent's reply; True when it is a refusal (the outcome)."""
+        refused = RequestRefused.of(reply)
+        if refused is not None:
+            self._settle(None, refused)
+            return True
+        self._reply = reply
+        return False
+
+    def wait_granted(self, timeout: float) -> None:
+        """Block (asleep) until the agent answered the acquire: a slot, or a refusal."""
+        if not self.granted():
+            self._accept(self._channel.wait_reply(self._position, timeout, self._posted))
+
+    def _poll(self, timeout: float = 30.0) -> bool:
+        """Advance as far as shared memory allows (checking a LANDED slot this handle
+        claims, for at most ``timeout`` s); True once the outcome is known."""
+        if self._slot is not None or self._error is not None:
+            return True
+        if self._reply is None:
+            reply = self._channel.take(self._position)
+            if reply is None:
+                return False
+            if self._accept(reply):
+                return True
+        reply = self._reply
+        index, mine = int(reply["state_index"]), int(reply["generation"])
+        generation, state = split_word(self._channel.word(index))
+        if (generation == mine and state == abi.SlotState.LANDED and self._landed is not None
+                and self._channel.claim_check(index, mine)):
+            self._landed.now(reply, self._make_slot(reply), timeout)
+            generation, state = split_word(self._channel.word(index))
+        if generation == mine and state == abi.SlotState.READY:
+            self._settle(self._make_slot(reply), None)
+        elif generation == mine and state == abi.SlotState.FAILED:
+            status = abi.Status(self._channel.slot_status(index))
+            if (status == abi.Status.CHECKSUM_MISMATCH and self._repost is not None
+                    and self._refetches < MAX_REFETCHES):
+                self._refetches += 1
+                self._reply, self._posted = None, time.monotonic()
+                self._position = self._repost()
+                return False
+            self._settle(None, TransferFailed(f"{self.key}: delivery completed with "
+                                              f"{status.name}"))
+        elif generation > mine:
+            self._settle(None, TransferFailed(f"{self.key}: its slot was given to another "
+                                              "delivery before this one completed"))
+        else:
+            return False
+        return True
+
+    def enqueue_wait(self, stream: Any, timeout: float = 30.0) -> StreamWait:
+        """Make ``stream`` (a CuPy stream of the slot's GPU) wait on the GPU until this expert
+        is READY, and return at once: kernels enqueued on ``stream`` afterwards read verified
+        bytes (``StreamWait.slot``), though the expert may not have landed when they are
+        enqueued. Where the DMA engine delivers, the check of the landed bytes runs on
+        ``stream`` too. Only the grant is awaited here (one reply). ``StreamWait.check()``
+        raises if the delivery failed or timed out after ``timeout`` seconds. Release the
+        expert only after the stream has passed the kernels that read it."""
+        from gpu_kernels import cuda_ops
+
+        self.wait_granted(timeout)
+        if self._error is not None:
+            raise self._error
+        assert self._reply is not None
+        result = cuda_ops.cp.empty(1, cuda_ops.cp.uint32)  # no fill kernel: no module load
+        cuda_ops.cp.cuda.runtime.memsetAsync(result.data.ptr, 0xFF, 4, stream.ptr)
+        slot = self._make_slot(self._reply)
+        if self._landed is not None:
+            self._landed.enqueue(self._reply, slot, stream, timeout, result)
+        else:
+            cuda_ops.wait_ready(self._channel.word_address(int(self._reply["state_index"])),
+                                int(self._reply["generation"]), timeout, result, stream)
+        return StreamWait(self.key, slot, result, stream)
+
+    def done(self) -> bool:
+        """Whether the outcome is known (wait would return or raise at once)."""
+        return self._poll()
+
+    def granted(self) -> bool:
+        """Whether the agent has answered the acquire (a slot, or a refusal)."""
+        self._poll()
+        return self._reply is not None or isinstance(self._error, RequestRefused)
+
+    @property
+    def resident(self) -> bool | None:
+        """Once granted: True when this acquire started no delivery (the expert was in its
+        slot, or already on its way there: a cache hit); False when the agent began a delivery
+        for it; None before the grant or after a refusal."""
+        self._poll()
+        if self._reply is None:
+            return None
+        return bool(int(self._reply["flags"]) & abi.ReplyFlags.RESIDENT)
+
+    @property
+    def refusal(self) -> RequestRefused | None:
+        """The agent's refusal of the acquire, once answered."""
+        return self._error if isinstance(self._error, RequestRefused) else None
+
+    def wait(self, timeout: float | None = 30.0) -> ExpertSlot:
+        """Block until the bytes are verified in the slot. Raises RequestRefused (the agent
+        refused the acquire), TransferFailed (the delivery failed), AgentUnavailable (the agent
+        went away), DeviceFault (the device faulted: checked while waiting, so a dead consumer
+        is an error, not a hang), or TimeoutError after ``timeout`` seconds."""
+        start = time.monotonic()
+        next_check = start + CHECK_SECONDS
+        while True:
+            index = None if self._reply is None else int(self._reply["state_index"])
+            address, value = self._channel.watch(self._position, index)
+            left = 30.0 if timeout is None else max(0.0, start + timeout - time.monotonic())
+            if self._poll(left):
+                break
+            if (self._reply is None) != (index is None):
+                continue  # the reply came: watch the slot's word from now on
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CHECK_SECONDS
+                try:
+                    self._check()
+                except Exception as exc:  # noqa: BLE001 - DeviceFault, AgentUnavailable
+                    self._settle(None, exc)
+                    break
+                if timeout is not None and now - start >= timeout:
+                    raise TimeoutError(f"{self.key} not ready after {timeout} s")
+            if now - self._posted > SPIN_SECONDS:
+                self._channel.sleep(address, value,
+                                    min(NAP_SECONDS, max(0.0, next_check - now)))
+        if self._error is not None:
+            raise self._error
+        assert self._slot is not None
+        return self._slot

@@ -1,0 +1,89 @@
+"""The check of a slot the DMA engine filled (state LANDED): the blob's expected sum from its
+chunk checksums, the NumPy twin that publishes READY or FAILED, and the CUDA kernels against
+the twin (same outcomes, same slot-state bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_kernels import abi, reference
+from gpu_kernels.channel import split_word, state_word
+from gpu_kernels.checksum import blob_checksums, blob_sum, terms_sum
+
+S = abi.SlotState
+
+
+@given(st.integers(1, 600), st.integers(1, 64), st.integers(0, 2**32 - 1))
+@settings(max_examples=200, deadline=None)
+def test_blob_sum_of_chunk_checksums_is_the_sum_over_the_blob(n16: int, chunk16: int,
+                                                               seed: int) -> None:
+    blob = np.random.default_rng(seed).integers(0, 256, 16 * n16, dtype=np.uint8)
+    chunk = 16 * chunk16
+    assert blob_sum(blob_checksums(blob, chunk), blob.size, chunk) == terms_sum(blob)
+
+
+def _states(generation: int, state: abi.SlotState, expected: int, index: int = 3
+            ) -> np.ndarray:
+    states = np.zeros(8, abi.SLOT_STATE_DTYPE)
+    states[index] = (state_word(generation, state), 0, expected)
+    return states
+
+
+CASES = [  # (state, generation in the table, corrupt a byte) -> outcome
+    (S.LANDED, 5, False, 0), (S.LANDED, 5, True, 1), (S.LANDED, 6, False, 2),
+    (S.FILLING, 5, False, 3), (S.READY, 5, False, 0), (S.FAILED, 5, False, 1)]
+
+
+@pytest.mark.parametrize("state,generation,corrupt,outcome", CASES)
+def test_twin_publishes_the_verdict_for_its_generation_only(
+        state: abi.SlotState, generation: int, corrupt: bool, outcome: int) -> None:
+    blob = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
+    states = _states(generation, state, terms_sum(blob))
+    before = states.copy()
+    if corrupt:
+        blob[777] ^= 0x10
+    assert reference.verify_landed(states, 3, 5, blob, timeout_s=0.01) == outcome
+    if state == S.LANDED and generation == 5:
+        assert split_word(int(states["word"][3])) == (5, S.FAILED if corrupt else S.READY)
+        assert states["status"][3] == (abi.Status.CHECKSUM_MISMATCH if corrupt else 0)
+        assert states["expected"][3] == before["expected"][3]
+    else:
+        assert states.tobytes() == before.tobytes(), "nothing is written but a verdict"
+    others = np.delete(np.arange(8), 3)
+    assert states[others].tobytes() == before[others].tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state,generation,corrupt,outcome", CASES)
+@pytest.mark.parametrize("nbytes", [16, 4096, 3 << 20])
+def test_cuda_check_matches_the_twin(state: abi.SlotState, generation: int, corrupt: bool,
+                                     outcome: int, nbytes: int) -> None:
+    import cupy as cp
+
+    from gpu_kernels import cuda_ops
+    from host_client.cuda_device import device_pointer
+
+    blob = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    states = _states(generation, state, terms_sum(blob))
+    twin_states = states.copy()
+    if corrupt:
+        blob[nbytes // 3] ^= 0x01
+    want = reference.verify_landed(twin_states, 3, 5, blob, timeout_s=0.01)
+    cp.cuda.runtime.hostRegister(states.ctypes.data, states.nbytes, 0x1 | 0x2)
+    try:
+        result = cp.full(1, 0xFFFFFFFF, cp.uint32)
+        scratch = cp.zeros(2, cp.uint32)
+        stream = cp.cuda.Stream(non_blocking=True)
+        entry = device_pointer(states.ctypes.data) + 3 * abi.SLOT_STATE_DTYPE.itemsize
+        on_gpu = cp.asarray(blob)
+        cuda_ops.verify_landed(entry, 5, int(on_gpu.data.ptr), nbytes, 0.01, result, scratch,
+                               stream)
+        stream.synchronize()
+        assert int(result.get()[0]) == want == outcome
+        assert states.tobytes() == twin_states.tobytes()
+        assert not scratch.get().any(), "the scratch words are left zero for the next check"
+    finally:
+        cp.cuda.runtime.hostUnregister(states.ctypes.data)
