@@ -287,3 +287,32 @@ def test_describe_experts_is_bounded_and_checked(client: AgentClient, qwen_ckpt:
     got = client.stub.DescribeExperts(pb.DescribeExpertsRequest(
         session_id=client.session_id, keys=[good]), timeout=10)
     assert [t.name for t in got.manifests[0].tensors] == ["gate_proj", "up_proj", "down_proj"]
+
+
+def test_scribbled_slot_states_mislead_only_their_own_client(
+        agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice,
+        qwen_ckpt: Path) -> None:
+    """The slot-state table is the client's to write verdicts into; garbage there (unknown
+    states, generations the agent never gave) is no verdict: the agent keeps its own view,
+    counts no mismatch, keeps serving, and its next publication for a slot overwrites it."""
+    truth = checkpoint_bytes(qwen_ckpt)
+    key = ExpertKey("qwen-engine", 1, 3)
+    client.acquire(engine_dev, key).wait(10)
+    client.release(engine_dev, key)
+    failures = metric(agent, "dpu_agent_checksum_failures_total")
+    states = engine_dev.channel.view.states
+    rng = np.random.default_rng(5)
+    states["word"] = (rng.integers(1 << 40, 1 << 62, states.size, dtype=np.uint64) << 8) | \
+        rng.integers(0, 256, states.size, dtype=np.uint64)
+    states["status"] = rng.integers(0, 1 << 32, states.size, dtype=np.uint64).astype(np.uint32)
+    with AgentClient(agent.address) as other:
+        other.load_model(str(qwen_ckpt), "qwen-engine")
+        dev = other.register_device(CpuReferenceDevice(3), [SlotPoolSpec(
+            engine_dev.pools[next(iter(engine_dev.pools))].slot_bytes, 2)], delivery="engine")
+        slot = other.acquire(dev, key).wait(10)
+        assert slot.raw("up_proj").tobytes() == truth["model.layers.1.mlp.experts.3.up_proj.weight"]
+    fresh = ExpertKey("qwen-engine", 2, 0)  # a new delivery publishes over the garbage
+    slot = client.acquire(engine_dev, fresh).wait(10)
+    assert slot.raw("down_proj").tobytes() == truth["model.layers.2.mlp.experts.0.down_proj.weight"]
+    client.release(engine_dev, fresh)
+    assert metric(agent, "dpu_agent_checksum_failures_total") == failures
