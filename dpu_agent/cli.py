@@ -79,6 +79,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     first = next(iter(cat.experts.values()))
     info = {
         "architecture": cat.layout.architecture,
+        "pattern": cat.layout.pattern,
+        "stacked": cat.layout.stacked,
         "moe_layers": list(cat.layout.moe_layers),
         "experts_per_layer": cat.layout.experts_per_layer,
         "shared_experts_per_layer": cat.layout.shared_experts_per_layer,
@@ -93,6 +95,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     layers = info["moe_layers"]
     print(f"architecture      {info['architecture']}")
+    print(f"experts named     {info['pattern']}")
     print(f"MoE layers        {len(layers)} ({layers[0]}..{layers[-1]})")
     print(f"experts / layer   {info['experts_per_layer']} routed, "
           f"{info['shared_experts_per_layer']} shared")

@@ -1,6 +1,7 @@
 """Small checkpoints in real Hugging Face layouts, with seeded random weights (``expertctl
 make-checkpoint``): config.json, model.safetensors.index.json and sharded .safetensors files
-named exactly as the published models name their tensors. For tests, demos and benchmarks.
+named exactly as transformers 5 ``save_pretrained`` names them (and, as options, its fused form
+and the config keys transformers 4 wrote). For tests, demos and benchmarks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class CheckpointSpec:
     seed: int = 0
     dense_layers: int = 1
     """DeepSeek only: leading dense layers (``first_k_dense_replace``)."""
+    fused: bool = False
+    """Write each layer's experts stacked, as transformers 5 saves with
+    ``save_original_format=False``: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows,
+    then up rows) and ``mlp.experts.down_proj`` ``[E, H, I]`` (not for gpt-oss, always
+    stacked)."""
+    legacy_config: bool = False
+    """Spell Qwen3-MoE's expert count ``num_experts``, as transformers 4 wrote it (5 writes
+    ``num_local_experts``)."""
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -61,7 +70,8 @@ def _config(spec: CheckpointSpec) -> dict:
                 "num_local_experts": spec.experts, "intermediate_size": spec.intermediate}
     if spec.arch in ("qwen3-moe", "qwen2-moe"):
         mt = spec.arch.replace("-", "_")
-        cfg = {**common, "model_type": mt, "num_experts": spec.experts,
+        count = "num_experts" if mt == "qwen2_moe" or spec.legacy_config else "num_local_experts"
+        cfg = {**common, "model_type": mt, count: spec.experts,
                "moe_intermediate_size": spec.intermediate, "decoder_sparse_step": 1,
                "mlp_only_layers": [], "intermediate_size": spec.intermediate * 4,
                "architectures": ["Qwen3MoeForCausalLM" if mt == "qwen3_moe"
@@ -107,7 +117,13 @@ def _layer_tensors(spec: CheckpointSpec, layer: int, rng: np.random.Generator
         yield f"{q}.down_proj", *_weights(rng, (e, i, h), spec.dtype)
         yield f"{q}.down_proj_bias", *_weights(rng, (e, h), spec.dtype)
         return
-    if spec.arch == "mixtral":
+    if spec.fused:
+        yield f"{p}.mlp.gate.weight", *_weights(rng, (e, h), "bf16")
+        yield f"{p}.mlp.experts.gate_up_proj", *_weights(rng, (e, 2 * i, h), spec.dtype)
+        yield f"{p}.mlp.experts.down_proj", *_weights(rng, (e, h, i), spec.dtype)
+        names = ()
+        q = ""
+    elif spec.arch == "mixtral":
         yield f"{p}.block_sparse_moe.gate.weight", *_weights(rng, (e, h), "bf16")
         names = (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i)))
         q = f"{p}.block_sparse_moe.experts"
@@ -116,7 +132,7 @@ def _layer_tensors(spec: CheckpointSpec, layer: int, rng: np.random.Generator
         names = (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))
         q = f"{p}.mlp.experts"
     wdtype = spec.dtype
-    for x in range(e):
+    for x in range(e) if names else ():
         for name, shape in names:
             yield f"{q}.{x}.{name}.weight", *_weights(rng, shape, wdtype)
             if spec.dtype == "fp8":

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     spec = CheckpointSpec(args.arch, layers=args.layers, experts=args.experts,
                           hidden=args.hidden, intermediate=args.intermediate, dtype=args.dtype,
-                          top_k=args.top_k, seed=args.seed)
+                          top_k=args.top_k, seed=args.seed, fused=args.fused,
+                          legacy_config=args.legacy_config)
     path = make_checkpoint(args.dir, spec)
     print(f"wrote {spec.arch} checkpoint to {path}")
     return 0
@@ -271,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=_positive, default=2)
     p.add_argument("--dtype", choices=("bf16", "fp8", "f32"), default="bf16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fused", action="store_true",
+                   help="stacked experts, as transformers 5 saves with save_original_format=False")
+    p.add_argument("--legacy-config", action="store_true",
+                   help="Qwen3-MoE's expert count as transformers 4 spelled it (num_experts)")
     p.set_defaults(fn=cmd_make_checkpoint)
     p = sub.add_parser("serve-experts", help="an expert worker process serving activations")
     p.add_argument("--agent", default="127.0.0.1:50051")

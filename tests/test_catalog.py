@@ -100,7 +100,8 @@ def test_refusals_name_file_and_tensor(tmp_path: Path) -> None:
     missing = tmp_path / "missing"
     shutil.copytree(root, missing)
     _edit_index(missing, lambda wm: wm.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"l1-e2 lacks tensor .*up_proj"):
+    with pytest.raises(LayoutError, match=r"layer 1 expert 2 lacks "
+                                         r"model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight"):
         build_catalog(missing)
 
     absent = tmp_path / "absent"
@@ -126,11 +127,23 @@ def test_refusals_name_file_and_tensor(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"gate_proj.weight' has shape .*config implies"):
         build_catalog(wrong_shape)
 
+    # An unknown model_type is read by its names (the count from the tensors); names that
+    # follow no expert pattern are refused, saying what was expected.
     unknown = tmp_path / "unknown"
     shutil.copytree(root, unknown)
     (unknown / "config.json").write_text('{"model_type": "bert"}')
-    with pytest.raises(LayoutError, match="unrecognised model_type 'bert'"):
-        build_catalog(unknown)
+    cat = build_catalog(unknown)
+    assert (cat.layout.architecture, cat.layout.experts_per_layer) == ("bert", 3)
+    assert cat.layout.pattern == ("model.layers.{L}.mlp.experts.{E}."
+                                  "{down_proj.weight,gate_proj.weight,up_proj.weight}")
+    renamed = tmp_path / "renamed"
+    shutil.copytree(root, renamed)
+    _edit_index(renamed, lambda wm: [wm.__setitem__(k.replace("experts", "ffn"), wm.pop(k))
+                                     for k in list(wm)])
+    for shard_file in renamed.glob("*.safetensors"):
+        shard_file.unlink()  # the index alone names the tensors
+    with pytest.raises(LayoutError, match=r"no expert tensors .*experts\.\{E\}"):
+        build_catalog(renamed, require_shards=False)
 
 
 def test_fp8_config_with_bf16_weights_is_refused(tmp_path: Path) -> None:
@@ -178,7 +191,11 @@ def test_inspect_deepseek_v3_index_only_fast_and_small(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "dpu_agent.cli", "inspect", str(root), "--json"],
                          capture_output=True, text=True, check=True).stdout
     info = json.loads(out)
-    assert info["architecture"] == "deepseek_v3"
+    assert info["architecture"] == "deepseek_v3" and not info["stacked"]
+    assert info["pattern"] == ("model.layers.{L}.mlp.experts.{E}.{down_proj.weight,"
+                               "down_proj.weight_scale_inv,gate_proj.weight,"
+                               "gate_proj.weight_scale_inv,up_proj.weight,"
+                               "up_proj.weight_scale_inv}")
     assert info["moe_layers"] == list(range(3, 61))
     assert info["experts_per_layer"] == 256 and info["shared_experts_per_layer"] == 1
     # 3 x 7168 x 2048 FP8 bytes + 3 F32 scale tensors of 16 x 56 (3584 B, already aligned).

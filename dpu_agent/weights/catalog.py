@@ -8,11 +8,18 @@ so a refused model leaves nothing half-registered.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpu_agent.weights.layouts import LayoutError, ModelLayout, TensorSource, layout_for
+from dpu_agent.weights.layouts import (
+    LayoutError,
+    ModelLayout,
+    TensorSource,
+    discover,
+    text_config,
+)
 from dpu_agent.weights.safetensors_file import (
     DTYPE_BYTES,
     CheckpointError,
@@ -119,13 +126,20 @@ FP8_BLOCK = 128
 
 
 def _expected_shape(layout: ModelLayout, src: TensorSource) -> tuple[int, ...] | None:
-    """Shape the config implies for a per-expert SwiGLU role, or None when not checked."""
+    """Shape the config implies for one expert's role (a stacked tensor's slice), or None
+    when not checked (no sizes in the config, or a quantised block layout)."""
     h, i = layout.hidden_size, layout.intermediate_size
-    if not h or not i or src.index is not None:
+    if not h or not i:
         return None
-    shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+              "gate_up_proj": (2 * i, h)}
+    if layout.in_out:
+        shapes = {role: (cols, rows) for role, (rows, cols) in shapes.items()}
     if src.role in shapes:
         return shapes[src.role]
+    base = src.role.removesuffix("_bias")
+    if base in shapes:
+        return (shapes[base][1 if layout.in_out else 0],)
     base = src.role.removesuffix("_scale_inv")
     if base in shapes:
         rows, cols = shapes[base]
@@ -172,7 +186,6 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
     cfg = _read_json(root / "config.json")
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{root / 'config.json'}: not a JSON object")
-    layout = layout_for(cfg)
     weight_map = _weight_map(root)
     shard_files = sorted(set(weight_map.values()))
     present = [s for s in shard_files if (root / s).exists()]
@@ -187,9 +200,13 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
             if tensor not in headers[shard]:
                 raise CheckpointError(f"{root / shard}: index says it holds {tensor!r}, "
                                       "its header does not")
-    fp8 = (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+    layout = discover(cfg, {t: (headers[s][t].shape if s in headers else None)
+                            for t, s in weight_map.items()})
+    text = text_config(cfg)
+    quant = cfg.get("quantization_config") or text.get("quantization_config") or {}
+    fp8 = isinstance(quant, dict) and quant.get("quant_method") == "fp8"
     default_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(
-        str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))), "BF16")
+        str(text.get("torch_dtype", text.get("dtype", "bfloat16"))), "BF16")
     model = name or root.name
     experts: dict[ExpertKey, ExpertEntry] = {}
     shard_paths = {shard: root / shard for shard in shard_files}  # one Path per shard
@@ -225,14 +242,14 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
                                               f"{dtype}, config says fp8")
                     file: Path | None = shard_paths[shard]
                 else:
-                    want = _expected_shape(layout, src)
+                    want = _expected_shape(layout, src) if src.index is None else None
                     if want is None:
                         raise CheckpointError(f"{root}: cannot size {src.tensor!r} without "
                                               "its shard")
                     dtype = ("F32" if src.role.endswith("_scale_inv")
                              else "F8_E4M3" if fp8 else default_dtype)
                     shape, start, file = want, 0, None
-                    nbytes = int(want[0] * want[1]) * DTYPE_BYTES[dtype]
+                    nbytes = math.prod(want) * DTYPE_BYTES[dtype]
                 offset = align_up(cursor)
                 tensors.append(BlobTensor(src.role, dtype, tuple(shape), offset, nbytes, file,
                                           start))

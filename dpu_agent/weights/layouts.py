@@ -1,20 +1,33 @@
-"""How real Hugging Face MoE checkpoints name their experts: the architecture table.
+"""How a MoE checkpoint names its experts, discovered from its tensor names (and shapes, when
+the shards are there), with ``config.json`` for the numbers. No architecture gate: any
+``model_type`` whose tensors follow one of the two forms every MoE family uses is accepted.
 
-Each entry reads ``config.json`` and answers which layers are MoE, how many routed and shared
-experts they hold, and which checkpoint tensors (or which slice of a stacked tensor) make up one
-expert, in the fixed role order of the expert blob (docs/LAYOUT.md). Adding an architecture is
-one function and one line in :data:`ARCHITECTURES`.
+- **per-expert**: ``<prefix>layers.{L}.<block>.experts.{E}.<proj>.<part>``, e.g.
+  ``model.layers.3.mlp.experts.7.gate_proj.weight`` (Qwen, DeepSeek, OLMoE as saved by
+  transformers), ``...block_sparse_moe.experts.7.w1.weight`` (Mixtral, PhiMoE, MiniMax); FP8 adds
+  ``.weight_scale_inv``.
+- **stacked**: one tensor per role with the experts in dimension 0,
+  ``<prefix>layers.{L}.<block>.experts.<proj><part>``: transformers 5's fused form
+  (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``), gpt-oss and
+  Llama-4 (``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``, biases, MXFP4 ``_blocks``
+  / ``_scales``), GraniteMoE (``input_linear`` / ``output_linear``).
+
+Roles in an expert blob (docs/LAYOUT.md): ``gate_proj``, ``up_proj``, ``gate_up_proj``,
+``down_proj``, each with an optional suffix ``_blocks``, ``_scales``, ``_scale_inv``, ``_scale``,
+``_bias``; weights first, so a blob's gate and up lie side by side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 
 class LayoutError(ValueError):
-    """The checkpoint's architecture or config is not one this table recognises."""
+    """The checkpoint's experts or config cannot be read as a MoE layout; says what was seen
+    and what was expected."""
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,7 @@ class TensorSource:
     Attributes:
         role: the tensor's name within the expert blob (gate_proj, up_proj, ...).
         tensor: the checkpoint tensor name.
-        index: for stacked (fused) tensors, the expert's index along dimension 0; else None.
+        index: for stacked tensors, the expert's index along dimension 0; else None.
     """
 
     role: str
@@ -44,130 +57,210 @@ class ModelLayout:
     """(layer, expert) -> the roles of that expert in blob order."""
     hidden_size: int = 0
     intermediate_size: int = 0
+    """One expert's intermediate size (I), from the config."""
     top_k: int = 0
+    pattern: str = ""
+    """The names the experts were found under, e.g.
+    ``model.layers.{L}.mlp.experts.{E}.{gate_proj,up_proj,down_proj}.weight``."""
+    stacked: bool = False
+    """Whether each role is one ``[E, ...]`` tensor per layer."""
+    in_out: bool = False
+    """Stacked weights stored ``[E, in, out]`` (gpt-oss, Llama-4: ``gate_up_proj`` ``[E, H,
+    2I]``) rather than ``[E, out, in]`` like ``nn.Linear`` (transformers 5's fused form)."""
 
 
-def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
-    if value is None:
-        raise LayoutError(f"config.json lacks {key!r}")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise LayoutError(f"config.json key {key!r} must be a non-negative integer, got {value!r}")
-    return value
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys of the routed-expert count, as transformers versions and families spell it."""
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+INTERMEDIATE_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
+SHARED_COUNT_KEYS = ("n_shared_experts", "num_shared_experts")
+IN_OUT_TYPES = frozenset({"gpt_oss", "llama4", "llama4_text"})
+"""Families whose stacked weights are ``[E, in, out]``; used only where the shapes cannot tell
+(a square ``gate_up_proj``)."""
+
+_PROJ = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj", "w3": "up_proj",
+         "down_proj": "down_proj", "w2": "down_proj", "gate_up_proj": "gate_up_proj",
+         "input_linear": "gate_up_proj", "output_linear": "down_proj"}
+_PART = {"weight": "", ".weight": "", "": "", "weight_scale_inv": "_scale_inv",
+         ".weight_scale_inv": "_scale_inv", "_scale_inv": "_scale_inv",
+         "weight_scale": "_scale", "bias": "_bias", ".bias": "_bias", "_bias": "_bias",
+         "_blocks": "_blocks", "_scales": "_scales"}
+_BASES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+_SUFFIXES = ("", "_blocks", "_scales", "_scale_inv", "_scale", "_bias")
+
+_LAYER = r"(?P<block>(?P<prefix>(?:[\w]+\.)*?)layers\.(?P<layer>\d+)\.(?:\w+\.)*?"
+_PER_EXPERT = re.compile(_LAYER + r"experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\."
+                         r"(?P<part>weight|weight_scale_inv|weight_scale|bias)$")
+_STACKED = re.compile(_LAYER + r"experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)"
+                      r"(?P<part>_bias|_blocks|_scales|_scale_inv|\.weight|\.bias|"
+                      r"\.weight_scale_inv)?$")
+_PARALLEL = re.compile(_LAYER + r"\w+)\.(?P<proj>input_linear|output_linear)(?P<part>\.weight)$")
+"""GraniteMoE's stacked experts (``block_sparse_moe.input_linear.weight`` ``[E, 2I, H]``)."""
+_SHARED = re.compile(r"\.shared_experts?\.")
 
 
-def _per_expert(prefix: str, names: list[tuple[str, str]]) -> Callable[[int, int],
-                                                                       list[TensorSource]]:
+def role_order(role: str) -> tuple[int, int]:
+    """Sort key of a blob role: weights of every projection first, then each suffix."""
+    if role in _BASES:
+        return 0, _BASES.index(role)
+    for s, suffix in enumerate(_SUFFIXES[1:], 1):
+        if role.endswith(suffix) and role[:-len(suffix)] in _BASES:
+            return s, _BASES.index(role[:-len(suffix)])
+    return len(_SUFFIXES), 0
+
+
+def first_int(cfg: Mapping[str, Any], keys: tuple[str, ...], what: str,
+              default: int | None = None) -> int:
+    """The first of ``keys`` present in ``cfg``, a non-negative integer; LayoutError naming
+    every spelling looked for when none is there (and no default)."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            value = cfg[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise LayoutError(f"config.json key {key!r} ({what}) must be a non-negative "
+                                  f"integer, got {value!r}")
+            return value
+    if default is None:
+        raise LayoutError(f"config.json gives no {what} (looked for {', '.join(keys)})")
+    return default
+
+
+def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's config: ``text_config`` of a multimodal wrapper, else ``cfg``."""
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) else cfg
+
+
+@dataclass
+class _Layer:
+    block: str
+    stacked: bool
+    roles: dict[str, str] = field(default_factory=dict)
+    """role -> tensor name (stacked) or ``<proj>.<part>`` after the expert index."""
+    experts: dict[int, set[str]] = field(default_factory=dict)
+
+
+def _scan(names: list[str]) -> dict[int, _Layer]:
+    layers: dict[int, _Layer] = {}
+    for name in names:
+        m = _PER_EXPERT.match(name) or _STACKED.match(name) or _PARALLEL.match(name)
+        if m is None or _SHARED.search(name):
+            continue
+        stacked = "expert" not in m.groupdict()
+        proj = _PROJ.get(m["proj"])
+        if proj is None:
+            raise LayoutError(f"expert tensor {name!r}: projection {m['proj']!r} is none of "
+                              f"{', '.join(sorted(_PROJ))}")
+        role = proj + _PART[m["part"] or ""]
+        layer = int(m["layer"])
+        got = layers.setdefault(layer, _Layer(m["block"], stacked))
+        if (got.block, got.stacked) != (m["block"], stacked):
+            raise LayoutError(f"layer {layer} holds experts in two forms: under "
+                              f"{got.block!r} and in {name!r}")
+        if stacked:
+            if role in got.roles:
+                raise LayoutError(f"layer {layer}: {got.roles[role]!r} and {name!r} are both "
+                                  f"its {role}")
+            got.roles[role] = name
+        else:
+            got.roles[role] = f"{m['proj']}.{m['part']}"
+            got.experts.setdefault(int(m["expert"]), set()).add(role)
+    return layers
+
+
+def _pattern(layers: dict[int, _Layer]) -> str:
+    """One name pattern for every layer; LayoutError when layers differ."""
+    patterns = {}
+    for layer, got in layers.items():
+        block = re.sub(rf"layers\.{layer}\.", "layers.{L}.", got.block, count=1)
+        roles = ",".join(sorted(got.roles, key=role_order))
+        patterns[layer] = (f"{block}.{{{roles}}}" if got.stacked
+                           else f"{block}.{{E}}.{{{','.join(sorted(set(got.roles.values())))}}}")
+    distinct = sorted(set(patterns.values()))
+    if len(distinct) > 1:
+        raise LayoutError(f"MoE layers name their experts differently: {distinct[:3]}")
+    return distinct[0]
+
+
+def _expert_count(cfg: Mapping[str, Any], layers: dict[int, _Layer],
+                  shapes: Mapping[str, tuple[int, ...] | None]) -> int:
+    named = None
+    got = next(iter(layers.values()))
+    if not got.stacked:
+        named = max(got.experts) + 1
+    else:
+        dims = {shapes.get(t) for t in got.roles.values()} - {None}
+        named = next(iter(dims))[0] if dims else None
+    configured = first_int(cfg, EXPERT_COUNT_KEYS, "routed-expert count", default=-1)
+    if configured < 0:
+        if named is None:
+            raise LayoutError("config.json gives no routed-expert count (looked for "
+                              f"{', '.join(EXPERT_COUNT_KEYS)}) and the shards that would "
+                              "tell are absent")
+        return named
+    # Per-expert names short of the count are a missing expert (_check_experts names it).
+    if named is not None and (named > configured or (got.stacked and named != configured)):
+        raise LayoutError(f"config.json says {configured} experts per layer, the tensors "
+                          f"hold {named}")
+    return configured
+
+
+def _check_experts(layers: dict[int, _Layer], experts: int) -> None:
+    for layer, got in sorted(layers.items()):
+        roles = set(got.roles)
+        if not ({"down_proj"} <= roles and ({"gate_proj", "up_proj"} <= roles
+                                            or "gate_up_proj" in roles)):
+            raise LayoutError(f"layer {layer}: expert tensors {sorted(roles)} lack a down "
+                              "projection and gate and up (or a fused gate_up) projections")
+        for e in range(experts) if not got.stacked else ():
+            if got.experts.get(e) != roles:
+                missing = sorted(roles - got.experts.get(e, set()), key=role_order)
+                raise LayoutError(f"layer {layer} expert {e} lacks "
+                                  + ", ".join(f"{got.block}.{e}.{got.roles[r]}" for r in missing))
+
+
+def _in_out(model_type: str, got: _Layer, shapes: Mapping[str, tuple[int, ...] | None],
+            hidden: int) -> bool:
+    shape = shapes.get(got.roles.get("gate_up_proj", got.roles.get("down_proj", "")))
+    if shape is not None and len(shape) == 3 and shape[1] != shape[2] and hidden:
+        fused = "gate_up_proj" in got.roles
+        return shape[1] == hidden if fused else shape[2] == hidden
+    return model_type in IN_OUT_TYPES
+
+
+def discover(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...] | None]
+             ) -> ModelLayout:
+    """The MoE layout of a checkpoint from its parsed ``config.json`` and its tensors
+    (name -> shape, None where the shard is absent). LayoutError says what was seen and what
+    was expected."""
+    text = text_config(cfg)
+    model_type = str(text.get("model_type") or cfg.get("model_type") or "unknown")
+    layers = _scan(sorted(shapes))
+    if not layers:
+        sample = sorted(shapes)[:3]
+        raise LayoutError(
+            f"no expert tensors in this checkpoint (model_type {model_type!r}): expected names "
+            "like '...layers.{L}.<block>.experts.{E}.<gate_proj|w1|...>.weight' or stacked "
+            f"'...layers.{{L}}.<block>.experts.<gate_up_proj|down_proj>'; saw e.g. {sample}")
+    pattern = _pattern(layers)
+    experts = _expert_count(text, layers, shapes)
+    _check_experts(layers, experts)
+    hidden = first_int(text, ("hidden_size",), "hidden size", default=0)
+    shared = first_int(text, SHARED_COUNT_KEYS, "shared-expert count", default=-1)
+    if shared < 0:
+        shared = 1 if (text.get("shared_expert_intermediate_size")
+                       or any(_SHARED.search(n) for n in shapes)) else 0
+    first = next(iter(layers.values()))
+    order = {layer: sorted(got.roles, key=role_order) for layer, got in layers.items()}
+
     def sources(layer: int, expert: int) -> list[TensorSource]:
-        base = prefix.format(layer=layer, expert=expert)
-        return [TensorSource(role, f"{base}.{suffix}") for role, suffix in names]
-    return sources
+        got = layers[layer]
+        if got.stacked:
+            return [TensorSource(r, got.roles[r], expert) for r in order[layer]]
+        return [TensorSource(r, f"{got.block}.{expert}.{got.roles[r]}") for r in order[layer]]
 
-
-_SWIGLU = [("gate_proj", "gate_proj.weight"), ("up_proj", "up_proj.weight"),
-           ("down_proj", "down_proj.weight")]
-
-
-def _mixtral(cfg: dict[str, Any]) -> ModelLayout:
-    layers = _int(cfg, "num_hidden_layers")
     return ModelLayout(
-        "mixtral", tuple(range(layers)), _int(cfg, "num_local_experts"), 0,
-        _per_expert("model.layers.{layer}.block_sparse_moe.experts.{expert}",
-                    [("gate_proj", "w1.weight"), ("up_proj", "w3.weight"),
-                     ("down_proj", "w2.weight")]),
-        _int(cfg, "hidden_size"), _int(cfg, "intermediate_size"),
-        _int(cfg, "num_experts_per_tok", 2))
-
-
-def _qwen_moe(cfg: dict[str, Any]) -> ModelLayout:
-    layers = _int(cfg, "num_hidden_layers")
-    step = _int(cfg, "decoder_sparse_step", 1) or 1
-    dense = set(cfg.get("mlp_only_layers") or [])
-    experts = _int(cfg, "num_experts")
-    moe = tuple(i for i in range(layers) if i not in dense and experts and (i + 1) % step == 0)
-    shared = 1 if cfg.get("shared_expert_intermediate_size") else 0
-    return ModelLayout(
-        cfg["model_type"], moe, experts, shared,
-        _per_expert("model.layers.{layer}.mlp.experts.{expert}", _SWIGLU),
-        _int(cfg, "hidden_size"), _int(cfg, "moe_intermediate_size"),
-        _int(cfg, "num_experts_per_tok", 2))
-
-
-def _deepseek(cfg: dict[str, Any]) -> ModelLayout:
-    layers = _int(cfg, "num_hidden_layers")
-    first_dense = _int(cfg, "first_k_dense_replace", 0)
-    freq = _int(cfg, "moe_layer_freq", 1) or 1
-    moe = tuple(i for i in range(layers) if i >= first_dense and i % freq == 0)
-    fp8 = (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
-    names = list(_SWIGLU)
-    if fp8:
-        names += [(f"{role}_scale_inv", f"{role}.weight_scale_inv") for role, _ in _SWIGLU]
-    return ModelLayout(
-        cfg["model_type"], moe, _int(cfg, "n_routed_experts"), _int(cfg, "n_shared_experts", 0),
-        _per_expert("model.layers.{layer}.mlp.experts.{expert}", names),
-        _int(cfg, "hidden_size"), _int(cfg, "moe_intermediate_size"),
-        _int(cfg, "num_experts_per_tok", 8))
-
-
-def _olmoe(cfg: dict[str, Any]) -> ModelLayout:
-    layers = _int(cfg, "num_hidden_layers")
-    return ModelLayout(
-        "olmoe", tuple(range(layers)), _int(cfg, "num_experts"), 0,
-        _per_expert("model.layers.{layer}.mlp.experts.{expert}", _SWIGLU),
-        _int(cfg, "hidden_size"), _int(cfg, "intermediate_size"),
-        _int(cfg, "num_experts_per_tok", 8))
-
-
-def _stacked(prefix: str, roles: list[tuple[str, str]]) -> Callable[[int, int],
-                                                                   list[TensorSource]]:
-    def sources(layer: int, expert: int) -> list[TensorSource]:
-        base = prefix.format(layer=layer)
-        return [TensorSource(role, f"{base}.{suffix}", expert) for role, suffix in roles]
-    return sources
-
-
-def _gpt_oss(cfg: dict[str, Any]) -> ModelLayout:
-    layers = _int(cfg, "num_hidden_layers")
-    return ModelLayout(
-        "gpt_oss", tuple(range(layers)), _int(cfg, "num_local_experts"), 0,
-        _stacked("model.layers.{layer}.mlp.experts",
-                 [("gate_up_proj", "gate_up_proj"), ("gate_up_proj_bias", "gate_up_proj_bias"),
-                  ("down_proj", "down_proj"), ("down_proj_bias", "down_proj_bias")]),
-        _int(cfg, "hidden_size"), _int(cfg, "intermediate_size"),
-        _int(cfg, "num_experts_per_tok", 4))
-
-
-def _llama4(cfg: dict[str, Any]) -> ModelLayout:
-    text = cfg.get("text_config", cfg)
-    layers = _int(text, "num_hidden_layers")
-    step = _int(text, "interleave_moe_layer_step", 1) or 1
-    moe = tuple(i for i in range(layers) if (i + 1) % step == 0)
-    prefix = ("language_model.model.layers.{layer}.feed_forward.experts"
-              if "text_config" in cfg else "model.layers.{layer}.feed_forward.experts")
-    return ModelLayout(
-        "llama4", moe, _int(text, "num_local_experts"), 1,
-        _stacked(prefix, [("gate_up_proj", "gate_up_proj"), ("down_proj", "down_proj")]),
-        _int(text, "hidden_size"), _int(text, "intermediate_size"),
-        _int(text, "num_experts_per_tok", 1))
-
-
-ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelLayout]] = {
-    "mixtral": _mixtral,
-    "qwen2_moe": _qwen_moe,
-    "qwen3_moe": _qwen_moe,
-    "deepseek_v2": _deepseek,
-    "deepseek_v3": _deepseek,
-    "olmoe": _olmoe,
-    "gpt_oss": _gpt_oss,
-    "llama4": _llama4,
-}
-"""``config.json`` ``model_type`` -> layout reader."""
-
-
-def layout_for(cfg: dict[str, Any]) -> ModelLayout:
-    """The layout of a checkpoint from its parsed ``config.json``."""
-    model_type = cfg.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise LayoutError(f"unrecognised model_type {model_type!r} in config.json; known: "
-                          f"{', '.join(sorted(ARCHITECTURES))}")
-    return ARCHITECTURES[model_type](cfg)
+        model_type, tuple(sorted(layers)), experts, shared, sources, hidden,
+        first_int(text, INTERMEDIATE_KEYS, "expert intermediate size", default=0),
+        first_int(text, TOP_K_KEYS, "experts per token", default=0), pattern, first.stacked,
+        first.stacked and _in_out(model_type, first, shapes, hidden))
