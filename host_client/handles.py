@@ -212,6 +212,14 @@ class AcquireHandle:
         return bool(int(self._reply["flags"]) & abi.ReplyFlags.RESIDENT)
 
     @property
+    def where(self) -> tuple[int, int] | None:
+        """(region id, byte offset) of the granted slot in its pool; None before the grant."""
+        self._poll()
+        if self._reply is None:
+            return None
+        return int(self._reply["region_id"]), int(self._reply["slot_offset"])
+
+    @property
     def refusal(self) -> RequestRefused | None:
         """The agent's refusal of the acquire, once answered."""
         return self._error if isinstance(self._error, RequestRefused) else None

@@ -8,7 +8,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -173,13 +172,10 @@ def _deepseek_v3_index(root: Path) -> Path:
     return root
 
 
-def test_inspect_deepseek_v3_index_only_fast_and_small(tmp_path: Path) -> None:
+def test_inspect_deepseek_v3_index_only_small(tmp_path: Path) -> None:
     root = _deepseek_v3_index(tmp_path / "dsv3")
-    t0 = time.perf_counter()
     cat = build_catalog(root, require_shards=False)
-    elapsed = time.perf_counter() - t0
     assert len(cat.experts) == 58 * 256
-    assert elapsed < 2.0, f"catalog took {elapsed:.2f} s"
     # VmHWM, not ru_maxrss: the latter carries the (large) pytest parent's peak across exec.
     code = ("from dpu_agent.weights.catalog import build_catalog; "
             f"c = build_catalog({str(root)!r}, require_shards=False); "

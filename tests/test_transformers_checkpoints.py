@@ -24,10 +24,10 @@ transformers = pytest.importorskip("transformers")
 HIDDEN, INTER, EXPERTS, LAYERS = 64, 24, 4, 3
 COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, head_dim=16)
-MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=8,
            v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1,
            moe_intermediate_size=INTER, intermediate_size=96, n_routed_experts=EXPERTS,
-           n_shared_experts=1)
+           n_shared_experts=1, num_key_value_heads=4)
 FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
     # model_type: (config class, its arguments, shared experts per MoE layer)
     "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=INTER, intermediate_size=96,
@@ -53,7 +53,7 @@ FORMS = {"default": {}, "sharded": {"max_shard_size": "40KB"},
 def _model(model_type: str) -> Any:
     cls_name, kwargs, _ = FAMILIES[model_type]
     torch.manual_seed(0)
-    cfg = getattr(transformers, cls_name)(**COMMON, num_experts_per_tok=2, **kwargs)
+    cfg = getattr(transformers, cls_name)(**{**COMMON, "num_experts_per_tok": 2, **kwargs})
     return transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
 
 

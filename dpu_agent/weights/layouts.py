@@ -88,13 +88,10 @@ _PART = {"weight": "", ".weight": "", "": "", "weight_scale_inv": "_scale_inv",
 _BASES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 _SUFFIXES = ("", "_blocks", "_scales", "_scale_inv", "_scale", "_bias")
 
-_LAYER = r"(?P<block>(?P<prefix>(?:[\w]+\.)*?)layers\.(?P<layer>\d+)\.(?:\w+\.)*?"
-_PER_EXPERT = re.compile(_LAYER + r"experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\."
-                         r"(?P<part>weight|weight_scale_inv|weight_scale|bias)$")
-_STACKED = re.compile(_LAYER + r"experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)"
-                      r"(?P<part>_bias|_blocks|_scales|_scale_inv|\.weight|\.bias|"
-                      r"\.weight_scale_inv)?$")
-_PARALLEL = re.compile(_LAYER + r"\w+)\.(?P<proj>input_linear|output_linear)(?P<part>\.weight)$")
+_STACKED_PROJ = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+_STACKED_SUFFIX = ("", "_bias", "_blocks", "_scales", "_scale_inv")
+_PER_EXPERT_PART = ("weight", "weight_scale_inv", "weight_scale", "bias")
+_PARALLEL = ("input_linear", "output_linear")
 """GraniteMoE's stacked experts (``block_sparse_moe.input_linear.weight`` ``[E, 2I, H]``)."""
 _SHARED = re.compile(r"\.shared_experts?\.")
 
@@ -140,31 +137,86 @@ class _Layer:
     experts: dict[int, set[str]] = field(default_factory=dict)
 
 
+def _role(name: str, proj: str, part: str) -> str:
+    base = _PROJ.get(proj)
+    if base is None:
+        raise LayoutError(f"expert tensor {name!r}: projection {proj!r} is none of "
+                          f"{', '.join(sorted(_PROJ))}")
+    return base + _PART[part]
+
+
+def _parse(name: str) -> tuple[str, int, int | None, str, str] | None:
+    """(block, layer, expert or None for stacked, proj, part) of an expert tensor's name;
+    None for any other tensor. Split, not a regular expression: a checkpoint has ~10^5 names."""
+    parts = name.split(".")
+    try:
+        at = len(parts) - 1 - parts[::-1].index("experts")
+    except ValueError:
+        at = -1
+    tail = parts[at + 1:] if at >= 0 else []
+    if len(tail) == 3 and tail[0].isdigit() and tail[2] in _PER_EXPERT_PART:
+        expert, proj, part = int(tail[0]), tail[1], tail[2]
+    elif at >= 0 and len(tail) in (1, 2):
+        expert = None
+        proj, part = tail[0], "." + tail[1] if len(tail) == 2 else ""
+        if part not in ("", ".weight", ".bias", ".weight_scale_inv"):
+            return None
+        if not part:
+            base = next((p for p in _STACKED_PROJ if proj.startswith(p)
+                         and proj[len(p):] in _STACKED_SUFFIX), None)
+            if base is None:
+                return None
+            proj, part = base, proj[len(base):]
+        elif proj not in _STACKED_PROJ:
+            return None
+    elif len(parts) >= 2 and parts[-2] in _PARALLEL and parts[-1] == "weight":
+        at, expert, proj, part = len(parts) - 3, None, parts[-2], ".weight"
+    else:
+        return None
+    layer = next((int(parts[k + 1]) for k in range(at - 1, -1, -1)
+                  if parts[k] == "layers" and parts[k + 1].isdigit()), None)
+    if layer is None:
+        return None
+    return ".".join(parts[:at + 1]), layer, expert, proj, part
+
+
+def _role(name: str, proj: str, part: str) -> str:
+    base = _PROJ.get(proj)
+    if base is None:
+        raise LayoutError(f"expert tensor {name!r}: projection {proj!r} is none of "
+                          f"{', '.join(sorted(_PROJ))}")
+    return base + _PART[part]
+
+
 def _scan(names: list[str]) -> dict[int, _Layer]:
     layers: dict[int, _Layer] = {}
+    roles: dict[tuple[str, str], str] = {}
+    """(proj, part) -> role, computed once per spelling."""
     for name in names:
-        m = _PER_EXPERT.match(name) or _STACKED.match(name) or _PARALLEL.match(name)
-        if m is None or _SHARED.search(name):
+        parsed = _parse(name)
+        if parsed is None or _SHARED.search(name):
             continue
-        stacked = "expert" not in m.groupdict()
-        proj = _PROJ.get(m["proj"])
-        if proj is None:
-            raise LayoutError(f"expert tensor {name!r}: projection {m['proj']!r} is none of "
-                              f"{', '.join(sorted(_PROJ))}")
-        role = proj + _PART[m["part"] or ""]
-        layer = int(m["layer"])
-        got = layers.setdefault(layer, _Layer(m["block"], stacked))
-        if (got.block, got.stacked) != (m["block"], stacked):
+        block, layer, expert, proj, part = parsed
+        role = roles.get((proj, part)) or roles.setdefault((proj, part), _role(name, proj, part))
+        stacked = expert is None
+        got = layers.get(layer)
+        if got is None:
+            got = layers[layer] = _Layer(block, stacked)
+        elif got.block != block or got.stacked != stacked:
             raise LayoutError(f"layer {layer} holds experts in two forms: under "
                               f"{got.block!r} and in {name!r}")
-        if stacked:
+        if expert is None:
             if role in got.roles:
                 raise LayoutError(f"layer {layer}: {got.roles[role]!r} and {name!r} are both "
                                   f"its {role}")
             got.roles[role] = name
         else:
-            got.roles[role] = f"{m['proj']}.{m['part']}"
-            got.experts.setdefault(int(m["expert"]), set()).add(role)
+            got.roles[role] = f"{proj}.{part}"
+            held = got.experts.get(expert)
+            if held is None:
+                got.experts[expert] = {role}
+            else:
+                held.add(role)
     return layers
 
 

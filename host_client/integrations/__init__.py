@@ -1,0 +1,1 @@
+"""Inference frameworks served through the agent (each imports its framework lazily)."""

@@ -1,0 +1,224 @@
+"""Hugging Face transformers models served through the agent: :func:`offload_experts`.
+
+transformers 5 gives every routed-MoE family one experts module per layer: its weights are
+stacked parameters (``gate_up_proj`` ``[E, 2I, H]`` or ``[E, H, 2I]``, ``down_proj``, optional
+biases) and its forward takes ``(hidden_states, top_k_index, top_k_weights)``. The slot pool
+lays experts out at a fixed stride, so each of those parameters has a zero-copy view over the
+whole pool, ``[slots, ...]``, with the same per-expert shape. Offloading drops the module's
+expert parameters; on each forward the layer acquires its routed experts through the agent (one
+batch), points the parameters at the pool views, renumbers ``top_k_index`` from expert ids to
+slot numbers and runs the module's own forward (whichever experts implementation the model is
+configured with: same math as the resident model), then releases the experts.
+
+Which layer a module serves comes from its name (``...layers.{L}...``) and must be one of the
+checkpoint's MoE layers; which tensor of a blob backs which parameter comes from the blob's
+roles: the module's parameter names, or ``gate_proj`` + ``up_proj`` lying side by side (a
+per-expert checkpoint) for ``gate_up_proj``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
+from host_client.client import AgentClient, AttachedDevice
+from host_client.devices import Device
+from host_client.memory import TORCH_DTYPES, SlotPoolSpec
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+"""The stacked parameters of a transformers 5 experts module that the pool stands in for."""
+
+
+class OffloadError(ValueError):
+    """The model and the checkpoint loaded in the agent do not fit together; says where."""
+
+
+def experts_modules(model: Any) -> Iterator[tuple[str, Any]]:
+    """(qualified name, module) of every routed-experts module: stacked expert parameters and
+    the ``(hidden_states, top_k_index, top_k_weights)`` forward of transformers 5's experts
+    interface (``use_experts_implementation``)."""
+    for name, module in model.named_modules():
+        if (hasattr(module, "has_gate") and hasattr(module, "num_experts")
+                and any(p in module._parameters for p in EXPERT_PARAMETERS)):
+            yield name, module
+
+
+@dataclass
+class _PoolViews:
+    """Zero-copy ``[slots, ...]`` views of the pool, one per expert parameter."""
+
+    tensors: dict[str, Any]
+    slots: int
+    slot_bytes: int
+
+
+def _torch_pool(dev: AttachedDevice, region_id: int, spec: SlotPoolSpec) -> Any:
+    import torch
+
+    raw = dev.device.region_bytes(region_id, 0, spec.slot_bytes * spec.slot_count)
+    return torch.from_numpy(raw) if dev.device.xp.__name__ == "numpy" else \
+        torch.from_dlpack(raw)
+
+
+def _views(dev: AttachedDevice, manifest: pb.ExpertManifest, wanted: list[str]) -> _PoolViews:
+    """Views of the device's one slot pool for the parameters ``wanted``, from an expert's
+    manifest (every expert of a model has the same roles, shapes and offsets)."""
+    import torch
+
+    if len(dev.pools) != 1:
+        raise OffloadError(f"offload_experts needs a device with one slot pool, it has "
+                           f"{len(dev.pools)}")
+    (region_id, spec), = dev.pools.items()
+    pool = _torch_pool(dev, region_id, spec)
+    roles = {t.name: t for t in manifest.tensors}
+    out = {}
+    for param in wanted:
+        t = roles.get(param)
+        if t is None and param == "gate_up_proj":
+            gate, up = roles.get("gate_proj"), roles.get("up_proj")
+            if gate is None or up is None or up.offset != gate.offset + gate.nbytes or \
+                    list(gate.shape) != list(up.shape) or gate.dtype != up.dtype:
+                raise OffloadError(f"{manifest.key}: no gate_up_proj, nor gate_proj and "
+                                   "up_proj side by side to view as one (roles: "
+                                   f"{sorted(roles)})")
+            shape, offset, dtype = [2 * gate.shape[0], *gate.shape[1:]], gate.offset, gate.dtype
+        elif t is None:
+            raise OffloadError(f"{manifest.key}: the experts module has {param!r}, the "
+                               f"checkpoint's experts do not (roles: {sorted(roles)})")
+        else:
+            shape, offset, dtype = list(t.shape), t.offset, t.dtype
+        if dtype not in TORCH_DTYPES:
+            raise OffloadError(f"{manifest.key}: {param} is {dtype}, which torch cannot view")
+        typed = pool.view(getattr(torch, TORCH_DTYPES[dtype]))
+        size = typed.element_size()
+        inner = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            inner[d] = inner[d + 1] * shape[d + 1]
+        out[param] = typed.as_strided((spec.slot_count, *shape),
+                                      (spec.slot_bytes // size, *inner), offset // size)
+    return _PoolViews(out, spec.slot_count, spec.slot_bytes)
+
+
+@dataclass
+class ExpertOffload:
+    """What :func:`offload_experts` set up (each forward releases the experts it acquired, so
+    nothing stays held between forwards), and what it has done.
+
+    Attributes:
+        model: the agent's name for the checkpoint.
+        device: the device the experts are delivered to.
+        layers: layer -> the offloaded experts module.
+    """
+
+    client: AgentClient
+    model: str
+    device: AttachedDevice
+    layers: dict[int, Any] = field(default_factory=dict)
+    forwards: int = 0
+    experts_acquired: int = 0
+    hits: int = 0
+    """Acquires that started no delivery (the expert was in its slot)."""
+
+
+class _Layer:
+    """One MoE layer's forward through the agent (bound to its experts module)."""
+
+    def __init__(self, offload: ExpertOffload, layer: int, module: Any, views: _PoolViews
+                 ) -> None:
+        self.offload, self.layer, self.module, self.views = offload, layer, module, views
+        self.forward = type(module).forward
+        self.num_experts = int(module.num_experts)
+
+    def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        import torch
+
+        off, module = self.offload, self.module
+        routed = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < self.num_experts]
+        keys = [ExpertKey(off.model, self.layer, e) for e in routed]
+        handles = off.client.acquire_batch(off.device, keys)
+        slot_of = torch.full((self.num_experts + 1,), self.views.slots, dtype=torch.long)
+        for e, h in zip(routed, handles, strict=True):
+            h.wait(120)
+            where = h.where
+            assert where is not None
+            slot_of[e] = where[1] // self.views.slot_bytes
+            off.hits += bool(h.resident)
+        off.forwards += 1
+        off.experts_acquired += len(keys)
+        try:
+            for param, view in self.views.tensors.items():
+                setattr(module, param, view)
+            module.num_experts = self.views.slots
+            out = self.forward(module, hidden_states,
+                               slot_of.to(top_k_index.device)[top_k_index], top_k_weights)
+            if out.is_cuda:
+                torch.cuda.current_stream(out.device).synchronize()  # read before released
+        finally:
+            module.num_experts = self.num_experts
+            for param in self.views.tensors:
+                setattr(module, param, None)
+            off.client.release_batch(off.device, keys)
+        return out
+
+
+def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
+                    device: Device | AttachedDevice, cache: float | int = 0.25,
+                    name: str = "") -> ExpertOffload:
+    """Serve ``model``'s routed experts through the agent.
+
+    Args:
+        model: a transformers 5 MoE model (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3,
+            gpt-oss, GraniteMoE, PhiMoE...); its experts' parameters are dropped (they may be
+            on the meta device), everything else stays where it is.
+        client: a connected :class:`AgentClient`.
+        checkpoint: the model's checkpoint directory, loaded into the agent here.
+        device: where the experts are delivered: a :class:`Device` (registered here with one
+            slot pool) or an already registered :class:`AttachedDevice` with one pool.
+        cache: the pool's size: a fraction of all routed experts, or a number of slots; never
+            fewer than one layer's experts (a prefill may route to all of them).
+        name: the agent's name for the checkpoint (default: the directory's name).
+
+    Returns:
+        The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
+    """
+    info = client.load_model(str(checkpoint), name)
+    per_layer, layers = info.experts_per_layer, list(info.moe_layers)
+    if isinstance(device, AttachedDevice):
+        dev = device
+    else:
+        total = per_layer * len(layers)
+        slots = cache if isinstance(cache, int) else round(cache * total)
+        dev = client.register_device(device, [SlotPoolSpec(info.expert_bytes,
+                                                           max(per_layer, min(slots, total)))])
+    offload = ExpertOffload(client, info.model, dev)
+    for qualified, module in experts_modules(model):
+        m = _LAYER.search(qualified)
+        layer = int(m[1]) if m else -1
+        if layer not in layers:
+            raise OffloadError(f"{qualified}: no MoE layer {layer} in checkpoint {checkpoint} "
+                               f"(its MoE layers: {layers})")
+        if int(module.num_experts) != per_layer:
+            raise OffloadError(f"{qualified}: {module.num_experts} experts, the checkpoint "
+                               f"has {per_layer} per layer")
+        wanted = [p for p in EXPERT_PARAMETERS if p in module._parameters]
+        views = _views(dev, client.manifest(ExpertKey(info.model, layer, 0)), wanted)
+        for p in wanted:
+            del module._parameters[p]
+            setattr(module, p, None)
+        offload.layers[layer] = module
+        module.forward = _Layer(offload, layer, module, views)
+    if not offload.layers:
+        raise OffloadError("the model has no transformers 5 experts module (stacked expert "
+                           "parameters and a (hidden_states, top_k_index, top_k_weights) "
+                           "forward)")
+    missing = sorted(set(layers) - set(offload.layers))
+    if missing:
+        raise OffloadError(f"the model has no experts module for MoE layers {missing} of "
+                           f"checkpoint {checkpoint}")
+    return offload

@@ -1,0 +1,59 @@
+"""transformers models served through the agent (``offload_experts``): the experts' own
+parameters dropped, each MoE layer's routed experts acquired from a slot pool smaller than the
+model's experts, and the logits and ``generate()`` output equal to the untouched model's."""
+
+from __future__ import annotations
+
+import pytest
+
+from host_client import AgentClient, CpuReferenceDevice
+from host_client.launcher import AgentProcess
+from tests.test_transformers_checkpoints import EXPERTS, FAMILIES, _model
+
+torch = pytest.importorskip("torch")
+from host_client.integrations.transformers import (  # noqa: E402
+    OffloadError,
+    experts_modules,
+    offload_experts,
+)
+
+SERVED = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
+          "granitemoe", "phimoe"]
+
+
+@pytest.mark.parametrize("form", ["default", "fused"])
+@pytest.mark.parametrize("model_type", SERVED)
+def test_logits_and_generate_equal_the_resident_model(tmp_path, agent: AgentProcess,
+                                                      model_type: str, form: str) -> None:
+    model = _model(model_type).eval()
+    path = tmp_path / model_type
+    model.save_pretrained(path, **({"save_original_format": False} if form == "fused" else {}))
+    ids = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 8]])
+    with torch.no_grad():
+        want = model(ids).logits
+        want_tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    with AgentClient(agent.address) as client:
+        offload = offload_experts(model, client, path, CpuReferenceDevice(), cache=EXPERTS,
+                                  name=f"off-{model_type}-{form}")
+        assert not any(p in m._parameters for _, m in experts_modules(model)
+                       for p in ("gate_up_proj", "down_proj")), "expert weights stayed"
+        with torch.no_grad():
+            got = model(ids).logits
+            got_tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want), (got - want).abs().max()
+        assert torch.equal(got_tokens, want_tokens)
+        assert offload.forwards >= 2 * len(offload.layers)
+        # More deliveries than slots: the pool (one layer's experts) was reused across layers.
+        assert offload.experts_acquired - offload.hits > EXPERTS
+
+
+def test_a_model_that_does_not_fit_the_checkpoint_is_refused(tmp_path,
+                                                             agent: AgentProcess) -> None:
+    path = tmp_path / "qwen"
+    _model("qwen3_moe").save_pretrained(path)
+    other = _model("mixtral")  # its own expert count, layers, names
+    other.model.layers[1].mlp.experts.num_experts = EXPERTS + 1
+    with AgentClient(agent.address) as client, pytest.raises(OffloadError,
+                                                             match="5 experts, the checkpoint"):
+        offload_experts(other, client, path, CpuReferenceDevice(), name="misfit")
+    assert FAMILIES  # the families the checkpoint tests build
