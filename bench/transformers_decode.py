@@ -1,0 +1,243 @@
+"""transformers ``generate()`` with the experts served by the agent (issue 20's benchmark).
+
+A transformers MoE model with a real architecture's full expert shapes and random weights,
+layers reduced to fit the machine, saved with ``save_pretrained`` and loaded into an agent. In
+one run, tokens per second of ``generate()`` at batch 1 and 8 for:
+
+- ``resident``: every expert in device memory, with the fastest experts implementation
+  transformers offers here (``batched_mm``, ``grouped_mm`` and ``eager`` are each timed);
+- ``offload``: ``offload_experts`` at each GPU expert-cache fraction (routing from the model's
+  own router), its outputs asserted equal to the resident run's;
+- ``accelerate``: the expert modules left on the CPU through ``device_map`` (accelerate moves
+  them for each forward), where accelerate is installed;
+- ``bound``: the serial bound 1 / (1/resident + missed bytes per token / pinned host-to-device
+  rate), the pinned rate measured in the same run.
+
+    python bench/transformers_decode.py --device cuda [--arch qwen3-30b-a3b] [--layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import envelope, figure, host_to_device_rate, save_figure, write
+
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {  # real expert shapes, attention trimmed
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+        num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128)),
+    "olmoe-1b-7b": ("OlmoeConfig", dict(
+        hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
+        num_attention_heads=16, num_key_value_heads=16)),
+    "mixtral-8x7b": ("MixtralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+        num_attention_heads=32, num_key_value_heads=8)),
+}
+IMPLEMENTATIONS = ("batched_mm", "grouped_mm", "eager")
+
+
+def build(arch: str, layers: int, shrink: int, directory: Path) -> Path:
+    """Save a random model of ``arch``'s shapes (sizes divided by ``shrink``, tests only)."""
+    import torch
+    import transformers
+
+    cls, kw = ARCHS[arch]
+    kw = dict(kw, num_hidden_layers=layers, vocab_size=4096)
+    for key in ("hidden_size", "moe_intermediate_size", "intermediate_size"):
+        if key in kw:
+            kw[key] //= shrink
+    if shrink > 1:
+        kw.update(num_attention_heads=4, num_key_value_heads=4, head_dim=kw["hidden_size"] // 4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, cls)(**kw)).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    return directory
+
+
+def load(path: Path, device: str) -> Any:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return model.to(device).eval()
+
+
+def timed_generate(model: Any, batch: int, prompt: int, new: int) -> tuple[float, Any]:
+    """(tokens per second, output ids) of one greedy ``generate`` after a warm-up."""
+    import torch
+
+    ids = (torch.arange(batch * prompt, device=model.device).reshape(batch, prompt) * 7) % 4000
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False, min_new_tokens=2)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+    return batch * new / (time.perf_counter() - t0), out.cpu()
+
+
+def run(arch: str, layers: int, device: str, fractions: list[float], batches: list[int],
+        prompt: int = 16, new: int = 16, shrink: int = 1) -> dict[str, Any]:
+    import torch
+
+    from host_client import AgentClient, CpuReferenceDevice
+    from host_client.integrations.transformers import offload_experts
+    from host_client.launcher import AgentProcess
+
+    torch_device = "cuda" if device == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build(arch, layers, shrink, Path(tmp) / arch)
+        model = load(path, torch_device)
+        resident: dict[str, dict[int, float]] = {}
+        outputs: dict[int, Any] = {}
+        for impl in IMPLEMENTATIONS:
+            try:
+                model.set_experts_implementation(impl)
+            except (ValueError, ImportError) as exc:
+                resident[impl] = {"unavailable": str(exc)[:200]}  # type: ignore[dict-item]
+                continue
+            resident[impl] = {}
+            for b in batches:
+                resident[impl][b], outputs[b] = timed_generate(model, b, prompt, new)
+        best = max((i for i in resident if "unavailable" not in resident[i]),
+                   key=lambda i: resident[i][batches[0]])
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                           if ".experts." in n) // (layers * _experts(model))
+        del model
+        rate = host_to_device_rate(device, 0, min(expert_bytes, 64 << 20))
+        arena_bytes = int(expert_bytes * layers * _count(arch) * 1.1) + (64 << 20)
+        arena = f'[arena]\nbytes = "{arena_bytes}"\n'
+        runs = []
+        with AgentProcess(arena) as agent:
+            for fraction in fractions:
+                model = load(path, torch_device)
+                model.set_experts_implementation(best)
+                with AgentClient(agent.address, rpc_timeout=300) as client:
+                    made = CpuReferenceDevice() if device == "cpu" else _cuda()
+                    off = offload_experts(model, client, path, made, cache=fraction,
+                                          name=f"{arch}-{layers}")
+                    row: dict[str, Any] = {"fraction": fraction, "tokens_per_s": {}}
+                    for b in batches:
+                        before = off.experts_acquired - off.hits
+                        tps, out = timed_generate(model, b, prompt, new)
+                        assert torch.equal(out, outputs[b]), "offloaded output differs"
+                        missed = (off.experts_acquired - off.hits - before) * expert_bytes
+                        row["tokens_per_s"][b] = tps
+                        res = resident[best][b]
+                        per_token = missed / (b * (new + 2))
+                        row.setdefault("bound_tokens_per_s", {})[b] = \
+                            1 / (1 / res + per_token / rate) if per_token else res
+                        row.setdefault("missed_bytes_per_token", {})[b] = per_token
+                    row["hit_rate"] = off.hits / max(1, off.experts_acquired)
+                    runs.append(row)
+                del model
+        accelerate = _accelerate(path, torch_device, batches, prompt, new, outputs)
+    return {"arch": arch, "layers": layers, "device": device, "shrink": shrink,
+            "expert_bytes": expert_bytes, "pinned_rate_bytes_per_s": rate,
+            "resident": resident, "resident_implementation": best, "offload": runs,
+            "accelerate": accelerate, "prompt_tokens": prompt, "new_tokens": new}
+
+
+def _experts(model: Any) -> int:
+    return int(getattr(model.config, "num_experts", None)
+               or getattr(model.config, "num_local_experts", 0))
+
+
+def _count(arch: str) -> int:
+    kw = ARCHS[arch][1]
+    return int(kw.get("num_experts") or kw.get("num_local_experts") or 0)
+
+
+def _cuda() -> Any:
+    from host_client.cuda_device import CudaDevice
+
+    return CudaDevice(0, mechanism="copy_engine")
+
+
+def _accelerate(path: Path, device: str, batches: list[int], prompt: int, new: int,
+                outputs: dict[int, Any]) -> dict[str, Any]:
+    """accelerate's offload of the expert modules (left on the CPU by ``device_map``)."""
+    try:
+        import accelerate  # noqa: F401
+        import torch
+        import transformers
+    except ImportError as exc:
+        return {"unavailable": f"accelerate is not installed ({exc})"}
+    if device != "cuda":
+        return {"unavailable": "needs a GPU (the modules are offloaded to the CPU)"}
+    probe = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                              device_map="meta")
+    device_map = {n: ("cpu" if n.endswith(".experts") else 0)
+                  for n, _ in probe.named_modules() if n.count(".") == 4 or n.endswith(
+                      ".experts")}
+    del probe
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device_map={"": 0, **{k: v for k, v in device_map.items()
+                                                          if v == "cpu"}})
+    out = {}
+    for b in batches:
+        tps, ids = timed_generate(model, b, prompt, new)
+        assert torch.equal(ids, outputs[b]), "accelerate's output differs"
+        out[b] = tps
+    return {"tokens_per_s": out}
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    fig, axes = figure(ncols=len(r["offload"][0]["tokens_per_s"]), size=(11, 4))
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    for ax, b in zip(axes, r["offload"][0]["tokens_per_s"], strict=True):
+        x = [100 * row["fraction"] for row in r["offload"]]
+        ax.plot(x, [row["tokens_per_s"][b] for row in r["offload"]], "o-", label="offload_experts")
+        ax.plot(x, [row["bound_tokens_per_s"][b] for row in r["offload"]], "k:", label="bound")
+        ax.axhline(r["resident"][r["resident_implementation"]][b], color="g", ls="-.",
+                   label=f"resident ({r['resident_implementation']})")
+        acc = r["accelerate"].get("tokens_per_s", {}).get(b)
+        if acc:
+            ax.axhline(acc, color="r", ls="--", label="accelerate offload")
+        ax.set(yscale="log", xlabel="GPU expert cache (%)", ylabel="tokens/s",
+               title=f"{r['arch']}, {r['layers']} layers, batch {b}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--gpu-cache-fraction", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--shrink", type=int, default=1, help="divide the sizes (smoke tests)")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    r = run(args.arch, args.layers, args.device, args.gpu_cache_fraction, args.batch,
+            new=args.new_tokens, shrink=args.shrink)
+    print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate")}, indent=1,
+                     default=str), file=sys.stderr)
+    if args.no_save:
+        return 0
+    path = write("transformers-decode", envelope(
+        "transformers-decode", r, device=args.device,
+        command="python bench/transformers_decode.py " + " ".join(sys.argv[1:])),
+        f"-{args.arch}-{args.device}")
+    plot(r, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
