@@ -35,17 +35,20 @@ from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
 from host_client.devices import Device
+from host_client.errors import (
+    AgentError,
+    AgentUnavailable,
+    TransferFailed,
+    from_rpc,
+    refusal,
+    refusal_of,
+)
 from host_client.handles import AcquireHandle, LandedCheck
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
-from host_client.requests import (
-    AgentUnavailable,
-    ClientChannel,
-    RequestRefused,
-    TransferFailed,
-)
+from host_client.requests import ClientChannel
 
-__all__ = ["AcquireHandle", "AgentClient", "AgentUnavailable", "AttachedDevice",
-           "RequestRefused", "TlsFiles", "TransferFailed"]
+__all__ = ["AcquireHandle", "AgentClient", "AgentUnavailable", "AttachedDevice", "TlsFiles",
+           "TransferFailed"]
 
 log = logging.getLogger("host_client")
 
@@ -108,8 +111,9 @@ class _Details(namedtuple("_Details", ("method", "timeout", "metadata", "credent
 
 
 class _Calls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Counts the client's gRPC calls by method name and sends the session token with each
-    (the agent refuses a call naming the session without it)."""
+    """Counts the client's gRPC calls by method name, sends the session token with each (the
+    agent refuses a call naming the session without it) and raises a unary call's failure as
+    the typed error of its status code."""
 
     def __init__(self, counts: Counter[str], token: Callable[[], str]) -> None:
         self.counts = counts
@@ -128,7 +132,12 @@ class _Calls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor
 
     def intercept_unary_unary(self, continuation: Callable[..., Any],
                               details: grpc.ClientCallDetails, request: Any) -> Any:
-        return continuation(self._prepare(details), request)
+        """The call, or its failure as a typed :class:`AgentError` (``host_client.errors``)."""
+        call = continuation(self._prepare(details), request)
+        failure = call.exception()
+        if failure is not None:
+            raise from_rpc(failure) from None
+        return call
 
     def intercept_unary_stream(self, continuation: Callable[..., Any],
                                details: grpc.ClientCallDetails, request: Any) -> Any:
@@ -306,7 +315,7 @@ class AgentClient:
                 self._model_index[m.model] = m.model_index
             index = self._model_index.get(model)
         if index is None:
-            raise RequestRefused(abi.RequestStatus.NOT_FOUND, f"model {model!r} is not loaded")
+            raise refusal(abi.RequestStatus.NOT_FOUND, f"model {model!r} is not loaded")
         return index
 
     def describe(self, keys: list[ExpertKey]) -> None:
@@ -373,7 +382,7 @@ class AgentClient:
         agent granted every slot (deliveries may still be in flight); if it refused any, the
         granted ones are released and the first refusal is raised. Each must be released."""
         handles = self._handles(dev, keys)
-        refused: RequestRefused | None = None
+        refused: AgentError | None = None
         granted = []
         for h in handles:
             h.wait_granted(self.rpc_timeout)
@@ -412,7 +421,7 @@ class AgentClient:
 
     def _answer(self, dev: AttachedDevice, position: int) -> None:
         """Wait for the reply to ``position``; raise its refusal."""
-        refused = RequestRefused.of(dev.channel.wait_reply(position, self.rpc_timeout))
+        refused = refusal_of(dev.channel.wait_reply(position, self.rpc_timeout))
         if refused is not None:
             raise refused
 
@@ -474,7 +483,7 @@ class AgentClient:
         at once; refusals are logged (as ``release(wait=False)``)."""
 
         def check(reply: np.void) -> None:
-            refused = RequestRefused.of(reply)
+            refused = refusal_of(reply)
             if refused is not None:
                 log.warning("release on device %d failed: %s", dev.device_id, refused)
 

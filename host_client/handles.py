@@ -14,14 +14,8 @@ import numpy as np
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi
 from gpu_kernels.channel import split_word
-from host_client.requests import (
-    CHECK_SECONDS,
-    NAP_SECONDS,
-    SPIN_SECONDS,
-    ClientChannel,
-    RequestRefused,
-    TransferFailed,
-)
+from host_client.errors import AgentError, TransferFailed, refusal_of
+from host_client.requests import CHECK_SECONDS, NAP_SECONDS, SPIN_SECONDS, ClientChannel
 
 if TYPE_CHECKING:
     from host_client.devices import Device
@@ -119,7 +113,7 @@ class AcquireHandle:
 
     def _accept(self, reply: np.void) -> bool:
         """Take the agent's reply; True when it is a refusal (the outcome)."""
-        refused = RequestRefused.of(reply)
+        refused = refusal_of(reply)
         if refused is not None:
             self._settle(None, refused)
             return True
@@ -199,7 +193,7 @@ class AcquireHandle:
     def granted(self) -> bool:
         """Whether the agent has answered the acquire (a slot, or a refusal)."""
         self._poll()
-        return self._reply is not None or isinstance(self._error, RequestRefused)
+        return self._reply is not None or self.refusal is not None
 
     @property
     def resident(self) -> bool | None:
@@ -220,15 +214,17 @@ class AcquireHandle:
         return int(self._reply["region_id"]), int(self._reply["slot_offset"])
 
     @property
-    def refusal(self) -> RequestRefused | None:
-        """The agent's refusal of the acquire, once answered."""
-        return self._error if isinstance(self._error, RequestRefused) else None
+    def refusal(self) -> AgentError | None:
+        """The agent's refusal of the acquire (through the channel), once answered."""
+        error = self._error
+        return error if isinstance(error, AgentError) and error.status is not None else None
 
     def wait(self, timeout: float | None = 30.0) -> ExpertSlot:
-        """Block until the bytes are verified in the slot. Raises RequestRefused (the agent
-        refused the acquire), TransferFailed (the delivery failed), AgentUnavailable (the agent
-        went away), DeviceFault (the device faulted: checked while waiting, so a dead consumer
-        is an error, not a hang), or TimeoutError after ``timeout`` seconds."""
+        """Block until the bytes are verified in the slot. Raises an :class:`AgentError` (the
+        agent refused the acquire: NotFound, ResourceExhausted...), TransferFailed (the
+        delivery failed), AgentUnavailable (the agent went away), DeviceFault (the device
+        faulted: checked while waiting, so a dead consumer is an error, not a hang), or
+        TimeoutError after ``timeout`` seconds."""
         start = time.monotonic()
         next_check = start + CHECK_SECONDS
         while True:

@@ -11,13 +11,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import grpc
 import numpy as np
 
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi, futex
 from gpu_kernels.channel import Channel
 from gpu_kernels.shm import SharedBuffer
+from host_client.errors import AgentUnavailable, refusal
 
 log = logging.getLogger("host_client")
 
@@ -29,44 +29,6 @@ NAP_SECONDS = 0.005
 """Longest single sleep of a waiter (it checks the device and the agent between sleeps)."""
 CHECK_SECONDS = 0.05
 """How often a waiting handle checks the device and the agent connection."""
-
-_CODES = {
-    abi.RequestStatus.BAD_OPCODE: grpc.StatusCode.INVALID_ARGUMENT,
-    abi.RequestStatus.REQUEST_REUSED: grpc.StatusCode.INVALID_ARGUMENT,
-}
-
-
-class AgentUnavailable(ConnectionError):
-    """The agent cannot be reached (or went away)."""
-
-
-class TransferFailed(RuntimeError):
-    """A delivery completed with an error status; the slot was not marked ready."""
-
-
-class RequestRefused(grpc.RpcError):
-    """The agent refused a request posted on the channel. ``code()`` and ``details()`` read as
-    the same refusal over gRPC would; ``status`` is the channel's :class:`abi.RequestStatus`."""
-
-    def __init__(self, status: abi.RequestStatus, message: str) -> None:
-        super().__init__(f"{status.name}: {message}")
-        self.status = status
-        self.message = message
-
-    def code(self) -> grpc.StatusCode:
-        return _CODES.get(self.status) or getattr(grpc.StatusCode, self.status.name)
-
-    def details(self) -> str:
-        return self.message
-
-    @classmethod
-    def of(cls, reply: np.void) -> RequestRefused | None:
-        """The refusal a reply carries; None for OK."""
-        status = abi.RequestStatus(int(reply["status"]))
-        if status == abi.RequestStatus.OK:
-            return None
-        return cls(status, bytes(reply["message"]).decode(errors="replace"))
-
 
 class ClientChannel:
     """A mapped channel and the bookkeeping of this client's requests on it.
@@ -187,7 +149,7 @@ class ClientChannel:
                    ) -> np.void:
         """The reply to ``position``, polled until ``SPIN_SECONDS`` after ``posted`` (monotonic
         seconds; default now), then slept for until it comes; AgentUnavailable after
-        ``timeout`` seconds, RequestRefused(UNAVAILABLE) if the channel faulted."""
+        ``timeout`` seconds, AgentUnavailable if the channel faulted."""
         start = time.monotonic()
         spin_until = (start if posted is None else posted) + SPIN_SECONDS
         while True:
@@ -233,10 +195,10 @@ class ClientChannel:
                     callback(reply)
 
     def check(self) -> None:
-        """RequestRefused(UNAVAILABLE) when the agent stopped serving this channel."""
+        """AgentUnavailable when the agent stopped serving this channel."""
         fault = int(self.view.requests.header["fault"])
         if fault:
-            raise RequestRefused(abi.RequestStatus.UNAVAILABLE,
+            raise refusal(abi.RequestStatus.UNAVAILABLE,
                                  f"the agent stopped serving this channel: "
                                  f"{abi.Status(fault).name} (its header was overwritten)")
 

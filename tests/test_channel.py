@@ -93,7 +93,8 @@ def test_a_post_reuses_a_reply_entry_only_after_its_reply_was_taken() -> None:
     waits, then fails with AgentUnavailable, writing nothing."""
     from dpu_agent.dataplane.channels import DeviceChannel
     from dpu_offload.keys import ExpertKey
-    from host_client.requests import AgentUnavailable, ClientChannel
+    from host_client.errors import AgentUnavailable
+    from host_client.requests import ClientChannel
 
     agent = DeviceChannel(("s", 1), capacity=4)
     client = ClientChannel(agent.name, agent.size)

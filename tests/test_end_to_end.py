@@ -13,6 +13,7 @@ import pytest
 
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import abi
 from host_client import AgentClient, AgentUnavailable, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
@@ -302,3 +303,37 @@ def test_doorbell_keeps_an_owed_consumer_awake() -> None:
     bell.settle()
     bell.settle()  # more settles than expects never go below zero
     assert bell.owed == 0
+
+
+def test_refusals_are_typed_whichever_way_they_came(client: AgentClient, qwen_ckpt: Path,
+                                                    tmp_path: Path) -> None:
+    """One hierarchy for gRPC and channel refusals: the class of the status code, the code,
+    the agent's message; still a grpc.RpcError for code written against raw gRPC."""
+    from host_client import (
+        AgentError,
+        FailedPrecondition,
+        InvalidArgument,
+        NotFound,
+        ResourceExhausted,
+    )
+
+    with pytest.raises(NotFound) as err:  # gRPC
+        client.load_model(str(tmp_path / "nowhere"), "typed")
+    assert err.value.status is None and "nowhere" in err.value.details()
+    with pytest.raises(InvalidArgument):
+        client.load_model("", "typed")
+    model = client.load_model(str(qwen_ckpt), "typed")
+    dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 1)])
+    with pytest.raises(NotFound) as err:  # the expert's manifest, over gRPC
+        client.acquire(dev, ExpertKey("typed", 0, 99)).wait(10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "l0-e99" in err.value.details()
+    with pytest.raises(FailedPrecondition) as err:  # the channel from here on
+        client.release(dev, ExpertKey("typed", 0, 1))
+    assert err.value.status == abi.RequestStatus.FAILED_PRECONDITION
+    client.acquire(dev, ExpertKey("typed", 0, 1)).wait(10)
+    with pytest.raises(ResourceExhausted) as err:
+        client.acquire(dev, ExpertKey("typed", 0, 2)).wait(10)
+    assert err.value.status == abi.RequestStatus.RESOURCE_EXHAUSTED
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "held" in \
+        err.value.details()
+    assert isinstance(err.value, AgentError) and isinstance(err.value, grpc.RpcError)

@@ -128,7 +128,7 @@ def test_json_logs_carry_request_ids(tmp_path: Path) -> None:
 def test_sigterm_drains_then_cancels_and_exits_zero(qwen_ckpt: Path) -> None:
     from dpu_offload.keys import ExpertKey
     from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec, TransferFailed
-    from host_client.client import AgentUnavailable
+    from host_client.errors import AgentUnavailable
     from host_client.launcher import AgentProcess
 
     agent = AgentProcess("[server]\ndrain_grace_seconds = 1\n").start()
