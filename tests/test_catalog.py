@@ -238,6 +238,46 @@ def test_hand_written_llama4_stacked_layout(tmp_path: Path) -> None:
         assert got == down[entry.key.expert].tobytes()
 
 
+def test_gpt_oss_as_released_mxfp4_blocks_scales_and_biases(tmp_path: Path) -> None:
+    """gpt-oss as published: MXFP4 experts (``_blocks`` of 16 bytes per 32 values, one
+    ``_scales`` byte per block) with BF16 biases, stacked ``[E, ...]``; each expert's blob holds
+    its slice of every tensor, weights first."""
+    import numpy as np
+    import safetensors
+
+    root = tmp_path / "gpt-oss"
+    root.mkdir()
+    e, h, i = 4, 64, 32
+    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 1, "num_local_experts": e,
+           "hidden_size": h, "intermediate_size": i, "num_experts_per_tok": 2,
+           "quantization_config": {"quant_method": "mxfp4"}}
+    (root / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(1)
+    p = "model.layers.0.mlp.experts"
+    arrays = {
+        f"{p}.gate_up_proj_blocks": rng.integers(0, 256, (e, 2 * i, h // 32, 16), np.uint8),
+        f"{p}.gate_up_proj_scales": rng.integers(0, 256, (e, 2 * i, h // 32), np.uint8),
+        f"{p}.gate_up_proj_bias": rng.integers(0, 1 << 16, (e, 2 * i), np.uint16),
+        f"{p}.down_proj_blocks": rng.integers(0, 256, (e, h, i // 32, 16), np.uint8),
+        f"{p}.down_proj_scales": rng.integers(0, 256, (e, h, i // 32), np.uint8),
+        f"{p}.down_proj_bias": rng.integers(0, 1 << 16, (e, h), np.uint16),
+        "model.layers.0.mlp.router.weight": rng.integers(0, 1 << 16, (e, h), np.uint16)}
+    specs = {n: safetensors.TensorSpec(dtype="uint8" if a.dtype == np.uint8 else "bfloat16",
+                                       shape=list(a.shape), data_ptr=a.ctypes.data,
+                                       data_len=a.nbytes) for n, a in arrays.items()}
+    safetensors.serialize_file(specs, str(root / "model.safetensors"))
+    cat = build_catalog(root)
+    assert cat.layout.stacked and cat.layout.moe_layers == (0,) and len(cat.experts) == e
+    for entry in cat.experts.values():
+        assert [t.role for t in entry.tensors] == [
+            "gate_up_proj_blocks", "down_proj_blocks", "gate_up_proj_scales",
+            "down_proj_scales", "gate_up_proj_bias", "down_proj_bias"]
+        for t in entry.tensors:
+            want = arrays[f"{p}.{t.role}"][entry.key.expert]
+            assert t.shape == want.shape
+            assert t.file.read_bytes()[t.file_offset:t.file_offset + t.nbytes] == want.tobytes()
+
+
 def test_make_checkpoint_cli(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "host_client.cli", "make-checkpoint",
                           str(tmp_path / "ds"), "--arch", "deepseek-v3", "--dtype", "fp8",

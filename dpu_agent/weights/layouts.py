@@ -260,8 +260,9 @@ def _expert_count(cfg: Mapping[str, Any], layers: dict[int, _Layer],
 def _check_experts(layers: dict[int, _Layer], experts: int) -> None:
     for layer, got in sorted(layers.items()):
         roles = set(got.roles)
-        if not ({"down_proj"} <= roles and ({"gate_proj", "up_proj"} <= roles
-                                            or "gate_up_proj" in roles)):
+        bases = {_BASES[role_order(r)[1]] for r in roles}  # gate_up_proj_blocks: gate_up_proj
+        if not ({"down_proj"} <= bases and ({"gate_proj", "up_proj"} <= bases
+                                            or "gate_up_proj" in bases)):
             raise LayoutError(f"layer {layer}: expert tensors {sorted(roles)} lack a down "
                               "projection and gate and up (or a fused gate_up) projections")
         for e in range(experts) if not got.stacked else ():
