@@ -25,6 +25,35 @@ TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U8": "uint8"}
 
 
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where one tensor lies in an expert blob: ``offset`` and ``nbytes`` in bytes, ``shape``,
+    safetensors ``dtype``."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def tensor_layout(manifest: pb.ExpertManifest, name: str) -> TensorLayout:
+    """The layout of tensor ``name`` of an expert blob. ``gate_up_proj`` is also found where a
+    per-expert checkpoint gave ``gate_proj`` and ``up_proj`` lying side by side: one
+    ``[2I, H]`` tensor, gate rows first (transformers 5's fused layout). KeyError naming the
+    blob's tensors otherwise."""
+    tensors = {t.name: t for t in manifest.tensors}
+    t = tensors.get(name)
+    if t is not None:
+        return TensorLayout(t.offset, t.nbytes, tuple(t.shape), t.dtype)
+    gate, up = tensors.get("gate_proj"), tensors.get("up_proj")
+    if (name == "gate_up_proj" and gate is not None and up is not None
+            and up.offset == gate.offset + gate.nbytes and list(up.shape) == list(gate.shape)
+            and up.dtype == gate.dtype):
+        return TensorLayout(gate.offset, 2 * gate.nbytes,
+                            (2 * gate.shape[0], *gate.shape[1:]), gate.dtype)
+    raise KeyError(f"{manifest.key}: no tensor {name!r} (the blob holds {sorted(tensors)})")
+
+
 class SharedRing:
     """A ring in POSIX shared memory owned by this process; ``name`` is its export handle."""
 
@@ -71,26 +100,35 @@ class ExpertSlot:
         self.key = key
         self.blob = blob
         self.manifest = manifest
-        self._tensors = {t.name: t for t in manifest.tensors}
+        self._layouts: dict[str, TensorLayout] = {}
 
     @property
     def names(self) -> list[str]:
-        return list(self._tensors)
+        return [t.name for t in self.manifest.tensors]
+
+    def layout(self, name: str) -> TensorLayout:
+        """Where tensor ``name`` lies in the blob (``tensor_layout``; cached)."""
+        got = self._layouts.get(name)
+        if got is None:
+            got = self._layouts[name] = tensor_layout(self.manifest, name)
+        return got
 
     def raw(self, name: str) -> Any:
-        """``uint8`` view of one tensor's bytes."""
-        t = self._tensors[name]
+        """``uint8`` view of one tensor's bytes (``gate_up_proj`` included, see
+        ``tensor_layout``)."""
+        t = self.layout(name)
         return self.blob[t.offset : t.offset + t.nbytes]
 
     def tensor(self, name: str) -> Any:
         """The tensor as an array of its shape; BF16 and FP8 come as raw integer bits."""
-        t = self._tensors[name]
-        return self.raw(name).view(NUMPY_DTYPES[t.dtype]).reshape(tuple(t.shape))
+        t = self.layout(name)
+        return self.raw(name).view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
 
     def torch(self, name: str) -> Any:
-        """The tensor as a torch tensor of its real dtype, sharing memory through DLPack."""
+        """The tensor as a torch tensor of its real dtype, sharing memory through DLPack (on
+        the CPU reference device too)."""
         import torch
 
-        t = self._tensors[name]
+        t = self.layout(name)
         raw = torch.from_dlpack(self.raw(name))
-        return raw.view(getattr(torch, TORCH_DTYPES[t.dtype])).reshape(tuple(t.shape))
+        return raw.view(getattr(torch, TORCH_DTYPES[t.dtype])).reshape(t.shape)

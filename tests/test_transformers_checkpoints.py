@@ -137,3 +137,7 @@ def test_every_delivered_expert_is_the_models_own(saved, agent: AgentProcess,
                 raw = np.ascontiguousarray(slot.raw(role)).tobytes()
                 assert raw == _truth(live[slot.key.layer], role, slot.key.expert), \
                     (slot.key, role)
+            # torch views on the CPU reference device; the fused gate|up view whichever way
+            # the checkpoint stored it.
+            fused = live[slot.key.layer]["gate_up_proj"][slot.key.expert]
+            assert torch.equal(slot.torch("gate_up_proj"), fused), slot.key

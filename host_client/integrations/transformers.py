@@ -28,7 +28,7 @@ from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.client import AgentClient, AttachedDevice
 from host_client.devices import Device
-from host_client.memory import TORCH_DTYPES, SlotPoolSpec
+from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -76,23 +76,13 @@ def _views(dev: AttachedDevice, manifest: pb.ExpertManifest, wanted: list[str]) 
                            f"{len(dev.pools)}")
     (region_id, spec), = dev.pools.items()
     pool = _torch_pool(dev, region_id, spec)
-    roles = {t.name: t for t in manifest.tensors}
     out = {}
     for param in wanted:
-        t = roles.get(param)
-        if t is None and param == "gate_up_proj":
-            gate, up = roles.get("gate_proj"), roles.get("up_proj")
-            if gate is None or up is None or up.offset != gate.offset + gate.nbytes or \
-                    list(gate.shape) != list(up.shape) or gate.dtype != up.dtype:
-                raise OffloadError(f"{manifest.key}: no gate_up_proj, nor gate_proj and "
-                                   "up_proj side by side to view as one (roles: "
-                                   f"{sorted(roles)})")
-            shape, offset, dtype = [2 * gate.shape[0], *gate.shape[1:]], gate.offset, gate.dtype
-        elif t is None:
-            raise OffloadError(f"{manifest.key}: the experts module has {param!r}, the "
-                               f"checkpoint's experts do not (roles: {sorted(roles)})")
-        else:
-            shape, offset, dtype = list(t.shape), t.offset, t.dtype
+        try:
+            t = tensor_layout(manifest, param)
+        except KeyError as exc:
+            raise OffloadError(f"the experts module has {param!r}: {exc.args[0]}") from None
+        shape, offset, dtype = list(t.shape), t.offset, t.dtype
         if dtype not in TORCH_DTYPES:
             raise OffloadError(f"{manifest.key}: {param} is {dtype}, which torch cannot view")
         typed = pool.view(getattr(torch, TORCH_DTYPES[dtype]))
