@@ -28,9 +28,13 @@ FAULTS = [
     ("host process killed (transfer in flight)",
      "tests/test_faults.py::test_killed_host_process_is_reclaimed"),
     ("corrupted bytes in the arena (device pull)", "tests/test_faults.py::"
-     "test_corrupted_arena_is_caught_refetched_and_counted[pull]"),
-    ("corrupted bytes in the arena (DMA engine)", "tests/test_faults.py::"
-     "test_corrupted_arena_is_caught_refetched_and_counted[engine]"),
+     "test_corrupted_arena_is_caught_refetched_and_counted[pull-cpu]"),
+    ("corrupted bytes in the arena (DMA engine, checked by the client's device)",
+     "tests/test_faults.py::test_corrupted_arena_is_caught_refetched_and_counted[engine-cpu]"),
+    ("a shard shortened or rewritten after LoadModel", "tests/test_faults.py::"
+     "test_shards_changed_under_the_agent_degrade_the_model_not_the_agent"),
+    ("garbage written into a client's slot-state table", "tests/test_engine.py::"
+     "test_scribbled_slot_states_mislead_only_their_own_client"),
     ("DMA-engine process killed with a transfer in hand",
      "tests/test_engine.py::test_engine_death_fails_in_flight_and_is_restarted"),
     ("hostile request-ring entries", "tests/test_engine.py::"
@@ -82,8 +86,16 @@ OUTCOME = {
     "corrupted bytes in the arena (device pull)": "the device's consumer catches the checksum "
     "mismatch before READY; refetched from the checkpoint, dpu_agent_checksum_failures_total "
     "counts it, slot bytes correct",
-    "corrupted bytes in the arena (DMA engine)": "the engine's check of the landed bytes "
-    "catches it before READY; refetched, counted, slot bytes correct",
+    "corrupted bytes in the arena (DMA engine, checked by the client's device)": "the engine "
+    "copies only; the check of the LANDED slot in the client (the NumPy twin of "
+    "dpu_verify_landed) publishes FAILED, the agent counts it and drops the arena copy, the "
+    "wait acquires again and gets the checkpoint's bytes",
+    "a shard shortened or rewritten after LoadModel": "no SIGBUS (fills use pread): its experts "
+    "fail FAILED_PRECONDITION naming the file, the model shows degraded in status and metrics, "
+    "other models carry on; restored and loaded again, it serves the files' bytes",
+    "garbage written into a client's slot-state table": "no verdict for the slot's "
+    "generation: no mismatch counted, another session served, the client's next delivery "
+    "publishes over it",
     "DMA-engine process killed with a transfer in hand": "noticed within a sweep (< 1.5 s), the "
     "waiter gets TransferFailed(CANCELLED), fresh rings, a new engine serves the same expert "
     "byte for byte",

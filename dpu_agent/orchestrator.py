@@ -155,10 +155,12 @@ class Orchestrator:
         with self._lock:
             existing = self.models.get(model_name)
         if existing is not None:
-            if existing.path == Path(path):
+            if existing.path != Path(path):
+                raise AgentError(ErrorKind.ALREADY_EXISTS,
+                                 f"model {model_name!r} is already loaded from {existing.path}")
+            if model_name not in self.cache.degraded:
                 return existing
-            raise AgentError(ErrorKind.ALREADY_EXISTS,
-                             f"model {model_name!r} is already loaded from {existing.path}")
+            return self._reload(existing)
         try:
             catalog = build_catalog(path, model_name)
         except (CheckpointError, LayoutError) as exc:
@@ -176,6 +178,27 @@ class Orchestrator:
         if persist:
             self.persist()
         return self.models[model_name]
+
+    def _reload(self, old: ModelCatalog) -> ModelCatalog:
+        """A degraded model (a shard changed under the agent) loaded again: a fresh catalog of
+        the same shape replaces the old one and its arena copies are dropped, so every expert
+        is read from the files as they are now."""
+        try:
+            catalog = build_catalog(old.path, old.name)
+        except (CheckpointError, LayoutError) as exc:
+            raise precondition(f"LoadModel: {old.name!r} is degraded and its checkpoint cannot "
+                               f"be read again: {exc}") from exc
+        shape = {k: e.blob_bytes for k, e in catalog.experts.items()}
+        if shape != {k: e.blob_bytes for k, e in old.experts.items()}:
+            raise precondition(f"LoadModel: the checkpoint of {old.name!r} now holds experts of "
+                               "other sizes; load it under a new name")
+        with self._lock:
+            self.models[old.name] = catalog
+        for key in catalog.experts:
+            self.cache.invalidate(key)
+        self.cache.degraded.pop(old.name, None)
+        log.info("model %r loaded again from %s after a shard changed", old.name, old.path)
+        return catalog
 
     def model_index(self, name: str) -> int:
         """The index request-ring entries name a loaded model by."""

@@ -285,3 +285,55 @@ def test_a_stream_wait_on_corrupted_bytes_fails_and_the_next_acquire_is_right(
         for role, name in _names(key).items():
             assert _host(slot.raw(role)) == truth[name], role
         arena.close()
+
+
+def test_shards_changed_under_the_agent_degrade_the_model_not_the_agent(
+        qwen_ckpt: Path, tmp_path: Path) -> None:
+    """A shard shortened (a memory map would take SIGBUS) or rewritten after LoadModel: the
+    experts it holds fail FAILED_PRECONDITION naming the file, the model is marked degraded in
+    status and metrics, the agent and other models carry on; restored and loaded again, the
+    model serves the files' bytes."""
+    import shutil
+
+    import grpc
+
+    from host_client import FailedPrecondition
+
+    root = tmp_path / "m"
+    shutil.copytree(qwen_ckpt, root)
+    truth = checkpoint_bytes(qwen_ckpt)
+    settings = '[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n'
+    with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(root), "changing")
+        client.load_model(str(qwen_ckpt), "steady")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 4)])
+        shards = sorted(root.glob("*.safetensors"))
+        last = ExpertKey("changing", 2, 5)  # in the last shard
+        data = shards[-1].read_bytes()
+        shards[-1].write_bytes(data[: len(data) // 2])
+        with pytest.raises(FailedPrecondition) as err:
+            client.acquire(dev, last).wait(20)
+        assert shards[-1].name in err.value.details() and "degraded" in err.value.details()
+        status = {m.model: m.degraded for m in client.status().models}
+        assert shards[-1].name in status["changing"] and status["steady"] == ""
+        assert _metric(agent, "dpu_agent_model_degraded") == 1
+        steady = client.acquire(dev, ExpertKey("steady", 2, 5)).wait(20)
+        assert steady.raw("up_proj").tobytes() == \
+            truth["model.layers.2.mlp.experts.5.up_proj.weight"]
+        client.release(dev, ExpertKey("steady", 2, 5))
+        # Same size, bytes rewritten in place: caught by the modification time.
+        first = shards[0].read_bytes()
+        time.sleep(0.01)
+        shards[0].write_bytes(first[:-8] + bytes(8))
+        with pytest.raises(FailedPrecondition, match=r"degraded: .* changed since load"):
+            client.acquire(dev, ExpertKey("changing", 0, 5)).wait(20)
+        # Restored and loaded again: served, equal to the files.
+        shards[-1].write_bytes(data)
+        shards[0].write_bytes(first)
+        client.load_model(str(root), "changing")
+        assert {m.model: m.degraded for m in client.status().models}["changing"] == ""
+        slot = client.acquire(dev, last).wait(20)
+        assert slot.raw("down_proj").tobytes() == \
+            truth["model.layers.2.mlp.experts.5.down_proj.weight"]
+        assert agent.proc.poll() is None
+        assert isinstance(err.value, grpc.RpcError)

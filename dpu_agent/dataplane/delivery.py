@@ -20,6 +20,7 @@ from dpu_agent.errors import AgentError, ErrorKind
 from dpu_agent.service.registry import ARENA_REGION_ID, Device, Session, SlotPool
 from dpu_agent.weights.cache import CacheFullError, WeightCache
 from dpu_agent.weights.catalog import ExpertEntry
+from dpu_agent.weights.safetensors_file import ShardChanged
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
@@ -113,6 +114,11 @@ class Deliveries:
                 raise AgentError(ErrorKind.RESOURCE_EXHAUSTED, str(exc)) from exc
             except OSError as exc:
                 raise AgentError(ErrorKind.UNAVAILABLE, f"reading {entry.key}: {exc}") from exc
+            except ShardChanged as exc:
+                # Short enough for a channel reply: GetStatus has the whole story.
+                raise AgentError(ErrorKind.FAILED_PRECONDITION,
+                                 f"model degraded: {exc.path.name} {exc.what.split()[0]} since "
+                                 f"load ({entry.key})") from exc
             plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
                                 idx * pool.slot_bytes, entry.blob_bytes, self.chunk_bytes,
                                 tuple(cached.checksums),

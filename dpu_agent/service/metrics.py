@@ -81,6 +81,13 @@ class AgentCollector(Collector):
                                 value=len(core.sessions))
         yield GaugeMetricFamily("dpu_agent_models_loaded", "Models in the catalog.",
                                 value=len(core.models))
+        degraded = GaugeMetricFamily("dpu_agent_model_degraded",
+                                     "1 for a model some of whose experts cannot be read (a "
+                                     "shard changed under the agent) until it is loaded again.",
+                                     labels=["model"])
+        for name in list(core.models):
+            degraded.add_metric([name], float(name in core.cache.degraded))
+        yield degraded
         states = list(core.placements.states.values())
         copies = GaugeMetricFamily("dpu_agent_placement_copies",
                                    "New expert copies of the placements in force, by state.",

@@ -19,7 +19,7 @@ import numpy as np
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.policies import EvictionPolicy
-from dpu_agent.weights.safetensors_file import ShardMap
+from dpu_agent.weights.safetensors_file import ShardChanged, ShardReader
 from dpu_offload.keys import ExpertKey
 from gpu_kernels.checksum import blob_checksums
 
@@ -82,7 +82,10 @@ class WeightCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._resident: dict[ExpertKey, CachedExpert] = {}
-        self._shards = ShardMap()
+        self._shards = ShardReader()
+        self.degraded: dict[str, str] = {}
+        """model -> why some of its experts cannot be read (a shard changed under the agent);
+        cleared when the model is loaded again."""
         self._orphans: list[CachedExpert] = []
 
     def acquire(self, entry: ExpertEntry, source: FillSource | None = None,
@@ -167,9 +170,12 @@ class WeightCache:
             for t in cached.entry.tensors:
                 if t.file is None:
                     raise FileNotFoundError(f"{cached.entry.key}: shard for {t.role} not present")
-                blob[t.offset : t.offset + t.nbytes] = self._shards.bytes_of(t.file,
-                                                                            t.file_offset,
-                                                                            t.nbytes)
+                try:
+                    self._shards.read_into(t.file, t.file_offset,
+                                           blob[t.offset : t.offset + t.nbytes], t.stamp)
+                except ShardChanged as exc:
+                    self.degraded[cached.entry.key.model] = str(exc)
+                    raise
             cached.checksums = blob_checksums(blob, self.chunk_bytes)
             self.stats.storage_bytes += blob.size
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised

@@ -23,8 +23,10 @@ from dpu_agent.weights.layouts import (
 from dpu_agent.weights.safetensors_file import (
     DTYPE_BYTES,
     CheckpointError,
+    Stamp,
     TensorInfo,
     read_header,
+    stamp_of,
 )
 from dpu_offload.keys import ExpertKey
 
@@ -52,6 +54,8 @@ class BlobTensor:
     """Shard holding the bytes (None when only the index was read)."""
     file_offset: int
     """Absolute byte offset of the bytes in ``file``."""
+    stamp: Stamp | None = None
+    """``file`` as it was when its header was read (a fill refuses a changed file)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +197,10 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
         missing = sorted(set(shard_files) - set(present))
         raise CheckpointError(f"{root / INDEX_FILE}: names absent shard(s) {missing[:3]}")
     headers: dict[str, dict[str, TensorInfo]] = {}
+    stamps: dict[str, Stamp] = {}
     if len(present) == len(shard_files):
         for shard in shard_files:
+            stamps[shard] = stamp_of(root / shard)
             headers[shard], _ = read_header(root / shard)
         for tensor, shard in weight_map.items():
             if tensor not in headers[shard]:
@@ -252,7 +258,7 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
                     nbytes = math.prod(want) * DTYPE_BYTES[dtype]
                 offset = align_up(cursor)
                 tensors.append(BlobTensor(src.role, dtype, tuple(shape), offset, nbytes, file,
-                                          start))
+                                          start, stamps.get(shard)))
                 cursor = offset + nbytes
             experts[key] = ExpertEntry(key, tuple(tensors), align_up(cursor))
     if not experts:

@@ -14,15 +14,15 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from dpu_agent.weights.catalog import ModelCatalog
-from dpu_agent.weights.safetensors_file import ShardMap
+from dpu_agent.weights.safetensors_file import ShardReader
 from gpu_kernels.checksum import blob_checksums
 
 
 def ingest(catalog: ModelCatalog, chunk_bytes: int, *, show_progress: bool = True
            ) -> dict[str, Any]:
     """Manifests of every expert: tensors and chunk checksums. Reads each expert's bytes once
-    (memory-mapped) into one reused blob buffer."""
-    shards = ShardMap()
+    (``pread``) into one reused blob buffer."""
+    shards = ShardReader()
     blob = np.zeros(catalog.expert_bytes, np.uint8)
     experts: dict[str, Any] = {}
     start = time.perf_counter()
@@ -38,8 +38,8 @@ def ingest(catalog: ModelCatalog, chunk_bytes: int, *, show_progress: bool = Tru
             for t in entry.tensors:
                 if t.file is None:
                     raise FileNotFoundError(f"{key}: shard of {t.role} is not present")
-                view[t.offset:t.offset + t.nbytes] = shards.bytes_of(t.file, t.file_offset,
-                                                                     t.nbytes)
+                shards.read_into(t.file, t.file_offset, view[t.offset:t.offset + t.nbytes],
+                                 t.stamp)
             experts[str(key)] = {
                 "blob_bytes": entry.blob_bytes,
                 "tensors": [{"name": t.role, "dtype": t.dtype, "shape": list(t.shape),

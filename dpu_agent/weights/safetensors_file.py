@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -106,26 +105,64 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], int]:
     return tensors, size
 
 
-class ShardMap:
-    """Read-only memory maps of a checkpoint's shards, opened on first use."""
+class ShardChanged(CheckpointError):
+    """A shard is no longer the file the catalog was built from (shortened, rewritten,
+    replaced or gone): its experts cannot be served until the model is loaded again.
+
+    Attributes:
+        path: the shard.
+        what: how it changed, in a few words ("shortened", "gone", ...).
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(f"{path}: {what} since the model was loaded")
+        self.path, self.what = path, what
+
+
+Stamp = tuple[int, int, int, int]
+"""(device, inode, size, mtime in ns) of a shard when its header was read."""
+
+
+def stamp_of(path: Path) -> Stamp:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class ShardReader:
+    """Reads byte ranges of a checkpoint's shards into caller buffers with ``pread``: a file
+    shortened, rewritten or replaced since it was stamped is a :class:`ShardChanged` naming
+    it, never a fault of the process (a memory map of a truncated file raises SIGBUS)."""
 
     def __init__(self) -> None:
-        self._maps: dict[Path, np.ndarray] = {}
+        self._fds: dict[Path, tuple[int, tuple[int, int]]] = {}
+        """path -> (open descriptor, its (device, inode)); reopened when the path names
+        another file (a model loaded again after its shard was replaced)."""
 
-    def bytes_of(self, path: Path, start: int, nbytes: int) -> np.ndarray:
-        """``uint8[nbytes]`` view of a shard's bytes (no copy)."""
-        arr = self._maps.get(path)
-        if arr is None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            arr = np.frombuffer(mm, dtype=np.uint8)
-            self._maps[path] = arr
-        if start + nbytes > arr.size:
-            raise CheckpointError(f"{path}: shrank to {arr.size} bytes while in use")
-        return arr[start : start + nbytes]
+    def read_into(self, path: Path, start: int, out: np.ndarray,
+                  stamp: Stamp | None = None) -> None:
+        """Fill ``out`` (``uint8``, contiguous) from ``path`` at byte ``start``; with
+        ``stamp``, first check that the file is still the one stamped."""
+        try:
+            if stamp is not None and stamp_of(path) != stamp:
+                raise ShardChanged(path, "changed (size, modification time or inode)")
+            fd, inode = self._fds.get(path, (-1, (0, 0)))
+            if fd < 0 or (stamp is not None and stamp[:2] != inode):
+                if fd >= 0:
+                    os.close(fd)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                st = os.fstat(fd)
+                self._fds[path] = fd, (st.st_dev, st.st_ino)
+        except FileNotFoundError as exc:
+            raise ShardChanged(path, "gone") from exc
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < view.nbytes:
+            got = os.preadv(fd, [view[done:]], start + done)
+            if got == 0:
+                raise ShardChanged(path, f"shortened (ends before byte {start + view.nbytes})")
+            done += got
 
     def close(self) -> None:
-        self._maps.clear()
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
