@@ -33,6 +33,8 @@ FAULTS = [
      "tests/test_faults.py::test_corrupted_arena_is_caught_refetched_and_counted[engine-cpu]"),
     ("a shard shortened or rewritten after LoadModel", "tests/test_faults.py::"
      "test_shards_changed_under_the_agent_degrade_the_model_not_the_agent"),
+    ("bytes rewritten in place, size and modification time put back", "tests/test_faults.py::"
+     "test_bytes_changed_in_place_are_caught_by_the_ingest_manifest"),
     ("garbage written into a client's slot-state table", "tests/test_engine.py::"
      "test_scribbled_slot_states_mislead_only_their_own_client"),
     ("DMA-engine process killed with a transfer in hand",
@@ -93,6 +95,9 @@ OUTCOME = {
     "a shard shortened or rewritten after LoadModel": "no SIGBUS (fills use pread): its experts "
     "fail FAILED_PRECONDITION naming the file, the model shows degraded in status and metrics, "
     "other models carry on; restored and loaded again, it serves the files' bytes",
+    "bytes rewritten in place, size and modification time put back": "with an ingest "
+    "manifest beside the checkpoint, the fill's checksums differ from it: FAILED_PRECONDITION, "
+    "model degraded; a manifest of another checkpoint is refused at LoadModel",
     "garbage written into a client's slot-state table": "no verdict for the slot's "
     "generation: no mismatch counted, another session served, the client's next delivery "
     "publishes over it",

@@ -75,6 +75,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from dpu_agent.weights.ingest import MANIFEST_FILE
+
     cat = build_catalog(args.dir, require_shards=False)
     first = next(iter(cat.experts.values()))
     info = {
@@ -87,6 +89,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "expert_bytes": cat.expert_bytes,
         "total_expert_bytes": cat.total_expert_bytes,
         "bytes_from": "shard headers" if cat.shards_present else "config shapes",
+        "manifest": (Path(args.dir) / MANIFEST_FILE).exists(),
         "expert_tensors": [{"name": t.role, "dtype": t.dtype, "shape": list(t.shape),
                             "offset": t.offset, "nbytes": t.nbytes} for t in first.tensors],
     }
@@ -96,6 +99,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     layers = info["moe_layers"]
     print(f"architecture      {info['architecture']}")
     print(f"experts named     {info['pattern']}")
+    print(f"ingest manifest   {'yes: fills are checked against it' if info['manifest'] else 'no'}")
     print(f"MoE layers        {len(layers)} ({layers[0]}..{layers[-1]})")
     print(f"experts / layer   {info['experts_per_layer']} routed, "
           f"{info['shared_experts_per_layer']} shared")
@@ -109,12 +113,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from dpu_agent.weights.ingest import ingest, write_manifest
+    from dpu_agent.weights.ingest import MANIFEST_FILE, ingest, write_manifest
 
     if args.chunk_bytes <= 0 or args.chunk_bytes % 16:
         raise ConfigError([f"--chunk-bytes: {args.chunk_bytes} is not a positive multiple of 16"])
     cat = build_catalog(args.dir)
     manifest = ingest(cat, args.chunk_bytes, show_progress=sys.stderr.isatty())
+    args.out = args.out or str(Path(args.dir) / MANIFEST_FILE)
     write_manifest(manifest, Path(args.out))
     gb = cat.total_expert_bytes / 1e9
     print(f"ingested {len(cat.experts)} experts, {gb:.3f} GB in {manifest['seconds']:.2f} s "
@@ -140,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("ingest", help="checksum every expert and write the manifests")
     p.add_argument("dir")
-    p.add_argument("--out", required=True, help="manifest JSON to write (atomically)")
+    p.add_argument("--out", help="manifest JSON to write (atomically; default: "
+                   "dpu-manifest.json in the checkpoint, where LoadModel finds it)")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
     p.set_defaults(fn=cmd_ingest)
     args = parser.parse_args(argv)

@@ -43,6 +43,7 @@ from dpu_agent.service.state import StateStore
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog, path_problem
+from dpu_agent.weights.ingest import attach_manifest
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.policies import POLICIES
 from dpu_agent.weights.safetensors_file import CheckpointError
@@ -162,7 +163,7 @@ class Orchestrator:
                 return existing
             return self._reload(existing)
         try:
-            catalog = build_catalog(path, model_name)
+            catalog = attach_manifest(build_catalog(path, model_name))
         except (CheckpointError, LayoutError) as exc:
             kind = ErrorKind.NOT_FOUND if not Path(path).is_dir() else ErrorKind.INVALID_ARGUMENT
             raise AgentError(kind, f"LoadModel: {exc}") from exc
@@ -184,7 +185,7 @@ class Orchestrator:
         the same shape replaces the old one and its arena copies are dropped, so every expert
         is read from the files as they are now."""
         try:
-            catalog = build_catalog(old.path, old.name)
+            catalog = attach_manifest(build_catalog(old.path, old.name))
         except (CheckpointError, LayoutError) as exc:
             raise precondition(f"LoadModel: {old.name!r} is degraded and its checkpoint cannot "
                                f"be read again: {exc}") from exc

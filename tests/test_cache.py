@@ -126,14 +126,15 @@ def test_ingest_writes_manifest(tmp_path: Path) -> None:
                           str(out), "--chunk-bytes", "65536"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     manifest = json.loads(out.read_text())
-    assert set(manifest["experts"]) == {f"q/l0-e{e}" for e in range(3)}
+    assert set(manifest["experts"]) == {f"l0-e{e}" for e in range(3)}
     cat = build_catalog(root)
     entry = cat.experts[next(iter(cat.experts))]
     blob = np.zeros(entry.blob_bytes, np.uint8)
     for t in entry.tensors:
         blob[t.offset:t.offset + t.nbytes] = np.frombuffer(
             t.file.read_bytes()[t.file_offset:t.file_offset + t.nbytes], np.uint8)
-    assert manifest["experts"][str(entry.key)]["chunk_checksums"] == blob_checksums(blob, 65536)
+    key = f"l{entry.key.layer}-e{entry.key.expert}"
+    assert manifest["experts"][key]["chunk_checksums"] == blob_checksums(blob, 65536)
     bad = subprocess.run([sys.executable, "-m", "dpu_agent.cli", "ingest", str(root), "--out",
                           str(out), "--chunk-bytes", "10"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--chunk-bytes" in bad.stderr

@@ -337,3 +337,48 @@ def test_shards_changed_under_the_agent_degrade_the_model_not_the_agent(
             truth["model.layers.2.mlp.experts.5.down_proj.weight"]
         assert agent.proc.poll() is None
         assert isinstance(err.value, grpc.RpcError)
+
+
+def test_bytes_changed_in_place_are_caught_by_the_ingest_manifest(qwen_ckpt: Path,
+                                                                  tmp_path: Path) -> None:
+    """Bytes rewritten with the size and modification time put back (no stamp shows it): with
+    an ingest manifest beside the checkpoint, the fill's checksums differ from it, the expert
+    fails FAILED_PRECONDITION and the model shows degraded; a manifest of another checkpoint is
+    refused at LoadModel."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from host_client import FailedPrecondition, InvalidArgument
+
+    root = tmp_path / "m"
+    shutil.copytree(qwen_ckpt, root)
+    res = subprocess.run([sys.executable, "-m", "dpu_agent.cli", "ingest", str(root),
+                          "--chunk-bytes", "65536"], capture_output=True, text=True)
+    assert res.returncode == 0 and (root / "dpu-manifest.json").exists(), res.stderr
+    with AgentProcess('[arena]\nbytes = "64MiB"\n') as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(root), "manifested")
+        assert {m.model: m.manifest for m in client.status().models}["manifested"]
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 4)])
+        client.acquire(dev, ExpertKey("manifested", 0, 0)).wait(20)  # checked, served
+        from dpu_agent.weights.catalog import build_catalog
+
+        t = build_catalog(root).experts[ExpertKey("m", 2, 5)].tensors[-1]
+        shard = t.file
+        st = shard.stat()
+        data = bytearray(shard.read_bytes())
+        data[t.file_offset + 64:t.file_offset + 96] = bytes(range(32))  # in expert l2-e5
+        shard.write_bytes(bytes(data))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(FailedPrecondition, match="differs from manifest"):
+            client.acquire(dev, ExpertKey("manifested", 2, 5)).wait(20)
+        assert "manifest" in {m.model: m.degraded for m in client.status().models}["manifested"]
+        other = tmp_path / "other"
+        shutil.copytree(qwen_ckpt, other)
+        manifest = (root / "dpu-manifest.json").read_text()
+        (other / "dpu-manifest.json").write_text(manifest.replace('"blob_bytes": ',
+                                                                  '"blob_bytes": 1', 1))
+        with pytest.raises(InvalidArgument, match="does not describe expert"):
+            client.load_model(str(other), "other")

@@ -117,8 +117,8 @@ class Deliveries:
             except ShardChanged as exc:
                 # Short enough for a channel reply: GetStatus has the whole story.
                 raise AgentError(ErrorKind.FAILED_PRECONDITION,
-                                 f"model degraded: {exc.path.name} {exc.what.split()[0]} since "
-                                 f"load ({entry.key})") from exc
+                                 f"model degraded: {exc.path.name} {exc.what} ({entry.key})"
+                                 ) from exc
             plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
                                 idx * pool.slot_bytes, entry.blob_bytes, self.chunk_bytes,
                                 tuple(cached.checksums),

@@ -383,7 +383,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 lease_remaining_seconds=s.lease_remaining) for s in sessions],
             models=[pb.ModelStatus(model=m.name, architecture=m.layout.architecture,
                                    experts=len(m.experts), model_index=core.model_index(m.name),
-                                   degraded=core.cache.degraded.get(m.name, ""))
+                                   degraded=core.cache.degraded.get(m.name, ""),
+                                   manifest=m.manifest is not None)
                     for m in list(core.models.values())],
             arena_bytes=core.arena.size, arena_used_bytes=core.arena.used_bytes,
             experts_cached=core.cache.resident, cache_hits=core.cache.stats.hits,

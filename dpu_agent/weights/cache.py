@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -177,6 +178,7 @@ class WeightCache:
                     self.degraded[cached.entry.key.model] = str(exc)
                     raise
             cached.checksums = blob_checksums(blob, self.chunk_bytes)
+            self._check_manifest(cached.entry, blob, cached.checksums)
             self.stats.storage_bytes += blob.size
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised
             cached.error = exc
@@ -188,6 +190,23 @@ class WeightCache:
         finally:
             self.stats.fill_seconds += time.perf_counter() - start
             cached.ready.set()
+
+    def _check_manifest(self, entry: ExpertEntry, blob: np.ndarray, sums: list[int]) -> None:
+        """ShardChanged (the model degraded) when the bytes read differ from the ingest
+        manifest's (a change no stamp shows: same size, modification time put back)."""
+        if not entry.expected:
+            return
+        got = sums if entry.expected_chunk_bytes == self.chunk_bytes else \
+            blob_checksums(blob, entry.expected_chunk_bytes)
+        if tuple(got) != entry.expected:
+            bad = next(c for c, (a, b) in enumerate(zip(got, entry.expected, strict=True))
+                       if a != b)
+            at = bad * entry.expected_chunk_bytes
+            t = next((t for t in entry.tensors if t.offset + t.nbytes > at), entry.tensors[-1])
+            exc = ShardChanged(t.file or Path("?"), "differs from manifest",
+                               f"{entry.key} chunk {bad}, in {t.role}")
+            self.degraded[entry.key.model] = str(exc)
+            raise exc
 
     def release(self, key: ExpertKey) -> None:
         """Unpin once (a transfer that read the blob has completed)."""

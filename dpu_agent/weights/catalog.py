@@ -65,6 +65,9 @@ class ExpertEntry:
     key: ExpertKey
     tensors: tuple[BlobTensor, ...]
     blob_bytes: int
+    expected: tuple[int, ...] = ()
+    """The chunk checksums the ingest manifest recorded (empty without a manifest)."""
+    expected_chunk_bytes: int = 0
 
 
 @dataclass
@@ -76,6 +79,8 @@ class ModelCatalog:
     layout: ModelLayout
     experts: dict[ExpertKey, ExpertEntry]
     shards_present: bool
+    manifest: Path | None = None
+    """The ingest manifest the experts' bytes are checked against at each fill."""
 
     @property
     def expert_bytes(self) -> int:

@@ -1,12 +1,15 @@
-"""Ingest: read every expert of a checkpoint through memory maps, compute its per-chunk
-checksums and write the manifests (one JSON file, written atomically). Shows a progress bar
-on a terminal."""
+"""Ingest: read every expert of a checkpoint, compute its per-chunk checksums and write the
+manifests (one JSON file, written atomically; ``MANIFEST_FILE`` beside the checkpoint by
+default). Shows a progress bar on a terminal. A manifest found beside a checkpoint at
+LoadModel is attached to its catalog (:func:`attach_manifest`): every fill is then checked
+against it, which catches bytes changed in place that no file stamp shows."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,8 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from dpu_agent.weights.catalog import ModelCatalog
-from dpu_agent.weights.safetensors_file import ShardReader
+from dpu_agent.weights.safetensors_file import CheckpointError, ShardReader
+from dpu_offload.keys import ExpertKey
 from gpu_kernels.checksum import blob_checksums
 
 
@@ -40,7 +44,7 @@ def ingest(catalog: ModelCatalog, chunk_bytes: int, *, show_progress: bool = Tru
                     raise FileNotFoundError(f"{key}: shard of {t.role} is not present")
                 shards.read_into(t.file, t.file_offset, view[t.offset:t.offset + t.nbytes],
                                  t.stamp)
-            experts[str(key)] = {
+            experts[_manifest_key(key)] = {
                 "blob_bytes": entry.blob_bytes,
                 "tensors": [{"name": t.role, "dtype": t.dtype, "shape": list(t.shape),
                              "offset": t.offset, "nbytes": t.nbytes} for t in entry.tensors],
@@ -51,6 +55,46 @@ def ingest(catalog: ModelCatalog, chunk_bytes: int, *, show_progress: bool = Tru
     return {"model": catalog.name, "architecture": catalog.layout.architecture,
             "chunk_bytes": chunk_bytes, "seconds": time.perf_counter() - start,
             "experts": experts}
+
+
+MANIFEST_FILE = "dpu-manifest.json"
+"""Where ``dpu-agent ingest`` writes a checkpoint's manifest, and LoadModel looks for it."""
+
+
+def attach_manifest(catalog: ModelCatalog) -> ModelCatalog:
+    """``catalog`` with each expert's manifest checksums attached when ``MANIFEST_FILE`` lies
+    beside the checkpoint (unchanged without one). CheckpointError when the manifest does not
+    describe this checkpoint (another model, other tensors or sizes)."""
+    path = catalog.path / MANIFEST_FILE
+    if not path.exists():
+        return catalog
+    try:
+        manifest = json.loads(path.read_text())
+        chunk = int(manifest["chunk_bytes"])
+        experts = manifest["experts"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: not an ingest manifest ({exc})") from exc
+    if chunk <= 0 or chunk % 16:
+        raise CheckpointError(f"{path}: chunk_bytes {chunk} is not a positive multiple of 16")
+    attached = {}
+    for key, entry in catalog.experts.items():
+        got = experts.get(_manifest_key(key))
+        want = [{"name": t.role, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+                 "nbytes": t.nbytes} for t in entry.tensors]
+        sums = got.get("chunk_checksums") if isinstance(got, dict) else None
+        if (not isinstance(got, dict) or got.get("blob_bytes") != entry.blob_bytes
+                or got.get("tensors") != want or not isinstance(sums, list)
+                or len(sums) != -(-entry.blob_bytes // chunk)):
+            raise CheckpointError(f"{path}: does not describe expert l{key.layer}-e{key.expert} "
+                                  "of this checkpoint as it is (run dpu-agent ingest again)")
+        attached[key] = replace(entry, expected=tuple(int(s) for s in sums),
+                                expected_chunk_bytes=chunk)
+    return replace(catalog, experts=attached, manifest=path)
+
+
+def _manifest_key(key: ExpertKey) -> str:
+    """Experts are keyed by layer and index in a manifest (the model's name is the loader's)."""
+    return f"l{key.layer}-e{key.expert}"
 
 
 def write_manifest(manifest: dict[str, Any], path: Path) -> None:

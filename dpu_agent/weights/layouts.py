@@ -137,14 +137,6 @@ class _Layer:
     experts: dict[int, set[str]] = field(default_factory=dict)
 
 
-def _role(name: str, proj: str, part: str) -> str:
-    base = _PROJ.get(proj)
-    if base is None:
-        raise LayoutError(f"expert tensor {name!r}: projection {proj!r} is none of "
-                          f"{', '.join(sorted(_PROJ))}")
-    return base + _PART[part]
-
-
 def _parse(name: str) -> tuple[str, int, int | None, str, str] | None:
     """(block, layer, expert or None for stacked, proj, part) of an expert tensor's name;
     None for any other tensor. Split, not a regular expression: a checkpoint has ~10^5 names."""

@@ -111,11 +111,11 @@ class ShardChanged(CheckpointError):
 
     Attributes:
         path: the shard.
-        what: how it changed, in a few words ("shortened", "gone", ...).
+        what: how it changed ("shortened since load", "gone since load", ...).
     """
 
-    def __init__(self, path: Path, what: str) -> None:
-        super().__init__(f"{path}: {what} since the model was loaded")
+    def __init__(self, path: Path, what: str, detail: str = "") -> None:
+        super().__init__(f"{path}: {what}{f' ({detail})' if detail else ''}")
         self.path, self.what = path, what
 
 
@@ -144,7 +144,8 @@ class ShardReader:
         ``stamp``, first check that the file is still the one stamped."""
         try:
             if stamp is not None and stamp_of(path) != stamp:
-                raise ShardChanged(path, "changed (size, modification time or inode)")
+                raise ShardChanged(path, "changed since load",
+                                   "size, modification time or inode differ")
             fd, inode = self._fds.get(path, (-1, (0, 0)))
             if fd < 0 or (stamp is not None and stamp[:2] != inode):
                 if fd >= 0:
@@ -153,13 +154,14 @@ class ShardReader:
                 st = os.fstat(fd)
                 self._fds[path] = fd, (st.st_dev, st.st_ino)
         except FileNotFoundError as exc:
-            raise ShardChanged(path, "gone") from exc
+            raise ShardChanged(path, "gone since load") from exc
         view = memoryview(out).cast("B")
         done = 0
         while done < view.nbytes:
             got = os.preadv(fd, [view[done:]], start + done)
             if got == 0:
-                raise ShardChanged(path, f"shortened (ends before byte {start + view.nbytes})")
+                raise ShardChanged(path, "shortened since load",
+                                   f"ends before byte {start + view.nbytes}")
             done += got
 
     def close(self) -> None:

@@ -508,18 +508,20 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., devices: _Optional[int] = ..., regions: _Optional[int] = ..., slots_ready: _Optional[int] = ..., lease_remaining_seconds: _Optional[float] = ..., slots_held: _Optional[int] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("model", "architecture", "experts", "model_index", "degraded")
+    __slots__ = ("model", "architecture", "experts", "model_index", "degraded", "manifest")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_INDEX_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     experts: int
     model_index: int
     degraded: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., experts: _Optional[int] = ..., model_index: _Optional[int] = ..., degraded: _Optional[str] = ...) -> None: ...
+    manifest: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., experts: _Optional[int] = ..., model_index: _Optional[int] = ..., degraded: _Optional[str] = ..., manifest: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("version", "uptime_seconds", "sessions", "models", "arena_bytes", "arena_used_bytes", "experts_cached", "cache_hits", "cache_misses", "transfers_in_flight", "arena_pins")
