@@ -45,6 +45,8 @@ class AgentConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    admin_names: tuple[str, ...] = ()
+    """Client-certificate common names (mutual TLS) that see every session in GetStatus."""
     arena_bytes: int = 1 * 2**30
     cache_policy: str = "lru"
     chunk_bytes: int = 1 * 2**20
@@ -117,6 +119,17 @@ def _str(v: Any) -> str:
     return v
 
 
+MAX_ADMIN_NAMES = 64
+
+
+def _names(v: Any) -> tuple[str, ...]:
+    if (not isinstance(v, list) or len(v) > MAX_ADMIN_NAMES
+            or not all(isinstance(x, str) and 0 < len(x) <= 256 for x in v)):
+        raise ValueError(f"expected a list of at most {MAX_ADMIN_NAMES} names of 1-256 "
+                         f"characters, got {v!r}"[:300])
+    return tuple(v)
+
+
 KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("server", "listen_address"): ("listen_address", _str),
     ("server", "max_message_bytes"): ("max_message_bytes", _size),
@@ -124,6 +137,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("server", "tls_cert"): ("tls_cert", _str),
     ("server", "tls_key"): ("tls_key", _str),
     ("server", "tls_client_ca"): ("tls_client_ca", _str),
+    ("server", "admin_names"): ("admin_names", _names),
     ("arena", "bytes"): ("arena_bytes", _size),
     ("cache", "policy"): ("cache_policy", _str),
     ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
@@ -199,6 +213,9 @@ def _check(cfg: AgentConfig) -> list[str]:
         problems.append("server.tls_cert / server.tls_key: set both or neither")
     if cfg.tls_client_ca and not cfg.tls_cert:
         problems.append("server.tls_client_ca: needs server.tls_cert and server.tls_key")
+    if cfg.admin_names and not cfg.tls_client_ca:
+        problems.append("server.admin_names: administrators are client certificates; needs "
+                        "server.tls_client_ca")
     for key, path in (("server.tls_cert", cfg.tls_cert), ("server.tls_key", cfg.tls_key),
                       ("server.tls_client_ca", cfg.tls_client_ca)):
         if path and not os.access(path, os.R_OK):

@@ -17,11 +17,13 @@ class Caller:
 
     Attributes:
         token: the session token the call presented ("" when none).
-        identity: the peer certificate's subject under mutual TLS ("" without TLS).
+        identity: a digest of the peer's certificate under mutual TLS ("" without TLS).
     """
 
     token: str = ""
     identity: str = ""
+    name: str = ""
+    """The peer certificate's common name under mutual TLS ("" without TLS)."""
 
 
 _NOBODY = Caller()

@@ -25,7 +25,7 @@ from dpu_agent.dataplane.engine import EngineDevices, EngineError
 from dpu_agent.dataplane.loop import DataPlaneLoop
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.requests import RequestServer, unknown_model
-from dpu_agent.dataplane.steering import FlowTable
+from dpu_agent.dataplane.steering import FlowTable, owned_by
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.identity import Binding, current_caller
@@ -275,6 +275,9 @@ class Orchestrator:
         devices = set(session.devices.values())
         self.scheduler.cancel(lambda job: job.link[0] == session_id)
         self.placements.forget_session(session_id)
+        gone = [r.rule_id for r in self.flows.rules() if owned_by(r, session_id)]
+        if gone:
+            self.flows.update(delete=gone)  # its devices' queues are gone with it
         self.deliveries.tracker.cancel(lambda t: t.owner in devices)
         for dev in devices:
             if dev.queue is not None:

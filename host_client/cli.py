@@ -71,7 +71,8 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
 
 def _fetch_status(args: argparse.Namespace) -> pb.StatusResponse:
     with grpc.insecure_channel(args.agent) as channel:
-        return pb_grpc.DpuAgentStub(channel).GetStatus(pb.StatusRequest(), timeout=args.timeout)
+        return pb_grpc.DpuAgentStub(channel).GetStatus(pb.StatusRequest(), timeout=args.timeout,
+                                                        metadata=_token(args))
 
 
 def render_status(st: pb.StatusResponse) -> Group:
@@ -91,6 +92,9 @@ def render_status(st: pb.StatusResponse) -> Group:
         sessions.add_row(x.session_id, x.client_name, str(x.devices), str(x.regions),
                          str(x.slots_ready), str(x.slots_held),
                          f"{x.lease_remaining_seconds:.1f}")
+    if st.other_sessions:
+        sessions.caption = (f"+ {st.other_sessions} other session(s), shown to their owners "
+                            "and to administrators")
     return Group(head, models, sessions)
 
 
@@ -148,9 +152,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _session_args(p: argparse.ArgumentParser) -> None:
     """--session and its token: a command acting on a session must present its secret."""
     p.add_argument("--session", required=True, help="session id (expertctl status lists them)")
+    _token_arg(p)
+
+
+def _token_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-token", default=os.environ.get("DPU_AGENT_SESSION_TOKEN", ""),
                    help="the session's token (AgentClient.session_token; default "
-                   "$DPU_AGENT_SESSION_TOKEN)")
+                   "$DPU_AGENT_SESSION_TOKEN); status shows the sessions it owns")
 
 
 def _token(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -288,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("status", help="one screen of the agent's state")
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=5.0)
+    _token_arg(p)
     p.set_defaults(fn=cmd_status)
     p = sub.add_parser("flows", help="list, add or delete flow-steering rules")
     p.add_argument("--agent", default="127.0.0.1:50051")
@@ -313,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("top", help="the status screen, refreshed live")
     p.add_argument("--agent", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=5.0)
+    _token_arg(p)
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: never)")
     p.set_defaults(fn=cmd_top)

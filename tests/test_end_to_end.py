@@ -180,14 +180,15 @@ def test_expired_lease_reclaims_session(agent: AgentProcess, qwen_ckpt: Path) ->
             dev = c.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
             c.acquire(dev, ExpertKey("qwen-lease", 0, round_)).wait(10)
             c._closed.set()  # the process "dies": no more keep-alives
+            assert [s.session_id for s in c.status().sessions] == [c.session_id]
             deadline = time.monotonic() + 5
-            while c.session_id in [s.session_id for s in observer.status().sessions]:
+            while c.session_id in [s.session_id for s in c.status().sessions]:
                 assert time.monotonic() < deadline, "session not reclaimed after its lease"
                 time.sleep(0.1)
             c.close()
         after = observer.status()
         assert after.transfers_in_flight == 0
-        assert len(after.sessions) == len(baseline.sessions)
+        assert after.other_sessions <= baseline.other_sessions
 
 
 def test_report_routing_validates(client: AgentClient, qwen_ckpt: Path) -> None:
@@ -235,7 +236,12 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
         out = subprocess.run([*base, "status", "--agent", agent.address], capture_output=True,
                              text=True, env={**os.environ, "COLUMNS": "200"})
         assert out.returncode == 0, out.stderr
-        assert "ctl-visible" in out.stdout and "qwen-ctl" in out.stdout
+        assert "ctl-visible" not in out.stdout and "qwen-ctl" in out.stdout  # not its session
+        assert "other session(s)" in out.stdout
+        env = {**os.environ, "COLUMNS": "200", "DPU_AGENT_SESSION_TOKEN": c.session_token}
+        out = subprocess.run([*base, "status", "--agent", agent.address], capture_output=True,
+                             text=True, env=env)
+        assert out.returncode == 0 and "ctl-visible" in out.stdout, out.stderr
         top = subprocess.run([*base, "top", "--agent", agent.address, "--interval", "0.1",
                               "--iterations", "2"], capture_output=True, text=True,
                              env={**os.environ, "COLUMNS": "200"})

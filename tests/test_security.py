@@ -234,3 +234,28 @@ def test_a_session_cannot_be_named_by_another_caller(agent: AgentProcess,
         owner.release(dev, key)
         assert owner.placement_progress(0) is None  # the owner's event thread is still its own
         assert owner._event_thread.is_alive()
+
+
+def test_status_shows_a_caller_its_own_sessions_and_an_administrator_all(pki: Path) -> None:
+    """GetStatus lists the sessions the caller's token and certificate own; the rest only as a
+    count, except to a certificate named in server.admin_names."""
+    settings = (f'[server]\ntls_cert = "{pki}/agent.pem"\ntls_key = "{pki}/agent.key"\n'
+                f'tls_client_ca = "{pki}/ca.pem"\nadmin_names = ["client"]\n')
+    with AgentProcess(settings) as agent:
+        admin = TlsFiles(str(pki / "ca.pem"), str(pki / "client.pem"), str(pki / "client.key"))
+        user = TlsFiles(str(pki / "ca.pem"), str(pki / "colleague.pem"),
+                        str(pki / "colleague.key"))
+        with AgentClient(agent.address, tls=admin, client_name="ops") as ops, \
+                AgentClient(agent.address, tls=user, client_name="colleague") as colleague:
+            mine = colleague.status()
+            assert [s.client_name for s in mine.sessions] == ["colleague"]
+            assert mine.other_sessions == 1
+            everything = ops.status()
+            assert sorted(s.client_name for s in everything.sessions) == ["colleague", "ops"]
+            assert everything.other_sessions == 0
+
+
+def test_administrators_need_client_certificates(tmp_path: Path) -> None:
+    agent = AgentProcess('[server]\nadmin_names = ["ops"]\n')
+    with pytest.raises(RuntimeError, match=r"server\.admin_names: .*tls_client_ca"):
+        agent.start()

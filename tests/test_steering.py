@@ -176,7 +176,7 @@ def test_apply_flows_rpc_and_cli(agent: AgentProcess) -> None:
                 traffic="activations", action="forward", queues=[4242])]),
              grpc.StatusCode.FAILED_PRECONDITION),
             (pb.ApplyFlowsRequest(session_id=client.session_id, delete=[10**9]),
-             grpc.StatusCode.INVALID_ARGUMENT),
+             grpc.StatusCode.NOT_FOUND),
         ]:
             before = client.stub.ListFlows(pb.ListFlowsRequest()).version
             with pytest.raises(grpc.RpcError) as err:
@@ -189,3 +189,34 @@ def test_apply_flows_rpc_and_cli(agent: AgentProcess) -> None:
         assert out.returncode == 0
         assert not [r for r in client.stub.ListFlows(pb.ListFlowsRequest()).rules
                     if r.model == "x"]
+
+
+def test_rules_belong_to_their_session(agent: AgentProcess, qwen_ckpt: Path) -> None:
+    """Two sessions place the same model: each keeps its own rules (origin names the
+    session). A session cannot delete another's rule (PERMISSION_DENIED, nothing changes), and
+    a closed session's rules go with it."""
+    with AgentClient(agent.address) as a, AgentClient(agent.address) as b:
+        rules: dict[str, list] = {}
+        for c in (a, b):
+            model = c.load_model(str(qwen_ckpt), "owned")
+            dev = c.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 18)])
+            L, E = len(model.moe_layers), model.experts_per_layer
+            c.wait_placement(c.apply_placement("owned", [[[dev.device_id]] * E
+                                                         for _ in range(L)]).placement_id)
+            c.stub.ApplyFlows(pb.ApplyFlowsRequest(session_id=c.session_id, add=[pb.FlowRule(
+                traffic="activations", action="forward", model="m", expert=1,
+                queues=[dev.device_id])]))
+        for r in a.stub.ListFlows(pb.ListFlowsRequest()).rules:
+            rules.setdefault(r.origin, []).append(r)
+        for c in (a, b):
+            assert len(rules[f"placement:{c.session_id}:owned"]) == L * E
+            assert len(rules[f"manual:{c.session_id}"]) == 1
+        version = a.stub.ListFlows(pb.ListFlowsRequest()).version
+        with pytest.raises(grpc.RpcError) as err:
+            b.stub.ApplyFlows(pb.ApplyFlowsRequest(
+                session_id=b.session_id, delete=[rules[f"manual:{a.session_id}"][0].rule_id]))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert a.stub.ListFlows(pb.ListFlowsRequest()).version == version
+        a.close()
+        left = {r.origin for r in b.stub.ListFlows(pb.ListFlowsRequest()).rules}
+        assert left == {f"placement:{b.session_id}:owned", f"manual:{b.session_id}"}

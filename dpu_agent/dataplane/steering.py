@@ -54,8 +54,10 @@ class FlowRule:
     """Empty matches every sender."""
     queues: tuple[int, ...] = ()
     priority: int = 0
-    origin: str = "manual"
-    """'manual' (ApplyFlows) or 'placement' (derived; replaced when placement changes)."""
+    origin: str = ""
+    """Who made it: ``manual:<session>`` (ApplyFlows; only that session deletes it) or
+    ``placement:<session>:<model>`` (follows that session's placement of the model); every
+    rule of a session goes when it closes."""
 
     def matches(self, traffic: TrafficClass, model: str, layer: int, expert: int,
                 source: str) -> bool:
@@ -217,10 +219,27 @@ class FlowTable:
         return Decision(None, Action.TO_AGENT, None, table.version)
 
 
-def placement_rules(model: str, layers: list[int],
+def manual_origin(session_id: str) -> str:
+    """The origin of the rules a session adds with ApplyFlows (only it may delete them)."""
+    return f"manual:{session_id}"
+
+
+def placement_origin(session_id: str, model: str) -> str:
+    """The origin of the rules that follow a session's placement of ``model``."""
+    return f"placement:{session_id}:{model}"
+
+
+def owned_by(rule: FlowRule, session_id: str) -> bool:
+    """Whether ``rule`` came from the session (ApplyFlows or one of its placements)."""
+    return rule.origin == manual_origin(session_id) or \
+        rule.origin.startswith(f"placement:{session_id}:")
+
+
+def placement_rules(session_id: str, model: str, layers: list[int],
                     assignment: list[list[list[int]]]) -> list[FlowRule]:
     """One FORWARD rule per placed expert (activations), queues = the devices holding it."""
+    origin = placement_origin(session_id, model)
     return [FlowRule(0, TrafficClass.ACTIVATIONS, Action.FORWARD, model=model,
                      layer_min=layers[li], layer_max=layers[li], expert=e,
-                     queues=tuple(devs), priority=0, origin=f"placement:{model}")
+                     queues=tuple(devs), priority=0, origin=origin)
             for li, row in enumerate(assignment) for e, devs in enumerate(row)]

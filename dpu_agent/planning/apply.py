@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dpu_agent.dataplane.steering import placement_rules
+from dpu_agent.dataplane.steering import placement_origin, placement_rules
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.planning.placement import PlacementError, plan
 from dpu_agent.planning.scheduler import Priority
@@ -40,6 +40,8 @@ class PlacementState:
     """One applied placement of one model in one session."""
 
     placement_id: int
+    owner: str
+    """The session id whose placement this is."""
     model: str
     assignment: list[list[list[int]]]
     """[MoE layer position][expert] -> device ids."""
@@ -103,7 +105,8 @@ class PlacementExecutor:
                   for d in devs}
         with self._lock:
             old = self.states.get((session.session_id, model))
-            state = PlacementState(next(self._ids), model, assignment, replicas)
+            state = PlacementState(next(self._ids), session.session_id, model, assignment,
+                                   replicas)
             if old is not None:
                 self.core.scheduler.cancel(lambda job: job.tag == old.placement_id)
                 state.held = old.held & wanted
@@ -191,8 +194,10 @@ class PlacementExecutor:
         layers = list(catalog.layout.moe_layers)
         serving = [[sorted(held.get(ExpertKey(state.model, layer, e), ()))
                     for e in range(catalog.layout.experts_per_layer)] for layer in layers]
-        rules = [r for r in placement_rules(state.model, layers, serving) if r.queues]
-        self.core.flows.update(add=rules, replace_origin=f"placement:{state.model}")
+        rules = [r for r in placement_rules(state.owner, state.model, layers, serving)
+                 if r.queues]
+        self.core.flows.update(add=rules,
+                               replace_origin=placement_origin(state.owner, state.model))
 
     def _progress(self, session: Session, state: PlacementState) -> None:
         self._sync_flows(state)

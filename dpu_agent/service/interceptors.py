@@ -226,7 +226,10 @@ class CallerInterceptor(_OneRequestInterceptor):
 @contextlib.asynccontextmanager
 async def _as_caller(context: Any) -> AsyncIterator[None]:
     metadata = dict(context.invocation_metadata() or ())
-    pem = (context.auth_context() or {}).get("x509_pem_cert") or [b""]
+    auth = context.auth_context() or {}
+    pem = auth.get("x509_pem_cert") or [b""]
+    name = (auth.get("x509_common_name") or [b""])[0]
     set_caller(Caller(token=str(metadata.get(SESSION_TOKEN_METADATA, ""))[:256],
-                      identity=hashlib.sha256(pem[0]).hexdigest() if pem[0] else ""))
+                      identity=hashlib.sha256(pem[0]).hexdigest() if pem[0] else "",
+                      name=name.decode(errors="replace") if pem[0] else ""))
     yield

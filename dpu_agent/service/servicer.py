@@ -15,8 +15,15 @@ from typing import Any, TypeVar
 import grpc
 
 from dpu_agent import __version__
-from dpu_agent.dataplane.steering import Action, FlowRule, SteeringError, TrafficClass
-from dpu_agent.errors import AgentError, ErrorKind, invalid
+from dpu_agent.dataplane.steering import (
+    Action,
+    FlowRule,
+    SteeringError,
+    TrafficClass,
+    manual_origin,
+)
+from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
+from dpu_agent.identity import current_caller
 from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.service.registry import ARENA_REGION_ID
 from dpu_agent.weights.cache import WouldBlock
@@ -335,17 +342,23 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                     traffic, action = TrafficClass(m.traffic), Action(m.action)
                 except ValueError as exc:
                     raise invalid(f"add[{i}]: {exc}") from exc
-                if m.rule_id or m.origin not in ("", "manual"):
+                if m.rule_id or m.origin:
                     raise invalid(f"add[{i}]: rule_id and origin are assigned by the agent")
                 for q in m.queues:
                     self.core.device(session, q)
                 rules.append(FlowRule(0, traffic, action, m.model, m.layer_min, m.layer_max,
-                                      m.expert, m.source, tuple(m.queues), m.priority))
-            manual = {r.rule_id for r in self.core.flows.rules() if r.origin == "manual"}
-            bad = [rid for rid in request.delete if rid not in manual]
-            if bad:
-                raise invalid(f"rule {bad[0]} is not a manual rule (placement rules follow "
-                              "ApplyPlacement)")
+                                      m.expert, m.source, tuple(m.queues), m.priority,
+                                      origin=manual_origin(session.session_id)))
+            origins = {r.rule_id: r.origin for r in self.core.flows.rules()}
+            for rid in request.delete:
+                origin = origins.get(rid)
+                if origin is None:
+                    raise not_found(f"rule {rid} does not exist")
+                if origin.startswith("placement:"):
+                    raise invalid(f"rule {rid} follows a placement (ApplyPlacement changes it)")
+                if origin != manual_origin(session.session_id):
+                    raise AgentError(ErrorKind.PERMISSION_DENIED,
+                                     f"rule {rid} belongs to another session")
             before = {r.rule_id for r in self.core.flows.rules()}
             try:
                 version = self.core.flows.update(add=rules, delete=list(request.delete))
@@ -370,8 +383,13 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     async def GetStatus(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
                         ) -> pb.StatusResponse:
         core = self.core
-        sessions = list(core.sessions.values())
+        who = current_caller()
+        everyone = list(core.sessions.values())
+        admin = bool(who.name) and who.name in core.config.admin_names
+        sessions = [s for s in everyone if admin or (s.binding is not None
+                                                     and s.binding.admits(who))]
         return pb.StatusResponse(
+            other_sessions=len(everyone) - len(sessions),
             version=__version__, uptime_seconds=time.time() - core.started,
             sessions=[pb.SessionStatus(
                 session_id=s.session_id, client_name=s.client_name, devices=len(s.devices),

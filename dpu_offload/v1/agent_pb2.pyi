@@ -524,7 +524,7 @@ class ModelStatus(_message.Message):
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., experts: _Optional[int] = ..., model_index: _Optional[int] = ..., degraded: _Optional[str] = ..., manifest: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "sessions", "models", "arena_bytes", "arena_used_bytes", "experts_cached", "cache_hits", "cache_misses", "transfers_in_flight", "arena_pins")
+    __slots__ = ("version", "uptime_seconds", "sessions", "models", "arena_bytes", "arena_used_bytes", "experts_cached", "cache_hits", "cache_misses", "transfers_in_flight", "arena_pins", "other_sessions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +536,7 @@ class StatusResponse(_message.Message):
     CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ARENA_PINS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
@@ -547,4 +548,5 @@ class StatusResponse(_message.Message):
     cache_misses: int
     transfers_in_flight: int
     arena_pins: int
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., experts_cached: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., arena_pins: _Optional[int] = ...) -> None: ...
+    other_sessions: int
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., experts_cached: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., arena_pins: _Optional[int] = ..., other_sessions: _Optional[int] = ...) -> None: ...
