@@ -51,9 +51,15 @@ from dpu_offload.keys import ExpertKey, model_name_problem
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.ring import RingError
-from gpu_kernels.shm import SharedBufferError
+from gpu_kernels.shm import SharedBufferError, sweep_stale
 
 log = logging.getLogger("dpu_agent")
+
+STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool",
+                  *(f"dpu-{side}-{kind.name.lower()}" for side in ("engine", "ring")
+                    for kind in abi.RingKind))
+"""Names of the segments agents and host clients create (``unique_name``): swept at start
+when their creator is dead."""
 
 LANDED_CHECK_SECONDS = 0.001
 """How often the data-plane loop takes up consumers' verdicts on LANDED slots (an acquire of
@@ -87,6 +93,10 @@ class Orchestrator:
         self.started = time.time()
         self.state = StateStore(config.state_dir) if config.state_dir else None
         self.saved_placements: dict[str, Any] = {}
+        stale = sweep_stale(STALE_SEGMENTS)
+        if stale:
+            log.warning("removed %d shared-memory segments left by dead processes: %s",
+                        len(stale), ", ".join(sorted(stale)[:8]))
         self.arena = Arena(config.arena_bytes)
         self.cache = WeightCache(self.arena, config.chunk_bytes, POLICIES[config.cache_policy]())
         self.models: dict[str, ModelCatalog] = {}

@@ -23,8 +23,46 @@ class SharedBufferError(RuntimeError):
 
 
 def unique_name(prefix: str) -> str:
-    """A fresh segment name: ``prefix``, the pid and random hex."""
-    return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+    """A fresh segment name: ``prefix``, the creator's pid (so a later agent can tell a dead
+    creator's leftovers, ``sweep_stale``) and 128 random bits (so no one guesses it; the
+    segment is also 0600)."""
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def sweep_stale(prefixes: tuple[str, ...], directory: str = SHM_DIR) -> list[str]:
+    """Unlink the segments named ``<prefix>-<pid>-<hex>`` (``unique_name``) that this user
+    owns and whose creating process is gone (a crashed agent's arena, a dead client's rings);
+    a live process's segments, and other users', are never touched. Returns the names removed.
+    /dev/shm does not outlive a boot, so a pid names one process of this boot (a reused pid
+    only keeps a segment longer)."""
+    pattern = re.compile(rf"^(?:{'|'.join(map(re.escape, prefixes))})-(\d+)-[0-9a-f]+$")
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        if m is None or _alive(int(m[1])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue  # gone meanwhile
+    return removed
 
 
 class SharedBuffer:

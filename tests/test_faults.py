@@ -382,3 +382,29 @@ def test_bytes_changed_in_place_are_caught_by_the_ingest_manifest(qwen_ckpt: Pat
                                                                   '"blob_bytes": 1', 1))
         with pytest.raises(InvalidArgument, match="does not describe expert"):
             client.load_model(str(other), "other")
+
+
+def test_a_dead_processs_segments_are_swept_at_start_a_live_ones_kept(tmp_path: Path) -> None:
+    """Shared-memory segments named by a process that is gone (a crashed agent's arena, a dead
+    client's rings) are removed when an agent starts; a live process's are kept."""
+    import os
+
+    from gpu_kernels.shm import SHM_DIR, unique_name
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [f"dpu-agent-arena-{dead.pid}-{'ab' * 16}", f"dpu-ring-work-{dead.pid}-{'cd' * 16}"]
+    live = unique_name("dpu-channel")  # this test's pid: alive
+    other = f"not-ours-{dead.pid}-{'ef' * 16}"
+    for name in (*stale, live, other):
+        Path(SHM_DIR, name).write_bytes(b"x")
+    try:
+        with AgentProcess() as agent:
+            assert agent.proc.poll() is None
+            assert not any(Path(SHM_DIR, n).exists() for n in stale)
+            assert Path(SHM_DIR, live).exists() and Path(SHM_DIR, other).exists()
+            assert "shared-memory segments left by dead processes" in agent.log()
+    finally:
+        for name in (*stale, live, other):
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))
