@@ -37,7 +37,7 @@ def main() -> int:
     table = FlowTable()
     assignment = [[[rng.randrange(8), 8 + rng.randrange(8)] for _ in range(EXPERTS)]
                   for _ in LAYERS]
-    table.update(add=placement_rules("dsv3", LAYERS, assignment))
+    table.update(add=placement_rules("bench", "dsv3", LAYERS, assignment))
     table.update(add=[FlowRule(0, TrafficClass.WEIGHTS, Action.TO_AGENT, priority=1),
                       FlowRule(0, TrafficClass.ACTIVATIONS, Action.DROP, model="other")])
     queries = [(TrafficClass.ACTIVATIONS, "dsv3", rng.choice(LAYERS), rng.randrange(EXPERTS))
