@@ -25,6 +25,8 @@ FAULTS = [
      "tests/test_faults.py::test_agent_sigkill_client_notices_fails_and_recovers"),
     ("agent restarted gracefully (SIGTERM, as systemctl restart)",
      "tests/test_faults.py::test_graceful_restart_is_survived_like_a_kill"),
+    ("agent restarted under load with a changed config",
+     "tests/test_faults.py::test_restart_under_load_with_a_changed_config"),
     ("host process killed (transfer in flight)",
      "tests/test_faults.py::test_killed_host_process_is_reclaimed"),
     ("corrupted bytes in the arena (device pull)", "tests/test_faults.py::"
@@ -83,6 +85,10 @@ OUTCOME = {
     "agent restarted gracefully (SIGTERM, as systemctl restart)": "the clean end of the event "
     "stream is taken as the agent going away: the client's event thread idles (< 5 % of a core) "
     "while it is down, then reconnects and serves verified bytes as after SIGKILL",
+    "agent restarted under load with a changed config": "four threads acquiring and releasing "
+    "through a SIGTERM restart onto another chunk size and arena: only typed errors while the "
+    "agent is away (acquires posted then fail at once instead of waiting out their timeout on "
+    "the dead channel), no thread hangs, each gets the checkpoint's bytes from the new agent",
     "host process killed (transfer in flight)": "session reclaimed within the 1 s lease; "
     "transfers in flight and arena pins back to 0",
     "corrupted bytes in the arena (device pull)": "the device's consumer catches the checksum "

@@ -185,6 +185,8 @@ class AgentClient:
         """Model name -> the index request-ring entries name it by (from LoadModel)."""
         self._manifests: dict[ExpertKey, pb.ExpertManifest] = {}
         self._epoch = 0
+        self._down = False
+        """Between the agent going away and the recovery: requests fail at once."""
         """Bumped when the agent goes away; a handle of an older epoch fails."""
         self._outage: BaseException = AgentUnavailable("the agent went away")
         self._closed = threading.Event()
@@ -338,6 +340,8 @@ class AgentClient:
     def _handles(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
         entries = [(abi.RequestOp.ACQUIRE, self._index(k.model), k) for k in keys]
         manifests = [self.manifest(k) for k in keys]
+        if self._down:
+            raise self._outage  # the agent is away: no channel would answer this
         epoch, bell = self._epoch, dev.device.doorbell
 
         def check() -> None:
@@ -471,7 +475,12 @@ class AgentClient:
     def release(self, dev: AttachedDevice, key: ExpertKey, wait: bool = True) -> None:
         """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns once the
         request is posted (the agent serves a channel's requests in order, so a later acquire
-        sees the slot freed); a refusal is then logged, not raised."""
+        sees the slot freed); a refusal is then logged, not raised. While the agent is away
+        (its session and references went with it) ``wait=True`` raises AgentUnavailable."""
+        if self._down:
+            if wait:
+                raise self._outage
+            return
         if wait:
             entry = [(abi.RequestOp.RELEASE, self._index(key.model), key)]
             self._answer(dev, dev.channel.post(entry)[0])
@@ -481,6 +490,9 @@ class AgentClient:
     def release_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> None:
         """Drop one reference on each of ``keys`` with one post (a layer's experts), returning
         at once; refusals are logged (as ``release(wait=False)``)."""
+
+        if self._down:
+            return  # the agent is away: the references went with its session
 
         def check(reply: np.void) -> None:
             refused = refusal_of(reply)
@@ -551,6 +563,8 @@ class AgentClient:
                 if self._linked:
                     self.link_peers()
                 self.generation += 1
+                self._epoch += 1  # a handle posted on a dead channel before this never resolves
+                self._down = False
                 self.reconnected.set()
                 return
             except (grpc.FutureTimeoutError, grpc.RpcError):
@@ -563,6 +577,7 @@ class AgentClient:
     def _fail_all(self, exc: BaseException) -> None:
         """Every handle posted so far fails with ``exc`` (its wait raises it)."""
         self._outage = exc
+        self._down = True
         self._epoch += 1
 
     def _keepalive_loop(self) -> None:

@@ -143,8 +143,8 @@ class _Restartable:
         self.dev = self.client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
             self.model.expert_bytes, slots)])
 
-    def restart(self) -> None:
-        self.second = AgentProcess(env={
+    def restart(self, settings: str = "") -> None:
+        self.second = AgentProcess(settings, env={
             "DPU_AGENT_SERVER_LISTEN_ADDRESS": f"127.0.0.1:{self.first.port}"}).start()
         assert self.client.reconnected.wait(20), "the client did not reconnect on its own"
         assert self.client.generation == 1
@@ -202,6 +202,56 @@ def test_graceful_restart_is_survived_like_a_kill(qwen_ckpt: Path) -> None:
             assert slot.raw(role).tobytes() == truth[name], (slot.key, role)
     finally:
         r.close()
+
+
+def test_restart_under_load_with_a_changed_config(qwen_ckpt: Path) -> None:
+    """systemctl restart while four threads acquire and release, the new agent with another
+    chunk size and arena: every thread sees only typed errors while the agent is away, none
+    hangs, and each then gets the checkpoint's bytes from the new agent."""
+    from host_client import AgentError
+
+    truth = checkpoint_bytes(qwen_ckpt)
+    r = _Restartable(qwen_ckpt, "ql", 8)
+    stop = threading.Event()
+    served: dict[int, list[int]] = {w: [] for w in range(4)}
+    failures: list[BaseException] = []
+
+    def work(w: int) -> None:
+        n = 0
+        while not stop.is_set():
+            key = ExpertKey("ql", n % 3, (w + n) % 6)
+            n += 1
+            try:
+                slot = r.client.acquire(r.dev, key).wait(10)
+                for role, name in _names(key).items():
+                    assert slot.raw(role).tobytes() == truth[name], (key, role)
+                served[w].append(r.client.generation)
+                r.client.release(r.dev, key)
+            except AgentError:
+                time.sleep(0.05)  # the agent is away: typed, and tried again
+            except BaseException as exc:  # noqa: BLE001 - anything else fails the test
+                failures.append(exc)
+                return
+
+    threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        assert r.first.stop() == 0  # SIGTERM: drain, then exit 0
+        r.restart('[transfer]\nchunk_bytes = 65536\n[arena]\nbytes = "48MiB"\n')
+        deadline = time.monotonic() + 20
+        while not all(1 in gens for gens in served.values()) and not failures:
+            assert time.monotonic() < deadline, {w: len(g) for w, g in served.items()}
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(15)
+        r.close()
+    assert not failures, failures[:3]
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    assert all(0 in gens for gens in served.values()), "served before the restart too"
 
 
 def _thread_cpu(thread: threading.Thread) -> float:
