@@ -432,6 +432,14 @@ def test_bytes_changed_in_place_are_caught_by_the_ingest_manifest(qwen_ckpt: Pat
                                                                   '"blob_bytes": 1', 1))
         with pytest.raises(InvalidArgument, match="does not describe expert"):
             client.load_model(str(other), "other")
+        # A checksum that is not a 32-bit integer is refused the same way (it was an
+        # unhandled ValueError).
+        import re
+
+        (other / "dpu-manifest.json").write_text(re.sub(
+            r'"chunk_checksums": \[\d+', '"chunk_checksums": ["x"', manifest, count=1))
+        with pytest.raises(InvalidArgument, match="does not describe expert"):
+            client.load_model(str(other), "other")
 
 
 def test_a_dead_processs_segments_are_swept_at_start_a_live_ones_kept(tmp_path: Path) -> None:

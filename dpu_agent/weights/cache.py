@@ -168,17 +168,18 @@ class WeightCache:
                     log.warning("%s: fill source failed (%s); reading checkpoint files",
                                 cached.entry.key, exc)
             blob[:] = 0
-            for t in cached.entry.tensors:
-                if t.file is None:
-                    raise FileNotFoundError(f"{cached.entry.key}: shard for {t.role} not present")
-                try:
+            try:
+                for t in cached.entry.tensors:
+                    if t.file is None:
+                        raise FileNotFoundError(f"{cached.entry.key}: shard for {t.role} not "
+                                                "present")
                     self._shards.read_into(t.file, t.file_offset,
                                            blob[t.offset : t.offset + t.nbytes], t.stamp)
-                except ShardChanged as exc:
-                    self.degraded[cached.entry.key.model] = str(exc)
-                    raise
-            cached.checksums = blob_checksums(blob, self.chunk_bytes)
-            self._check_manifest(cached.entry, blob, cached.checksums)
+                cached.checksums = blob_checksums(blob, self.chunk_bytes)
+                self._check_manifest(cached.entry, blob, cached.checksums)
+            except ShardChanged as exc:
+                self.degraded[cached.entry.key.model] = str(exc)
+                raise
             self.stats.storage_bytes += blob.size
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised
             cached.error = exc
@@ -192,8 +193,8 @@ class WeightCache:
             cached.ready.set()
 
     def _check_manifest(self, entry: ExpertEntry, blob: np.ndarray, sums: list[int]) -> None:
-        """ShardChanged (the model degraded) when the bytes read differ from the ingest
-        manifest's (a change no stamp shows: same size, modification time put back)."""
+        """ShardChanged when the bytes read differ from the ingest manifest's (a change no
+        stamp shows: same size, modification time put back)."""
         if not entry.expected:
             return
         got = sums if entry.expected_chunk_bytes == self.chunk_bytes else \
@@ -203,10 +204,8 @@ class WeightCache:
                        if a != b)
             at = bad * entry.expected_chunk_bytes
             t = next((t for t in entry.tensors if t.offset + t.nbytes > at), entry.tensors[-1])
-            exc = ShardChanged(t.file or Path("?"), "differs from manifest",
+            raise ShardChanged(t.file or Path("?"), "differs from manifest",
                                f"{entry.key} chunk {bad}, in {t.role}")
-            self.degraded[entry.key.model] = str(exc)
-            raise exc
 
     def release(self, key: ExpertKey) -> None:
         """Unpin once (a transfer that read the blob has completed)."""

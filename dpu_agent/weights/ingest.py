@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from dpu_agent.weights.catalog import ModelCatalog
+from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
 from dpu_agent.weights.safetensors_file import CheckpointError, ShardReader
 from dpu_offload.keys import ExpertKey
 from gpu_kernels.checksum import blob_checksums
@@ -46,8 +46,7 @@ def ingest(catalog: ModelCatalog, chunk_bytes: int, *, show_progress: bool = Tru
                                  t.stamp)
             experts[_manifest_key(key)] = {
                 "blob_bytes": entry.blob_bytes,
-                "tensors": [{"name": t.role, "dtype": t.dtype, "shape": list(t.shape),
-                             "offset": t.offset, "nbytes": t.nbytes} for t in entry.tensors],
+                "tensors": _tensor_records(entry),
                 "chunk_checksums": blob_checksums(view, chunk_bytes),
             }
             progress.advance(task, entry.blob_bytes)
@@ -79,17 +78,22 @@ def attach_manifest(catalog: ModelCatalog) -> ModelCatalog:
     attached = {}
     for key, entry in catalog.experts.items():
         got = experts.get(_manifest_key(key))
-        want = [{"name": t.role, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
-                 "nbytes": t.nbytes} for t in entry.tensors]
         sums = got.get("chunk_checksums") if isinstance(got, dict) else None
         if (not isinstance(got, dict) or got.get("blob_bytes") != entry.blob_bytes
-                or got.get("tensors") != want or not isinstance(sums, list)
-                or len(sums) != -(-entry.blob_bytes // chunk)):
+                or got.get("tensors") != _tensor_records(entry) or not isinstance(sums, list)
+                or len(sums) != -(-entry.blob_bytes // chunk)
+                or not all(type(s) is int and 0 <= s < 1 << 32 for s in sums)):
             raise CheckpointError(f"{path}: does not describe expert l{key.layer}-e{key.expert} "
                                   "of this checkpoint as it is (run dpu-agent ingest again)")
-        attached[key] = replace(entry, expected=tuple(int(s) for s in sums),
+        attached[key] = replace(entry, expected=tuple(sums),
                                 expected_chunk_bytes=chunk)
     return replace(catalog, experts=attached, manifest=path)
+
+
+def _tensor_records(entry: ExpertEntry) -> list[dict[str, Any]]:
+    """How a manifest describes an expert's tensors (compared as written at LoadModel)."""
+    return [{"name": t.role, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+             "nbytes": t.nbytes} for t in entry.tensors]
 
 
 def _manifest_key(key: ExpertKey) -> str:

@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,9 +135,14 @@ class ShardReader:
     it, never a fault of the process (a memory map of a truncated file raises SIGBUS)."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
+        """Fill threads read concurrently; the table of descriptors is shared."""
         self._fds: dict[Path, tuple[int, tuple[int, int]]] = {}
         """path -> (open descriptor, its (device, inode)); reopened when the path names
         another file (a model loaded again after its shard was replaced)."""
+        self._retired: list[int] = []
+        """Descriptors of replaced files: another thread may still read through one, so they
+        are closed with the reader, not on replacement."""
 
     def read_into(self, path: Path, start: int, out: np.ndarray,
                   stamp: Stamp | None = None) -> None:
@@ -146,13 +152,14 @@ class ShardReader:
             if stamp is not None and stamp_of(path) != stamp:
                 raise ShardChanged(path, "changed since load",
                                    "size, modification time or inode differ")
-            fd, inode = self._fds.get(path, (-1, (0, 0)))
-            if fd < 0 or (stamp is not None and stamp[:2] != inode):
-                if fd >= 0:
-                    os.close(fd)
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                st = os.fstat(fd)
-                self._fds[path] = fd, (st.st_dev, st.st_ino)
+            with self._lock:
+                fd, inode = self._fds.get(path, (-1, (0, 0)))
+                if fd < 0 or (stamp is not None and stamp[:2] != inode):
+                    if fd >= 0:
+                        self._retired.append(fd)
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    st = os.fstat(fd)
+                    self._fds[path] = fd, (st.st_dev, st.st_ino)
         except FileNotFoundError as exc:
             raise ShardChanged(path, "gone since load") from exc
         view = memoryview(out).cast("B")
@@ -165,6 +172,8 @@ class ShardReader:
             done += got
 
     def close(self) -> None:
-        for fd, _ in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in [fd for fd, _ in self._fds.values()] + self._retired:
+                os.close(fd)
+            self._fds.clear()
+            self._retired.clear()
