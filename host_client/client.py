@@ -185,9 +185,10 @@ class AgentClient:
         """Model name -> the index request-ring entries name it by (from LoadModel)."""
         self._manifests: dict[ExpertKey, pb.ExpertManifest] = {}
         self._epoch = 0
+        """Bumped when the agent goes away and when it is back; a handle of an older epoch
+        fails."""
         self._down = False
         """Between the agent going away and the recovery: requests fail at once."""
-        """Bumped when the agent goes away; a handle of an older epoch fails."""
         self._outage: BaseException = AgentUnavailable("the agent went away")
         self._closed = threading.Event()
         self.reconnected = threading.Event()

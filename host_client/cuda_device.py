@@ -233,7 +233,7 @@ class CudaDevice(Device):
 
             def kernel_read() -> None:
                 cuda_ops.launch_checksums(src, n, n, 0, out.data.ptr, stream=self.stream,
-                                 blocks_per_chunk=self.blocks * 4)
+                                          blocks_per_chunk=self.blocks * 4)
 
             def copy_read() -> None:
                 cp.cuda.runtime.memcpyAsync(scratch.data.ptr, src, n, 4, self.stream.ptr)

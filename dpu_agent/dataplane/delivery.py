@@ -57,7 +57,7 @@ class Deliveries:
         """Bytes of verified deliveries by source: "arena" or "peer" (another device)."""
         self._lock = threading.Lock()
         self._waiters: dict[tuple[int, int, ExpertKey], list[Waiter]] = {}
-        self._landed: dict[tuple[int, int], tuple[Session, SlotPool, int, ExpertKey]] = {}
+        self._landed: dict[tuple[int, int], tuple[Session, SlotPool, int]] = {}
         """(pool id, slot) -> the LANDED slots whose consumer's verdict is not taken up yet."""
 
     def when_ready(self, dev: Device, key: ExpertKey, callback: Waiter) -> None:
@@ -163,7 +163,7 @@ class Deliveries:
                     pool.mark_landed(idx, blob_sum(t.plan.checksums, t.plan.nbytes,
                                                    t.plan.chunk_bytes))
                     with self._lock:
-                        self._landed[(id(pool), idx)] = (session, pool, idx, entry.key)
+                        self._landed[(id(pool), idx)] = (session, pool, idx)
         self._settle(dev, entry.key, status == abi.Status.OK)
 
     def settle_landed(self, session: Session, pool: SlotPool, idx: int) -> None:
@@ -195,7 +195,7 @@ class Deliveries:
         a closed session's slots are forgotten."""
         with self._lock:
             landed = list(self._landed.values())
-        for session, pool, idx, _ in landed:
+        for session, pool, idx in landed:
             if self.alive(session.session_id):
                 self.settle_landed(session, pool, idx)
             else:

@@ -232,7 +232,7 @@ def placement_origin(session_id: str, model: str) -> str:
 def owned_by(rule: FlowRule, session_id: str) -> bool:
     """Whether ``rule`` came from the session (ApplyFlows or one of its placements)."""
     return rule.origin == manual_origin(session_id) or \
-        rule.origin.startswith(f"placement:{session_id}:")
+        rule.origin.startswith(placement_origin(session_id, ""))
 
 
 def placement_rules(session_id: str, model: str, layers: list[int],

@@ -13,7 +13,9 @@ from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.identity import Binding
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.abi import SLOT_STATE_BITS, SlotState
+from gpu_kernels.abi import SlotState
+from gpu_kernels.channel import split_word
+from gpu_kernels.ring import RingError
 
 _SETTLED = (SlotState.READY, SlotState.LANDED)
 """States in which a slot nobody holds may be evicted."""
@@ -102,11 +104,13 @@ class SlotPool:
         written, counts as unchecked)."""
         if self.channel is None:
             return None
-        word = int(self.channel.view.words[self.state_base + idx])
-        state = word & ((1 << SLOT_STATE_BITS) - 1)
-        if word >> SLOT_STATE_BITS != self.generation[idx]:
+        try:
+            generation, state = split_word(int(self.channel.view.words[self.state_base + idx]))
+        except RingError:  # no state at all
             return None
-        return SlotState(state) if state in (SlotState.READY, SlotState.FAILED) else None
+        if generation != self.generation[idx]:
+            return None
+        return state if state in (SlotState.READY, SlotState.FAILED) else None
 
     def fail(self, idx: int, status: int) -> None:
         """The slot's delivery failed for good with ``status`` (an ``abi.Status``): watchers

@@ -61,9 +61,8 @@ class _PoolViews:
 def _torch_pool(dev: AttachedDevice, region_id: int, spec: SlotPoolSpec) -> Any:
     import torch
 
-    raw = dev.device.region_bytes(region_id, 0, spec.slot_bytes * spec.slot_count)
-    return torch.from_numpy(raw) if dev.device.xp.__name__ == "numpy" else \
-        torch.from_dlpack(raw)
+    return torch.from_dlpack(dev.device.region_bytes(region_id, 0,
+                                                     spec.slot_bytes * spec.slot_count))
 
 
 def _views(dev: AttachedDevice, manifest: pb.ExpertManifest, wanted: list[str]) -> _PoolViews:
