@@ -291,3 +291,29 @@ def test_make_checkpoint_cli(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "host_client.cli", "make-checkpoint",
                           str(tmp_path / "x"), "--arch", "bert"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+@pytest.mark.parametrize("edit,msg", [
+    # An index-only checkpoint (no shards: the names and the config are all there is).
+    (lambda wm, cfg: wm.__setitem__("model.layers.0.mlp.experts.10000000000.gate_proj.weight",
+                                    "x.safetensors"), r"expert index 10000000000 is not below"),
+    (lambda wm, cfg: wm.__setitem__("model.layers.99999999999999999999.mlp.experts.0."
+                                    "gate_proj.weight", "x.safetensors"),
+     r"layer \d+ is not below"),
+    (lambda wm, cfg: cfg.__setitem__("num_local_experts", 10**12), r"must be an integer in"),
+    (lambda wm, cfg: cfg.__setitem__("hidden_size", 2**40), r"hidden size\) must be an integer"),
+])
+def test_hostile_names_and_counts_are_refused_before_work_is_sized_by_them(
+        tmp_path: Path, edit, msg: str) -> None:
+    """A tensor name or config count that would size the catalog (a loop per expert, a
+    uint32 in the LoadModel response) is bounded first: refused, naming it."""
+    root = _ckpt(tmp_path)
+    cfg = json.loads((root / "config.json").read_text())
+    idx = json.loads((root / "model.safetensors.index.json").read_text())
+    edit(idx["weight_map"], cfg)
+    (root / "config.json").write_text(json.dumps(cfg))
+    (root / "model.safetensors.index.json").write_text(json.dumps(idx))
+    for shard in root.glob("*.safetensors"):
+        shard.unlink()
+    with pytest.raises(LayoutError, match=msg):
+        build_catalog(root, require_shards=False)

@@ -106,16 +106,23 @@ def role_order(role: str) -> tuple[int, int]:
     return len(_SUFFIXES), 0
 
 
+MAX_INDEX = 1 << 16
+"""Layers and experts per layer a checkpoint may have (a tensor name or config key beyond it
+is refused before any work is sized by it)."""
+MAX_SIZE = 1 << 20
+"""Largest hidden or intermediate size accepted from a config."""
+
+
 def first_int(cfg: Mapping[str, Any], keys: tuple[str, ...], what: str,
-              default: int | None = None) -> int:
-    """The first of ``keys`` present in ``cfg``, a non-negative integer; LayoutError naming
-    every spelling looked for when none is there (and no default)."""
+              default: int | None = None, limit: int = MAX_INDEX) -> int:
+    """The first of ``keys`` present in ``cfg``, an integer in [0, ``limit``]; LayoutError
+    naming every spelling looked for when none is there (and no default)."""
     for key in keys:
         if cfg.get(key) is not None:
             value = cfg[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise LayoutError(f"config.json key {key!r} ({what}) must be a non-negative "
-                                  f"integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+                raise LayoutError(f"config.json key {key!r} ({what}) must be an integer in "
+                                  f"[0, {limit}], got {value!r}"[:300])
             return value
     if default is None:
         raise LayoutError(f"config.json gives no {what} (looked for {', '.join(keys)})")
@@ -148,6 +155,9 @@ def _parse(name: str) -> tuple[str, int, int | None, str, str] | None:
     tail = parts[at + 1:] if at >= 0 else []
     if len(tail) == 3 and tail[0].isdigit() and tail[2] in _PER_EXPERT_PART:
         expert, proj, part = int(tail[0]), tail[1], tail[2]
+        if expert >= MAX_INDEX:
+            raise LayoutError(f"expert tensor {name[:200]!r}: expert index {expert} is not below "
+                              f"{MAX_INDEX}")
     elif at >= 0 and len(tail) in (1, 2):
         expert = None
         proj, part = tail[0], "." + tail[1] if len(tail) == 2 else ""
@@ -169,6 +179,9 @@ def _parse(name: str) -> tuple[str, int, int | None, str, str] | None:
                   if parts[k] == "layers" and parts[k + 1].isdigit()), None)
     if layer is None:
         return None
+    if layer >= MAX_INDEX:
+        raise LayoutError(f"expert tensor {name[:200]!r}: layer {layer} is not below "
+                          f"{MAX_INDEX}")
     return ".".join(parts[:at + 1]), layer, expert, proj, part
 
 
@@ -290,7 +303,7 @@ def discover(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...] | None
     pattern = _pattern(layers)
     experts = _expert_count(text, layers, shapes)
     _check_experts(layers, experts)
-    hidden = first_int(text, ("hidden_size",), "hidden size", default=0)
+    hidden = first_int(text, ("hidden_size",), "hidden size", default=0, limit=MAX_SIZE)
     shared = first_int(text, SHARED_COUNT_KEYS, "shared-expert count", default=-1)
     if shared < 0:
         shared = 1 if (text.get("shared_expert_intermediate_size")
@@ -306,6 +319,7 @@ def discover(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...] | None
 
     return ModelLayout(
         model_type, tuple(sorted(layers)), experts, shared, sources, hidden,
-        first_int(text, INTERMEDIATE_KEYS, "expert intermediate size", default=0),
+        first_int(text, INTERMEDIATE_KEYS, "expert intermediate size", default=0,
+                  limit=MAX_SIZE),
         first_int(text, TOP_K_KEYS, "experts per token", default=0), pattern, first.stacked,
         first.stacked and _in_out(model_type, first, shapes, hidden))
