@@ -42,6 +42,8 @@ from bench.common import (
     write,
 )
 from dpu_offload.keys import ExpertKey
+from gpu_kernels import abi
+from gpu_kernels.channel import split_word
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess
@@ -222,6 +224,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 lat.append(time.perf_counter() - t0)
                 client.release(dev, k)
                 cycle(resident)  # evicts k again
+            stages = stage_breakdown(client, dev, other, resident, max(8, repeats * 2), cycle)
             hit = []
             for r in range(max(20, repeats * 4)):  # an expert already READY in a slot
                 k = resident[r % half]
@@ -242,6 +245,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "acquire_rpc_p50_ms": median(single_rpc) * 1e3,
                 "acquire_to_grant_p50_ms": median(grant) * 1e3,
                 "ready_hit_p50_us": median(hit) * 1e6,
+                **stages,
                 "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
                 "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
                 "engine_cpu_s_per_gb": cpu_engine / (nbytes_total / 1e9),
@@ -259,6 +263,41 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
     result.update({f"{k}_gbps": v for k, v in
                    baselines(half * model.expert_bytes, repeats, gpu).items()})
     return result
+
+
+def stage_breakdown(client: AgentClient, dev: object, cold: list[ExpertKey],
+                    resident: list[ExpertKey], samples: int,
+                    cycle: object) -> dict[str, float]:
+    """Where a cold acquire's time goes, seen by a client that never sleeps (p50 ms from the
+    post): the agent's reply (``grant``), the slot's word reading LANDED (a DMA-engine device:
+    the engine's bytes are in) or READY, and the verdict (``ready``, the check included)."""
+    grant, landed, ready = [], [], []
+    channel = dev.channel  # type: ignore[attr-defined]
+    for r in range(samples):
+        k = cold[r % len(cold)]
+        t0 = time.perf_counter()
+        handle = client.acquire(dev, k)  # type: ignore[arg-type]
+        while not handle.granted():
+            pass
+        t1 = time.perf_counter()
+        index = int(handle._reply["state_index"])
+        mine = int(handle._reply["generation"])
+        while True:
+            generation, state = split_word(channel.word(index))
+            if generation > mine or (generation == mine and state in (
+                    abi.SlotState.LANDED, abi.SlotState.READY, abi.SlotState.FAILED)):
+                break
+        t2 = time.perf_counter()
+        handle.wait(60)
+        t3 = time.perf_counter()
+        grant.append(t1 - t0)
+        landed.append(t2 - t0)
+        ready.append(t3 - t0)
+        client.release(dev, k)  # type: ignore[arg-type]
+        cycle(resident)  # type: ignore[operator]
+    return {"stage_grant_p50_ms": median(grant) * 1e3,
+            "stage_landed_p50_ms": median(landed) * 1e3,
+            "stage_ready_p50_ms": median(ready) * 1e3}
 
 
 def plot(results: dict[str, dict[str, object]], path: Path) -> None:
@@ -319,6 +358,8 @@ def main() -> int:
                       f"{r['acquire_rpc_p50_ms']:.3f}; batch {r['acquire_batch_rpc_p50_ms']:.3f})"
                       f" grant {r['acquire_to_grant_p50_ms']:.3f} ms"
                       f" hit {r['ready_hit_p50_us']:.0f} us"
+                      f" | spinning: grant {r['stage_grant_p50_ms']:.3f} landed "
+                      f"{r['stage_landed_p50_ms']:.3f} ready {r['stage_ready_p50_ms']:.3f} ms"
                       f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
                       f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB",
                       file=sys.stderr)

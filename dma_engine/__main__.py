@@ -1,9 +1,10 @@
 """``python -m dma_engine``: the engine process. The agent writes one JSON command per line on
 stdin and reads one JSON answer per line on stdout; the data path polls on the main thread.
 
-Commands: ``attach`` (device id, kind, ordinal, arena, ring names), ``pool`` / ``unpool`` (a
-slot pool by region id), ``detach``. Every answer is ``{"ok": true, ...}`` or
-``{"ok": false, "error": "what was wrong"}``; a command that fails changes nothing.
+Commands: ``attach`` (device id, kind, ordinal, arena, ring names, the device's channel, whose
+slot-state table SIGNALs write), ``pool`` / ``unpool`` (a slot pool by region id), ``detach``.
+Every answer is ``{"ok": true, ...}`` or ``{"ok": false, "error": "what was wrong"}``; a command
+that fails changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 from typing import Any
 
 from dma_engine.engine import Engine, Target
+from dma_engine.signals import SlotStates
 from gpu_kernels import abi
 from gpu_kernels.ring import Ring, RingError
 from gpu_kernels.shm import SharedBuffer, SharedBufferError
@@ -34,14 +36,23 @@ def attach(engine: Engine, cmd: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"device {device_id} is already attached")
     backend = engine.backend(str(cmd["kind"]), int(cmd.get("ordinal", 0)))
     buffers: list[SharedBuffer] = []
+    states = target = None
     try:
+        channel = cmd["channel"]
+        states = SlotStates(str(channel["name"]), int(channel["size"]))
         target = Target(device_id, backend, _ring(cmd["work"], abi.RingKind.WORK, buffers),
-                        _ring(cmd["completions"], abi.RingKind.COMPLETION, buffers), buffers)
+                        _ring(cmd["completions"], abi.RingKind.COMPLETION, buffers), states,
+                        buffers)
         arena = cmd["arena"]
         target.regions[int(arena["region"])] = (
             backend.map_arena(arena["name"], int(arena["size"])), int(arena["size"]),
             abi.RegionFlags.READABLE, 0)
     except BaseException:
+        if target is not None:
+            target.close()  # its lane, states and buffers
+            raise
+        if states is not None:
+            states.close()
         for buf in buffers:
             buf.close()
         raise

@@ -1,6 +1,7 @@
 """How the engine reaches memory and moves bytes: plain memory copies (CPU reference device),
 or the GPU's copy engine (``cudaMemcpyAsync`` into pools opened by CUDA IPC handle) in the
-engine's own CUDA context. Both take runs with ``submit`` and hand them back from ``landed``, in
+engine's own CUDA context. Both take copy runs and SIGNAL writes with ``submit``, execute them
+in order (a SIGNAL lands after every copy before it) and hand them back from ``landed``, in
 order. Like a DMA engine, neither checks what it copied: the slot's consumer, in the inference
 process, checks the landed blob (docs/ARCHITECTURE.md, "Verification").
 """
@@ -9,25 +10,35 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
+from dma_engine.signals import SignalWrite, SlotStates
+from gpu_kernels import abi
 from gpu_kernels.copy_runs import CopyRun
 from gpu_kernels.shm import SharedBuffer
 
+Op = CopyRun | SignalWrite
+ENTRY_BYTES = abi.SLOT_STATE_DTYPE.itemsize
+
 
 class CpuLane:
-    """Runs of one target on the CPU: copied as they are submitted."""
+    """Runs and SIGNALs of one target on the CPU: executed as they are submitted."""
 
-    def __init__(self) -> None:
-        self._landed: list[CopyRun] = []
+    def __init__(self, states: SlotStates) -> None:
+        self._states = states
+        self._landed: list[Op] = []
 
-    def submit(self, runs: list[CopyRun]) -> None:
-        """Copy ``runs`` now; :meth:`landed` hands them out."""
-        for run in runs:
-            ctypes.memmove(run.dst, run.src, run.nbytes)
-        self._landed.extend(runs)
+    def submit(self, ops: list[Op]) -> None:
+        """Execute ``ops`` now, in order; :meth:`landed` hands them out."""
+        for op in ops:
+            if isinstance(op, SignalWrite):
+                self._states.write(op)
+            else:
+                ctypes.memmove(op.dst, op.src, op.nbytes)
+        self._landed.extend(ops)
 
-    def landed(self) -> list[CopyRun]:
+    def landed(self) -> list[Op]:
         """Runs landed since the last call, in submission order."""
         out, self._landed = self._landed, []
         return out
@@ -62,9 +73,9 @@ class CpuBackend:
                 del self._buffers[name]
                 buf.close()
 
-    def lane(self) -> CpuLane:
-        """A queue of runs for one target."""
-        return CpuLane()
+    def lane(self, states: SlotStates) -> CpuLane:
+        """A queue of runs for one target, whose SIGNALs write ``states``."""
+        return CpuLane(states)
 
     def close(self) -> None:
         for buf in self._buffers.values():
@@ -85,9 +96,10 @@ class CudaBackend:
         self._registered: list[int] = []
         self._pools: list[int] = []
 
-    def lane(self) -> CudaLane:
-        """A stream and events for one target."""
-        return CudaLane(self.cp, self.dev)
+    def lane(self, states: SlotStates) -> CudaLane:
+        """A stream and events for one target, whose SIGNALs write ``states`` from the GPU
+        (its table registered, mapped, in this context)."""
+        return CudaLane(self.cp, self.dev, states)
 
     def map_arena(self, name: str, size: int) -> int:
         buf = self._arenas.get(name)
@@ -126,15 +138,33 @@ class CudaBackend:
             buf.close()
 
 
-class CudaLane:
-    """One target's runs on the GPU, copied back to back on one stream. Nothing waits:
-    :meth:`landed` polls each run's event and hands runs out in order."""
+def _write_value64() -> Callable[[int, int, int, int], int]:
+    """``cuStreamWriteValue64(stream, device address, value, flags)`` of the CUDA driver: a
+    64-bit write the stream performs once the work before it is done, fenced after it (no
+    kernel, so no time slice of the GPU's compute is taken from the client's context)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = getattr(lib, "cuStreamWriteValue64_v2", None) or lib.cuStreamWriteValue64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
-    def __init__(self, cp: Any, dev: Any) -> None:
+
+class CudaLane:
+    """One target's runs on the GPU, copied back to back on one stream, each SIGNAL written
+    by the stream behind the copies before it (``cuStreamWriteValue64``). Nothing waits:
+    :meth:`landed` polls each op's event and hands ops out in order."""
+
+    def __init__(self, cp: Any, dev: Any, states: SlotStates) -> None:
         self.cp, self.dev = cp, dev
+        buffer = states.buffer
         with dev:
             self.stream = cp.cuda.Stream(non_blocking=True)
-        self._pending: deque[tuple[CopyRun, Any]] = deque()
+            cp.cuda.runtime.hostRegister(buffer.address, buffer.size, 0x1 | 0x2)  # Mapped
+            self._registered = buffer.address
+            self._table = int(cp.cuda.runtime.pointerGetAttributes(states.address
+                                                                   ).devicePointer)
+        self._write_value = _write_value64()
+        self._pending: deque[tuple[Op, Any]] = deque()
         self._free_events: list[Any] = []
         """Reused (creating an event costs a runtime call)."""
 
@@ -144,19 +174,25 @@ class CudaLane:
                 return self.cp.cuda.Event(disable_timing=True)
         return self._free_events.pop()
 
-    def submit(self, runs: list[CopyRun]) -> None:
-        """Enqueue ``runs`` and return at once."""
+    def submit(self, ops: list[Op]) -> None:
+        """Enqueue ``ops`` in order and return at once."""
         rt, s = self.cp.cuda.runtime, self.stream
         with self.dev:
-            for run in runs:
-                rt.memcpyAsync(run.dst, run.src, run.nbytes, 4, s.ptr)  # Default: UVA
-                copied = self._event()
-                copied.record(s)
-                self._pending.append((run, copied))
+            for op in ops:
+                if isinstance(op, SignalWrite):
+                    error = self._write_value(s.ptr, self._table + op.index * ENTRY_BYTES,
+                                              op.word, 0)
+                    if error:
+                        raise RuntimeError(f"cuStreamWriteValue64 failed: CUresult {error}")
+                else:
+                    rt.memcpyAsync(op.dst, op.src, op.nbytes, 4, s.ptr)  # Default: UVA
+                done = self._event()
+                done.record(s)
+                self._pending.append((op, done))
 
-    def landed(self) -> list[CopyRun]:
-        """The runs whose bytes landed since the last call, in submission order."""
-        out: list[CopyRun] = []
+    def landed(self) -> list[Op]:
+        """The ops that landed since the last call, in submission order."""
+        out: list[Op] = []
         while self._pending and self._pending[0][1].done:
             run, event = self._pending.popleft()
             self._free_events.append(event)
@@ -166,4 +202,5 @@ class CudaLane:
     def close(self) -> None:
         with self.dev:
             self.stream.synchronize()
+            self.cp.cuda.runtime.hostUnregister(self._registered)
         self._pending.clear()

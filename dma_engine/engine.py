@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from dma_engine.backends import CpuBackend, CudaBackend
+from dma_engine.signals import SignalWrite, SlotStates
 from gpu_kernels import abi, futex
 from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
 from gpu_kernels.ring import Ring
@@ -44,6 +45,8 @@ class Target:
     backend: Any
     work: Ring
     completions: Ring
+    states: SlotStates
+    """The device's slot-state table (its channel), which SIGNALs write."""
     buffers: list[SharedBuffer]
     regions: np.ndarray = field(
         default_factory=lambda: np.zeros(abi.MAX_REGIONS, abi.REGION_DTYPE))
@@ -55,7 +58,7 @@ class Target:
     """Completions owed for runs in flight (room kept for them in the completion ring)."""
 
     def __post_init__(self) -> None:
-        self.lane = self.backend.lane()
+        self.lane = self.backend.lane(self.states)
 
     def busy(self) -> bool:
         """Whether runs are in flight (the loop keeps polling closely)."""
@@ -66,31 +69,38 @@ class Target:
         completion ring has room) and submit it without waiting for it to land; returns how
         many descriptors were completed or taken. Each run is completed as soon as it landed,
         so copying never waits for the agent and new work never waits for old. VERIFY is not
-        acted on: a DMA engine cannot check bytes (the slot's consumer checks the blob)."""
+        acted on: a DMA engine cannot check bytes (the slot's consumer checks the blob); a
+        SIGNAL is written behind the copies before it and completed once written."""
         done = self._finish()
         room = self.completions.free_entries() - self._owed
         batch = self.work.pop_many(room) if room > 0 else self.work.entries[:0]
         if batch.size == 0:
             return done
         status, copy, _ = classify(batch, self.regions)
-        runs = plan_runs(batch, copy, copy, self.regions)
-        job = _Batch(batch, status, copy, len(runs), asks_exit(batch, status))
-        self._in_flight.extend(job for _ in runs)
-        self._owed += sum(r.count for r in runs)
-        self.lane.submit(runs)
-        self.completions.push_many(completions(batch, status, copy, np.flatnonzero(~copy)))
-        if not runs and job.exit:
+        signals, signal = self.states.plan(batch, status, copy)
+        ops = plan_runs(batch, copy, copy, self.regions)
+        if signals:
+            ops = sorted([*ops, *signals], key=lambda op: op.first)
+        job = _Batch(batch, status, copy, len(ops), asks_exit(batch, status))
+        self._in_flight.extend(job for _ in ops)
+        self._owed += sum(op.count for op in ops)
+        self.lane.submit(ops)
+        waiting = copy | (signal & (status == 0))
+        self.completions.push_many(completions(batch, status, copy, np.flatnonzero(~waiting)))
+        if not ops and job.exit:
             self.work.request_exit()
         return done + int(batch.size)
 
     def _finish(self) -> int:
         done = 0
-        for run in self.lane.landed():
+        for op in self.lane.landed():
             job = self._in_flight.popleft()
-            span = slice(run.first, run.first + run.count)
+            if isinstance(op, SignalWrite):
+                self.states.wake(op)
+            span = slice(op.first, op.first + op.count)
             self.completions.push_many(completions(job.entries, job.status, job.copy, span))
-            self._owed -= run.count
-            done += run.count
+            self._owed -= op.count
+            done += op.count
             job.runs_left -= 1
             if job.runs_left == 0 and job.exit:
                 self.work.request_exit()
@@ -98,6 +108,7 @@ class Target:
 
     def close(self) -> None:
         self.lane.close()
+        self.states.close()
         for base in self.regions["base"][1:][self.regions["size"][1:] > 0].tolist():
             self.backend.close_pool(int(base))
         for buf in self.buffers:

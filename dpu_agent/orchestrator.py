@@ -668,10 +668,24 @@ class Orchestrator:
             self._device_list = None
 
     def _cancel_stuck(self) -> None:
+        """Transfers without a completion for ``transfer_timeout_seconds``: a device consumer's
+        are cancelled; a DMA engine that holds one is killed instead (its transfers are
+        cancelled as it is restarted, in the same sweep), so that no copy or SIGNAL of a
+        cancelled delivery can land after its slot was given to another."""
         limit = self.config.transfer_timeout_seconds
         now = time.monotonic()
-        stuck = self.deliveries.tracker.cancel(lambda t: now - t.started > limit)
-        for t in stuck:
+
+        def stuck(t: Transfer) -> bool:
+            return now - t.started > limit
+
+        engine_held = [t for t in self.deliveries.tracker.live() if stuck(t) and
+                       getattr(t.owner, "delivery", None) == pb.DELIVERY_DMA_ENGINE]
+        if engine_held:
+            self.engine.supervisor.kill(f"transfer {engine_held[0].transfer_id} had no "
+                                        f"completion within {limit} s")
+        gone = self.deliveries.tracker.cancel(
+            lambda t: stuck(t) and getattr(t.owner, "delivery", None) != pb.DELIVERY_DMA_ENGINE)
+        for t in gone:
             log.error("transfer %d cancelled: no completion within %d s (device consumer "
                       "stuck or gone)", t.transfer_id, limit)
 

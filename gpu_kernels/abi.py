@@ -45,6 +45,12 @@ class Opcode(IntEnum):
     PACKET = 2
     FENCE = 3
     EXIT = 4
+    SIGNAL = 5
+    """DMA-engine rings only: once every earlier descriptor of the ring has landed, write a
+    slot-state entry of the device's channel (``dst_offset``: its byte offset in the slot-state
+    table; ``checksum``: its ``expected``; ``src_offset``: its word, which must read LANDED), as a
+    DMA engine writes a semaphore after the payload. Skipped (CANCELLED) when a COPY of the
+    same ``transfer_id`` failed."""
 
 
 class Status(IntEnum):
@@ -114,7 +120,8 @@ DESCRIPTOR_DTYPE = np.dtype(
 """Work descriptor, 64 bytes: move ``length`` bytes from (src_region, src_offset) to
 (dst_region, dst_offset); with the VERIFY flag, check ``checksum`` (see checksum.py) over the
 bytes copied, mixed with ``position``: the chunk's byte offset within its object (an expert
-blob or a message), so a chunk delivered to the wrong place fails."""
+blob or a message), so a chunk delivered to the wrong place fails. A SIGNAL has no source:
+its ``src_offset`` holds the word it writes."""
 
 COMPLETION_DTYPE = np.dtype(
     {

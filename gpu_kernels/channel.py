@@ -109,11 +109,21 @@ class Channel:
     def publish_state(self, index: int, generation: int, state: abi.SlotState,
                       status: int = 0, expected: int = 0) -> None:
         """Set slot-state entry ``index`` (one 64-bit store of the word, after ``status`` and
-        ``expected``)."""
+        ``expected``), then wake its sleepers."""
         at = self._states_at + index * abi.SLOT_STATE_DTYPE.itemsize
         _STATUS_EXPECTED.pack_into(self._bytes, at + _STATUS_AT, status, expected)
         store_fence()
-        _U64.pack_into(self._bytes, at, state_word(generation, state))
+        self.store_word(index, state_word(generation, state))
+        self.wake_state(index)
+
+    def store_word(self, index: int, word: int) -> None:
+        """Slot-state word ``index`` := ``word`` (one 64-bit store; no wake)."""
+        _U64.pack_into(self._bytes, self._states_at + index * abi.SLOT_STATE_DTYPE.itemsize,
+                       word)
+
+    def wake_state(self, index: int) -> None:
+        """Wake the client's sleepers on slot-state word ``index`` (after it was written, by
+        this process or by a device)."""
         self._wake(self.word_address(index))
 
     def _wake(self, address: int) -> None:

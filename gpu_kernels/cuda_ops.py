@@ -202,3 +202,4 @@ def verify_landed(entry_address: int, generation: int, data: int, nbytes: int,
         (_grid(-(-n16 // THREADS), cp.cuda.Device().id),), (THREADS,),
         (np.uint64(entry_address), np.uint64(generation), np.uint64(data), np.uint64(n16),
          np.uint32(abi.Status.CHECKSUM_MISMATCH), result, scratch), stream=stream)
+

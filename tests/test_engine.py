@@ -106,6 +106,35 @@ def test_engine_death_fails_in_flight_and_is_restarted(
     assert metric(agent, "dpu_agent_engine_restarts_total") == restarts + 1
 
 
+def test_a_hung_engine_is_killed_and_its_transfers_fail(qwen_ckpt: Path) -> None:
+    """An engine that stops (SIGSTOP) without dying holds its transfers past the transfer
+    timeout: the agent kills it rather than cancel them under it (a late SIGNAL or copy could
+    land in a slot given to another delivery), the waiters get CANCELLED, and a fresh engine
+    serves the same expert, verified."""
+    settings = ('[arena]\nbytes = "64MiB"\n[transfer]\ntimeout_seconds = 1\n'
+                '[metrics]\nlisten_address = "127.0.0.1:0"\n')
+    truth = checkpoint_bytes(qwen_ckpt)
+    with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qwen-hung")
+        dev = client.register_device(CpuReferenceDevice(3),
+                                     [SlotPoolSpec(model.expert_bytes, 4)], delivery="engine")
+        client.acquire(dev, ExpertKey("qwen-hung", 0, 0)).wait(10)
+        (pid,) = engine_pids(agent)
+        os.kill(pid, signal.SIGSTOP)
+        stuck = client.acquire(dev, ExpertKey("qwen-hung", 1, 1))
+        with pytest.raises(TransferFailed, match="CANCELLED"):
+            stuck.wait(5)
+        deadline = time.monotonic() + 10
+        while not [p for p in engine_pids(agent) if p != pid] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat"
+                                                                ).read_text().split()[2]
+        slot = client.acquire(dev, ExpertKey("qwen-hung", 1, 1)).wait(10)
+        name = "model.layers.1.mlp.experts.1.down_proj.weight"
+        assert slot.raw("down_proj").tobytes() == truth[name]
+        assert metric(agent, "dpu_agent_engine_restarts_total") == 1
+
+
 def post_raw(dev: AttachedDevice, record: dict[str, int]) -> np.void:
     """Publish one hand-made request entry and wait for its reply."""
     ring = dev.channel.view.requests

@@ -3,8 +3,10 @@ queue, its completions folded into one outcome, a checksum mismatch refetched fr
 checkpoint, and whoever waits on it told. The slot's state is published here, so a slot is
 never READY with unverified bytes: FILLING -> READY or FAILED where the device's consumer
 checked each chunk as it copied (pull), FILLING -> LANDED where the DMA engine copied (it
-cannot check), and then READY or FAILED as the consumer in the inference process publishes
-after checking the slot; the agent takes that verdict up (``check_landed``).
+cannot check; the engine itself writes LANDED behind the payload, a SIGNAL descriptor, so the
+consumer need not wait for the agent), and then READY or FAILED as the consumer in the
+inference process publishes after checking the slot; the agent takes that verdict up
+(``check_landed``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from dpu_agent.dataplane.transfers import Transfer, TransferPlan, TransferTracker
+from dpu_agent.dataplane.transfers import Signal, Transfer, TransferPlan, TransferTracker
 from dpu_agent.errors import AgentError, ErrorKind
 from dpu_agent.service.registry import ARENA_REGION_ID, Device, Session, SlotPool
 from dpu_agent.weights.cache import CacheFullError, WeightCache
@@ -25,6 +27,7 @@ from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.abi import SlotState
+from gpu_kernels.channel import state_word
 from gpu_kernels.checksum import blob_sum
 
 log = logging.getLogger("dpu_agent")
@@ -119,10 +122,16 @@ class Deliveries:
                 raise AgentError(ErrorKind.FAILED_PRECONDITION,
                                  f"model degraded: {exc.path.name} {exc.what} ({entry.key})"
                                  ) from exc
+            checksums = tuple(cached.checksums)
+            signal = None
+            if dev.delivery == pb.DELIVERY_DMA_ENGINE:
+                with session.lock:
+                    pool.expect(idx, blob_sum(checksums, entry.blob_bytes, self.chunk_bytes))
+                signal = Signal((pool.state_base + idx) * abi.SLOT_STATE_DTYPE.itemsize,
+                                state_word(pool.generation[idx], SlotState.LANDED))
             plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,
                                 idx * pool.slot_bytes, entry.blob_bytes, self.chunk_bytes,
-                                tuple(cached.checksums),
-                                verify=dev.delivery != pb.DELIVERY_DMA_ENGINE)
+                                checksums, verify=signal is None, signal=signal)
             source = "arena"
 
             def let_go() -> None:
@@ -160,8 +169,7 @@ class Deliveries:
                 elif t.plan.verify:
                     pool.mark_ready(idx)
                 else:
-                    pool.mark_landed(idx, blob_sum(t.plan.checksums, t.plan.nbytes,
-                                                   t.plan.chunk_bytes))
+                    pool.mark_landed(idx)
                     with self._lock:
                         self._landed[(id(pool), idx)] = (session, pool, idx)
         self._settle(dev, entry.key, status == abi.Status.OK)

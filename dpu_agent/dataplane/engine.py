@@ -128,6 +128,14 @@ class EngineSupervisor:
             except EngineError as exc:
                 log.warning("detach of device %d: %s", device_id, exc)
 
+    def kill(self, why: str) -> None:
+        """Kill a hung engine (SIGKILL); :meth:`check` restarts it like any dead one."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                log.error("killing the DMA engine (pid %d): %s", self._proc.pid, why)
+                self._proc.kill()
+                self._proc.wait(5)
+
     def check(self) -> None:
         """Restart a dead engine (a sweep of the data-plane loop calls this)."""
         with self._lock:
@@ -191,7 +199,8 @@ class EngineDevices:
     def _command(self, dev: Device, rings: EngineRings) -> dict[str, Any]:
         return {"kind": "cuda" if dev.kind == pb.DEVICE_KIND_CUDA else "cpu",
                 "ordinal": dev.ordinal, "work": rings.work, "completions": rings.completions,
-                "arena": self._arena}
+                "arena": self._arena, "channel": {"name": dev.channel.name,
+                                                  "size": dev.channel.size}}
 
     def attach(self, dev: Device) -> DeviceQueue:
         """Agent-owned rings to the engine and the engine attached (pools follow as they are

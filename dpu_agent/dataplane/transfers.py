@@ -16,6 +16,16 @@ from gpu_kernels import abi
 
 
 @dataclass(frozen=True)
+class Signal:
+    """What the DMA engine writes once a delivery's bytes have landed: the slot-state entry at
+    byte ``offset`` of the device's slot-state table gets ``word`` (LANDED for the delivery's
+    generation)."""
+
+    offset: int
+    word: int
+
+
+@dataclass(frozen=True)
 class TransferPlan:
     """The byte moves of one delivery: a blob of ``nbytes`` at (src_region, src_offset) to
     (dst_region, dst_offset), cut into ``chunk_bytes`` chunks with their checksums, each
@@ -29,15 +39,34 @@ class TransferPlan:
     chunk_bytes: int
     checksums: tuple[int, ...]
     verify: bool = True
+    signal: Signal | None = None
+    """A DMA-engine delivery's SIGNAL, posted after its chunks."""
+
+    @property
+    def descriptor_count(self) -> int:
+        """Descriptors posted, so completions expected: the chunks and the SIGNAL if any."""
+        return len(self.checksums) + (self.signal is not None)
 
     def descriptors(self, transfer_id: int) -> np.ndarray:
-        """``DESCRIPTOR_DTYPE[chunks]`` for this plan (VERIFY on every chunk if ``verify``)."""
+        """``DESCRIPTOR_DTYPE[descriptor_count]`` for this plan: its chunks (VERIFY on each if
+        ``verify``), then its SIGNAL."""
         d = _source_side(self.src_region, self.src_offset, self.nbytes, self.chunk_bytes,
-                         self.checksums, self.verify).copy()
+                         self.checksums, self.verify)
+        if self.signal is not None:
+            d = np.concatenate([d, np.zeros(1, abi.DESCRIPTOR_DTYPE)])
+            s = d[-1:]
+            s["opcode"] = abi.Opcode.SIGNAL
+            s["chunk_index"] = len(self.checksums)
+            s["src_offset"] = self.signal.word
+        else:
+            d = d.copy()
+        n = len(self.checksums)
         d["transfer_id"] = transfer_id
-        d["dst_region"] = self.dst_region
-        d["dst_offset"] = self.dst_offset
-        d["dst_offset"] += d["position"]
+        d["chunk_count"] = len(d)
+        d["dst_region"][:n] = self.dst_region
+        d["dst_offset"][:n] = d["position"][:n] + np.uint64(self.dst_offset)
+        if self.signal is not None:
+            d["dst_offset"][n] = self.signal.offset
         return d
 
 
@@ -95,7 +124,8 @@ class Transfer:
 
     @property
     def chunk_count(self) -> int:
-        return len(self.plan.checksums)
+        """Completions that finish the transfer (a SIGNAL's included)."""
+        return self.plan.descriptor_count
 
 
 class TransferTracker:
@@ -165,6 +195,11 @@ class TransferTracker:
         for t in gone:
             t.on_done(t)
         return gone
+
+    def live(self) -> list[Transfer]:
+        """The transfers in flight now."""
+        with self._lock:
+            return list(self._live.values())
 
     @property
     def in_flight(self) -> int:

@@ -66,6 +66,11 @@ class SlotPool:
             self.channel.publish_state(self.state_base + idx, self.generation[idx],
                                        self.state[idx], status, expected)
 
+    def expect(self, idx: int, expected: int) -> None:
+        """Publish the blob sum the FILLING slot's delivery must land (a DMA-engine device: the
+        engine publishes LANDED, the consumer checks against this)."""
+        self._publish(idx, expected=expected)
+
     def allocate(self, key: ExpertKey) -> int | None:
         """A slot for ``key`` in FILLING state with one reference; None when all are held."""
         try:
@@ -90,11 +95,12 @@ class SlotPool:
         if self.refs[idx] == 0:
             self.idle[idx] = None
 
-    def mark_landed(self, idx: int, expected: int) -> None:
-        """Every chunk was copied, unchecked (a DMA-engine device): LANDED with the blob's
-        ``expected`` sum, for the consumer to check (idle if nobody holds it)."""
+    def mark_landed(self, idx: int) -> None:
+        """Every chunk was copied, unchecked (a DMA-engine device), and the engine published
+        LANDED (a SIGNAL; the expected sum was published with :meth:`expect`): the slot waits
+        for its consumer's verdict (idle if nobody holds it). Nothing is published here: the
+        consumer may have written its verdict already."""
         self.state[idx] = SlotState.LANDED
-        self._publish(idx, expected=expected)
         if self.refs[idx] == 0:
             self.idle[idx] = None
 

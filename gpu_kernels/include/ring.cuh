@@ -31,6 +31,7 @@ typedef unsigned long long uint64_t;
 #define DPU_OP_PACKET 2u
 #define DPU_OP_FENCE 3u
 #define DPU_OP_EXIT 4u
+#define DPU_OP_SIGNAL 5u
 
 #define DPU_STATUS_OK 0u
 #define DPU_STATUS_CHECKSUM_MISMATCH 1u
@@ -91,7 +92,7 @@ typedef struct {
     uint32_t chunk_index;
     uint32_t chunk_count;
     uint32_t src_region;
-    uint64_t src_offset;
+    uint64_t src_offset;  // DPU_OP_SIGNAL: the slot-state word to write
     uint32_t dst_region;
     uint32_t checksum;
     uint64_t dst_offset;

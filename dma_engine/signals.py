@@ -1,0 +1,117 @@
+"""SIGNAL descriptors: the engine writes a delivery's slot-state word (LANDED) once the
+delivery's bytes have landed, in the same stream as the payload, as a DMA engine writes a
+semaphore after the data it moved (docs/ABI.md, "SIGNAL"; docs/DOCA.md). Then the waiters the
+client put to sleep on that word are woken.
+
+The engine checks each SIGNAL against what it may write: an entry of its device's slot-state
+table (16-byte aligned, inside the table) and a word that reads LANDED; it never publishes
+READY or FAILED (a DMA engine cannot know the bytes are right) and never signals a transfer one
+of whose copies it refused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_kernels import abi
+from gpu_kernels.channel import Channel
+from gpu_kernels.shm import SharedBuffer
+
+_ENTRY = abi.SLOT_STATE_DTYPE.itemsize
+TABLE_BYTES = abi.MAX_CHANNEL_SLOTS * _ENTRY
+"""Bytes of a channel's slot-state table: the range a SIGNAL's ``dst_offset`` must fall in."""
+MAX_FAILED_TRANSFERS = 4096
+"""Transfers with a refused copy whose SIGNAL has not come yet (oldest forgotten beyond)."""
+
+
+@dataclass(frozen=True)
+class SignalWrite:
+    """Descriptor ``first`` of a batch: slot-state word ``index`` becomes ``word`` (one 64-bit
+    store; the entry's ``expected`` was written by the agent before the delivery began)."""
+
+    first: int
+    index: int
+    word: int
+    count: int = 1
+    """Descriptors it completes (a :class:`~gpu_kernels.copy_runs.CopyRun` may complete many)."""
+
+
+def check_signals(batch: np.ndarray) -> np.ndarray:
+    """``uint32[n]`` statuses of the SIGNAL descriptors of ``batch`` (``DESCRIPTOR_DTYPE[n]``;
+    other descriptors read 0): OUT_OF_BOUNDS outside the table, BAD_ALIGNMENT off an entry's
+    start, BAD_OPCODE for a word that does not read LANDED."""
+    status = np.zeros(batch.size, np.uint32)
+    offset = batch["dst_offset"]
+    state = batch["src_offset"] & np.uint64((1 << abi.SLOT_STATE_BITS) - 1)
+    status[state != int(abi.SlotState.LANDED)] = int(abi.Status.BAD_OPCODE)
+    status[offset % _ENTRY != 0] = int(abi.Status.BAD_ALIGNMENT)
+    status[offset >= TABLE_BYTES] = int(abi.Status.OUT_OF_BOUNDS)
+    return status
+
+
+class SlotStates:
+    """The engine's mapping of one device's channel, for SIGNAL writes and wakes.
+
+    Args:
+        name: the channel's shared-memory name; ``size``: its bytes.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self._buffer = SharedBuffer(name, size)
+        try:
+            self.channel = Channel(self._buffer.array)
+        except BaseException:
+            self._buffer.close()
+            raise
+        self._failed: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def address(self) -> int:
+        """Address (this process) of entry 0 of the slot-state table."""
+        return self.channel.word_address(0)
+
+    @property
+    def buffer(self) -> SharedBuffer:
+        return self._buffer
+
+    def plan(self, batch: np.ndarray, status: np.ndarray, copy: np.ndarray
+             ) -> tuple[list[SignalWrite], np.ndarray]:
+        """The writes of ``batch``'s SIGNAL descriptors, in batch order, and the mask of the
+        SIGNALs among them (``bool[n]``). ``status`` (``uint32[n]``, from the region checks,
+        which count a SIGNAL a bad opcode) gets each SIGNAL's own status, CANCELLED where a
+        copy of its transfer was refused (in this batch or before it)."""
+        signal = batch["opcode"] == int(abi.Opcode.SIGNAL)
+        refused = (batch["opcode"] == int(abi.Opcode.COPY)) & ~copy
+        for tid in batch["transfer_id"][refused].tolist():
+            self._failed[tid] = None
+            if len(self._failed) > MAX_FAILED_TRANSFERS:
+                self._failed.popitem(last=False)
+        if not signal.any():
+            return [], signal
+        idx = np.flatnonzero(signal)
+        status[idx] = check_signals(batch[idx])
+        writes = []
+        for i in idx.tolist():
+            d = batch[i]
+            tid = int(d["transfer_id"])
+            if tid in self._failed:
+                del self._failed[tid]
+                status[i] = int(abi.Status.CANCELLED)
+            if status[i] == 0:
+                writes.append(SignalWrite(i, int(d["dst_offset"]) // _ENTRY,
+                                          int(d["src_offset"])))
+        return writes, signal
+
+    def write(self, op: SignalWrite) -> None:
+        """The word, from the CPU (no wake: :meth:`wake`)."""
+        self.channel.store_word(op.index, op.word)
+
+    def wake(self, op: SignalWrite) -> None:
+        """Wake the client's sleepers on the entry's word (once the write is visible)."""
+        self.channel.wake_state(op.index)
+
+    def close(self) -> None:
+        self._buffer.close()

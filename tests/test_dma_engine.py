@@ -1,0 +1,135 @@
+"""The DMA engine's target, in this process on the CPU backend (real shared memory, real rings):
+copies land, a SIGNAL writes the slot-state entry only behind its transfer's copies, and a
+SIGNAL the engine may not write is refused with its own status, writing nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from dma_engine.backends import CpuBackend
+from dma_engine.engine import Target
+from dma_engine.signals import TABLE_BYTES, SlotStates
+from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
+from dpu_agent.dataplane.transfers import Signal, TransferPlan
+from gpu_kernels import abi
+from gpu_kernels.channel import split_word, state_word
+from gpu_kernels.checksum import blob_checksums, blob_sum
+from gpu_kernels.ring import Ring
+from gpu_kernels.shm import SharedBuffer, unique_name
+
+CHUNK = 4096
+ARENA, POOL = 0, 1
+
+
+class Rig:
+    """An engine target over an arena and a pool in shared memory, and the agent's queue."""
+
+    def __init__(self) -> None:
+        self.channel = DeviceChannel(("session", 1))
+        self.rings = EngineRings(64)
+        self.queue = DeviceQueue(self.rings.work, self.rings.completions)
+        self.arena = SharedBuffer(unique_name("test-arena"), 1 << 20, create=True)
+        self.pool = SharedBuffer(unique_name("test-pool"), 1 << 20, create=True)
+        self.arena.array[:] = np.random.default_rng(1).integers(0, 256, 1 << 20, np.uint8)
+        self.backend = CpuBackend()
+        buffers = [SharedBuffer(self.rings.work), SharedBuffer(self.rings.completions)]
+        self.target = Target(1, self.backend, Ring(buffers[0].array, abi.RingKind.WORK),
+                             Ring(buffers[1].array, abi.RingKind.COMPLETION),
+                             SlotStates(self.channel.name, self.channel.size), buffers)
+        rw = abi.RegionFlags.READABLE | abi.RegionFlags.WRITABLE
+        self.target.regions[ARENA] = (self.backend.map_arena(self.arena.name, self.arena.size),
+                                      self.arena.size, abi.RegionFlags.READABLE, 0)
+        self.target.regions[POOL] = (self.backend.open_pool(
+            {"shm": self.pool.name, "size": self.pool.size}), self.pool.size, rw, 0)
+
+    def plan(self, src: int, dst: int, nbytes: int, index: int, generation: int
+             ) -> TransferPlan:
+        blob = self.arena.array[src:src + nbytes]
+        sums = tuple(int(s) for s in blob_checksums(blob, CHUNK))
+        # As the agent does before it posts a delivery: FILLING, with the sum to land.
+        self.channel.publish_state(index, generation, abi.SlotState.FILLING,
+                                   expected=blob_sum(sums, nbytes, CHUNK))
+        return TransferPlan(ARENA, src, POOL, dst, nbytes, CHUNK, sums, verify=False,
+                            signal=Signal(index * abi.SLOT_STATE_DTYPE.itemsize,
+                                          state_word(generation, abi.SlotState.LANDED)))
+
+    def run(self, descriptors: np.ndarray) -> np.ndarray:
+        """Post, serve until every descriptor completed; the completions."""
+        self.queue.submit(descriptors)
+        out = []
+        for _ in range(100):
+            self.target.serve()
+            got = self.queue.poll_completions()
+            out.append(got)
+            if sum(g.size for g in out) >= descriptors.size:
+                break
+        return np.concatenate(out)
+
+    def entry(self, index: int) -> tuple[int, abi.SlotState, int]:
+        e = self.channel.view.states[index]
+        return (*split_word(int(e["word"])), int(e["expected"]))
+
+    def close(self) -> None:
+        self.target.close()
+        self.backend.close()
+        self.queue.close()
+        self.rings.close()
+        self.channel.close()
+        for buf in (self.arena, self.pool):
+            buf.unlink()
+            buf.close()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    yield r
+    r.close()
+
+
+def test_signal_lands_behind_its_copies(rig: Rig) -> None:
+    plan = rig.plan(8192, 65536, 3 * CHUNK + 512, index=5, generation=3)
+    done = rig.run(plan.descriptors(42))
+    assert done.size == plan.descriptor_count == 5
+    assert (done["status"] == 0).all() and (done["transfer_id"] == 42).all()
+    np.testing.assert_array_equal(rig.pool.array[65536:65536 + plan.nbytes],
+                                  rig.arena.array[8192:8192 + plan.nbytes])
+    expected = blob_sum(plan.checksums, plan.nbytes, CHUNK)
+    assert rig.entry(5) == (3, abi.SlotState.LANDED, expected)
+    assert rig.entry(4)[1] == abi.SlotState.FREE
+
+
+def test_a_refused_copy_cancels_its_transfers_signal(rig: Rig) -> None:
+    plan = rig.plan(0, 0, 2 * CHUNK, index=7, generation=1)
+    d = plan.descriptors(9)
+    d["dst_offset"][1] = 1 << 40  # the second chunk lands nowhere
+    done = rig.run(d)
+    by_chunk = dict(zip(done["chunk_index"].tolist(), done["status"].tolist(), strict=True))
+    assert by_chunk == {0: 0, 1: int(abi.Status.OUT_OF_BOUNDS), 2: int(abi.Status.CANCELLED)}
+    assert rig.entry(7)[:2] == (1, abi.SlotState.FILLING)  # the agent fails it
+    # The next transfer into the same entry is signalled as usual.
+    ok = rig.plan(0, 0, CHUNK, index=7, generation=2)
+    assert (rig.run(ok.descriptors(10))["status"] == 0).all()
+    assert rig.entry(7)[:2] == (2, abi.SlotState.LANDED)
+
+
+@pytest.mark.parametrize(("offset", "state", "status"), [
+    (TABLE_BYTES, abi.SlotState.LANDED, abi.Status.OUT_OF_BOUNDS),
+    (2 ** 63, abi.SlotState.LANDED, abi.Status.OUT_OF_BOUNDS),
+    (24, abi.SlotState.LANDED, abi.Status.BAD_ALIGNMENT),
+    (32, abi.SlotState.READY, abi.Status.BAD_OPCODE),
+    (32, abi.SlotState.FAILED, abi.Status.BAD_OPCODE),
+])
+def test_a_signal_it_may_not_write_is_refused(rig: Rig, offset: int, state: abi.SlotState,
+                                              status: abi.Status) -> None:
+    before = rig.channel.view.buffer.copy()
+    d = np.zeros(1, abi.DESCRIPTOR_DTYPE)
+    d["transfer_id"], d["opcode"], d["dst_offset"] = 3, abi.Opcode.SIGNAL, offset
+    d["src_offset"] = state_word(9, state)
+    done = rig.run(d)
+    assert done["status"].tolist() == [int(status)]
+    np.testing.assert_array_equal(rig.channel.view.buffer, before)
