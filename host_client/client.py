@@ -239,8 +239,9 @@ class AgentClient:
         """Register a device, its slot pools and its rings; starts its consumer.
 
         ``delivery``: ``"pull"``, the device's consumer copies each chunk from the arena and
-        verifies it; ``"engine"``, the agent's DMA-engine process writes the slots and checks
-        them, and this process runs no consumer for the device (no kernel, no thread)."""
+        verifies it; ``"engine"``, the agent's DMA-engine process writes the slots (and their
+        LANDED words) and this process runs no consumer for the device (no persistent kernel,
+        no thread): a waiter checks each landed slot on the device before it reads READY."""
         if not pools:
             raise ValueError("register_device needs at least one slot pool")
         if delivery not in DELIVERIES:
