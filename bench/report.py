@@ -50,6 +50,11 @@ def delivery(d: dict[str, Any]) -> list[Row]:
         rows.append((f"acquire-to-ready p50 / p99, {path}", f"{p50:.2f} / {p99:.2f} ms",
                      f"agent's grant {grant:.2f} ms" if grant else "", f"p99 {p99 / p50:.2f}x",
                      f"<= {target} ms, p99 <= 1.5x", p50 <= target and p99 <= 1.5 * p50))
+        if "stage_landed_p50_ms" in r and r.get("delivery") == "engine":
+            rows.append((f"where a cold acquire's time goes (a client that never sleeps), {path}",
+                         f"grant {r['stage_grant_p50_ms']:.2f}, landed "
+                         f"{r['stage_landed_p50_ms']:.2f}, checked READY "
+                         f"{r['stage_ready_p50_ms']:.2f} ms", "", "", "", None))
         if "ready_hit_p50_us" in r:
             rows.append((f"acquire of a READY expert, {path}", f"{r['ready_hit_p50_us']:.0f} us",
                          "", "", "<= 20 us", r["ready_hit_p50_us"] <= 20))
@@ -212,6 +217,35 @@ def decode(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def transformers_decode(d: dict[str, Any]) -> list[Row]:
+    """``generate()`` tok/s of a transformers model with ``offload_experts`` against the
+    serial bound and accelerate's offload (issue 20's targets)."""
+    r = d["results"]
+    best = r["resident_implementation"]
+    acc = r["accelerate"].get("tokens_per_s", {})
+    rows: list[Row] = [(f"resident, experts implementation {impl}, batch {b}",
+                        f"{tps:.1f} tok/s", "", "", "", None)
+                       for impl, by_batch in r["resident"].items() if "unavailable" not in by_batch
+                       for b, tps in by_batch.items()]
+    for run in r["offload"]:
+        for b, tps in run["tokens_per_s"].items():
+            tag = f"{r['arch']}, {r['layers']} layers, cache {run['fraction']:.0%}, batch {b}"
+            bound = run["bound_tokens_per_s"][b]
+            rows.append((f"offload_experts tok/s, {tag}", f"{tps:.1f}",
+                         f"bound {bound:.1f} (resident {best} {r['resident'][best][b]:.1f})",
+                         f"{tps / bound:.2f}x", ">= 0.8x bound", tps / bound >= 0.8))
+            if b in acc:
+                at_target = run["fraction"] == 0.25
+                rows.append((f"vs accelerate's expert offload, {tag}", f"{tps:.1f}",
+                             f"accelerate {acc[b]:.2f}", f"{tps / acc[b]:.1f}x",
+                             ">= 10x at 25%" if at_target else "",
+                             tps / acc[b] >= 10 if at_target else None))
+            rows.append((f"outputs equal the resident run's, {tag}",
+                         str(run["outputs_equal"][b]), "", "", "equal",
+                         bool(run["outputs_equal"][b])))
+    return rows
+
+
 def arm64(d: dict[str, Any]) -> list[Row]:
     r = d["results"]
     return [("agent start-up, aarch64 under qemu", f"{r['aarch64_under_qemu']['startup_s']:.1f} s",
@@ -251,6 +285,11 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
      "decode-qwen3-30b-a3b-cuda-engine-128experts.png"),
     ("Decode with offloaded experts, DeepSeek-V3 expert shapes (H200)",
      "decode-deepseek-v3-lite-cuda", decode, "decode-deepseek-v3-lite-cuda.png"),
+    ("Decode, DeepSeek-V3 expert shapes, the DMA-engine process delivering (H200)",
+     "decode-deepseek-v3-lite-cuda-engine", decode, "decode-deepseek-v3-lite-cuda-engine.png"),
+    ("transformers generate(), Qwen3-30B-A3B shapes, offload_experts (H200)",
+     "transformers-decode-qwen3-30b-a3b-cuda", transformers_decode,
+     "transformers-decode-qwen3-30b-a3b-cuda.png"),
     ("Decode with offloaded experts (CPU reference device)", "decode-qwen3-30b-a3b-cpu",
      decode, "decode-qwen3-30b-a3b-cpu.png"),
     ("The agent on Arm", "arm64", arm64, ""),
