@@ -49,6 +49,30 @@ def test_undecodable_bodies_are_invalid_argument_on_every_method(agent: AgentPro
     assert seen >= len(SERVICE.methods)  # the fixed bodies do not decode as any message
 
 
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_and_describes_the_services(agent: AgentProcess,
+                                                     version: str) -> None:
+    """Server reflection answers under both names clients use (grpcurl tries v1 first): the
+    service list, and the file that defines the agent's service."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    path = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
+    with grpc.insecure_channel(agent.address) as ch:
+        call = ch.stream_stream(path, request_serializer=rpb.ServerReflectionRequest.
+                                SerializeToString,
+                                response_deserializer=rpb.ServerReflectionResponse.FromString)
+        listed, described = call(iter([
+            rpb.ServerReflectionRequest(list_services=""),
+            rpb.ServerReflectionRequest(file_containing_symbol=SERVICE.full_name)]), timeout=5)
+    names = {s.name for s in listed.list_services_response.service}
+    assert {SERVICE.full_name, "grpc.health.v1.Health"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in described.file_descriptor_response.file_descriptor_proto]
+    assert any(f.package == "dpu_offload.v1" and
+               "DpuAgent" in [svc.name for svc in f.service] for f in files)
+
+
 def test_health_watch_streams_the_status(agent: AgentProcess) -> None:
     with grpc.insecure_channel(agent.address) as ch:
         stream = health_pb2_grpc.HealthStub(ch).Watch(

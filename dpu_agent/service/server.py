@@ -13,6 +13,8 @@ import grpc
 import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha
+from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import CollectorRegistry, start_http_server
 
 from dpu_agent.cluster.agent import ClusterAgent, ClusterSettings
@@ -37,6 +39,25 @@ SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["DpuAgent"].full_name
 LIVE_SETTINGS = ("transfer_timeout_seconds", "link_concurrency", "default_lease_seconds",
                  "max_lease_seconds", "rebalance_interval_seconds", "max_session_rpcs")
 """Settings SIGHUP applies to a running agent; the others need a restart."""
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+"""Server reflection v1: its messages are v1alpha's under another package name (same fields,
+same numbers), so grpcio-reflection's servicer serves it with the v1alpha message classes.
+grpcio-reflection registers v1alpha only; clients (grpcurl, Postman) try v1 first."""
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> None:
+    """Server reflection, v1alpha and v1, listing ``service_names`` (v1 itself is not listed:
+    its descriptors are not in this process, so a client could not describe it)."""
+    servicer = ReflectionServicer(service_names)
+    info = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_v1alpha.ServerReflectionRequest.FromString,
+        response_serializer=reflection_v1alpha.ServerReflectionResponse.SerializeToString)
+    for name in (reflection.SERVICE_NAME, REFLECTION_V1):
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": info}),))
 
 
 class AgentServer:
@@ -70,9 +91,9 @@ class AgentServer:
                                                GuardInterceptor(), CallerInterceptor()])
         agent_pb2_grpc.add_DpuAgentServicer_to_server(DpuAgentServicer(self.core), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+        enable_reflection(server, (SERVICE_NAME,
+                                   health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                   reflection.SERVICE_NAME))
         try:
             if self.config.tls_cert:
                 creds = grpc.ssl_server_credentials(
