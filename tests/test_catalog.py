@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.weights.catalog import BLOB_ALIGN, build_catalog
+from dpu_agent.weights.catalog import BLOB_ALIGN, MAX_JSON_BYTES, build_catalog
+from dpu_agent.weights.ingest import MANIFEST_FILE, attach_manifest
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
@@ -117,6 +118,15 @@ def test_refusals_name_file_and_tensor(tmp_path: Path) -> None:
         text.replace('"weight_map": {', '"weight_map": {"model.embed_tokens.weight": "x",', 1))
     with pytest.raises(CheckpointError, match=r"duplicated key 'model\.embed_tokens\.weight'"):
         build_catalog(dup)
+
+    # JSON files are bounded before they are read (sparse files: no disk spent).
+    for name in ("config.json", "model.safetensors.index.json", MANIFEST_FILE):
+        huge = tmp_path / f"huge-{name}"
+        shutil.copytree(root, huge)
+        with open(huge / name, "r+b" if (huge / name).exists() else "wb") as f:
+            f.truncate(MAX_JSON_BYTES + 1)
+        with pytest.raises(CheckpointError, match=rf"{name}: {MAX_JSON_BYTES + 1} bytes, more"):
+            attach_manifest(build_catalog(huge))
 
     wrong_shape = tmp_path / "shape"
     shutil.copytree(root, wrong_shape)

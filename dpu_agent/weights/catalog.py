@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,22 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
-def _read_json(path: Path) -> Any:
+MAX_JSON_BYTES = 64 << 20
+"""Largest JSON file the agent reads beside a checkpoint (config, shard index, ingest manifest:
+DeepSeek-V3's manifest at 1 MiB chunks is about 8 MB)."""
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file, parsed; CheckpointError naming the file when it is missing,
+    larger than ``MAX_JSON_BYTES`` (checked before reading), not JSON, or repeats a key."""
     try:
-        return json.loads(path.read_text(), object_pairs_hook=_reject_duplicates)
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_JSON_BYTES:
+                raise CheckpointError(f"{size} bytes, more than the {MAX_JSON_BYTES} a JSON "
+                                      "file beside a checkpoint may have")
+            text = f.read(MAX_JSON_BYTES + 1).decode()
+        return json.loads(text, object_pairs_hook=_reject_duplicates)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -115,7 +129,7 @@ def _read_json(path: Path) -> Any:
 def _weight_map(directory: Path) -> dict[str, str]:
     index = directory / INDEX_FILE
     if index.exists():
-        data = _read_json(index)
+        data = read_json(index)
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(f"{index}: no 'weight_map' object of tensor -> shard file")
@@ -192,7 +206,7 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
-    cfg = _read_json(root / "config.json")
+    cfg = read_json(root / "config.json")
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{root / 'config.json'}: not a JSON object")
     weight_map = _weight_map(root)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
+from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, read_json
 from dpu_agent.weights.safetensors_file import CheckpointError, ShardReader
 from dpu_offload.keys import ExpertKey
 from gpu_kernels.checksum import blob_checksums
@@ -67,11 +67,11 @@ def attach_manifest(catalog: ModelCatalog) -> ModelCatalog:
     path = catalog.path / MANIFEST_FILE
     if not path.exists():
         return catalog
+    manifest = read_json(path)
     try:
-        manifest = json.loads(path.read_text())
         chunk = int(manifest["chunk_bytes"])
         experts = manifest["experts"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: not an ingest manifest ({exc})") from exc
     if chunk <= 0 or chunk % 16:
         raise CheckpointError(f"{path}: chunk_bytes {chunk} is not a positive multiple of 16")
