@@ -41,6 +41,8 @@ FAULTS = [
      "test_scribbled_slot_states_mislead_only_their_own_client"),
     ("DMA-engine process killed with a transfer in hand",
      "tests/test_engine.py::test_engine_death_fails_in_flight_and_is_restarted"),
+    ("DMA-engine process hung (SIGSTOP) with a transfer in hand", "tests/test_engine.py::"
+     "test_a_hung_engine_is_killed_and_its_transfers_fail"),
     ("hostile request-ring entries", "tests/test_engine.py::"
      "test_hostile_requests_are_refused_and_change_nothing"),
     ("request-ring header overwritten by its client", "tests/test_engine.py::"
@@ -76,6 +78,9 @@ FAULTS = [
      "tests/test_kernels.py::test_fuzzed_descriptors_status_and_guards[cpu]"),
     ("undecodable request bodies on every RPC", "tests/test_hostile_rpc.py::"
      "test_undecodable_bodies_are_invalid_argument_on_every_method"),
+    ("a client opening sessions and devices without end, and hammering every RPC",
+     "tests/test_hostile_rpc.py::"
+     "test_a_hostile_client_is_bounded_in_sessions_devices_and_memory"),
     ("a handler raises what it should have turned into a status", "tests/test_hostile_rpc.py::"
      "test_an_exception_that_escapes_a_handler_is_internal_with_a_request_id"),
 ]
@@ -110,6 +115,14 @@ OUTCOME = {
     "DMA-engine process killed with a transfer in hand": "noticed within a sweep (< 1.5 s), the "
     "waiter gets TransferFailed(CANCELLED), fresh rings, a new engine serves the same expert "
     "byte for byte",
+    "DMA-engine process hung (SIGSTOP) with a transfer in hand": "past "
+    "transfer.timeout_seconds the agent kills it rather than cancel under it (no late copy or "
+    "SIGNAL into a slot given to another delivery): the waiter gets CANCELLED, a new engine "
+    "serves the same expert byte for byte",
+    "a client opening sessions and devices without end, and hammering every RPC": "past "
+    "sessions.max_sessions and sessions.max_devices RESOURCE_EXHAUSTED naming the key, a closed "
+    "session frees its place; 30 rounds of undecodable bodies on every method grow the "
+    "agent's RSS by less than 16 MiB",
     "hostile request-ring entries": "unknown op, model, layer, expert, a release not held, a "
     "reused id: each answered with its status and a message; held slot's bytes and state word "
     "unchanged; the agent keeps serving",

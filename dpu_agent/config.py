@@ -56,6 +56,8 @@ class AgentConfig:
     default_lease_seconds: int = 10
     max_session_rpcs: int = 64
     max_lease_seconds: int = 300
+    max_sessions: int = 256
+    max_devices_per_session: int = 16
     metrics_address: str = ""
     log_format: str = "auto"
     state_dir: str = ""
@@ -147,6 +149,8 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
     ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
     ("sessions", "max_concurrent_rpcs"): ("max_session_rpcs", _int),
+    ("sessions", "max_sessions"): ("max_sessions", _int),
+    ("sessions", "max_devices"): ("max_devices_per_session", _int),
     ("metrics", "listen_address"): ("metrics_address", _str),
     ("logging", "format"): ("log_format", _str),
     ("state", "dir"): ("state_dir", _str),
@@ -220,8 +224,11 @@ def _check(cfg: AgentConfig) -> list[str]:
                       ("server.tls_client_ca", cfg.tls_client_ca)):
         if path and not os.access(path, os.R_OK):
             problems.append(f"{key}: {path} is not a readable file")
-    if cfg.max_session_rpcs <= 0:
-        problems.append("sessions.max_concurrent_rpcs: must be positive")
+    for key, value in (("max_concurrent_rpcs", cfg.max_session_rpcs),
+                       ("max_sessions", cfg.max_sessions),
+                       ("max_devices", cfg.max_devices_per_session)):
+        if value <= 0:
+            problems.append(f"sessions.{key}: must be positive")
     problems += _check_cluster(cfg)
     if cfg.max_message_bytes < 2**16:
         problems.append("server.max_message_bytes: must be at least 64 KiB")

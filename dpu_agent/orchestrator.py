@@ -247,6 +247,11 @@ class Orchestrator:
         session = Session(sid, client_name, float(lease), time.monotonic() + lease,
                           binding=binding)
         with self._lock:
+            if len(self.sessions) >= self.config.max_sessions:
+                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
+                                 f"{len(self.sessions)} sessions are open, the most this agent "
+                                 "takes (sessions.max_sessions); close one or wait for a lease "
+                                 "to expire")
             self.sessions[sid] = session
         log.info("session %s opened by %r", sid, client_name,
                  extra={"session": sid, "client": client_name})
@@ -319,6 +324,10 @@ class Orchestrator:
         if delivery not in (pb.DELIVERY_DEVICE_PULL, pb.DELIVERY_DMA_ENGINE):
             raise invalid(f"delivery {delivery} is not DEVICE_PULL or DMA_ENGINE")
         with session.lock:
+            if len(session.devices) >= self.config.max_devices_per_session:
+                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
+                                 f"session has {len(session.devices)} devices, the most one "
+                                 "may register (sessions.max_devices)")
             for dev in session.devices.values():
                 if dev.kind == kind and dev.ordinal == ordinal:
                     raise AgentError(ErrorKind.ALREADY_EXISTS,

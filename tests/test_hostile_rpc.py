@@ -3,6 +3,7 @@ UNKNOWN (or INTERNAL for bad input), and the agent stays SERVING (issue 21)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 
@@ -241,3 +242,56 @@ def test_a_huge_name_is_refused_for_what_it_is_not_for_its_size(agent: AgentProc
                 call(request, timeout=10)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()[:200]
             assert len(err.value.details()) < 1100
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_hostile_client_is_bounded_in_sessions_devices_and_memory() -> None:
+    """Sessions and devices (each device has a channel in shared memory) are bounded by the
+    config: past the bound RESOURCE_EXHAUSTED naming it, and a closed session frees its place.
+    Hammering every method with undecodable bodies leaves the agent's memory where it was."""
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+    from host_client.errors import ResourceExhausted
+
+    settings = "[sessions]\nmax_sessions = 3\nmax_devices = 2\n"
+    with AgentProcess(settings) as agent:
+        clients = [AgentClient(agent.address, client_name=f"c{i}") for i in range(3)]
+        try:
+            with pytest.raises(ResourceExhausted, match=r"3 sessions are open.*max_sessions"):
+                AgentClient(agent.address, client_name="one too many")
+            pools = [SlotPoolSpec(1 << 16, 2)]
+            devs = [clients[0].register_device(CpuReferenceDevice(i), pools) for i in range(2)]
+            assert len(devs) == 2
+            with pytest.raises(ResourceExhausted, match=r"2 devices.*max_devices"):
+                clients[0].register_device(CpuReferenceDevice(2), pools)
+            clients.pop().close()
+            clients.append(AgentClient(agent.address, client_name="after a close"))
+        finally:
+            for c in clients:
+                c.close()
+        assert agent.proc is not None
+        rng = random.Random(5)
+        bodies = _undecodable(rng)
+        with grpc.insecure_channel(agent.address) as ch:
+            calls = [(ch.unary_stream if m.server_streaming else ch.unary_unary)(
+                f"/{SERVICE.full_name}/{m.name}") for m in SERVICE.methods]
+
+            def hammer(rounds: int) -> None:
+                for _ in range(rounds):
+                    for call in calls:
+                        for body in bodies[:6]:
+                            with contextlib.suppress(grpc.RpcError):
+                                out = call(body, timeout=5)
+                                if not isinstance(out, bytes):
+                                    next(iter(out), None)
+
+            hammer(3)  # warm: the allocator and gRPC's pools reach their working size
+            before = _rss_kib(agent.proc.pid)
+            hammer(30)
+            grown = _rss_kib(agent.proc.pid) - before
+        assert grown < 16 * 1024, f"agent RSS grew {grown} KiB under undecodable calls"
