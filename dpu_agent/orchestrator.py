@@ -20,11 +20,10 @@ from typing import Any
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.channels import DeviceChannel
-from dpu_agent.dataplane.delivery import Deliveries
-from dpu_agent.dataplane.engine import EngineDevices, EngineError
-from dpu_agent.dataplane.loop import DataPlaneLoop
+from dpu_agent.dataplane.engine import EngineError
+from dpu_agent.dataplane.plane import DataPlane
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
-from dpu_agent.dataplane.requests import RequestServer, unknown_model
+from dpu_agent.dataplane.requests import unknown_model
 from dpu_agent.dataplane.steering import FlowTable, owned_by
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
@@ -60,11 +59,6 @@ STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool",
                     for kind in abi.RingKind))
 """Names of the segments agents and host clients create (``unique_name``): swept at start
 when their creator is dead."""
-
-LANDED_CHECK_SECONDS = 0.001
-"""How often the data-plane loop takes up consumers' verdicts on LANDED slots (an acquire of
-a LANDED slot takes its verdict up at once)."""
-
 
 @dataclass(frozen=True)
 class SlotGrant:
@@ -106,15 +100,10 @@ class Orchestrator:
         self._lock = threading.RLock()
         self._device_ids = itertools.count()
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
-        self.deliveries = Deliveries(self.cache, config.chunk_bytes, self._fills,
-                                     lambda sid: sid in self.sessions)
-        self.requests = RequestServer(self, self._fills)
-        self.engine = EngineDevices(self.arena.name, self.arena.size, ARENA_REGION_ID,
-                                    self._devices, self._engine_died)
-        """Devices the DMA-engine process serves (it starts when the first registers)."""
-        self.dataplane = DataPlaneLoop(self._poll_once, lambda: self.deliveries.tracker.in_flight,
-                                       [self._cancel_stuck, self.engine.supervisor.check])
-        self._landed_checked = 0.0
+        self.plane = DataPlane(self, self.cache, config.chunk_bytes, self._fills,
+                               lambda sid: sid in self.sessions, self._devices,
+                               (self.arena.name, self.arena.size, ARENA_REGION_ID),
+                               config.transfer_timeout_seconds)
         self.draining = False
         self._device_list: tuple[Device, ...] | None = None
         """Every session's devices, rebuilt only after a registration or a closure (the
@@ -127,7 +116,7 @@ class Orchestrator:
         """The ActivationRouter when [activations] is enabled (set by the server)."""
         self.cluster: Any = None
         """The ClusterAgent in cluster mode (set by the server)."""
-        self.dataplane.start()
+        self.plane.start()
         if self.state is not None:
             self._restore()
 
@@ -293,14 +282,14 @@ class Orchestrator:
         gone = [r.rule_id for r in self.flows.rules() if owned_by(r, session_id)]
         if gone:
             self.flows.update(delete=gone)  # its devices' queues are gone with it
-        self.deliveries.tracker.cancel(lambda t: t.owner in devices)
+        self.plane.deliveries.tracker.cancel(lambda t: t.owner in devices)
         for dev in devices:
             if dev.queue is not None:
                 dev.queue.close()
             if dev.channel is not None:
                 dev.channel.close()
             if dev.engine_rings is not None:
-                self.engine.detach(dev)
+                self.plane.engine.detach(dev)
         session.events.close()
         log.info("session %s", reason, extra={"session": session_id})
 
@@ -337,7 +326,7 @@ class Orchestrator:
             dev.channel = DeviceChannel((session.session_id, dev.device_id))
             if delivery == pb.DELIVERY_DMA_ENGINE:
                 try:
-                    dev.queue = self.engine.attach(dev)
+                    dev.queue = self.plane.engine.attach(dev)
                 except EngineError as exc:
                     dev.channel.close()
                     raise AgentError(ErrorKind.UNAVAILABLE,
@@ -371,7 +360,7 @@ class Orchestrator:
                                 state_base=self._state_range(dev, req.slot_count))
                 if dev.delivery == pb.DELIVERY_DMA_ENGINE:
                     self._check_unclaimed(req.shm_name, bytes(req.cuda_ipc_handle))
-                    self.engine.add_pool(dev, pool)
+                    self.plane.engine.add_pool(dev, pool)
                 dev.pools[rid] = pool
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
                 if dev.delivery == pb.DELIVERY_DMA_ENGINE:
@@ -464,7 +453,7 @@ class Orchestrator:
                 if pool is not None:
                     if any(s == SlotState.FILLING for s in pool.state):
                         raise precondition(f"region {region_id} has transfers in flight")
-                    self.deliveries.forget(pool)
+                    self.plane.deliveries.forget(pool)
                     del dev.pools[region_id]
                     del dev.regions[region_id]
                     return
@@ -504,7 +493,7 @@ class Orchestrator:
                 idx = pool.by_key.get(key)
                 if idx is not None and pool.state[idx] == SlotState.LANDED:
                     # A verdict may have come since the loop last looked: a mismatch frees it.
-                    self.deliveries.settle_landed(session, pool, idx)
+                    self.plane.deliveries.settle_landed(session, pool, idx)
                     idx = pool.by_key.get(key)
                 if idx is not None:
                     pool.refs[idx] += refs
@@ -522,7 +511,7 @@ class Orchestrator:
     def _deliver_fresh(self, session: Session, dev: Device, pool: SlotPool, idx: int,
                        entry: ExpertEntry, wait: bool = True) -> Transfer:
         try:
-            return self.deliveries.deliver(session, dev, pool, idx, entry, wait=wait)
+            return self.plane.deliveries.deliver(session, dev, pool, idx, entry, wait=wait)
         except BaseException:
             with session.lock:
                 pool.fail(idx, abi.Status.CANCELLED)  # ends any watcher of this generation
@@ -560,16 +549,16 @@ class Orchestrator:
                     if pool.state[idx] in (SlotState.READY, SlotState.LANDED):
                         on_ready(True)
                     else:
-                        self.deliveries.when_ready(dev, key, on_ready)
+                        self.plane.deliveries.when_ready(dev, key, on_ready)
                 return False
-            self.deliveries.when_ready(
+            self.plane.deliveries.when_ready(
                 dev, key, lambda ok: self._fills.submit(self.scheduler.finished, link))
             if on_ready:
-                self.deliveries.when_ready(dev, key, on_ready)
+                self.plane.deliveries.when_ready(dev, key, on_ready)
             try:
                 self._deliver_fresh(session, dev, pool, idx, entry)
             except AgentError as exc:
-                self.deliveries.fail(dev, key)
+                self.plane.deliveries.fail(dev, key)
                 session.events.emit(pb.Event(error=f"background delivery of {key}: "
                                                    f"{exc.message}"))
             return True
@@ -660,71 +649,8 @@ class Orchestrator:
                                       for d in list(s.devices.values()))
         return self._device_list
 
-    def poller_alive(self) -> bool:
-        return self.dataplane.alive()
-
-    @property
-    def poller_heartbeat(self) -> float:
-        return self.dataplane.heartbeat
-
-    def _engine_died(self, devices: set[Device]) -> None:
-        """The DMA engine died: its devices' transfers in flight end CANCELLED (their slots go
-        FAILED, their waiters get an error); their queues were replaced."""
-        gone = self.deliveries.tracker.cancel(lambda t: t.owner in devices)
-        log.error("DMA engine died: %d transfers cancelled on devices %s", len(gone),
-                  sorted(d.device_id for d in devices))
-        with self._lock:
-            self._device_list = None
-
-    def _cancel_stuck(self) -> None:
-        """Transfers without a completion for ``transfer_timeout_seconds``: a device consumer's
-        are cancelled; a DMA engine that holds one is killed instead (its transfers are
-        cancelled as it is restarted, in the same sweep), so that no copy or SIGNAL of a
-        cancelled delivery can land after its slot was given to another."""
-        limit = self.config.transfer_timeout_seconds
-        now = time.monotonic()
-
-        def stuck(t: Transfer) -> bool:
-            return now - t.started > limit
-
-        engine_held = [t for t in self.deliveries.tracker.live() if stuck(t) and
-                       getattr(t.owner, "delivery", None) == pb.DELIVERY_DMA_ENGINE]
-        if engine_held:
-            self.engine.supervisor.kill(f"transfer {engine_held[0].transfer_id} had no "
-                                        f"completion within {limit} s")
-        gone = self.deliveries.tracker.cancel(
-            lambda t: stuck(t) and getattr(t.owner, "delivery", None) != pb.DELIVERY_DMA_ENGINE)
-        for t in gone:
-            log.error("transfer %d cancelled: no completion within %d s (device consumer "
-                      "stuck or gone)", t.transfer_id, limit)
-
-    def _poll_once(self) -> tuple[int, int]:
-        """One pass of the data-plane loop: every channel's requests, then every queue's
-        backlog and completions. Returns (requests, completions) handled."""
-        requests = completions = 0
-        devices = self._devices()
-        for dev in devices:
-            if dev.channel is not None and not dev.channel.closed:
-                requests += self.requests.serve(dev.channel)
-        for q in (dev.queue for dev in devices if dev.queue is not None):
-            try:
-                q.flush()
-                recs = q.poll_completions()
-            except (ValueError, OSError) as exc:  # a queue closed under us
-                log.debug("data plane: %s", exc)
-                continue
-            if recs.size:
-                completions += int(recs.size)
-                self.deliveries.tracker.complete_many(recs)
-        now = time.monotonic()
-        if now - self._landed_checked > LANDED_CHECK_SECONDS:
-            self._landed_checked = now
-            self.deliveries.check_landed()
-        return requests, completions
-
     def shutdown(self) -> None:
-        self.dataplane.stop()
-        self.engine.supervisor.stop()
+        self.plane.stop()
         for sid in list(self.sessions):
             try:
                 self.close_session(sid, reason="agent stopping")

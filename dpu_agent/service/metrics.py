@@ -50,24 +50,24 @@ class AgentCollector(Collector):
                                 "1 - largest free block / free bytes.",
                                 value=core.arena.fragmentation)
         yield GaugeMetricFamily("dpu_agent_transfers_in_flight", "Deliveries in flight.",
-                                value=core.deliveries.tracker.in_flight)
+                                value=core.plane.deliveries.tracker.in_flight)
         delivered = CounterMetricFamily("dpu_agent_delivered_bytes",
                                         "Verified expert bytes delivered to devices, by source "
                                         "(arena, or peer: another device's slot).",
                                         labels=["source"])
         for source in ("arena", "peer"):
-            delivered.add_metric([source], core.deliveries.delivered_bytes[source])
+            delivered.add_metric([source], core.plane.deliveries.delivered_bytes[source])
         yield delivered
         yield CounterMetricFamily("dpu_agent_checksum_failures",
                                   "Deliveries that failed chunk verification.",
-                                  value=core.deliveries.verify_failures)
-        loop = core.dataplane.stats
+                                  value=core.plane.deliveries.verify_failures)
+        loop = core.plane.loop.stats
         yield CounterMetricFamily("dpu_agent_dataplane_requests",
                                   "Request-ring entries the data-plane loop served.",
                                   value=loop.requests)
         yield CounterMetricFamily("dpu_agent_dataplane_refused_requests",
                                   "Request-ring entries answered with an error status.",
-                                  value=core.requests.refused)
+                                  value=core.plane.requests.refused)
         yield CounterMetricFamily("dpu_agent_dataplane_completions",
                                   "Completion entries the data-plane loop folded.",
                                   value=loop.completions)
@@ -76,7 +76,7 @@ class AgentCollector(Collector):
                                   value=loop.cpu_seconds)
         yield CounterMetricFamily("dpu_agent_engine_restarts",
                                   "Times the DMA-engine process died and was started again.",
-                                  value=core.engine.restarts)
+                                  value=core.plane.engine.restarts)
         yield GaugeMetricFamily("dpu_agent_sessions", "Open sessions.",
                                 value=len(core.sessions))
         yield GaugeMetricFamily("dpu_agent_models_loaded", "Models in the catalog.",

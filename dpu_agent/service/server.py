@@ -162,15 +162,15 @@ class AgentServer:
         core = self.core
         assert core is not None
         return (f"serving on port {self.port}: {len(core.sessions)} sessions, "
-                f"{len(core.models)} models, {core.deliveries.tracker.in_flight} transfers in "
-                "flight")
+                f"{len(core.models)} models, "
+                f"{core.plane.deliveries.tracker.in_flight} transfers in flight")
 
     def alive(self) -> bool:
         """Liveness: the data-plane loop thread runs and looped recently (it naps at most
         0.5 ms when idle). The caller being scheduled proves the event loop answers."""
         core = self.core
-        return core is not None and core.poller_alive() and \
-            time.monotonic() - core.poller_heartbeat < 2.0
+        return core is not None and core.plane.loop.alive() and \
+            time.monotonic() - core.plane.loop.heartbeat < 2.0
 
     async def _watch(self, interval: float) -> None:
         while True:
@@ -233,7 +233,7 @@ class AgentServer:
             return
         assert self.core is not None
         grace = self.config.drain_grace_seconds if grace is None else grace
-        self.notifier.stopping(f"draining {self.core.deliveries.tracker.in_flight} transfers")
+        self.notifier.stopping(f"draining {self.core.plane.deliveries.tracker.in_flight} transfers")
         self.core.draining = True
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -243,10 +243,10 @@ class AgentServer:
             self._watchdog.cancel()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while self.core.deliveries.tracker.in_flight and loop.time() < deadline:
+        while self.core.plane.deliveries.tracker.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.01)
         try:
-            cancelled = self.core.deliveries.tracker.cancel(lambda t: True)
+            cancelled = self.core.plane.deliveries.tracker.cancel(lambda t: True)
             if cancelled:
                 log.warning("stop: cancelled %d transfers still in flight after %.1f s",
                             len(cancelled), grace)

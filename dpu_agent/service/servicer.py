@@ -407,5 +407,5 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             arena_bytes=core.arena.size, arena_used_bytes=core.arena.used_bytes,
             experts_cached=core.cache.resident, cache_hits=core.cache.stats.hits,
             cache_misses=core.cache.stats.misses,
-            transfers_in_flight=core.deliveries.tracker.in_flight,
+            transfers_in_flight=core.plane.deliveries.tracker.in_flight,
             arena_pins=core.cache.pinned())
