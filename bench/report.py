@@ -229,7 +229,9 @@ def transformers_decode(d: dict[str, Any]) -> list[Row]:
                        for b, tps in by_batch.items()]
     for run in r["offload"]:
         for b, tps in run["tokens_per_s"].items():
-            tag = f"{r['arch']}, {r['layers']} layers, cache {run['fraction']:.0%}, batch {b}"
+            slots = f" ({run['slots']} slots)" if "slots" in run else ""
+            tag = (f"{r['arch']}, {r['layers']} layers, {r.get('routing', 'router')} routing, "
+                   f"cache {run['fraction']:.0%}{slots}, batch {b}")
             bound = run["bound_tokens_per_s"][b]
             rows.append((f"offload_experts tok/s, {tag}", f"{tps:.1f}",
                          f"bound {bound:.1f} (resident {best} {r['resident'][best][b]:.1f})",
@@ -290,6 +292,9 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("transformers generate(), Qwen3-30B-A3B shapes, offload_experts (H200)",
      "transformers-decode-qwen3-30b-a3b-cuda", transformers_decode,
      "transformers-decode-qwen3-30b-a3b-cuda.png"),
+    ("transformers generate(), OLMoE-1B-7B shapes, the OLMoE routing trace replayed (H200)",
+     "transformers-decode-olmoe-1b-7b-cuda-olmoe-1b-7b-layer0-gsm8k", transformers_decode,
+     "transformers-decode-olmoe-1b-7b-cuda-olmoe-1b-7b-layer0-gsm8k.png"),
     ("Decode with offloaded experts (CPU reference device)", "decode-qwen3-30b-a3b-cpu",
      decode, "decode-qwen3-30b-a3b-cpu.png"),
     ("The agent on Arm", "arm64", arm64, ""),

@@ -14,6 +14,10 @@ one run, tokens per second of ``generate()`` at batch 1 and 8 for:
   rate), the pinned rate measured in the same run.
 
     python bench/transformers_decode.py --device cuda [--arch qwen3-30b-a3b] [--layers 4]
+        [--trace ../shared/traces/olmoe-1b-7b-layer0-gsm8k.jsonl --arch olmoe-1b-7b]
+
+``--trace`` replays a real routing trace (each experts module's router choices replaced by the
+trace's, the same for every run), so the cache sees real locality instead of a random model's.
 """
 
 from __future__ import annotations
@@ -71,7 +75,49 @@ def load(path: Path, device: str) -> Any:
     return model.to(device).eval()
 
 
-def timed_generate(model: Any, batch: int, prompt: int, new: int) -> tuple[float, Any]:
+class TraceReplay:
+    """Routing replayed from a trace (``../shared/traces`` format): a forward pre-hook on each
+    experts module replaces the router's choices with the trace's, one trace step per token
+    row, each module following one trace layer (cycled when the model has more layers).
+    :meth:`rewind` before a run makes every run see the same routing."""
+
+    def __init__(self, model: Any, trace: Path) -> None:
+        from dpu_agent.planning.traces import read_trace
+        from host_client.integrations.transformers import experts_modules
+
+        by_layer: dict[int, list[tuple[int, ...]]] = {}
+        for step in read_trace(trace):
+            by_layer.setdefault(step.layer, []).append(step.experts)
+        layers = sorted(by_layer)
+        self.name = trace.stem
+        self._cursor: dict[int, int] = {}
+        for i, (_, module) in enumerate(experts_modules(model)):
+            steps = by_layer[layers[i % len(layers)]]
+            if max(max(s) for s in steps) >= int(module.num_experts):
+                raise SystemExit(f"{trace}: experts up to {max(max(s) for s in steps)}, the "
+                                 f"model has {module.num_experts} per layer")
+            module.register_forward_pre_hook(self._hook(i, steps), with_kwargs=True)
+
+    def rewind(self) -> None:
+        self._cursor.clear()
+
+    def _hook(self, i: int, steps: list[tuple[int, ...]]) -> Any:
+        import torch
+
+        def replace(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            hidden, index, weights = args
+            rows, k = index.shape
+            at = self._cursor.get(i, 0)
+            self._cursor[i] = at + rows
+            chosen = [(steps[(at + r) % len(steps)] * k)[:k] for r in range(rows)]
+            return (hidden, torch.tensor(chosen, dtype=index.dtype, device=index.device),
+                    weights), kwargs
+
+        return replace
+
+
+def timed_generate(model: Any, batch: int, prompt: int, new: int,
+                   replay: TraceReplay | None = None) -> tuple[float, Any]:
     """(tokens per second, output ids) of one greedy ``generate`` after a warm-up."""
     import torch
 
@@ -80,6 +126,8 @@ def timed_generate(model: Any, batch: int, prompt: int, new: int) -> tuple[float
         model.generate(ids, max_new_tokens=2, do_sample=False, min_new_tokens=2)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
+        if replay is not None:
+            replay.rewind()
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
         if model.device.type == "cuda":
@@ -88,7 +136,8 @@ def timed_generate(model: Any, batch: int, prompt: int, new: int) -> tuple[float
 
 
 def run(arch: str, layers: int, device: str, fractions: list[float], batches: list[int],
-        prompt: int = 16, new: int = 16, shrink: int = 1) -> dict[str, Any]:
+        prompt: int = 16, new: int = 16, shrink: int = 1,
+        trace: Path | None = None) -> dict[str, Any]:
     import torch
 
     from host_client import AgentClient, CpuReferenceDevice
@@ -99,6 +148,7 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
     with tempfile.TemporaryDirectory() as tmp:
         path = build(arch, layers, shrink, Path(tmp) / arch)
         model = load(path, torch_device)
+        replay = TraceReplay(model, trace) if trace else None
         resident: dict[str, dict[int, float]] = {}
         outputs: dict[str, dict[int, Any]] = {}
         """Per implementation: on a GPU their roundings differ, so a run is compared with the
@@ -111,7 +161,8 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
                 continue
             resident[impl], outputs[impl] = {}, {}
             for b in batches:
-                resident[impl][b], outputs[impl][b] = timed_generate(model, b, prompt, new)
+                resident[impl][b], outputs[impl][b] = timed_generate(model, b, prompt, new,
+                                                                     replay)
         best = max((i for i in resident if "unavailable" not in resident[i]),
                    key=lambda i: resident[i][batches[0]])
         expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -125,14 +176,17 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
             for fraction in fractions:
                 model = load(path, torch_device)
                 model.set_experts_implementation(best)
+                replay = TraceReplay(model, trace) if trace else None
                 with AgentClient(agent.address, rpc_timeout=300) as client:
                     made = CpuReferenceDevice() if device == "cpu" else _cuda()
                     off = offload_experts(model, client, path, made, cache=fraction,
                                           name=f"{arch}-{layers}")
-                    row: dict[str, Any] = {"fraction": fraction, "tokens_per_s": {}}
+                    row: dict[str, Any] = {"fraction": fraction, "tokens_per_s": {},
+                                           "slots": sum(p.slot_count for p in
+                                                        off.device.pools.values())}
                     for b in batches:
                         before = off.experts_acquired - off.hits
-                        tps, out = timed_generate(model, b, prompt, new)
+                        tps, out = timed_generate(model, b, prompt, new, replay)
                         row.setdefault("outputs_equal", {})[b] = torch.equal(out,
                                                                              outputs[best][b])
                         missed = (off.experts_acquired - off.hits - before) * expert_bytes
@@ -146,14 +200,14 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
                     runs.append(row)
                 del model
         accelerate = _accelerate(path, torch_device, batches, prompt, new, best,
-                                 outputs[best])
+                                 outputs[best], trace)
     mismatched = [(r["fraction"], b) for r in runs for b, ok in r["outputs_equal"].items()
                   if not ok]
     return {"arch": arch, "layers": layers, "device": device, "shrink": shrink,
             "expert_bytes": expert_bytes, "pinned_rate_bytes_per_s": rate,
             "resident": resident, "resident_implementation": best, "offload": runs,
             "accelerate": accelerate, "prompt_tokens": prompt, "new_tokens": new,
-            "outputs_differ": mismatched}
+            "outputs_differ": mismatched, "routing": trace.stem if trace else "router"}
 
 
 def _experts(model: Any) -> int:
@@ -173,7 +227,8 @@ def _cuda() -> Any:
 
 
 def _accelerate(path: Path, device: str, batches: list[int], prompt: int, new: int,
-                implementation: str, outputs: dict[int, Any]) -> dict[str, Any]:
+                implementation: str, outputs: dict[int, Any],
+                trace: Path | None) -> dict[str, Any]:
     """accelerate's offload of the expert modules (left on the CPU by ``device_map``), with
     the resident run's experts ``implementation`` (and its ``outputs`` to compare with)."""
     try:
@@ -194,9 +249,10 @@ def _accelerate(path: Path, device: str, batches: list[int], prompt: int, new: i
         path, dtype=torch.bfloat16, device_map={"": 0, **{k: v for k, v in device_map.items()
                                                           if v == "cpu"}})
     model.set_experts_implementation(implementation)
+    replay = TraceReplay(model, trace) if trace else None
     out, equal = {}, {}
     for b in batches:
-        tps, ids = timed_generate(model, b, prompt, new)
+        tps, ids = timed_generate(model, b, prompt, new, replay)
         out[b] = tps
         equal[b] = torch.equal(ids, outputs[b])
     return {"tokens_per_s": out, "outputs_equal": equal}
@@ -215,7 +271,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
         if acc:
             ax.axhline(acc, color="r", ls="--", label="accelerate offload")
         ax.set(yscale="log", xlabel="GPU expert cache (%)", ylabel="tokens/s",
-               title=f"{r['arch']}, {r['layers']} layers, batch {b}")
+               title=f"{r['arch']}, {r['layers']} layers, batch {b}, routing "
+                     f"{r.get('routing', 'router')}")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     save_figure(fig, path)
@@ -231,10 +288,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--shrink", type=int, default=1, help="divide the sizes (smoke tests)")
+    ap.add_argument("--trace", type=Path,
+                    help="replay this routing trace instead of the router's choices")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     r = run(args.arch, args.layers, args.device, args.gpu_cache_fraction, args.batch,
-            new=args.new_tokens, shrink=args.shrink)
+            new=args.new_tokens, shrink=args.shrink, trace=args.trace)
     print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate")}, indent=1,
                      default=str), file=sys.stderr)
     if args.no_save:
@@ -242,7 +301,7 @@ def main() -> int:
     path = write("transformers-decode", envelope(
         "transformers-decode", r, device=args.device,
         command="python bench/transformers_decode.py " + " ".join(sys.argv[1:])),
-        f"-{args.arch}-{args.device}")
+        f"-{args.arch}-{args.device}" + (f"-{args.trace.stem}" if args.trace else ""))
     plot(r, path.with_suffix(".png"))
     print(f"wrote {path}")
     if r["outputs_differ"]:
