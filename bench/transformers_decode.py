@@ -137,7 +137,7 @@ def timed_generate(model: Any, batch: int, prompt: int, new: int,
 
 def run(arch: str, layers: int, device: str, fractions: list[float], batches: list[int],
         prompt: int = 16, new: int = 16, shrink: int = 1,
-        trace: Path | None = None) -> dict[str, Any]:
+        trace: Path | None = None, delivery: str = "engine") -> dict[str, Any]:
     import torch
 
     from host_client import AgentClient, CpuReferenceDevice
@@ -180,7 +180,7 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
                 with AgentClient(agent.address, rpc_timeout=300) as client:
                     made = CpuReferenceDevice() if device == "cpu" else _cuda()
                     off = offload_experts(model, client, path, made, cache=fraction,
-                                          name=f"{arch}-{layers}")
+                                          name=f"{arch}-{layers}", delivery=delivery)
                     row: dict[str, Any] = {"fraction": fraction, "tokens_per_s": {},
                                            "slots": sum(p.slot_count for p in
                                                         off.device.pools.values())}
@@ -207,7 +207,8 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
             "expert_bytes": expert_bytes, "pinned_rate_bytes_per_s": rate,
             "resident": resident, "resident_implementation": best, "offload": runs,
             "accelerate": accelerate, "prompt_tokens": prompt, "new_tokens": new,
-            "outputs_differ": mismatched, "routing": trace.stem if trace else "router"}
+            "outputs_differ": mismatched, "routing": trace.stem if trace else "router",
+            "delivery": delivery}
 
 
 def _experts(model: Any) -> int:
@@ -290,10 +291,13 @@ def main() -> int:
     ap.add_argument("--shrink", type=int, default=1, help="divide the sizes (smoke tests)")
     ap.add_argument("--trace", type=Path,
                     help="replay this routing trace instead of the router's choices")
+    ap.add_argument("--delivery", choices=["engine", "pull"], default="engine",
+                    help="engine: the agent's DMA-engine process fills the slots (no thread of "
+                         "this process moves bytes); pull: the device's own consumer")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     r = run(args.arch, args.layers, args.device, args.gpu_cache_fraction, args.batch,
-            new=args.new_tokens, shrink=args.shrink, trace=args.trace)
+            new=args.new_tokens, shrink=args.shrink, trace=args.trace, delivery=args.delivery)
     print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate")}, indent=1,
                      default=str), file=sys.stderr)
     if args.no_save:

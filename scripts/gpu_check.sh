@@ -70,6 +70,7 @@ for s in $STAGES; do
         args=(--device cuda)
         [ "$b" = delivery ] && args+=(${DELIVERY_ARGS:-})
         [ "$b" = decode ] && args+=(--arch "$arch" ${DECODE_ARGS:-})
+        [ "$b" = transformers_decode ] && args+=(${TRANSFORMERS_ARGS:-})
         timeout "${BENCH_TIMEOUT:-240}" python3 "bench/$b.py" "${args[@]}" 2>&1 | tee "$LOG/bench-$b$arch.log" | tail -8
         [ "${PIPESTATUS[0]}" = 0 ] || fail=1
         save

@@ -47,6 +47,24 @@ def test_logits_and_generate_equal_the_resident_model(tmp_path, agent: AgentProc
         assert offload.experts_acquired - offload.hits > EXPERTS
 
 
+def test_the_dma_engine_can_fill_the_experts(tmp_path, agent: AgentProcess) -> None:
+    """``delivery="engine"``: the agent's DMA-engine process fills the pool, this process
+    checks each landed slot (the NumPy twin here); logits equal the resident model's."""
+    model = _model("qwen3_moe").eval()
+    path = tmp_path / "qwen3"
+    model.save_pretrained(path)
+    ids = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 8]])
+    with torch.no_grad():
+        want = model(ids).logits
+    with AgentClient(agent.address) as client:
+        offload = offload_experts(model, client, path, CpuReferenceDevice(), cache=EXPERTS,
+                                  name="off-engine", delivery="engine")
+        assert offload.device.work is None  # no consumer of this process's own
+        with torch.no_grad():
+            got = model(ids).logits
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
 def test_a_model_that_does_not_fit_the_checkpoint_is_refused(tmp_path,
                                                              agent: AgentProcess) -> None:
     path = tmp_path / "qwen"

@@ -158,7 +158,7 @@ class _Layer:
 
 def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                     device: Device | AttachedDevice, cache: float | int = 0.25,
-                    name: str = "") -> ExpertOffload:
+                    name: str = "", delivery: str = "pull") -> ExpertOffload:
     """Serve ``model``'s routed experts through the agent.
 
     Args:
@@ -172,6 +172,9 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
         cache: the pool's size: a fraction of all routed experts, or a number of slots; never
             fewer than one layer's experts (a prefill may route to all of them).
         name: the agent's name for the checkpoint (default: the directory's name).
+        delivery: how a :class:`Device` registered here is filled: ``"pull"`` (its own
+            consumer) or ``"engine"`` (the agent's DMA-engine process; see
+            :meth:`AgentClient.register_device`).
 
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
@@ -184,7 +187,8 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
         total = per_layer * len(layers)
         slots = cache if isinstance(cache, int) else round(cache * total)
         dev = client.register_device(device, [SlotPoolSpec(info.expert_bytes,
-                                                           max(per_layer, min(slots, total)))])
+                                                           max(per_layer, min(slots, total)))],
+                                     delivery=delivery)
     offload = ExpertOffload(client, info.model, dev)
     for qualified, module in experts_modules(model):
         m = _LAYER.search(qualified)
