@@ -400,6 +400,8 @@ class AgentClient:
             if granted:
                 self.release_batch(dev, granted)
             raise refused
+        for h in handles:
+            h.done()  # where the DMA engine delivers: each claimed check starts on the device
         return handles
 
     def link_peers(self) -> dict[int, list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -13,11 +14,21 @@ from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, cuda_ops, launch
 from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
 from gpu_kernels.shm import SharedBuffer
-from host_client.devices import RW, Device, DeviceFault
+from host_client.devices import CHECK_LANES, RW, CheckTicket, Device, DeviceFault
 
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
 PROBE_BYTES = 64 << 20
+
+
+class _KernelTicket:
+    """A landed-slot check enqueued on the check stream: ended once its event has."""
+
+    def __init__(self, ended: Any, result: Any) -> None:
+        self.ended, self.result = ended, result
+
+    def done(self) -> bool:
+        return bool(self.ended.done)
 
 
 def device_pointer(host_address: int) -> int:
@@ -73,7 +84,10 @@ class CudaDevice(Device):
             self._state = self.cp.zeros(_STATE_WORDS, dtype=self.cp.uint64)
             self._kernel = launch.kernel("receive", "dpu_receive", ordinal)
         self._pools: dict[int, Any] = {}
-        self._check_stream: Any = None
+        self._check_streams: dict[int, Any] = {}
+        """Lane -> the stream its landed-slot checks run on (a slot's always on one, so two
+        checks never share its scratch words at once)."""
+        self._checks: deque[_KernelTicket] = deque()
         self._check_scratch: Any = None
         """``uint32[2 * MAX_CHANNEL_SLOTS]``: each slot's check's running sum and count."""
         self._registered: list[int] = []
@@ -162,17 +176,24 @@ class CudaDevice(Device):
             cuda_ops.verify_landed(entry_address, generation, int(blob.data.ptr),
                                    int(blob.size), timeout, result, scratch, stream)
 
-    def check_landed(self, states: np.ndarray, entry_address: int, index: int,
-                     generation: int, blob: Any, timeout: float) -> int:
-        """The check's kernels on a stream of this device's, waited for."""
+    def start_check(self, states: np.ndarray, entry_address: int, index: int,
+                    generation: int, blob: Any, timeout: float) -> CheckTicket:
+        """The check's kernels on a stream of this device's, not waited for: the wait kernel
+        polls the word on the GPU until the bytes have landed."""
         with self.dev:
-            if self._check_stream is None:
-                self._check_stream = launch.non_blocking_stream()
+            lane = index % CHECK_LANES
+            if lane not in self._check_streams:
+                self._check_streams[lane] = launch.non_blocking_stream()
+            stream = self._check_streams[lane]
             result = self.cp.empty(1, self.cp.uint32)
-            self.enqueue_check(entry_address, index, generation, blob, timeout, result,
-                               self._check_stream)
-            self._check_stream.synchronize()
-            return int(result.get(stream=self._check_stream)[0])
+            self.enqueue_check(entry_address, index, generation, blob, timeout, result, stream)
+            ended = self.cp.cuda.Event(disable_timing=True)
+            ended.record(stream)
+        ticket = _KernelTicket(ended, result)
+        while self._checks and self._checks[0].done():
+            self._checks.popleft()
+        self._checks.append(ticket)  # its result word stays allocated until the kernels ran
+        return ticket
 
     def warm_up(self) -> None:
         """Load every kernel module, then launch the receive kernel once against a ring whose

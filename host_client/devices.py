@@ -1,6 +1,6 @@
 """Devices that consume the agent's work ring: the CUDA device (the persistent receive kernel)
 and the CPU reference device (its NumPy twin, on a thread, for machines without a GPU). Where
-the DMA engine delivers instead, the device checks what landed (``check_landed``).
+the DMA engine delivers instead, the device checks what landed (``start_check``).
 
 Both hold a region table (``REGION_DTYPE[MAX_REGIONS]``): region 0 is the agent's arena, mapped
 from its shared-memory handle; slot pools get the ids the agent assigned at registration.
@@ -8,10 +8,13 @@ from its shared-memory handle; slot pools get the ids the agent assigned at regi
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -79,6 +82,42 @@ class Doorbell:
             self._owed = max(0, self._owed - 1)
 
 
+CHECK_LANES = 4
+"""Landed-slot checks run on this many lanes (threads of the twin, streams of a GPU), a slot's
+always on the same one."""
+
+
+class _CheckThread:
+    """One daemon thread running submitted calls in order (a check abandoned by its waiter
+    must not hold the process at exit, as a ThreadPoolExecutor's worker would)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
+        self._calls = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever looks
+                future.set_exception(exc)
+
+
+class CheckTicket(Protocol):
+    """A check started on a device (:meth:`Device.start_check`)."""
+
+    def done(self) -> bool:
+        """Whether the check has ended (it published a verdict, or had none to give)."""
+        ...
+
+
 class Device(ABC):
     """A consumer of one work ring and producer of one completion ring."""
 
@@ -94,6 +133,9 @@ class Device(ABC):
         self.work: Ring | None = None
         self.completion: Ring | None = None
         self.doorbell = Doorbell()
+        self._checkers: dict[int, _CheckThread] = {}
+        """Lane -> where the NumPy twin of the landed-slot check runs (started on first
+        use)."""
 
     @property
     def memory_bytes(self) -> int:
@@ -150,20 +192,29 @@ class Device(ABC):
     def region_bytes(self, region_id: int, offset: int, nbytes: int) -> Any:
         """``uint8[nbytes]`` view of a region's memory on this device."""
 
-    def check_landed(self, states: np.ndarray, entry_address: int, index: int,
-                     generation: int, blob: Any, timeout: float) -> int:
-        """Check a slot the DMA engine filled, before returning: wait until ``states[index]``
-        (``SLOT_STATE_DTYPE`` entries; ``entry_address`` is that entry as the device sees it)
-        reads LANDED for ``generation``, sum ``blob`` (the slot's ``uint8[n]`` bytes, n a
-        multiple of 16) and publish READY, or FAILED with CHECKSUM_MISMATCH, against the
-        entry's ``expected``. Returns the outcome (an index into ``cuda_ops.WAIT_OUTCOMES``).
-        Here the NumPy twin, in the calling thread (it stands for the GPU's kernel)."""
-        return reference.verify_landed(states, index, generation, blob, timeout)
+    def start_check(self, states: np.ndarray, entry_address: int, index: int,
+                    generation: int, blob: Any, timeout: float) -> CheckTicket:
+        """Start the check of a slot the DMA engine fills and return at once: on the device,
+        wait until ``states[index]`` (``SLOT_STATE_DTYPE`` entries; ``entry_address`` is that
+        entry as the device sees it) reads LANDED for ``generation``, sum ``blob`` (the slot's
+        ``uint8[n]`` bytes, n a multiple of 16) and publish READY, or FAILED with
+        CHECKSUM_MISMATCH, against the entry's ``expected``. The caller reads the verdict from
+        the word; the ticket tells when the check ended, verdict or not (it gives up after
+        ``timeout`` s, or when the delivery failed or the slot moved on). Checks run on
+        ``CHECK_LANES`` lanes by slot index, each lane in the order its checks were started
+        (one slow delivery holds back only its lane). Here the NumPy twin, on this device's
+        own threads: they stand for the GPU."""
+        lane = index % CHECK_LANES
+        if lane not in self._checkers:
+            self._checkers[lane] = _CheckThread(f"{self.name}-check-{lane}")
+        return self._checkers[lane].submit(reference.verify_landed, states, index, generation,
+                                           blob, timeout)
 
     def enqueue_check(self, entry_address: int, index: int, generation: int, blob: Any,
                       timeout: float, result: Any, stream: Any) -> None:
-        """:meth:`check_landed` enqueued on ``stream``, its outcome into ``result``
-        (``uint32[1]``); only a device with streams has it."""
+        """The check of :meth:`start_check` enqueued on ``stream``, its outcome into ``result``
+        (``uint32[1]``, an index into ``cuda_ops.WAIT_OUTCOMES``); only a device with streams
+        has it."""
         raise DeviceFault(f"{self.name} has no streams to enqueue a check on")
 
     @abstractmethod

@@ -18,9 +18,12 @@ from host_client.errors import AgentError, TransferFailed, refusal_of
 from host_client.requests import CHECK_SECONDS, NAP_SECONDS, SPIN_SECONDS, ClientChannel
 
 if TYPE_CHECKING:
-    from host_client.devices import Device
+    from host_client.devices import CheckTicket, Device
     from host_client.memory import ExpertSlot
 
+VERDICT_SPIN_SECONDS = 0.01
+"""A waiter polls (does not sleep) this long after its slot read LANDED: the check's verdict
+is written by the device, which wakes no sleeper, and normally follows within microseconds."""
 MAX_REFETCHES = 2
 """A host ``wait`` whose check finds a mismatch acquires again this many times (the agent
 refetches the expert from the checkpoint); a stream wait cannot (its kernels already ran)."""
@@ -51,19 +54,21 @@ class StreamWait:
 
 
 class LandedCheck:
-    """How one device's slots that the DMA engine filled are checked: the device sums the
-    landed blob and publishes READY or FAILED (CHECKSUM_MISMATCH) in the slot-state table,
-    once per delivery (the first waiter to see it claims it)."""
+    """How one device's slots that the DMA engine fills are checked: the device waits for the
+    bytes to land, sums the blob and publishes READY or FAILED (CHECKSUM_MISMATCH) in the
+    slot-state table, once per delivery (the first handle to claim it starts it, as soon as
+    it is granted)."""
 
     def __init__(self, device: Device, channel: ClientChannel) -> None:
         self.device, self.channel = device, channel
 
-    def now(self, reply: np.void, slot: ExpertSlot, timeout: float) -> None:
-        """Check a LANDED slot before returning (on the device; the caller then reads its
-        word)."""
+    def start(self, reply: np.void, slot: ExpertSlot, timeout: float) -> CheckTicket:
+        """Start the check of the granted slot on the device (it waits there for LANDED); the
+        verdict appears in the slot's word."""
         index = int(reply["state_index"])
-        self.device.check_landed(self.channel.view.states, self.channel.word_address(index),
-                                 index, int(reply["generation"]), slot.blob, timeout)
+        return self.device.start_check(self.channel.view.states,
+                                       self.channel.word_address(index), index,
+                                       int(reply["generation"]), slot.blob, timeout)
 
     def enqueue(self, reply: np.void, slot: ExpertSlot, stream: Any, timeout: float,
                 result: Any) -> None:
@@ -84,8 +89,10 @@ class AcquireHandle:
     """A pending (or already satisfied) acquire; :meth:`wait` returns the :class:`ExpertSlot`.
 
     Resolved by polling shared memory: first the reply (which slot, which generation), then
-    that slot's state word until it reads READY or FAILED for the generation. A slot the DMA
-    engine filled reads LANDED first: the handle checks it (``LandedCheck``) and reads on.
+    that slot's state word until it reads READY or FAILED for the generation. Where the DMA
+    engine delivers, the handle that claims the delivery's check starts it on the device as
+    soon as the slot is granted (``LandedCheck``): the device waits for LANDED, so the verdict
+    follows the bytes by the check's own time, and a waiter woken at LANDED polls on for it.
     """
 
     def __init__(self, key: ExpertKey, channel: ClientChannel, position: int,
@@ -102,6 +109,10 @@ class AcquireHandle:
         self._repost = repost
         """Posts the acquire again, returning its ring position (DMA-engine devices)."""
         self._refetches = 0
+        self._ticket: CheckTicket | None = None
+        """The check this handle started (None: not started, or another handle's)."""
+        self._landed_at: float | None = None
+        """When the slot's word was first seen LANDED for this handle's generation."""
         self._reply: np.void | None = None
         self._slot: ExpertSlot | None = None
         self._error: BaseException | None = None
@@ -139,10 +150,9 @@ class AcquireHandle:
         reply = self._reply
         index, mine = int(reply["state_index"]), int(reply["generation"])
         generation, state = split_word(self._channel.word(index))
-        if (generation == mine and state == abi.SlotState.LANDED and self._landed is not None
-                and self._channel.claim_check(index, mine)):
-            self._landed.now(reply, self._make_slot(reply), timeout)
-            generation, state = split_word(self._channel.word(index))
+        if generation == mine and state in (abi.SlotState.FILLING, abi.SlotState.LANDED):
+            self._start_check(reply, index, mine, state, timeout)
+            return False
         if generation == mine and state == abi.SlotState.READY:
             self._settle(self._make_slot(reply), None)
         elif generation == mine and state == abi.SlotState.FAILED:
@@ -151,6 +161,7 @@ class AcquireHandle:
                     and self._refetches < MAX_REFETCHES):
                 self._refetches += 1
                 self._reply, self._posted = None, time.monotonic()
+                self._ticket = self._landed_at = None
                 self._position = self._repost()
                 return False
             self._settle(None, TransferFailed(f"{self.key}: delivery completed with "
@@ -161,6 +172,29 @@ class AcquireHandle:
         else:
             return False
         return True
+
+    def _start_check(self, reply: np.void, index: int, mine: int, state: abi.SlotState,
+                     timeout: float) -> None:
+        """The delivery is under way (FILLING) or has landed unchecked (LANDED): start its
+        check if this handle claims it, or again if the one it started ended with no verdict
+        (it gave up before the bytes landed)."""
+        if state == abi.SlotState.LANDED and self._landed_at is None:
+            self._landed_at = time.monotonic()
+        if self._landed is None:
+            return
+        if self._ticket is None:
+            if self._channel.claim_check(index, mine):
+                self._ticket = self._landed.start(reply, self._make_slot(reply), timeout)
+        elif state == abi.SlotState.LANDED and self._ticket.done():
+            generation, now = split_word(self._channel.word(index))
+            if generation == mine and now == abi.SlotState.LANDED:  # still no verdict
+                self._ticket = self._landed.start(reply, self._make_slot(reply), timeout)
+
+    def _verdict_due(self) -> bool:
+        """Whether the slot has landed so recently that its check's verdict is moments away
+        (it comes from the device, which wakes nobody: poll rather than sleep)."""
+        return (self._landed_at is not None
+                and time.monotonic() - self._landed_at < VERDICT_SPIN_SECONDS)
 
     def enqueue_wait(self, stream: Any, timeout: float = 30.0) -> StreamWait:
         """Make ``stream`` (a CuPy stream of the slot's GPU) wait on the GPU until this expert
@@ -245,7 +279,7 @@ class AcquireHandle:
                     break
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError(f"{self.key} not ready after {timeout} s")
-            if now - self._posted > SPIN_SECONDS:
+            if now - self._posted > SPIN_SECONDS and not self._verdict_due():
                 self._channel.sleep(address, value,
                                     min(NAP_SECONDS, max(0.0, next_check - now)))
         if self._error is not None:

@@ -135,6 +135,58 @@ def test_a_hung_engine_is_killed_and_its_transfers_fail(qwen_ckpt: Path) -> None
         assert metric(agent, "dpu_agent_engine_restarts_total") == 1
 
 
+def test_the_check_starts_at_the_grant_and_outlives_a_slow_delivery(
+        agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice,
+        qwen_ckpt: Path) -> None:
+    """The handle starts the slot's check on the device as soon as it is granted, and the
+    check waits there for the bytes: with the engine stopped, a granted handle's check
+    publishes READY by itself once the engine resumes (nobody waits on the handle). A check
+    that gave up first (its wait timed out while the engine was stopped) is started again
+    when the handle finds the bytes landed unchecked."""
+    truth = checkpoint_bytes(qwen_ckpt)
+    client.acquire(engine_dev, ExpertKey("qwen-engine", 0, 0)).wait(10)  # engine running
+    (pid,) = engine_pids(agent)
+
+    def word(h: object) -> tuple[int, abi.SlotState]:
+        return split_word(engine_dev.channel.word(int(h._reply["state_index"])))
+
+    def until(h: object, state: abi.SlotState) -> None:
+        deadline = time.monotonic() + 10
+        while word(h)[1] != state:
+            assert time.monotonic() < deadline, (word(h), state)
+            time.sleep(0.001)
+
+    def verified(handle: object, key: ExpertKey) -> None:
+        slot = handle.wait(10)
+        name = f"model.layers.{key.layer}.mlp.experts.{key.expert}.up_proj.weight"
+        assert slot.raw("up_proj").tobytes() == truth[name]
+        assert word(handle)[1] == abi.SlotState.READY
+        client.release(engine_dev, key)
+
+    started, gave_up = ExpertKey("qwen-engine", 2, 4), ExpertKey("qwen-engine", 1, 5)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        first = client.acquire(engine_dev, started)
+        first.wait_granted(5)
+        assert not first.done()  # granted, its check started, no bytes yet
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    until(first, abi.SlotState.READY)  # the check started at the grant gave the verdict
+    verified(first, started)
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        second = client.acquire(engine_dev, gave_up)
+        with pytest.raises(TimeoutError):
+            second.wait(0.3)  # the check it started gives up too
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    until(second, abi.SlotState.LANDED)
+    time.sleep(0.2)
+    assert word(second)[1] == abi.SlotState.LANDED  # nothing checks it until it is waited on
+    verified(second, gave_up)
+
+
 def post_raw(dev: AttachedDevice, record: dict[str, int]) -> np.void:
     """Publish one hand-made request entry and wait for its reply."""
     ring = dev.channel.view.requests
