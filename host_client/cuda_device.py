@@ -180,7 +180,7 @@ class CudaDevice(Device):
                     generation: int, blob: Any, timeout: float) -> CheckTicket:
         """The check's kernels on a stream of this device's, not waited for: the wait kernel
         polls the word on the GPU until the bytes have landed."""
-        with self.dev:
+        with self.dev, self._check_lock:
             lane = index % CHECK_LANES
             if lane not in self._check_streams:
                 self._check_streams[lane] = launch.non_blocking_stream()
@@ -189,10 +189,10 @@ class CudaDevice(Device):
             self.enqueue_check(entry_address, index, generation, blob, timeout, result, stream)
             ended = self.cp.cuda.Event(disable_timing=True)
             ended.record(stream)
-        ticket = _KernelTicket(ended, result)
-        while self._checks and self._checks[0].done():
-            self._checks.popleft()
-        self._checks.append(ticket)  # its result word stays allocated until the kernels ran
+            ticket = _KernelTicket(ended, result)
+            while self._checks and self._checks[0].done():
+                self._checks.popleft()
+            self._checks.append(ticket)  # its result word stays allocated until the kernels ran
         return ticket
 
     def warm_up(self) -> None:

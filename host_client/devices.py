@@ -133,6 +133,7 @@ class Device(ABC):
         self.work: Ring | None = None
         self.completion: Ring | None = None
         self.doorbell = Doorbell()
+        self._check_lock = threading.Lock()
         self._checkers: dict[int, _CheckThread] = {}
         """Lane -> where the NumPy twin of the landed-slot check runs (started on first
         use)."""
@@ -205,10 +206,11 @@ class Device(ABC):
         (one slow delivery holds back only its lane). Here the NumPy twin, on this device's
         own threads: they stand for the GPU."""
         lane = index % CHECK_LANES
-        if lane not in self._checkers:
-            self._checkers[lane] = _CheckThread(f"{self.name}-check-{lane}")
-        return self._checkers[lane].submit(reference.verify_landed, states, index, generation,
-                                           blob, timeout)
+        with self._check_lock:
+            if lane not in self._checkers:
+                self._checkers[lane] = _CheckThread(f"{self.name}-check-{lane}")
+            checker = self._checkers[lane]
+        return checker.submit(reference.verify_landed, states, index, generation, blob, timeout)
 
     def enqueue_check(self, entry_address: int, index: int, generation: int, blob: Any,
                       timeout: float, result: Any, stream: Any) -> None:
