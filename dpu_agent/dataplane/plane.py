@@ -11,15 +11,18 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 from dpu_agent.dataplane.delivery import Deliveries
 from dpu_agent.dataplane.engine import EngineDevices
 from dpu_agent.dataplane.loop import DataPlaneLoop
 from dpu_agent.dataplane.requests import RequestCore, RequestServer
 from dpu_agent.dataplane.transfers import Transfer
-from dpu_agent.service.registry import Device
-from dpu_agent.weights.cache import WeightCache
 from dpu_offload.v1 import agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from dpu_agent.service.registry import Device
+    from dpu_agent.weights.cache import WeightCache
 
 log = logging.getLogger("dpu_agent.dataplane")
 
