@@ -85,8 +85,9 @@ class Target:
         self._in_flight.extend(job for _ in ops)
         self._owed += sum(op.count for op in ops)
         self.lane.submit(ops)
-        waiting = copy | (signal & (status == 0))
-        self.completions.push_many(completions(batch, status, copy, np.flatnonzero(~waiting)))
+        now = np.flatnonzero(~(copy | (signal & (status == 0))))
+        if now.size:  # refused, or nothing to move: completed at once
+            self.completions.push_many(completions(batch, status, copy, now))
         if not ops and job.exit:
             self.work.request_exit()
         return done + int(batch.size)

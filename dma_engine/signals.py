@@ -39,17 +39,16 @@ class SignalWrite:
     """Descriptors it completes (a :class:`~gpu_kernels.copy_runs.CopyRun` may complete many)."""
 
 
-def check_signals(batch: np.ndarray) -> np.ndarray:
-    """``uint32[n]`` statuses of the SIGNAL descriptors of ``batch`` (``DESCRIPTOR_DTYPE[n]``;
-    other descriptors read 0): OUT_OF_BOUNDS outside the table, BAD_ALIGNMENT off an entry's
-    start, BAD_OPCODE for a word that does not read LANDED."""
-    status = np.zeros(batch.size, np.uint32)
-    offset = batch["dst_offset"]
-    state = batch["src_offset"] & np.uint64((1 << abi.SLOT_STATE_BITS) - 1)
-    status[state != int(abi.SlotState.LANDED)] = int(abi.Status.BAD_OPCODE)
-    status[offset % _ENTRY != 0] = int(abi.Status.BAD_ALIGNMENT)
-    status[offset >= TABLE_BYTES] = int(abi.Status.OUT_OF_BOUNDS)
-    return status
+def check_signal(offset: int, word: int) -> abi.Status:
+    """A SIGNAL's own status: OUT_OF_BOUNDS outside the table, BAD_ALIGNMENT off an entry's
+    start, BAD_OPCODE for a word that does not read LANDED (in that order of precedence)."""
+    if offset >= TABLE_BYTES:
+        return abi.Status.OUT_OF_BOUNDS
+    if offset % _ENTRY:
+        return abi.Status.BAD_ALIGNMENT
+    if word & ((1 << abi.SLOT_STATE_BITS) - 1) != abi.SlotState.LANDED:
+        return abi.Status.BAD_OPCODE
+    return abi.Status.OK
 
 
 class SlotStates:
@@ -92,17 +91,18 @@ class SlotStates:
         if not signal.any():
             return [], signal
         idx = np.flatnonzero(signal)
-        status[idx] = check_signals(batch[idx])
+        sig = batch[idx]
         writes = []
-        for i in idx.tolist():
-            d = batch[i]
-            tid = int(d["transfer_id"])
+        for i, tid, offset, word in zip(idx.tolist(), sig["transfer_id"].tolist(),
+                                        sig["dst_offset"].tolist(), sig["src_offset"].tolist(),
+                                        strict=True):
+            bad = check_signal(offset, word)
             if tid in self._failed:
                 del self._failed[tid]
-                status[i] = int(abi.Status.CANCELLED)
-            if status[i] == 0:
-                writes.append(SignalWrite(i, int(d["dst_offset"]) // _ENTRY,
-                                          int(d["src_offset"])))
+                bad = bad or abi.Status.CANCELLED
+            status[i] = bad
+            if not bad:
+                writes.append(SignalWrite(i, offset // _ENTRY, word))
         return writes, signal
 
     def write(self, op: SignalWrite) -> None:
