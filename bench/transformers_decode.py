@@ -300,14 +300,13 @@ def main() -> int:
             new=args.new_tokens, shrink=args.shrink, trace=args.trace, delivery=args.delivery)
     print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate")}, indent=1,
                      default=str), file=sys.stderr)
-    if args.no_save:
-        return 0
-    path = write("transformers-decode", envelope(
-        "transformers-decode", r, device=args.device,
-        command="python bench/transformers_decode.py " + " ".join(sys.argv[1:])),
-        f"-{args.arch}-{args.device}" + (f"-{args.trace.stem}" if args.trace else ""))
-    plot(r, path.with_suffix(".png"))
-    print(f"wrote {path}")
+    if not args.no_save:
+        path = write("transformers-decode", envelope(
+            "transformers-decode", r, device=args.device,
+            command="python bench/transformers_decode.py " + " ".join(sys.argv[1:])),
+            f"-{args.arch}-{args.device}" + (f"-{args.trace.stem}" if args.trace else ""))
+        plot(r, path.with_suffix(".png"))
+        print(f"wrote {path}")
     if r["outputs_differ"]:
         print(f"offloaded outputs differ from the resident run's at (cache, batch) "
               f"{r['outputs_differ']}", file=sys.stderr)

@@ -1,0 +1,40 @@
+"""The benchmarks' command lines: each parses its arguments and imports what it needs on a
+machine without a GPU, and the transformers benchmark runs end to end on the CPU reference
+device at a reduced size (a routing trace replayed, the DMA engine filling the experts), its
+offloaded outputs equal to the resident run's (it exits non-zero otherwise)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpu_agent.planning.traces import generate_trace, write_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIS = ["activations", "arm64", "cache_policies", "cluster", "decode", "delivery", "load",
+        "moe_kernels", "multi_gpu", "placement", "rebalance", "steering",
+        "transformers_decode"]
+
+
+@pytest.mark.parametrize("bench", CLIS)
+def test_each_benchmark_parses_its_arguments(bench: str) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / f"{bench}.py"), "--help"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage:" in out.stdout
+
+
+def test_transformers_benchmark_replays_a_trace_on_the_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, list(generate_trace(1, 64, 8, 64)))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transformers_decode.py"), "--device", "cpu",
+         "--arch", "olmoe-1b-7b", "--shrink", "16", "--layers", "2", "--batch", "1",
+         "--new-tokens", "2", "--gpu-cache-fraction", "0.5", "--trace", str(trace),
+         "--no-save"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert '"outputs_equal"' in out.stderr
