@@ -21,29 +21,17 @@ import json
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, write
+from bench.common import envelope, scrape, write
 from dpu_agent.cluster import planner
 from dpu_agent.cluster.placement import ClusterPlacement
 from dpu_agent.cluster.store import ClusterStore
 from dpu_agent.weights.catalog import build_catalog
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess, EtcdProcess
-
-
-def scrape(agent: AgentProcess) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics").read()
-    out: dict[str, float] = {}
-    for line in text.decode().splitlines():
-        if line.startswith("dpu_agent_"):
-            name, value = line.rsplit(" ", 1)
-            key = name.split("{")[0] + ("/" + name.split('"')[1] if "{" in name else "")
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
 
 
 def totals(agents: list[AgentProcess]) -> dict[str, float]:

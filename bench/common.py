@@ -176,3 +176,16 @@ def host_to_device_rate(device: str, ordinal: int, nbytes: int, repeats: int = 5
         for _ in range(repeats):
             np.copyto(dev, host)
     return repeats * nbytes / (time.perf_counter() - t0)
+
+
+def scrape(agent: Any) -> dict[str, float]:
+    """The agent's ``dpu_agent_*`` metrics (an AgentProcess started with ``[metrics]``), summed
+    per name and first label value: ``name`` or ``name/label``."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics").read()
+    out: dict[str, float] = {}
+    for line in text.decode().splitlines():
+        if line.startswith("dpu_agent_"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0] + ("/" + name.split('"')[1] if "{" in name else "")
+            out[key] = out.get(key, 0.0) + float(value)
+    return out

@@ -39,6 +39,7 @@ from bench.common import (
     median,
     pct,
     save_figure,
+    scrape,
     write,
 )
 from dpu_offload.keys import ExpertKey
@@ -158,7 +159,8 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
         dense_layers=0), layers_per_shard=1)
     gpu = device_kind == "cuda"
     log(f"{name}: checkpoint written")
-    settings = f'[arena]\nbytes = "1GiB"\n[transfer]\nchunk_bytes = {chunk_bytes}\n'
+    settings = (f'[arena]\nbytes = "1GiB"\n[transfer]\nchunk_bytes = {chunk_bytes}\n'
+                '[metrics]\nlisten_address = "127.0.0.1:0"\n')
     with AgentProcess(settings) as agent:
         client = AgentClient(agent.address, client_name="bench-delivery")
         try:
@@ -224,7 +226,9 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 lat.append(time.perf_counter() - t0)
                 client.release(dev, k)
                 cycle(resident)  # evicts k again
+            before = scrape(agent)
             stages = stage_breakdown(client, dev, other, resident, max(8, repeats * 2), cycle)
+            stages.update(agent_request_times(before, scrape(agent)))
             hit = []
             for r in range(max(20, repeats * 4)):  # an expert already READY in a slot
                 k = resident[r % half]
@@ -287,6 +291,7 @@ def stage_breakdown(client: AgentClient, dev: object, cold: list[ExpertKey],
             if generation > mine or (generation == mine and state in (
                     abi.SlotState.LANDED, abi.SlotState.READY, abi.SlotState.FAILED)):
                 break
+            time.sleep(0)  # yields the GIL: a CPU device's check runs in this process
         t2 = time.perf_counter()
         handle.wait(60)
         t3 = time.perf_counter()
@@ -298,6 +303,22 @@ def stage_breakdown(client: AgentClient, dev: object, cold: list[ExpertKey],
     return {"stage_grant_p50_ms": median(grant) * 1e3,
             "stage_landed_p50_ms": median(landed) * 1e3,
             "stage_ready_p50_ms": median(ready) * 1e3}
+
+
+def agent_request_times(before: dict[str, float], after: dict[str, float]
+                        ) -> dict[str, float]:
+    """Mean microseconds a request waited in its ring before the agent's loop took it, and
+    the agent took to serve it, between two scrapes of the agent's metrics."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    n = delta("dpu_agent_dataplane_timed_requests_total")
+    if not n:
+        return {}
+    return {"agent_request_wait_us": delta("dpu_agent_dataplane_request_wait_seconds_total")
+            / n * 1e6,
+            "agent_request_service_us":
+            delta("dpu_agent_dataplane_request_service_seconds_total") / n * 1e6}
 
 
 def plot(results: dict[str, dict[str, object]], path: Path) -> None:
@@ -360,6 +381,8 @@ def main() -> int:
                       f" hit {r['ready_hit_p50_us']:.0f} us"
                       f" | spinning: grant {r['stage_grant_p50_ms']:.3f} landed "
                       f"{r['stage_landed_p50_ms']:.3f} ready {r['stage_ready_p50_ms']:.3f} ms"
+                      f" (agent: requests waited {r.get('agent_request_wait_us', 0):.0f} us,"
+                      f" served in {r.get('agent_request_service_us', 0):.0f} us)"
                       f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
                       f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB",
                       file=sys.stderr)

@@ -220,15 +220,19 @@ class SlotState(IntEnum):
 
 REQUEST_DTYPE = np.dtype(
     {
-        "names": ["request_id", "opcode", "flags", "model", "layer", "expert", "seq"],
-        "formats": ["<u8", "<u2", "<u2", "<u4", "<u4", "<u4", "<u8"],
-        "offsets": [0, 8, 10, 12, 16, 20, 56],
+        "names": ["request_id", "opcode", "flags", "model", "layer", "expert", "posted_ns",
+                  "seq"],
+        "formats": ["<u8", "<u2", "<u2", "<u4", "<u4", "<u4", "<u8", "<u8"],
+        "offsets": [0, 8, 10, 12, 16, 20, 24, 56],
         "itemsize": 64,
     }
 )
 """Request-ring entry, 64 bytes (client -> agent): ``opcode`` a :class:`RequestOp` on expert
 (``model`` index from LoadModel, ``layer``, ``expert``). ``request_id`` increases strictly per
-channel; the reply to the entry at ring position ``p`` is ``replies[p % capacity]``."""
+channel; the reply to the entry at ring position ``p`` is ``replies[p % capacity]``.
+``posted_ns``: the client's CLOCK_MONOTONIC when it posted (nanoseconds), a diagnostic only: the
+agent measures how long entries wait to be served from it (one clock on one host; a BlueField
+reads another clock, and a client can write anything: never trusted beyond the metric)."""
 
 REPLY_DTYPE = np.dtype(
     {

@@ -279,7 +279,9 @@ class AcquireHandle:
                     break
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError(f"{self.key} not ready after {timeout} s")
-            if now - self._posted > SPIN_SECONDS and not self._verdict_due():
+            if self._verdict_due():
+                time.sleep(0)  # let the check run (the NumPy twin is a thread of this process)
+            elif now - self._posted > SPIN_SECONDS:
                 self._channel.sleep(address, value,
                                     min(NAP_SECONDS, max(0.0, next_check - now)))
         if self._error is not None:

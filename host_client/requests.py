@@ -80,8 +80,10 @@ class ClientChannel:
                                            f"({len(self._waiting)} unanswered)")
                 time.sleep(0)
             first = self.view.requests.produced
+            now = time.monotonic_ns()
             for j, (op, model, key) in enumerate(entries):
-                records[j] = (self._next_id + j, int(op), 0, model, key.layer, key.expert, 0)
+                records[j] = (self._next_id + j, int(op), 0, model, key.layer, key.expert, now,
+                              0)
             self._next_id += n
             positions = list(range(first, first + n))
             for p in positions:

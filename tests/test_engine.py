@@ -187,6 +187,31 @@ def test_the_check_starts_at_the_grant_and_outlives_a_slow_delivery(
     verified(second, gave_up)
 
 
+def test_the_agent_times_how_long_requests_wait_and_take(
+        agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice) -> None:
+    """Each entry carries the client's posting time: the agent's metrics sum how long entries
+    waited to be taken and how long serving them took; a posting time that cannot be true
+    (0, or in the future) is not counted."""
+    names = ("dpu_agent_dataplane_timed_requests_total",
+             "dpu_agent_dataplane_request_wait_seconds_total",
+             "dpu_agent_dataplane_request_service_seconds_total")
+    before = [metric(agent, n) for n in names]
+    keys = [ExpertKey("qwen-engine", 0, e) for e in range(4)]
+    for h in client.acquire_batch(engine_dev, keys):
+        h.wait(10)
+    client.release_batch(engine_dev, keys)
+    index = client._index("qwen-engine")
+    for posted in (0, 2**63):
+        post_raw(engine_dev, {"request_id": 10**15 + posted % 7, "opcode": abi.RequestOp.PREFETCH,
+                              "model": index, "layer": 0, "expert": 1, "posted_ns": posted})
+    deadline = time.monotonic() + 5
+    while metric(agent, names[0]) < before[0] + 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    timed, waited, served = (metric(agent, n) - b for n, b in zip(names, before, strict=True))
+    assert timed == 8  # 4 acquires, 4 releases; the two implausible prefetches not counted
+    assert 0 <= waited < 8 * 1.0 and 0 < served < 8 * 1.0, (waited, served)
+
+
 def post_raw(dev: AttachedDevice, record: dict[str, int]) -> np.void:
     """Publish one hand-made request entry and wait for its reply."""
     ring = dev.channel.view.requests

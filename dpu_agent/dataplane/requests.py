@@ -7,6 +7,7 @@ is finished on a fill thread, so the loop keeps serving.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Executor
 from typing import Protocol
 
@@ -19,6 +20,9 @@ from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi
 
 log = logging.getLogger("dpu_agent.dataplane")
+
+MAX_WAIT_NS = 10 * 10**9
+"""A posting time further back than this is not believed (a client's clock field)."""
 
 
 class Grant(Protocol):
@@ -56,12 +60,28 @@ class RequestServer:
         self.fills = fills
         self.refused = 0
         """Requests answered with an error status."""
+        self.timed = 0
+        """Requests whose posting time (``posted_ns``) was plausible, and so were timed."""
+        self.waited_ns = 0
+        """Sum over timed requests of posting -> taken by the loop (nanoseconds)."""
+        self.served_ns = 0
+        """Sum over timed requests of taken -> answered (or handed to a fill thread)."""
 
     def serve(self, channel: DeviceChannel) -> int:
         """Take and answer what ``channel`` has posted; returns how many requests."""
         first, batch = channel.take_requests()
+        if batch.size == 0:
+            return 0
+        taken = time.monotonic_ns()
         for j in range(batch.size):
             self._one(channel, first + j, batch[j])
+        posted = batch["posted_ns"]
+        plausible = (posted > 0) & (posted <= taken) & (taken - posted < MAX_WAIT_NS)
+        n = int(plausible.sum())
+        if n:  # a diagnostic: client-written, so only plausible times count
+            self.timed += n
+            self.waited_ns += n * taken - int(posted[plausible].sum())
+            self.served_ns += n * (time.monotonic_ns() - taken)
         return int(batch.size)
 
     def _one(self, channel: DeviceChannel, position: int, req: np.void) -> None:

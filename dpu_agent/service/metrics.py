@@ -68,6 +68,18 @@ class AgentCollector(Collector):
         yield CounterMetricFamily("dpu_agent_dataplane_refused_requests",
                                   "Request-ring entries answered with an error status.",
                                   value=core.plane.requests.refused)
+        served = core.plane.requests
+        yield CounterMetricFamily("dpu_agent_dataplane_timed_requests",
+                                  "Request-ring entries with a plausible posting time.",
+                                  value=served.timed)
+        yield CounterMetricFamily("dpu_agent_dataplane_request_wait_seconds",
+                                  "Posting to being taken by the loop, summed over timed "
+                                  "requests (the client's clock: a diagnostic).",
+                                  value=served.waited_ns / 1e9)
+        yield CounterMetricFamily("dpu_agent_dataplane_request_service_seconds",
+                                  "Taken by the loop to answered, summed over timed requests "
+                                  "(a batch's time counted once per entry).",
+                                  value=served.served_ns / 1e9)
         yield CounterMetricFamily("dpu_agent_dataplane_completions",
                                   "Completion entries the data-plane loop folded.",
                                   value=loop.completions)

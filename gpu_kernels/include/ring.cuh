@@ -140,7 +140,8 @@ typedef struct {
     uint32_t model;
     uint32_t layer;
     uint32_t expert;
-    uint8_t reserved[56 - 24];
+    uint64_t posted_ns;  // the client's CLOCK_MONOTONIC at posting: a diagnostic only
+    uint8_t reserved[56 - 32];
     uint64_t seq;
 } dpu_request;
 
