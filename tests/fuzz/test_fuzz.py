@@ -265,13 +265,15 @@ request_entries = st.lists(st.fixed_dictionaries({
     "opcode": st.one_of(st.sampled_from(list(abi.RequestOp)), st.integers(0, 2**16 - 1)),
     "model": st.one_of(st.integers(0, 2), u32), "layer": st.one_of(st.integers(0, 3), u32),
     "expert": st.one_of(st.integers(0, 4), st.integers(6, 2**32 - 1)),
-    "flags": st.integers(0, 2**16 - 1), "reuse": st.booleans()}), min_size=1, max_size=8)
+    "flags": st.integers(0, 2**16 - 1), "reuse": st.booleans(),
+    "posted_ns": st.one_of(st.just(0), st.integers(0, 2**64 - 1))}), min_size=1, max_size=8)
 
 
 @FUZZ
 @given(entries=request_entries)
 def test_fuzz_request_ring(channel_live, entries: list[dict[str, int]]) -> None:
-    """Hostile request-ring entries (unknown ops, models, layers, experts; reused ids;
+    """Hostile request-ring entries (unknown ops, models, layers, experts; reused ids; any
+    posting time;
     releases of what is not held): every one is answered with a known status (a message when
     refused), the sentinel slot's bytes and state never change, the agent keeps serving, and
     whatever was granted is released again."""
@@ -285,7 +287,8 @@ def test_fuzz_request_ring(channel_live, entries: list[dict[str, int]]) -> None:
         rid = 1 if e["reuse"] else base + j
         positions.append(ring.produced)
         assert ring.push({"request_id": rid, "opcode": e["opcode"], "flags": e["flags"],
-                          "model": e["model"], "layer": e["layer"], "expert": e["expert"]})
+                          "model": e["model"], "layer": e["layer"], "expert": e["expert"],
+                          "posted_ns": e["posted_ns"]})
     dev.channel._next_id = base + len(entries) + 1
     granted = []
     for pos, e in zip(positions, entries, strict=True):
