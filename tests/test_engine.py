@@ -179,6 +179,10 @@ def test_the_check_starts_at_the_grant_and_outlives_a_slow_delivery(
         second = client.acquire(engine_dev, gave_up)
         with pytest.raises(TimeoutError):
             second.wait(0.3)  # the check it started gives up too
+        deadline = time.monotonic() + 10
+        while not second._ticket.done():  # its own clock started a moment later
+            assert time.monotonic() < deadline, "the check never gave up"
+            time.sleep(0.01)
     finally:
         os.kill(pid, signal.SIGCONT)
     until(second, abi.SlotState.LANDED)
