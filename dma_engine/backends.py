@@ -194,9 +194,9 @@ class CudaLane:
         """The ops that landed since the last call, in submission order."""
         out: list[Op] = []
         while self._pending and self._pending[0][1].done:
-            run, event = self._pending.popleft()
+            op, event = self._pending.popleft()
             self._free_events.append(event)
-            out.append(run)
+            out.append(op)
         return out
 
     def close(self) -> None:

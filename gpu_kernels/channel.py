@@ -116,6 +116,12 @@ class Channel:
         self.store_word(index, state_word(generation, state))
         self.wake_state(index)
 
+    def store_expected(self, index: int, expected: int) -> None:
+        """Slot-state entry ``index``'s ``expected`` := ``expected`` (the word is untouched:
+        whoever publishes the state later fences before its store)."""
+        at = self._states_at + index * abi.SLOT_STATE_DTYPE.itemsize + _STATUS_AT + 4
+        _U32.pack_into(self._bytes, at, expected)
+
     def store_word(self, index: int, word: int) -> None:
         """Slot-state word ``index`` := ``word`` (one 64-bit store; no wake)."""
         _U64.pack_into(self._bytes, self._states_at + index * abi.SLOT_STATE_DTYPE.itemsize,

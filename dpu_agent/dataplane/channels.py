@@ -71,6 +71,10 @@ class DeviceChannel:
         if not self.closed:
             self.view.publish_state(index, generation, state, status, expected)
 
+    def store_expected(self, index: int, expected: int) -> None:
+        if not self.closed:
+            self.view.store_expected(index, expected)
+
     def reply(self, position: int, request_id: int, status: abi.RequestStatus,
               message: str = "", **slot: int) -> None:
         if not self.closed:

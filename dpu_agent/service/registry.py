@@ -61,15 +61,17 @@ class SlotPool:
         self.checksums = [()] * n
         self.generation = [0] * n
 
-    def _publish(self, idx: int, status: int = 0, expected: int = 0) -> None:
+    def _publish(self, idx: int, status: int = 0) -> None:
         if self.channel is not None:
             self.channel.publish_state(self.state_base + idx, self.generation[idx],
-                                       self.state[idx], status, expected)
+                                       self.state[idx], status)
 
     def expect(self, idx: int, expected: int) -> None:
-        """Publish the blob sum the FILLING slot's delivery must land (a DMA-engine device: the
-        engine publishes LANDED, the consumer checks against this)."""
-        self._publish(idx, expected=expected)
+        """Write the blob sum the FILLING slot's delivery must land beside its word (a
+        DMA-engine device: the engine publishes LANDED, the consumer checks against this);
+        the word, already FILLING, is not published again."""
+        if self.channel is not None:
+            self.channel.store_expected(self.state_base + idx, expected)
 
     def allocate(self, key: ExpertKey) -> int | None:
         """A slot for ``key`` in FILLING state with one reference; None when all are held."""
