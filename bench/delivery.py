@@ -284,6 +284,8 @@ def stage_breakdown(client: AgentClient, dev: object, cold: list[ExpertKey],
         while not handle.granted():
             pass
         t1 = time.perf_counter()
+        if handle.refusal is not None:
+            raise handle.refusal
         index = int(handle._reply["state_index"])
         mine = int(handle._reply["generation"])
         while True:

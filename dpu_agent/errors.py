@@ -24,6 +24,15 @@ class AgentError(Exception):
         self.message = message
 
 
+class SlotsLanding(AgentError):
+    """No slot can be given now, but one will be: every slot that fits is held or has a
+    delivery in flight that nobody holds (it becomes evictable once it lands). A caller that
+    may block waits and retries; one that reaches a client is RESOURCE_EXHAUSTED."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorKind.RESOURCE_EXHAUSTED, message)
+
+
 def invalid(msg: str) -> AgentError:
     return AgentError(ErrorKind.INVALID_ARGUMENT, msg)
 

@@ -26,7 +26,14 @@ from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.requests import unknown_model
 from dpu_agent.dataplane.steering import FlowTable, owned_by
 from dpu_agent.dataplane.transfers import Transfer
-from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
+from dpu_agent.errors import (
+    AgentError,
+    ErrorKind,
+    SlotsLanding,
+    invalid,
+    not_found,
+    precondition,
+)
 from dpu_agent.identity import Binding, current_caller
 from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.routing_stats import RoutingStats
@@ -40,7 +47,7 @@ from dpu_agent.service.registry import (
 )
 from dpu_agent.service.state import StateStore
 from dpu_agent.weights.arena import Arena
-from dpu_agent.weights.cache import WeightCache
+from dpu_agent.weights.cache import WeightCache, WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog, path_problem
 from dpu_agent.weights.ingest import attach_manifest
 from dpu_agent.weights.layouts import LayoutError
@@ -59,6 +66,8 @@ STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool",
                     for kind in abi.RingKind))
 """Names of the segments agents and host clients create (``unique_name``): swept at start
 when their creator is dead."""
+LANDING_POLL_SECONDS = 0.001
+"""An acquire that waits for an unheld slot to land looks again this often."""
 
 @dataclass(frozen=True)
 class SlotGrant:
@@ -467,9 +476,21 @@ class Orchestrator:
                 ) -> SlotGrant:
         """Grant a slot holding ``key`` on the device (one reference), starting its delivery
         if needed. With ``wait=False`` the call never blocks: where the delivery would need
-        an arena fill it raises WouldBlock, its reservation undone (an idle slot it evicted for
-        ``key`` stays free: the retry on a worker thread would evict it too)."""
-        dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs=1)
+        an arena fill, or a slot another delivery is still landing in, it raises WouldBlock, its
+        reservation undone (an idle slot it evicted for ``key`` stays free: the retry on a
+        worker thread would evict it too). With ``wait=True``, where every fitting slot is held
+        or still landing, it waits (up to the transfer timeout) for an unheld one to land."""
+        deadline = time.monotonic() + self.config.transfer_timeout_seconds
+        while True:
+            try:
+                dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs=1)
+                break
+            except SlotsLanding as exc:
+                if not wait:
+                    raise WouldBlock(exc.message) from exc
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(LANDING_POLL_SECONDS)
         if not fresh:
             return self._grant(pool, idx, entry, (), resident=True)
         transfer = self._deliver_fresh(session, dev, pool, idx, entry, wait)
@@ -505,6 +526,10 @@ class Orchestrator:
                 if idx is not None:
                     pool.refs[idx] = refs
                     return dev, pool, idx, entry, True
+            landing = sum(pool.unheld_filling() for pool in fitting)
+        if landing:
+            raise SlotsLanding(f"every slot that fits {key} on device {device_id} is held or "
+                               f"still landing ({landing} unheld)")
         raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
                          f"every slot that fits {key} on device {device_id} is held")
 

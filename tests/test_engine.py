@@ -191,6 +191,38 @@ def test_the_check_starts_at_the_grant_and_outlives_a_slow_delivery(
     verified(second, gave_up)
 
 
+def test_an_acquire_waits_for_an_unheld_slot_still_landing(
+        agent: AgentProcess, client: AgentClient, qwen_ckpt: Path) -> None:
+    """The pool's one slot has a delivery in flight that nobody holds (a prefetch; likewise an
+    acquire released before the agent saw its copy complete, which the engine's own LANDED
+    makes possible): an acquire of another expert is not refused as if every slot were held;
+    it waits for the slot to land, evicts it and gets the right bytes."""
+    truth = checkpoint_bytes(qwen_ckpt)
+    model = client.load_model(str(qwen_ckpt), "qwen-one")
+    dev = client.register_device(CpuReferenceDevice(5), [SlotPoolSpec(model.expert_bytes, 1)],
+                                 delivery="engine")
+    first, landing, wanted = (ExpertKey("qwen-one", 0, e) for e in (0, 1, 2))
+    client.acquire(dev, first).wait(10)
+    client.release(dev, first, wait=True)
+    generation = split_word(dev.channel.word(0))[0]
+    (pid,) = engine_pids(agent)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        client.prefetch(dev, [landing])
+        deadline = time.monotonic() + 10
+        while split_word(dev.channel.word(0)) != (generation + 1, abi.SlotState.FILLING):
+            assert time.monotonic() < deadline, split_word(dev.channel.word(0))
+            time.sleep(0.005)
+        handle = client.acquire(dev, wanted)
+        time.sleep(0.3)
+        assert handle.refusal is None and not handle.done()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    slot = handle.wait(10)
+    name = "model.layers.0.mlp.experts.2.gate_proj.weight"
+    assert slot.raw("gate_proj").tobytes() == truth[name]
+
+
 def test_the_agent_times_how_long_requests_wait_and_take(
         agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice) -> None:
     """Each entry carries the client's posting time: the agent's metrics sum how long entries

@@ -73,6 +73,12 @@ class SlotPool:
         if self.channel is not None:
             self.channel.store_expected(self.state_base + idx, expected)
 
+    def unheld_filling(self) -> int:
+        """Slots nobody holds whose delivery is still in flight (a prefetch, or an acquire
+        released before the agent saw its copy complete): evictable once they land."""
+        return sum(1 for s, r in zip(self.state, self.refs, strict=True)
+                   if s == SlotState.FILLING and r == 0)
+
     def allocate(self, key: ExpertKey) -> int | None:
         """A slot for ``key`` in FILLING state with one reference; None when all are held."""
         try:
