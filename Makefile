@@ -38,7 +38,7 @@ test-arm64: $(STAMP)
 
 # At least 10,000 examples per fuzz target, bounded to 30 minutes.
 fuzz: $(STAMP)
-	set -o pipefail; HYPOTHESIS_PROFILE=fuzz timeout 1800 $(PY) -m pytest -q --timeout 1800 tests/fuzz \
+	set -o pipefail; HYPOTHESIS_PROFILE=fuzz timeout 1800 $(PY) -m pytest -q --timeout 1800 tests/fuzz tests/test_engine_plan.py \
 	  --hypothesis-show-statistics 2>&1 | tee bench/results/fuzz.log
 
 # docs/RELIABILITY.md from the fault tests (run now), the last fuzz log and load results.

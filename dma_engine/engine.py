@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 
 from dma_engine.backends import CpuBackend, CudaBackend
+from dma_engine.plan import Planner
 from dma_engine.signals import SignalWrite, SlotStates
 from gpu_kernels import abi, futex
-from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
+from gpu_kernels.copy_runs import completions
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer
 
@@ -57,8 +58,11 @@ class Target:
     _owed: int = 0
     """Completions owed for runs in flight (room kept for them in the completion ring)."""
 
+    planner: Planner = field(init=False)
+
     def __post_init__(self) -> None:
         self.lane = self.backend.lane(self.states)
+        self.planner = Planner(self.regions)
 
     def busy(self) -> bool:
         """Whether runs are in flight (the loop keeps polling closely)."""
@@ -70,25 +74,22 @@ class Target:
         many descriptors were completed or taken. Each run is completed as soon as it landed,
         so copying never waits for the agent and new work never waits for old. VERIFY is not
         acted on: a DMA engine cannot check bytes (the slot's consumer checks the blob); a
-        SIGNAL is written behind the copies before it and completed once written."""
+        SIGNAL is written behind the copies before it and completed once written. The batch
+        is planned by :class:`~dma_engine.plan.Planner`."""
         done = self._finish()
         room = self.completions.free_entries() - self._owed
         batch = self.work.pop_many(room) if room > 0 else self.work.entries[:0]
         if batch.size == 0:
             return done
-        status, copy, _ = classify(batch, self.regions)
-        signals, signal = self.states.plan(batch, status, copy)
-        ops = plan_runs(batch, copy, copy, self.regions)
-        if signals:
-            ops = sorted([*ops, *signals], key=lambda op: op.first)
-        job = _Batch(batch, status, copy, len(ops), asks_exit(batch, status))
-        self._in_flight.extend(job for _ in ops)
-        self._owed += sum(op.count for op in ops)
-        self.lane.submit(ops)
-        now = np.flatnonzero(~(copy | (signal & (status == 0))))
-        if now.size:  # refused, or nothing to move: completed at once
-            self.completions.push_many(completions(batch, status, copy, now))
-        if not ops and job.exit:
+        plan = self.planner.plan(batch)
+        job = _Batch(batch, plan.status, plan.copied, len(plan.ops), plan.exit)
+        self._in_flight.extend(job for _ in plan.ops)
+        self._owed += sum(op.count for op in plan.ops)
+        self.lane.submit(plan.ops)
+        if not plan.moved.all():  # refused, or nothing to move: completed at once
+            now = np.flatnonzero(~plan.moved)
+            self.completions.push_many(completions(batch, plan.status, plan.copied, now))
+        if not plan.ops and job.exit:
             self.work.request_exit()
         return done + int(batch.size)
 

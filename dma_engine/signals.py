@@ -6,15 +6,12 @@ client put to sleep on that word are woken.
 The engine checks each SIGNAL against what it may write: an entry of its device's slot-state
 table (16-byte aligned, inside the table) and a word that reads LANDED; it never publishes
 READY or FAILED (a DMA engine cannot know the bytes are right) and never signals a transfer one
-of whose copies it refused.
+of whose copies before the SIGNAL it refused (dma_engine/plan.py).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
-
-import numpy as np
 
 from gpu_kernels import abi
 from gpu_kernels.channel import Channel
@@ -23,8 +20,6 @@ from gpu_kernels.shm import SharedBuffer
 _ENTRY = abi.SLOT_STATE_DTYPE.itemsize
 TABLE_BYTES = abi.MAX_CHANNEL_SLOTS * _ENTRY
 """Bytes of a channel's slot-state table: the range a SIGNAL's ``dst_offset`` must fall in."""
-MAX_FAILED_TRANSFERS = 4096
-"""Transfers with a refused copy whose SIGNAL has not come yet (oldest forgotten beyond)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +60,6 @@ class SlotStates:
         except BaseException:
             self._buffer.close()
             raise
-        self._failed: OrderedDict[int, None] = OrderedDict()
 
     @property
     def address(self) -> int:
@@ -75,35 +69,6 @@ class SlotStates:
     @property
     def buffer(self) -> SharedBuffer:
         return self._buffer
-
-    def plan(self, batch: np.ndarray, status: np.ndarray, copy: np.ndarray
-             ) -> tuple[list[SignalWrite], np.ndarray]:
-        """The writes of ``batch``'s SIGNAL descriptors, in batch order, and the mask of the
-        SIGNALs among them (``bool[n]``). ``status`` (``uint32[n]``, from the region checks,
-        which count a SIGNAL a bad opcode) gets each SIGNAL's own status, CANCELLED where a
-        copy of its transfer was refused (in this batch or before it)."""
-        signal = batch["opcode"] == int(abi.Opcode.SIGNAL)
-        refused = (batch["opcode"] == int(abi.Opcode.COPY)) & ~copy
-        for tid in batch["transfer_id"][refused].tolist():
-            self._failed[tid] = None
-            if len(self._failed) > MAX_FAILED_TRANSFERS:
-                self._failed.popitem(last=False)
-        if not signal.any():
-            return [], signal
-        idx = np.flatnonzero(signal)
-        sig = batch[idx]
-        writes = []
-        for i, tid, offset, word in zip(idx.tolist(), sig["transfer_id"].tolist(),
-                                        sig["dst_offset"].tolist(), sig["src_offset"].tolist(),
-                                        strict=True):
-            bad = check_signal(offset, word)
-            if tid in self._failed:
-                del self._failed[tid]
-                bad = bad or abi.Status.CANCELLED
-            status[i] = bad
-            if not bad:
-                writes.append(SignalWrite(i, offset // _ENTRY, word))
-        return writes, signal
 
     def write(self, op: SignalWrite) -> None:
         """The word, from the CPU (no wake: :meth:`wake`)."""

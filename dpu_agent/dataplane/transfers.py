@@ -49,46 +49,65 @@ class TransferPlan:
 
     def descriptors(self, transfer_id: int) -> np.ndarray:
         """``DESCRIPTOR_DTYPE[descriptor_count]`` for this plan: its chunks (VERIFY on each if
-        ``verify``), then its SIGNAL."""
-        d = _source_side(self.src_region, self.src_offset, self.nbytes, self.chunk_bytes,
-                         self.checksums, self.verify)
-        if self.signal is not None:
-            d = np.concatenate([d, np.zeros(1, abi.DESCRIPTOR_DTYPE)])
-            s = d[-1:]
-            s["opcode"] = abi.Opcode.SIGNAL
-            s["chunk_index"] = len(self.checksums)
-            s["src_offset"] = self.signal.word
-        else:
-            d = d.copy()
+        ``verify``), then its SIGNAL. A copy of the blob's cached source side with this
+        delivery's fields stored through plain integer views of the rows (a handful of array
+        operations whatever the chunk count)."""
+        source, positions = _source_side(self.src_region, self.src_offset, self.nbytes,
+                                         self.chunk_bytes, self.checksums, self.verify,
+                                         self.signal is not None)
+        d = source.copy()
+        words = d.view(np.uint64).reshape(d.size, _WORDS)
+        halves = d.view(np.uint32).reshape(d.size, 2 * _WORDS)
         n = len(self.checksums)
-        d["transfer_id"] = transfer_id
-        d["chunk_count"] = len(d)
-        d["dst_region"][:n] = self.dst_region
-        d["dst_offset"][:n] = d["position"][:n] + np.uint64(self.dst_offset)
+        words[:, _W_TRANSFER] = transfer_id
+        halves[:n, _H_DST_REGION] = self.dst_region
+        words[:n, _W_DST_OFFSET] = positions + np.uint64(self.dst_offset)
         if self.signal is not None:
-            d["dst_offset"][n] = self.signal.offset
+            words[n, _W_SRC_OFFSET] = self.signal.word
+            words[n, _W_DST_OFFSET] = self.signal.offset
         return d
+
+
+_WORDS = abi.DESCRIPTOR_DTYPE.itemsize // 8
+
+
+def _at(name: str, size: int) -> int:
+    """Index of field ``name`` in a row viewed as ``size``-byte integers."""
+    offset = abi.DESCRIPTOR_DTYPE.fields[name][1]
+    assert offset % size == 0 and abi.DESCRIPTOR_DTYPE[name].itemsize == size, name
+    return offset // size
+
+
+_W_TRANSFER, _W_SRC_OFFSET, _W_DST_OFFSET = (_at(f, 8) for f in
+                                             ("transfer_id", "src_offset", "dst_offset"))
+_H_DST_REGION = _at("dst_region", 4)
 
 
 @functools.lru_cache(maxsize=1024)
 def _source_side(src_region: int, src_offset: int, nbytes: int, chunk_bytes: int,
-                 checksums: tuple[int, ...], verify: bool) -> np.ndarray:
-    """The descriptors of a blob's chunks without their destination and transfer id: the same
-    for every delivery of a cached blob, so built once."""
+                 checksums: tuple[int, ...], verify: bool, signal: bool
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The descriptors of a blob's delivery without their destination, transfer id and
+    SIGNAL word (the same for every delivery of a cached blob, so built once), and the
+    chunks' positions (``uint64[chunks]``, bytes)."""
     n = len(checksums)
-    d = np.zeros(n, dtype=abi.DESCRIPTOR_DTYPE)
+    d = np.zeros(n + signal, dtype=abi.DESCRIPTOR_DTYPE)
     pos = np.arange(n, dtype=np.uint64) * np.uint64(chunk_bytes)
-    d["opcode"] = abi.Opcode.COPY
-    d["flags"] = abi.DescriptorFlags.VERIFY if verify else 0
-    d["chunk_index"] = np.arange(n)
-    d["chunk_count"] = n
-    d["src_region"] = src_region
-    d["src_offset"] = pos + np.uint64(src_offset)
-    d["length"] = np.minimum(np.uint64(chunk_bytes), np.uint64(nbytes) - pos)
-    d["position"] = pos
-    d["checksum"] = np.asarray(checksums, dtype=np.uint32)
+    d["chunk_count"] = d.size
+    d["chunk_index"] = np.arange(d.size)
+    chunks = d[:n]
+    chunks["opcode"] = abi.Opcode.COPY
+    chunks["flags"] = abi.DescriptorFlags.VERIFY if verify else 0
+    chunks["src_region"] = src_region
+    chunks["src_offset"] = pos + np.uint64(src_offset)
+    chunks["length"] = np.minimum(np.uint64(chunk_bytes), np.uint64(nbytes) - pos)
+    chunks["position"] = pos
+    chunks["checksum"] = np.asarray(checksums, dtype=np.uint32)
+    if signal:
+        d["opcode"][n] = abi.Opcode.SIGNAL
     d.flags.writeable = False
-    return d
+    pos.flags.writeable = False
+    return d, pos
 
 
 _FEW = 64
