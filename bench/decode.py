@@ -98,6 +98,15 @@ class Decoder:
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
 
+    def _mark(self) -> tuple[Any, Any] | None:
+        """On the GPU, a (start, end) pair of CUDA events around one expert's FFN, the start
+        recorded now: the kernels' own time, apart from the host's launch and sync."""
+        if self.xp is np:
+            return None
+        start, end = self.xp.cuda.Event(), self.xp.cuda.Event()
+        start.record()
+        return start, end
+
     def run(self, fetch: Any, release: Any, tokens: int, begin: Any = None
             ) -> dict[str, Any]:
         """Decode ``tokens`` tokens. ``begin(layer, experts)``, when given, is told each
@@ -106,6 +115,7 @@ class Decoder:
         xp = self.xp
         x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
         compute = wait = 0.0
+        spans: list[tuple[Any, Any]] = []
         outputs = []
         t_start = time.perf_counter()
         for t in range(tokens):
@@ -123,7 +133,11 @@ class Decoder:
                     t0 = time.perf_counter()
                     w = fetch(layer, e)
                     t1 = time.perf_counter()
+                    marks = self._mark()
                     acc += reference.bf16_to_f32(expert_ffn(hb, *w)) / len(experts)
+                    if marks is not None:
+                        marks[1].record()
+                        spans.append(marks)
                     self.sync()
                     compute += time.perf_counter() - t1
                     wait += t1 - t0
@@ -133,7 +147,10 @@ class Decoder:
             x = reference.f32_to_bf16(xp.tanh(h))  # next token's input
         self.sync()
         total = time.perf_counter() - t_start
+        gpu = (sum(self.xp.cuda.get_elapsed_time(a, b) for a, b in spans) / 1e3 / tokens
+               if spans else None)
         return {"tokens_per_s": tokens / total, "compute_s_per_token": compute / tokens,
+                "gpu_compute_s_per_token": gpu,
                 "wait_s_per_token": wait / tokens,
                 "other_s_per_token": (total - compute - wait) / tokens,
                 "outputs": xp.concatenate(outputs)}
@@ -360,14 +377,16 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, top-{r['top_k']}, "
           f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s",
           file=sys.stderr)
-    print(" cache  hit rate  offload tok/s  (wait ms/tok)  compute x resident  gRPC/tok  bound  "
-          "pageable  http  x bound  x http", file=sys.stderr)
+    print(" cache  hit rate  offload tok/s  (wait ms/tok)  compute x resident  (GPU x res.)  "
+          "gRPC/tok  bound  pageable  http  x bound  x http", file=sys.stderr)
     resident = r["resident"]["compute_s_per_token"]
+    resident_gpu = r["resident"].get("gpu_compute_s_per_token") or float("nan")
     for run in r["runs"]:
         o = run["offload"]
         print(f" {run['fraction']:5.0%}  {run['hit_rate']:8.2f}  {o['tokens_per_s']:13.1f}  "
               f"({o['wait_s_per_token'] * 1e3:11.1f})  "
               f"{o['compute_s_per_token'] / resident:18.2f}  "
+              f"({(o.get('gpu_compute_s_per_token') or float('nan')) / resident_gpu:11.2f})  "
               f"{o.get('grpc_calls_per_token', float('nan')):8.2f}  "
               f"{run['bound_tokens_per_s']:5.1f}  "
               f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
