@@ -2,9 +2,15 @@
 
 The rules learned from GPUNetIO hold: ``CUDA_MODULE_LOADING=EAGER`` is set before CUDA starts
 (lazy loading can deadlock beside a persistent kernel), every launch goes on a non-blocking
-stream, and nothing here synchronises the whole device. Loading a module waits for the device
-to drain, so a module first loaded while a persistent kernel runs stalls until that kernel
-ends: ``preload`` loads all of this package's modules first.
+stream, and nothing here synchronises the whole device. ``CUDA_DEVICE_MAX_CONNECTIONS`` is
+raised to 32 (unless set) for the same reason: kernels that wait on the GPU for the DMA
+engine's bytes sit in a hardware queue, and with CUDA's default of 8 queues, streams beyond
+them share one, so the inference process's own kernels queued behind such a wait stall until
+it ends (measured: expert compute 2.0-2.2x the resident run's with 8, 0.97-1.3x with 32;
+docs/PERFORMANCE-NOTES.md). Both take effect only if CUDA has not started in the process.
+Loading a module waits for the device to drain, so a module first loaded while a persistent
+kernel runs stalls until that kernel ends: ``preload`` loads all of this package's modules
+first.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import cupy as cp
 
@@ -57,6 +64,15 @@ def preload(device_id: int = 0) -> None:
 def non_blocking_stream() -> cp.cuda.Stream:
     """A stream that never serialises with the legacy default stream."""
     return cp.cuda.Stream(non_blocking=True)
+
+
+@functools.cache
+def shared_stream(device_id: int, name: str) -> cp.cuda.Stream:
+    """The process's one non-blocking stream called ``name`` on the device: work that many
+    objects enqueue (landed-slot checks) stays on a fixed few streams, and so a fixed few
+    hardware queues, however many devices a process attaches over its life."""
+    with cp.cuda.Device(device_id):
+        return non_blocking_stream()
 
 
 @functools.cache

@@ -84,9 +84,6 @@ class CudaDevice(Device):
             self._state = self.cp.zeros(_STATE_WORDS, dtype=self.cp.uint64)
             self._kernel = launch.kernel("receive", "dpu_receive", ordinal)
         self._pools: dict[int, Any] = {}
-        self._check_streams: dict[int, Any] = {}
-        """Lane -> the stream its landed-slot checks run on (a slot's always on one, so two
-        checks never share its scratch words at once)."""
         self._checks: deque[_KernelTicket] = deque()
         self._check_scratch: Any = None
         """``uint32[2 * MAX_CHANNEL_SLOTS]``: each slot's check's running sum and count."""
@@ -181,10 +178,7 @@ class CudaDevice(Device):
         """The check's kernels on a stream of this device's, not waited for: the wait kernel
         polls the word on the GPU until the bytes have landed."""
         with self.dev, self._check_lock:
-            lane = index % CHECK_LANES
-            if lane not in self._check_streams:
-                self._check_streams[lane] = launch.non_blocking_stream()
-            stream = self._check_streams[lane]
+            stream = launch.shared_stream(self.ordinal, f"check-{index % CHECK_LANES}")
             result = self.cp.empty(1, self.cp.uint32)
             self.enqueue_check(entry_address, index, generation, blob, timeout, result, stream)
             ended = self.cp.cuda.Event(disable_timing=True)
