@@ -51,7 +51,7 @@ from host_client.launcher import AgentProcess
 
 SHAPES = {
     # name: (arch, hidden, intermediate, dtype)
-    "small-2.4MB": ("qwen3-moe", 1024, 768, "bf16"),
+    "small-4.7MB": ("qwen3-moe", 1024, 768, "bf16"),
     "qwen3-30b-a3b-9.4MB": ("qwen3-moe", 2048, 768, "bf16"),
     "deepseek-v3-44MB": ("deepseek-v3", 7168, 2048, "fp8"),
 }
@@ -365,7 +365,7 @@ def main() -> int:
         data = json.loads(args.replot.read_text())
         plot(data["results"], args.replot.with_suffix(".png"))
         return 0
-    shapes = args.shapes or (["small-2.4MB"] if args.quick else list(SHAPES))
+    shapes = args.shapes or (["small-4.7MB"] if args.quick else list(SHAPES))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-delivery-") as tmp:
         for name in shapes:

@@ -356,28 +356,35 @@ def test_overwritten_channel_header_stops_service_with_an_error(
 
 @pytest.mark.gpu
 def test_compute_enqueued_behind_a_stream_wait_reads_the_landed_bytes(
-        client: AgentClient, qwen_ckpt: Path) -> None:
-    """A copy enqueued on a stream right after ``enqueue_wait`` (the expert still in flight:
-    its arena fill reads the checkpoint) reads the expert's verified bytes."""
+        agent: AgentProcess, client: AgentClient, qwen_ckpt: Path) -> None:
+    """A copy enqueued on a stream right after ``enqueue_wait``, while the expert is still in
+    flight (the engine is stopped until every copy is enqueued), reads the expert's verified
+    bytes once it lands."""
     import cupy as cp
 
     from host_client.cuda_device import CudaDevice
 
     truth = checkpoint_bytes(qwen_ckpt)
     model = client.load_model(str(qwen_ckpt), "qwen-wait")
-    dev = client.register_device(CudaDevice(0), [SlotPoolSpec(model.expert_bytes, 4)],
+    dev = client.register_device(CudaDevice(0), [SlotPoolSpec(model.expert_bytes, 5)],
                                  delivery="engine")
+    client.acquire(dev, ExpertKey("qwen-wait", 0, 0)).wait(10)  # the engine is running
+    (pid,) = engine_pids(agent)
     stream = cp.cuda.Stream(non_blocking=True)
     outs = []
-    for e in range(4):
-        handle = client.acquire(dev, ExpertKey("qwen-wait", 1, e))
-        wait = handle.enqueue_wait(stream)
-        with stream:
-            outs.append((e, handle.done(), wait, wait.slot.raw("down_proj").copy()))
-    for e, _, wait, out in outs:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for e in range(4):
+            handle = client.acquire(dev, ExpertKey("qwen-wait", 1, e))
+            wait = handle.enqueue_wait(stream)
+            with stream:
+                outs.append((e, wait, wait.slot.raw("down_proj").copy()))
+            assert not handle.done()  # enqueued before its bytes landed
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for e, wait, out in outs:
         wait.check()
         assert out.get().tobytes() == truth[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]
-    assert not all(landed for _, landed, _, _ in outs), "every expert had landed already"
 
 
 def test_a_pool_naming_memory_the_agent_knows_is_refused(
