@@ -368,7 +368,7 @@ class Orchestrator:
                                 channel=dev.channel,
                                 state_base=self._state_range(dev, req.slot_count))
                 if dev.delivery == pb.DELIVERY_DMA_ENGINE:
-                    self._check_unclaimed(req.shm_name, bytes(req.cuda_ipc_handle))
+                    self._check_unclaimed("slot pool", req.shm_name, bytes(req.cuda_ipc_handle))
                     self.plane.engine.add_pool(dev, pool)
                 dev.pools[rid] = pool
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
@@ -382,6 +382,7 @@ class Orchestrator:
                                      f"device {dev.device_id} already has its rings")
                 ring_kind = (abi.RingKind.WORK if kind == pb.REGION_KIND_WORK_RING
                              else abi.RingKind.COMPLETION)
+                self._check_unclaimed(f"{ring_kind.name.lower()} ring", req.shm_name, b"")
                 try:
                     check_ring(req.shm_name, ring_kind)
                 except (SharedBufferError, RingError) as exc:
@@ -415,6 +416,7 @@ class Orchestrator:
                     raise AgentError(ErrorKind.ALREADY_EXISTS,
                                      f"device {dev.device_id} already has its "
                                      f"{ring_kind.name.lower()} ring")
+                self._check_unclaimed(f"{ring_kind.name.lower()} ring", req.shm_name, b"")
                 try:
                     check_ring(req.shm_name, ring_kind)
                 except (SharedBufferError, RingError) as exc:
@@ -428,18 +430,19 @@ class Orchestrator:
             dev.regions[rid] = kind
             return rid
 
-    def _check_unclaimed(self, shm_name: str, ipc_handle: bytes) -> None:
-        """The DMA engine writes a pool it is handed: refuse memory the agent already knows
-        by that name or handle (the arena, any session's channel, rings or pools).
-        PERMISSION_DENIED names which."""
+    def _check_unclaimed(self, region: str, shm_name: str, ipc_handle: bytes) -> None:
+        """A region is one session's own: refuse memory the agent already knows by that name
+        or handle (the arena, any session's channel, rings or pools; names are listed in
+        /dev/shm). The DMA engine writes a pool it is handed, and the agent writes work into
+        a ring and reads completions from it. PERMISSION_DENIED names which."""
         with self._lock:
             taken = {self.arena.name}.union(*(d.exports() for d in self._devices_locked()))
         for handle, what in ((shm_name, f"shared memory {shm_name!r}"),
                              (ipc_handle, "that CUDA IPC handle")):
             if handle and handle in taken:
                 raise AgentError(ErrorKind.PERMISSION_DENIED,
-                                 f"slot pool: {what} is already the agent's or a registered "
-                                 "region's; a pool must be memory of its own")
+                                 f"{region}: {what} is already the agent's or a registered "
+                                 "region's; a region must be memory of its own")
 
     @staticmethod
     def _state_range(dev: Device, count: int) -> int:

@@ -236,6 +236,39 @@ def test_a_session_cannot_be_named_by_another_caller(agent: AgentProcess,
         assert owner._event_thread.is_alive()
 
 
+def test_another_sessions_rings_cannot_be_registered(agent: AgentProcess,
+                                                      qwen_ckpt: Path) -> None:
+    """A session that names another session's work, completion, rx or tx ring (their names
+    are listed in /dev/shm) is refused PERMISSION_DENIED and registers nothing; the owner's
+    slots still fill with the checkpoint's bytes through its own rings (issue 21: the thief
+    once acquired into the victim's rings and wrote another expert over a READY slot)."""
+    from dpu_offload.keys import ExpertKey
+    from tests.conftest import checkpoint_bytes
+
+    truth = checkpoint_bytes(qwen_ckpt)
+    with AgentClient(agent.address) as victim, AgentClient(agent.address) as thief:
+        model = victim.load_model(str(qwen_ckpt), "owned")
+        vdev = victim.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        tdev = thief.stub.RegisterDevice(pb.RegisterDeviceRequest(
+            session_id=thief.session_id, kind=pb.DEVICE_KIND_CPU_REFERENCE, ordinal=0),
+            timeout=10)
+        for ring, kind in ((vdev.work, pb.REGION_KIND_WORK_RING),
+                           (vdev.completion, pb.REGION_KIND_COMPLETION_RING),
+                           (vdev.rx, pb.REGION_KIND_RX_RING), (vdev.tx, pb.REGION_KIND_TX_RING)):
+            with pytest.raises(grpc.RpcError) as err:
+                thief.stub.RegisterRegion(pb.RegisterRegionRequest(
+                    session_id=thief.session_id, device_id=tdev.device_id, kind=kind,
+                    size_bytes=ring.size, shm_name=ring.name), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (kind, err.value)
+            assert ring.name in err.value.details() and "already" in err.value.details()
+        assert not [s for s in thief.status().sessions
+                    if s.session_id == thief.session_id and s.regions]
+        key = ExpertKey("owned", model.moe_layers[0], 1)
+        slot = victim.acquire(vdev, key).wait(10)
+        name = f"model.layers.{key.layer}.mlp.experts.1.up_proj.weight"
+        assert slot.raw("up_proj").tobytes() == truth[name]
+
+
 def test_status_shows_a_caller_its_own_sessions_and_an_administrator_all(pki: Path) -> None:
     """GetStatus lists the sessions the caller's token and certificate own; the rest only as a
     count, except to a certificate named in server.admin_names."""
