@@ -83,8 +83,13 @@ FAULTS = [
      "test_a_hostile_client_is_bounded_in_sessions_devices_and_memory"),
     ("a handler raises what it should have turned into a status", "tests/test_hostile_rpc.py::"
      "test_an_exception_that_escapes_a_handler_is_internal_with_a_request_id"),
+    ("a second session registers the first one's rings (names read in /dev/shm)",
+     "tests/test_security.py::test_another_sessions_rings_cannot_be_registered"),
 ]
 OUTCOME = {
+    "a second session registers the first one's rings (names read in /dev/shm)":
+    "PERMISSION_DENIED naming the segment for each of the work, completion, rx and tx rings; "
+    "nothing registered; the owner's acquires still land the checkpoint's bytes",
     "agent SIGKILLed during transfers": "in-flight acquires fail with UNAVAILABLE in < 1 s; "
     "the client reconnects, reloads models, re-registers devices; every slot verified after",
     "agent restarted gracefully (SIGTERM, as systemctl restart)": "the clean end of the event "
