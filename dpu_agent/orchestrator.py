@@ -106,6 +106,8 @@ class Orchestrator:
         self.model_names: list[str] = []
         """Model index (request-ring entries name models by it) -> name, in load order."""
         self.sessions: dict[str, Session] = {}
+        self._events_dropped_closed = 0
+        """Events closed sessions' sinks dropped (their clients did not read them)."""
         self._lock = threading.RLock()
         self._device_ids = itertools.count()
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
@@ -300,7 +302,15 @@ class Orchestrator:
             if dev.engine_rings is not None:
                 self.plane.engine.detach(dev)
         session.events.close()
+        with self._lock:
+            self._events_dropped_closed += session.events.dropped
         log.info("session %s", reason, extra={"session": session_id})
+
+    def events_dropped(self) -> int:
+        """Session events dropped so far, open and closed sessions together (a counter)."""
+        with self._lock:
+            return self._events_dropped_closed + sum(s.events.dropped
+                                                     for s in self.sessions.values())
 
     def expire_sessions(self) -> list[str]:
         """Close every session whose lease ran out; returns their ids."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from pathlib import Path
 
 import grpc
@@ -295,3 +296,41 @@ def test_a_hostile_client_is_bounded_in_sessions_devices_and_memory() -> None:
             hammer(30)
             grown = _rss_kib(agent.proc.pid) - before
         assert grown < 16 * 1024, f"agent RSS grew {grown} KiB under undecodable calls"
+
+
+def test_an_unread_event_stream_is_bounded_and_counted(agent: AgentProcess,
+                                                       qwen_ckpt: Path) -> None:
+    """A client that opens its Events stream and never reads it, while its prefetches fail
+    by the thousand (one error event each): the agent keeps at most the sink's capacity of
+    them (the oldest dropped, counted in dpu_agent_session_events_dropped_total), so its
+    memory does not grow with what the client ignores; the session's end still reaches the
+    stream, after the newest events."""
+    from dpu_offload.keys import ExpertKey
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+    from tests.test_engine import metric
+
+    flood = 5 * 4096
+    with AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "flood")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(256, 1)])
+        # A second stream replaces the client's own reader as the session's stream.
+        unread = client.stub.Events(pb.SessionRef(session_id=client.session_id), timeout=120)
+        keys = [ExpertKey("flood", layer, e).to_proto() for layer in model.moe_layers
+                for e in range(model.experts_per_layer)]
+        batch = (keys * (4096 // len(keys) + 1))[:4096]
+        for _ in range(flood // 4096):  # every key fails: no pool fits an expert
+            client.stub.Prefetch(pb.PrefetchRequest(session_id=client.session_id,
+                                                    device_id=dev.device_id, keys=batch),
+                                 timeout=30)
+        deadline = time.monotonic() + 60
+        while metric(agent, "dpu_agent_session_events_dropped_total") < flood - 2 * 4096:
+            assert time.monotonic() < deadline, metric(
+                agent, "dpu_agent_session_events_dropped_total")
+            time.sleep(0.1)
+        # Once the session closes, the stream gets what was kept (at most the capacity, and
+        # what the transport had already taken), then ends.
+        client.stub.CloseSession(pb.SessionRef(session_id=client.session_id), timeout=10)
+        got = [e.error for e in unread]
+    dropped = metric(agent, "dpu_agent_session_events_dropped_total")
+    assert len(got) <= 2 * 4096 and all("background delivery" in e for e in got), len(got)
+    assert len(got) + dropped == flood, (len(got), dropped)

@@ -91,6 +91,10 @@ class AgentCollector(Collector):
                                   value=core.plane.engine.restarts)
         yield GaugeMetricFamily("dpu_agent_sessions", "Open sessions.",
                                 value=len(core.sessions))
+        yield CounterMetricFamily("dpu_agent_session_events_dropped",
+                                  "Session events dropped because their client did not read "
+                                  "its Events stream (oldest first).",
+                                  value=core.events_dropped())
         yield GaugeMetricFamily("dpu_agent_models_loaded", "Models in the catalog.",
                                 value=len(core.models))
         degraded = GaugeMetricFamily("dpu_agent_model_degraded",

@@ -193,12 +193,15 @@ class Device:
 
 
 class EventSink:
-    """Events of one session, delivered in order to the (at most one) Events stream; buffered
-    (bounded, oldest dropped with a count) while no stream is attached."""
+    """Events of one session, delivered in order to the (at most one) Events stream. At most
+    ``capacity`` wait, attached or not: a client that does not read its stream (or has none)
+    loses the oldest, counted in ``dropped``, rather than growing the agent's memory. The
+    end-of-session marker (None) is never dropped."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self._lock = threading.Lock()
         self._buffer: deque[Any] = deque(maxlen=capacity)
+        self._capacity = capacity
         self._queue: asyncio.Queue[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dropped = 0
@@ -206,15 +209,23 @@ class EventSink:
     def emit(self, event: Any) -> None:
         with self._lock:
             if self._queue is not None and self._loop is not None:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+                self._loop.call_soon_threadsafe(self._put, self._queue, event)
                 return
             if len(self._buffer) == self._buffer.maxlen:
                 self.dropped += 1
             self._buffer.append(event)
 
+    def _put(self, q: asyncio.Queue[Any], event: Any) -> None:
+        """On the stream's loop: queue ``event``, dropping the oldest when full."""
+        if q.full():
+            q.get_nowait()
+            with self._lock:
+                self.dropped += 1
+        q.put_nowait(event)
+
     def attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Any]:
         with self._lock:
-            q: asyncio.Queue[Any] = asyncio.Queue()
+            q: asyncio.Queue[Any] = asyncio.Queue(self._capacity)
             while self._buffer:
                 q.put_nowait(self._buffer.popleft())
             self._queue, self._loop = q, loop
