@@ -94,7 +94,8 @@ def rig() -> Iterator[Rig]:
 def test_signal_lands_behind_its_copies(rig: Rig) -> None:
     plan = rig.plan(8192, 65536, 3 * CHUNK + 512, index=5, generation=3)
     done = rig.run(plan.descriptors(42))
-    assert done.size == plan.descriptor_count == 5
+    assert done.size == plan.descriptor_count == 2  # the blob as one COPY, then the SIGNAL
+    assert done["nbytes"].tolist() == [plan.nbytes, 0]
     assert (done["status"] == 0).all() and (done["transfer_id"] == 42).all()
     np.testing.assert_array_equal(rig.pool.array[65536:65536 + plan.nbytes],
                                   rig.arena.array[8192:8192 + plan.nbytes])
@@ -106,10 +107,10 @@ def test_signal_lands_behind_its_copies(rig: Rig) -> None:
 def test_a_refused_copy_cancels_its_transfers_signal(rig: Rig) -> None:
     plan = rig.plan(0, 0, 2 * CHUNK, index=7, generation=1)
     d = plan.descriptors(9)
-    d["dst_offset"][1] = 1 << 40  # the second chunk lands nowhere
+    d["dst_offset"][0] = 1 << 40  # the blob lands nowhere
     done = rig.run(d)
     by_chunk = dict(zip(done["chunk_index"].tolist(), done["status"].tolist(), strict=True))
-    assert by_chunk == {0: 0, 1: int(abi.Status.OUT_OF_BOUNDS), 2: int(abi.Status.CANCELLED)}
+    assert by_chunk == {0: int(abi.Status.OUT_OF_BOUNDS), 1: int(abi.Status.CANCELLED)}
     assert rig.entry(7)[:2] == (1, abi.SlotState.FILLING)  # the agent fails it
     # The next transfer into the same entry is signalled as usual.
     ok = rig.plan(0, 0, CHUNK, index=7, generation=2)

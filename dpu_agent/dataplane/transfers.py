@@ -43,22 +43,33 @@ class TransferPlan:
     """A DMA-engine delivery's SIGNAL, posted after its chunks."""
 
     @property
+    def span(self) -> bool:
+        """Whether the blob is posted as one COPY spanning it: a DMA-engine delivery (one with
+        a SIGNAL), which the engine moves as one run either way and whose chunks nothing
+        checks where they land (the slot's consumer checks the blob's sum)."""
+        return self.signal is not None
+
+    @property
     def descriptor_count(self) -> int:
-        """Descriptors posted, so completions expected: the chunks and the SIGNAL if any."""
-        return len(self.checksums) + (self.signal is not None)
+        """Descriptors posted, so completions expected: the chunks (one spanning the blob
+        when ``span``) and the SIGNAL if any."""
+        return (1 if self.span else len(self.checksums)) + (self.signal is not None)
 
     def descriptors(self, transfer_id: int) -> np.ndarray:
         """``DESCRIPTOR_DTYPE[descriptor_count]`` for this plan: its chunks (VERIFY on each if
-        ``verify``), then its SIGNAL. A copy of the blob's cached source side with this
-        delivery's fields stored through plain integer views of the rows (a handful of array
-        operations whatever the chunk count)."""
+        ``verify``; one COPY of the whole blob, checksum 0, when ``span``), then its SIGNAL. A
+        copy of the blob's cached source side with this delivery's fields stored through
+        plain integer views of the rows (a handful of array operations whatever the chunk
+        count)."""
+        chunk_bytes, sums = (self.nbytes, (0,)) if self.span else (self.chunk_bytes,
+                                                                   self.checksums)
         source, positions = _source_side(self.src_region, self.src_offset, self.nbytes,
-                                         self.chunk_bytes, self.checksums, self.verify,
+                                         chunk_bytes, sums, self.verify,
                                          self.signal is not None)
         d = source.copy()
         words = d.view(np.uint64).reshape(d.size, _WORDS)
         halves = d.view(np.uint32).reshape(d.size, 2 * _WORDS)
-        n = len(self.checksums)
+        n = len(sums)
         words[:, _W_TRANSFER] = transfer_id
         halves[:n, _H_DST_REGION] = self.dst_region
         words[:n, _W_DST_OFFSET] = positions + np.uint64(self.dst_offset)
