@@ -373,6 +373,12 @@ def plot(r: dict[str, Any], path: Path) -> None:
     save_figure(fig, path)
 
 
+def gpu_ratio(run: dict[str, Any], resident_gpu: float | None) -> str:
+    """The run's expert-kernel GPU time over the resident run's ("-" without a GPU)."""
+    gpu = run.get("gpu_compute_s_per_token")
+    return f"{gpu / resident_gpu:.2f}" if gpu and resident_gpu else "-"
+
+
 def print_table(r: dict[str, Any]) -> None:
     print(f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, top-{r['top_k']}, "
           f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s",
@@ -380,13 +386,13 @@ def print_table(r: dict[str, Any]) -> None:
     print(" cache  hit rate  offload tok/s  (wait ms/tok)  compute x resident  (GPU x res.)  "
           "gRPC/tok  bound  pageable  http  x bound  x http", file=sys.stderr)
     resident = r["resident"]["compute_s_per_token"]
-    resident_gpu = r["resident"].get("gpu_compute_s_per_token") or float("nan")
+    resident_gpu = r["resident"].get("gpu_compute_s_per_token")
     for run in r["runs"]:
         o = run["offload"]
         print(f" {run['fraction']:5.0%}  {run['hit_rate']:8.2f}  {o['tokens_per_s']:13.1f}  "
               f"({o['wait_s_per_token'] * 1e3:11.1f})  "
               f"{o['compute_s_per_token'] / resident:18.2f}  "
-              f"({(o.get('gpu_compute_s_per_token') or float('nan')) / resident_gpu:11.2f})  "
+              f"({gpu_ratio(o, resident_gpu):>11})  "
               f"{o.get('grpc_calls_per_token', float('nan')):8.2f}  "
               f"{run['bound_tokens_per_s']:5.1f}  "
               f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
