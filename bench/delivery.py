@@ -360,7 +360,16 @@ def main() -> int:
                     help="engine: the agent's DMA-engine process delivers, the device verifies")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
+    ap.add_argument("--trace", type=Path, metavar="DIR",
+                    help="time each call of the data path in every process (client, agent, "
+                         "DMA engine) into DIR (print with bench/trace_report.py); the run's "
+                         "figures are printed, not saved: tracing slows them")
     args = ap.parse_args()
+    if args.trace:
+        from bench.tracing.sitecustomize import install
+
+        args.trace.mkdir(parents=True, exist_ok=True)
+        install(str(args.trace.resolve()))
     if args.replot:
         data = json.loads(args.replot.read_text())
         plot(data["results"], args.replot.with_suffix(".png"))
@@ -388,6 +397,9 @@ def main() -> int:
                       f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
                       f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB",
                       file=sys.stderr)
+    if args.trace:
+        print(f"traced into {args.trace}: python bench/trace_report.py {args.trace}")
+        return 0
     data = envelope("delivery", results, device=args.device,
                     command=" ".join(["python", "bench/delivery.py", *sys.argv[1:]]),
                     repeats=args.repeats)

@@ -16,7 +16,7 @@ from dpu_agent.planning.traces import generate_trace, write_trace
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["activations", "arm64", "cache_policies", "cluster", "decode", "delivery", "load",
         "moe_kernels", "multi_gpu", "placement", "rebalance", "steering",
-        "transformers_decode"]
+        "trace_report", "transformers_decode"]
 
 
 @pytest.mark.parametrize("bench", CLIS)
@@ -38,3 +38,30 @@ def test_transformers_benchmark_replays_a_trace_on_the_cpu(tmp_path: Path) -> No
          "--no-save"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert '"outputs_equal"' in out.stderr
+
+
+def test_a_traced_delivery_run_times_all_three_processes(tmp_path: Path) -> None:
+    """``bench/delivery.py --trace``: the client, the agent and the DMA engine each write their
+    calls of the data path, every traced name still exists, and the report prints them; the
+    traced figures are not saved as results."""
+    import json
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "delivery.py"), "--device", "cpu", "--quick",
+         "--mechanisms", "engine", "--experts", "4", "--repeats", "1", "--trace",
+         str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "wrote" not in out.stdout
+    traces = {f.name.split("-")[1]: json.loads(f.read_text())
+              for f in tmp_path.glob("trace-*.json")}
+    assert set(traces) == {"delivery.py", "dpu_agent.cli", "dma_engine"}, list(traces)
+    assert all(not t["missing"] for t in traces.values()), [t["missing"] for t in traces.values()]
+    for process, name in (("delivery.py", "ClientChannel.post"),
+                          ("dpu_agent.cli", "Orchestrator.acquire"),
+                          ("dpu_agent.cli", "TransferPlan.descriptors"),
+                          ("dma_engine", "Planner.plan")):
+        calls = traces[process]["calls"][name]
+        assert calls and all(wall > 0 and cpu >= 0 for _, wall, cpu in calls), (process, name)
+    report = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_report.py"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0 and "Planner.plan" in report.stdout
