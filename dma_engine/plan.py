@@ -2,8 +2,8 @@
 Python: the copies grouped into runs (a delivery's chunks are contiguous, so a run is usually
 the whole delivery), each run checked once as one descriptor spanning it, the SIGNALs checked,
 and every descriptor's status. A run that fails its check is checked chunk by chunk, so the
-statuses are exactly those of ``check_descriptor`` applied to each descriptor
-(tests/test_engine_plan.py holds them equal to the kernel's twin). No NumPy per batch: the
+statuses are exactly those of ``check_descriptor`` applied to each descriptor (both check a
+copy with ``check_copy``; tests/test_engine_plan.py holds them equal). No NumPy per batch: the
 engine's batches are a delivery or a few (tens of descriptors), where fixed per-call costs of
 array operations dominate (docs/PERFORMANCE-NOTES.md).
 """
@@ -18,6 +18,7 @@ import numpy as np
 from dma_engine.signals import SignalWrite, check_signal
 from gpu_kernels import abi
 from gpu_kernels.copy_runs import CopyRun
+from gpu_kernels.reference import check_copy
 
 _ENTRY = abi.SLOT_STATE_DTYPE.itemsize
 MAX_FAILED_TRANSFERS = 4096
@@ -25,7 +26,6 @@ MAX_FAILED_TRANSFERS = 4096
 _COPY, _SIGNAL = int(abi.Opcode.COPY), int(abi.Opcode.SIGNAL)
 _CONTROL = frozenset(int(o) for o in (abi.Opcode.NOP, abi.Opcode.FENCE, abi.Opcode.EXIT))
 _EXIT = int(abi.Opcode.EXIT)
-_READABLE, _WRITABLE = int(abi.RegionFlags.READABLE), int(abi.RegionFlags.WRITABLE)
 _ALIGN = abi.COPY_ALIGN_BYTES
 # Field positions in a DESCRIPTOR_DTYPE row as ``tolist`` gives it.
 _F = {name: i for i, name in enumerate(abi.DESCRIPTOR_DTYPE.names)}
@@ -52,23 +52,6 @@ class BatchPlan:
     copied: np.ndarray
     moved: np.ndarray
     exit: bool
-
-
-def check_span(regions: np.ndarray, src: int, so: int, dst: int, do: int, length: int,
-               position: int) -> int:
-    """``check_descriptor``'s verdict on a COPY of ``length`` bytes from (src, so) to (dst, do)
-    at ``position`` (same checks, same precedence), on plain ints."""
-    if src >= abi.MAX_REGIONS or dst >= abi.MAX_REGIONS:
-        return abi.Status.BAD_REGION
-    _, s_size, s_flags, _ = regions[src].tolist()
-    _, d_size, d_flags, _ = regions[dst].tolist()
-    if not (s_size and d_size and s_flags & _READABLE and d_flags & _WRITABLE):
-        return abi.Status.BAD_REGION
-    if (length | so | do | position) % _ALIGN:
-        return abi.Status.BAD_ALIGNMENT
-    if so + length > s_size or do + length > d_size:
-        return abi.Status.OUT_OF_BOUNDS
-    return abi.Status.OK
 
 
 class Planner:
@@ -132,14 +115,14 @@ class Planner:
         valid (then so is every chunk in it), else chunk by chunk."""
         first = rows[start]
         total = sum(r[_LEN] for r in rows[start:end])
-        verdict = check_span(self.regions, first[_SRC_R], first[_SRC_O], first[_DST_R],
+        verdict = check_copy(self.regions, first[_SRC_R], first[_SRC_O], first[_DST_R],
                              first[_DST_O], total, first[_POS])
         if verdict == abi.Status.OK and first[_LEN] % _ALIGN == 0:
             self._run(start, end - start, first, total, moved, ops)
             return
         for i in range(start, end):
             r = rows[i]
-            status[i] = check_span(self.regions, r[_SRC_R], r[_SRC_O], r[_DST_R], r[_DST_O],
+            status[i] = check_copy(self.regions, r[_SRC_R], r[_SRC_O], r[_DST_R], r[_DST_O],
                                    r[_LEN], r[_POS])
             if status[i]:
                 self._refused(r[_TID])

@@ -69,6 +69,7 @@ when their creator is dead."""
 LANDING_POLL_SECONDS = 0.001
 """An acquire that waits for an unheld slot to land looks again this often."""
 
+
 @dataclass(frozen=True)
 class SlotGrant:
     """Where an acquired expert lives (or will) on the device."""

@@ -76,7 +76,6 @@ def shared_stream(device_id: int, name: str) -> cp.cuda.Stream:
 
 
 @functools.cache
-@functools.cache
 def sm_count(device_id: int = 0) -> int:
     """Multiprocessors of the device (cached: cudaGetDeviceProperties costs far more than a
     kernel launch, and launchers size their grids with it on every call)."""

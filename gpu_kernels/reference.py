@@ -32,18 +32,26 @@ def check_descriptor(desc: np.void, regions: np.ndarray) -> abi.Status:
         return abi.Status.OK
     if op != abi.Opcode.COPY:
         return abi.Status.BAD_OPCODE
-    src, dst = int(desc["src_region"]), int(desc["dst_region"])
+    return check_copy(regions, int(desc["src_region"]), int(desc["src_offset"]),
+                      int(desc["dst_region"]), int(desc["dst_offset"]), int(desc["length"]),
+                      int(desc["position"]))
+
+
+def check_copy(regions: np.ndarray, src: int, so: int, dst: int, do: int, length: int,
+               position: int) -> abi.Status:
+    """A COPY's checks on plain ints: ``length`` bytes from (region ``src``, offset ``so``) to
+    (``dst``, ``do``) at ``position`` in its object, against ``regions``
+    (``REGION_DTYPE[MAX_REGIONS]``). BAD_REGION, then BAD_ALIGNMENT, then OUT_OF_BOUNDS."""
     if src >= abi.MAX_REGIONS or dst >= abi.MAX_REGIONS:
         return abi.Status.BAD_REGION
-    s, d = regions[src], regions[dst]
-    if (int(s["size"]) == 0 or int(d["size"]) == 0
-            or not int(s["flags"]) & abi.RegionFlags.READABLE
-            or not int(d["flags"]) & abi.RegionFlags.WRITABLE):
+    _, s_size, s_flags, _ = regions[src].tolist()
+    _, d_size, d_flags, _ = regions[dst].tolist()
+    if not (s_size and d_size and s_flags & abi.RegionFlags.READABLE
+            and d_flags & abi.RegionFlags.WRITABLE):
         return abi.Status.BAD_REGION
-    length, so, do = int(desc["length"]), int(desc["src_offset"]), int(desc["dst_offset"])
-    if (length | so | do | int(desc["position"])) % abi.COPY_ALIGN_BYTES:
+    if (length | so | do | position) % abi.COPY_ALIGN_BYTES:
         return abi.Status.BAD_ALIGNMENT
-    if so + length > int(s["size"]) or do + length > int(d["size"]):
+    if so + length > s_size or do + length > d_size:
         return abi.Status.OUT_OF_BOUNDS
     return abi.Status.OK
 

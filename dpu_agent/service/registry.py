@@ -201,7 +201,6 @@ class EventSink:
     def __init__(self, capacity: int = 4096) -> None:
         self._lock = threading.Lock()
         self._buffer: deque[Any] = deque(maxlen=capacity)
-        self._capacity = capacity
         self._queue: asyncio.Queue[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dropped = 0
@@ -225,7 +224,7 @@ class EventSink:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Any]:
         with self._lock:
-            q: asyncio.Queue[Any] = asyncio.Queue(self._capacity)
+            q: asyncio.Queue[Any] = asyncio.Queue(self._buffer.maxlen or 0)
             while self._buffer:
                 q.put_nowait(self._buffer.popleft())
             self._queue, self._loop = q, loop
