@@ -368,9 +368,12 @@ def test_compute_enqueued_behind_a_stream_wait_reads_the_landed_bytes(
     model = client.load_model(str(qwen_ckpt), "qwen-wait")
     dev = client.register_device(CudaDevice(0), [SlotPoolSpec(model.expert_bytes, 5)],
                                  delivery="engine")
-    client.acquire(dev, ExpertKey("qwen-wait", 0, 0)).wait(10)  # the engine is running
+    first = client.acquire(dev, ExpertKey("qwen-wait", 0, 0)).wait(10)  # the engine runs
     (pid,) = engine_pids(agent)
     stream = cp.cuda.Stream(non_blocking=True)
+    with stream:  # CuPy loads its copy kernel now: a module load behind a wait kernel that
+        first.raw("down_proj").copy()  # polls for the stopped engine would never return
+    stream.synchronize()
     outs = []
     os.kill(pid, signal.SIGSTOP)
     try:
