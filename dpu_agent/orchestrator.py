@@ -545,7 +545,8 @@ class Orchestrator:
             raise SlotsLanding(f"every slot that fits {key} on device {device_id} is held or "
                                f"still landing ({landing} unheld)")
         raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                         f"every slot that fits {key} on device {device_id} is held")
+                         f"every slot that fits {key} on device {device_id} is held "
+                         "(or pinned by the client's hits)")
 
     def _deliver_fresh(self, session: Session, dev: Device, pool: SlotPool, idx: int,
                        entry: ExpertEntry, wait: bool = True) -> Transfer:

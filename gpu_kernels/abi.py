@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -216,6 +217,10 @@ class SlotState(IntEnum):
     """Every chunk was copied into the slot and nothing has checked it yet (a DMA-engine
     device): ``expected`` holds the blob's sum, and the slot's consumer, in the inference
     process, checksums the slot and writes READY, or FAILED with CHECKSUM_MISMATCH."""
+    EVICTING = 5
+    """The agent is about to give the slot to another delivery and reads its pins first
+    (:data:`PIN_DTYPE`): the slot's previous word comes back if the client pinned it, else the
+    next generation's FILLING follows. A waiter keeps waiting; a pin fails."""
 
 
 REQUEST_DTYPE = np.dtype(
@@ -264,12 +269,37 @@ the state is LANDED) is ``checksum.blob_sum`` of the blob that should be in the 
 generation grows each time the slot is given to a new delivery."""
 
 
-def channel_layout(capacity: int) -> tuple[int, int, int]:
-    """(reply table offset, slot-state table offset, total bytes) of a channel whose request
-    ring holds ``capacity`` entries; the request ring starts at offset 0."""
+PIN_DTYPE = np.dtype(
+    {
+        "names": ["pins", "touches"],
+        "formats": ["<u4", "<u4"],
+        "offsets": [0, 4],
+        "itemsize": 8,
+    }
+)
+"""Pin-table entry, 8 bytes (client -> agent), one per slot-state entry: ``pins`` counts the
+references the client took on the slot's READY generation without asking the agent (pinned
+hits; the agent never gives a pinned slot to another delivery), ``touches`` how many pinned hits
+the slot has had (mod 2^32), so that the agent's eviction order sees uses it was not told of.
+Written by the client only; the agent reads it and trusts it with nothing but the client's own
+slots."""
+
+
+class ChannelLayout(NamedTuple):
+    """Byte offsets of a channel's parts (the request ring starts at 0) and its size."""
+
+    replies: int
+    states: int
+    pins: int
+    total: int
+
+
+def channel_layout(capacity: int) -> ChannelLayout:
+    """Where the parts of a channel whose request ring holds ``capacity`` entries lie."""
     replies = ring_bytes(capacity, REQUEST_DTYPE.itemsize)
     states = replies + capacity * REPLY_DTYPE.itemsize
-    return replies, states, states + MAX_CHANNEL_SLOTS * SLOT_STATE_DTYPE.itemsize
+    pins = states + MAX_CHANNEL_SLOTS * SLOT_STATE_DTYPE.itemsize
+    return ChannelLayout(replies, states, pins, pins + MAX_CHANNEL_SLOTS * PIN_DTYPE.itemsize)
 
 
 def ring_bytes(capacity: int, entry_size: int) -> int:
@@ -307,5 +337,6 @@ def entry_dtype_for(kind: RingKind) -> np.dtype:
 
 for _dtype, _size in ((DESCRIPTOR_DTYPE, 64), (COMPLETION_DTYPE, 32), (REGION_DTYPE, 32),
                       (HEADER_DTYPE, HEADER_BYTES), (PACKET_HEADER_DTYPE, 64),
-                      (REQUEST_DTYPE, 64), (REPLY_DTYPE, 128), (SLOT_STATE_DTYPE, 16)):
+                      (REQUEST_DTYPE, 64), (REPLY_DTYPE, 128), (SLOT_STATE_DTYPE, 16),
+                      (PIN_DTYPE, 8)):
     assert _dtype.itemsize == _size, _dtype

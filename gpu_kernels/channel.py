@@ -6,7 +6,9 @@ Three parts, one buffer, created by the agent per registered device and mapped b
 - ``replies``: ``REPLY_DTYPE[capacity]``; the reply to the request at ring position ``p`` is
   entry ``p % capacity``, published with ``seq = p + 1`` written last;
 - ``states``: ``SLOT_STATE_DTYPE[MAX_CHANNEL_SLOTS]``, one per slot of the device's pools,
-  written by the agent (and, on a GPU, by the verifying kernel); the client polls one word.
+  written by the agent (and, on a GPU, by the verifying kernel); the client polls one word;
+- ``pins``: ``PIN_DTYPE[MAX_CHANNEL_SLOTS]``, written by the client: its pinned hits, which
+  the agent reads before it gives a slot to another delivery.
 
 Plain NumPy: the agent (aarch64, no CUDA) and the host client both use it. See docs/ABI.md.
 """
@@ -24,7 +26,7 @@ _STATE_MASK = (1 << abi.SLOT_STATE_BITS) - 1
 _REPLY = abi.packer(abi.REPLY_DTYPE)
 _REPLY_BODY = abi.REPLY_DTYPE.fields["seq"][1]
 _MESSAGE_BYTES = abi.REPLY_DTYPE.fields["message"][0].itemsize
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_U32 = struct.Struct("<I")
 _STATUS_AT = abi.SLOT_STATE_DTYPE.fields["status"][1]
 _STATUS_EXPECTED = struct.Struct("<II")
 assert abi.SLOT_STATE_DTYPE.fields["expected"][1] == _STATUS_AT + 4
@@ -46,22 +48,24 @@ def split_word(word: int) -> tuple[int, abi.SlotState]:
 
 class Channel:
     """Views of a channel laid out in ``buffer`` (``uint8``, at least
-    ``channel_layout(capacity)[2]`` bytes).
+    ``channel_layout(capacity).total`` bytes).
 
     Attributes:
         requests: the request :class:`Ring`.
         replies: ``REPLY_DTYPE[capacity]`` view.
         states: ``SLOT_STATE_DTYPE[MAX_CHANNEL_SLOTS]`` view.
         words: ``uint64[MAX_CHANNEL_SLOTS]`` view of every state's ``word``.
+        pins: ``PIN_DTYPE[MAX_CHANNEL_SLOTS]`` view (the client's pinned hits).
     """
 
     def __init__(self, buffer: np.ndarray) -> None:
         self.buffer = buffer
         self.requests = Ring(buffer, abi.RingKind.REQUEST)
         self.capacity = self.requests.capacity
-        replies_at, states_at, total = abi.channel_layout(self.capacity)
-        if buffer.size < total:
-            raise RingError(f"channel of {self.capacity} requests needs {total} bytes, "
+        layout = abi.channel_layout(self.capacity)
+        replies_at, states_at = layout.replies, layout.states
+        if buffer.size < layout.total:
+            raise RingError(f"channel of {self.capacity} requests needs {layout.total} bytes, "
                             f"buffer has {buffer.size}")
         self.replies = np.ndarray((self.capacity,), abi.REPLY_DTYPE, buffer=buffer,
                                   offset=replies_at)
@@ -72,6 +76,10 @@ class Channel:
                                  offset=states_at)
         self.words = np.ndarray((abi.MAX_CHANNEL_SLOTS,), "<u8", buffer=buffer,
                                 offset=states_at, strides=(abi.SLOT_STATE_DTYPE.itemsize,))
+        self.pins = np.ndarray((abi.MAX_CHANNEL_SLOTS,), abi.PIN_DTYPE, buffer=buffer,
+                               offset=layout.pins)
+        self._pin_counts, self._touches = self.pins["pins"], self.pins["touches"]
+        self._sleepers = np.ndarray((1,), "<u4", buffer=buffer, offset=_SLEEPERS_AT)
         self._bytes = memoryview(buffer)
         self._replies_at, self._states_at = replies_at, states_at
         base = int(buffer.ctypes.data)
@@ -81,7 +89,7 @@ class Channel:
     @classmethod
     def format(cls, buffer: np.ndarray, capacity: int) -> Channel:
         """Zero the channel's bytes, write the request ring's header; return the channel."""
-        total = abi.channel_layout(capacity)[2]
+        total = abi.channel_layout(capacity).total
         if buffer.size < total:
             raise RingError(f"channel of {capacity} requests needs {total} bytes, "
                             f"buffer has {buffer.size}")
@@ -96,14 +104,14 @@ class Channel:
               flags: int = 0) -> None:
         """Publish the reply to the request at ring ``position``."""
         at = self._replies_at + (position % self.capacity) * _REPLY.size
-        mem = self._bytes
-        _U64.pack_into(mem, at + _REPLY_BODY, 0)
+        i = position % self.capacity
+        self._reply_seq[i] = 0
         store_fence()
-        mem[at:at + _REPLY_BODY] = _REPLY.pack(
+        self._bytes[at:at + _REPLY_BODY] = _REPLY.pack(
             request_id, int(status), region_id, slot_index, state_index, generation,
             slot_offset, message.encode()[:_MESSAGE_BYTES], flags, 0)[:_REPLY_BODY]
         store_fence()
-        _U64.pack_into(mem, at + _REPLY_BODY, position + 1)
+        self._reply_seq[i] = position + 1
         self._wake(self.reply_seq_address(position))
 
     def publish_state(self, index: int, generation: int, state: abi.SlotState,
@@ -124,8 +132,18 @@ class Channel:
 
     def store_word(self, index: int, word: int) -> None:
         """Slot-state word ``index`` := ``word`` (one 64-bit store; no wake)."""
-        _U64.pack_into(self._bytes, self._states_at + index * abi.SLOT_STATE_DTYPE.itemsize,
-                       word)
+        self.words[index] = word
+
+    def pins_after(self, index: int) -> tuple[int, int]:
+        """(pins, touches) of slot ``index`` as they read after everything this process stored
+        before (a fence first): the agent stores a slot's new word, then asks this, so that a
+        client's pin is either seen here or finds the new word (:meth:`try_pin`)."""
+        store_fence()
+        return int(self._pin_counts[index]), int(self._touches[index])
+
+    def touches(self, index: int) -> int:
+        """How many pinned hits slot ``index`` has had (mod 2^32; no ordering)."""
+        return int(self._touches[index])
 
     def wake_state(self, index: int) -> None:
         """Wake the client's sleepers on slot-state word ``index`` (after it was written, by
@@ -137,7 +155,7 @@ class Channel:
         word just published before the load of ``sleepers`` (the client's mirror image: it
         counts itself, fences, and the futex re-reads the word), so no sleeper is missed."""
         store_fence()
-        if _U32.unpack_from(self._bytes, _SLEEPERS_AT)[0]:
+        if self._sleepers[0]:
             futex.wake(address)
 
     def reply_seq_address(self, position: int) -> int:
@@ -161,10 +179,31 @@ class Channel:
         store_fence()
         return self.replies[i].copy()
 
+    def try_pin(self, index: int, word: int) -> bool:
+        """Take a pinned hit on slot ``index`` if its word reads ``word`` (READY of the caller's
+        generation): count the pin and the touch, fence, and read the word again; True if it
+        still reads ``word``, else the pin is undone. The agent stores a slot's new word before
+        it reads the slot's pins (:meth:`pins_after`), so it sees this pin or this read sees its
+        word: a pinned slot is never given to another delivery. The caller serialises its own
+        threads (the pin table has one writer)."""
+        if int(self.words[index]) != word:
+            return False
+        self._touches[index] = (int(self._touches[index]) + 1) & 0xFFFFFFFF
+        self._pin_counts[index] = int(self._pin_counts[index]) + 1
+        store_fence()
+        if int(self.words[index]) == word:
+            return True
+        self.unpin(index)
+        return False
+
+    def unpin(self, index: int) -> None:
+        """Drop one pin on slot ``index`` (the caller took it with :meth:`try_pin`)."""
+        self._pin_counts[index] = max(0, int(self._pin_counts[index]) - 1)
+
     def set_sleepers(self, count: int) -> None:
         """Publish how many of the client's threads are (about to be) asleep on a word of this
         channel, fenced before the caller's futex wait reads that word."""
-        _U32.pack_into(self._bytes, _SLEEPERS_AT, count)
+        self._sleepers[0] = count
         store_fence()
 
     def answered(self, first: int, last: int) -> np.ndarray:

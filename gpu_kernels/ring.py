@@ -6,7 +6,6 @@ device (the kernel's twin) and the tests. The GPU side is receive.cu over the sa
 
 from __future__ import annotations
 
-import struct
 import threading
 
 import numpy as np
@@ -17,8 +16,13 @@ _FENCE = threading.Lock()
 _PROBE = 16
 """pop_many checks this many entries one by one before it checks the rest as an array;
 push_many writes up to this many entries one by one (struct stores, no array temporaries)."""
-_U64 = struct.Struct("<Q")
 _PRODUCER_AT = abi.HEADER_DTYPE.fields["producer"][1]
+
+
+# Words another process or a device reads while they change (``seq``, ``producer``, slot-state
+# words) are stored through NumPy views: a NumPy element store of an aligned u64 is one 8-byte
+# store. ``struct.pack_into("<Q")`` is not: CPython writes such a value's bytes in steps, and a
+# reader in another process saw 0 in between (tests/test_pinned_hits.py).
 
 
 def store_fence() -> None:
@@ -60,6 +64,7 @@ class Ring:
         self._seq_at = dtype.fields["seq"][1]
         assert self._seq_at == dtype.itemsize - 8, "seq is the last word of every entry"
         self._bytes = memoryview(buffer)
+        self._producer_word = np.ndarray((1,), "<u8", buffer=buffer, offset=_PRODUCER_AT)
         self.payload = None
         if size > dtype.itemsize:
             self.payload = np.ndarray((cap, size - dtype.itemsize), np.uint8, buffer=buffer,
@@ -173,20 +178,20 @@ class Ring:
 
     def _push_few(self, records: np.ndarray, n: int, pos: int, first: int) -> None:
         """push_many of ``n`` entries that need no wrap, by byte stores."""
-        mem, size, body = self._bytes, self.entry_size, self._seq_at
+        mem, size, body, seq = self._bytes, self.entry_size, self._seq_at, self._seq
         item = records.dtype.itemsize
         raw = memoryview(records[:n].tobytes())
         at = abi.HEADER_BYTES + first * size
         for j in range(n):
-            _U64.pack_into(mem, at + j * size + body, 0)
+            seq[first + j] = 0
         store_fence()
         for j in range(n):
             mem[at + j * size:at + j * size + body] = raw[j * item:j * item + body]
         store_fence()
         for j in range(n):
-            _U64.pack_into(mem, at + j * size + body, pos + j + 1)
+            seq[first + j] = pos + j + 1
         self._producer = pos + n
-        _U64.pack_into(mem, _PRODUCER_AT, pos + n)
+        self._producer_word[0] = pos + n
 
     def advance_producer(self, n: int) -> None:
         """Account for ``n`` entries published by another agent of this producer (a kernel

@@ -352,18 +352,21 @@ class AgentClient:
             if self._epoch != epoch:
                 raise self._outage
 
-        handles = []
-        positions = dev.channel.post(entries)
+        # Pinned hits first: an expert this client was granted and that still reads READY
+        # there is held through the pin table, with nothing posted.
+        hits = [dev.channel.pin(k) for k in keys]
+        posted = iter(dev.channel.post([e for e, hit in zip(entries, hits, strict=True)
+                                        if hit is None]) if None in hits else ())
         landed = None
         if dev.work is None:  # the DMA engine delivers: no consumer of ours to keep awake
             settle = _nothing
             landed = LandedCheck(dev.device, dev.channel)
         else:
             settle = bell.settle
-            for _ in keys:
+            for _ in range(hits.count(None)):
                 bell.expect()  # the agent may post work: the consumer stays awake until settled
-        for key, manifest, position, entry in zip(keys, manifests, positions, entries,
-                                                  strict=True):
+        handles = []
+        for key, manifest, entry, hit in zip(keys, manifests, entries, hits, strict=True):
             def make_slot(reply: np.void, key: ExpertKey = key,
                           manifest: pb.ExpertManifest = manifest) -> ExpertSlot:
                 where = (int(reply["region_id"]), int(reply["slot_offset"]))
@@ -372,10 +375,13 @@ class AgentClient:
                     blob = dev.device.region_bytes(*where, manifest.blob_bytes)
                     slot = dev.slots[where] = ExpertSlot(key, blob, manifest)
                 return slot
+            if hit is not None:
+                handles.append(AcquireHandle.pinned(key, dev.channel, hit, make_slot(hit)))
+                continue
             repost = None if landed is None else (
                 lambda entry=entry: dev.channel.post([entry])[0])
-            handles.append(AcquireHandle(key, dev.channel, position, make_slot, check, settle,
-                                         landed, repost))
+            handles.append(AcquireHandle(key, dev.channel, next(posted), make_slot, check,
+                                         settle, landed, repost))
         return handles
 
     def acquire(self, dev: AttachedDevice, key: ExpertKey) -> AcquireHandle:
@@ -485,6 +491,8 @@ class AgentClient:
             if wait:
                 raise self._outage
             return
+        if dev.channel.unpin(key):
+            return
         if wait:
             entry = [(abi.RequestOp.RELEASE, self._index(key.model), key)]
             self._answer(dev, dev.channel.post(entry)[0])
@@ -503,8 +511,10 @@ class AgentClient:
             if refused is not None:
                 log.warning("release on device %d failed: %s", dev.device_id, refused)
 
-        dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in keys],
-                         on_reply=check)
+        posted = [k for k in keys if not dev.channel.unpin(k)]
+        if posted:
+            dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in posted],
+                             on_reply=check)
 
     def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
                        prefetch_to: AttachedDevice | None = None, prefetch_top_k: int = 0

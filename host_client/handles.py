@@ -117,6 +117,15 @@ class AcquireHandle:
         self._slot: ExpertSlot | None = None
         self._error: BaseException | None = None
         self._posted = time.monotonic()
+        self._pinned = False
+
+    @classmethod
+    def pinned(cls, key: ExpertKey, channel: ClientChannel, reply: np.void,
+               slot: ExpertSlot) -> AcquireHandle:
+        """A pinned hit (``ClientChannel.pin``): settled at once, nothing was posted."""
+        handle = cls(key, channel, -1, lambda _: slot, lambda: None, lambda: None)
+        handle._reply, handle._slot, handle._pinned = reply, slot, True
+        return handle
 
     def _settle(self, slot: ExpertSlot | None, error: BaseException | None) -> None:
         self._slot, self._error = slot, error
@@ -129,6 +138,7 @@ class AcquireHandle:
             self._settle(None, refused)
             return True
         self._reply = reply
+        self._channel.remember(self.key, reply)
         return False
 
     def wait_granted(self, timeout: float) -> None:
@@ -211,6 +221,9 @@ class AcquireHandle:
             raise self._error
         assert self._reply is not None
         result = cuda_ops.cp.empty(1, cuda_ops.cp.uint32)  # no fill kernel: no module load
+        if self._slot is not None:  # READY and held: nothing to wait for on the device
+            cuda_ops.cp.cuda.runtime.memsetAsync(result.data.ptr, 0, 4, stream.ptr)
+            return StreamWait(self.key, self._slot, result, stream)
         cuda_ops.cp.cuda.runtime.memsetAsync(result.data.ptr, 0xFF, 4, stream.ptr)
         slot = self._make_slot(self._reply)
         if self._landed is not None:
@@ -233,11 +246,17 @@ class AcquireHandle:
     def resident(self) -> bool | None:
         """Once granted: True when this acquire started no delivery (the expert was in its
         slot, or already on its way there: a cache hit); False when the agent began a delivery
-        for it; None before the grant or after a refusal."""
+        for it; None before the grant or after a refusal. A pinned hit is resident."""
         self._poll()
         if self._reply is None:
             return None
-        return bool(int(self._reply["flags"]) & abi.ReplyFlags.RESIDENT)
+        return self._pinned or bool(int(self._reply["flags"]) & abi.ReplyFlags.RESIDENT)
+
+    @property
+    def pinned_hit(self) -> bool:
+        """Whether this acquire was a pinned hit: served from the pin table, no request
+        posted (release it like any other)."""
+        return self._pinned
 
     @property
     def where(self) -> tuple[int, int] | None:

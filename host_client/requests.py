@@ -15,7 +15,7 @@ import numpy as np
 
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi, futex
-from gpu_kernels.channel import Channel
+from gpu_kernels.channel import Channel, state_word
 from gpu_kernels.shm import SharedBuffer
 from host_client.errors import AgentUnavailable, refusal
 
@@ -54,6 +54,11 @@ class ClientChannel:
         """Replies swept for handles that have not looked yet."""
         self._checked: dict[int, int] = {}
         """slot-state index -> the newest generation whose check this client started."""
+        self._granted: dict[ExpertKey, tuple[int, int, np.void]] = {}
+        """expert -> (slot-state index, READY word of its generation, reply) of the last grant:
+        where a pinned hit may find it."""
+        self._pinned: dict[ExpertKey, list[int]] = {}
+        """expert -> the slot-state index of each pinned hit this client holds on it."""
         self._sleepers = 0
         self.device_address = 0
         """The channel's address as the device's kernels see it (registered host memory)."""
@@ -92,6 +97,39 @@ class ClientChannel:
                 self._callbacks.extend(positions)
             self.view.requests.push_many(records)
         return positions
+
+    def remember(self, key: ExpertKey, reply: np.void) -> None:
+        """Note the agent's grant of a slot for ``key``: once that delivery reads READY, a later
+        acquire of ``key`` may be a pinned hit on it (:meth:`pin`)."""
+        index, generation = int(reply["state_index"]), int(reply["generation"])
+        with self._lock:
+            self._granted[key] = (index, state_word(generation, abi.SlotState.READY), reply)
+
+    def pin(self, key: ExpertKey) -> np.void | None:
+        """A pinned hit: the reply of ``key``'s last grant if that slot still holds it READY,
+        with a pin taken on it in the pin table (the agent will not give the slot to another
+        delivery until :meth:`unpin`); None when the agent must be asked."""
+        with self._lock:
+            granted = self._granted.get(key)
+            if granted is None:
+                return None
+            index, word, reply = granted
+            if not self.view.try_pin(index, word):
+                return None
+            self._pinned.setdefault(key, []).append(index)
+            return reply
+
+    def unpin(self, key: ExpertKey) -> bool:
+        """Drop one pinned hit on ``key``; False when this client holds none (the reference
+        is then the agent's to drop: post a RELEASE)."""
+        with self._lock:
+            held = self._pinned.get(key)
+            if not held:
+                return False
+            self.view.unpin(held.pop())
+            if not held:
+                del self._pinned[key]
+            return True
 
     def _has_room_locked(self, n: int) -> bool:
         """Whether ``n`` more requests fit: free ring entries, and no reply entry they would
@@ -206,7 +244,7 @@ class ClientChannel:
 
     def word_address(self, index: int) -> int:
         """Device address of slot-state word ``index`` (after the device registered us)."""
-        states_at = abi.channel_layout(self.capacity)[1]
+        states_at = abi.channel_layout(self.capacity).states
         return self.device_address + states_at + index * abi.SLOT_STATE_DTYPE.itemsize
 
     def word(self, index: int) -> int:

@@ -23,6 +23,7 @@ STRUCTS = {
     "dpu_request": abi.REQUEST_DTYPE,
     "dpu_reply": abi.REPLY_DTYPE,
     "dpu_slot_state": abi.SLOT_STATE_DTYPE,
+    "dpu_pin": abi.PIN_DTYPE,
 }
 
 

@@ -17,7 +17,7 @@ from gpu_kernels.ring import RingError
 
 
 def make_channel(capacity: int = 8) -> Channel:
-    return Channel.format(np.zeros(abi.channel_layout(capacity)[2], np.uint8), capacity)
+    return Channel.format(np.zeros(abi.channel_layout(capacity).total, np.uint8), capacity)
 
 
 @given(generation=st.integers(0, 2**56 - 1), state=st.sampled_from(list(abi.SlotState)))
@@ -32,7 +32,7 @@ def test_unknown_state_is_an_error() -> None:
 
 def test_a_channel_needs_its_whole_layout() -> None:
     with pytest.raises(RingError, match="needs"):
-        Channel.format(np.zeros(abi.channel_layout(8)[2] - 1, np.uint8), 8)
+        Channel.format(np.zeros(abi.channel_layout(8).total - 1, np.uint8), 8)
 
 
 def test_replies_are_matched_by_position_and_reused_per_lap() -> None:

@@ -33,7 +33,7 @@ class DeviceChannel:
     def __init__(self, owner: tuple[str, int], capacity: int = CHANNEL_CAPACITY) -> None:
         self.owner = owner
         """(session id, device id) the channel belongs to."""
-        total = abi.channel_layout(capacity)[2]
+        total = abi.channel_layout(capacity).total
         self._buffer = SharedBuffer(unique_name("dpu-channel"), total, create=True)
         self.view = Channel.format(self._buffer.array, capacity)
         self.last_request_id = 0
@@ -74,6 +74,21 @@ class DeviceChannel:
     def store_expected(self, index: int, expected: int) -> None:
         if not self.closed:
             self.view.store_expected(index, expected)
+
+    def store_word(self, index: int, word: int) -> None:
+        if not self.closed:
+            self.view.store_word(index, word)
+
+    def pins_after(self, index: int) -> tuple[int, int]:
+        """(pins, touches) the client wrote for slot ``index``, read after a fence."""
+        return self.view.pins_after(index)
+
+    def touches(self, index: int) -> int:
+        return self.view.touches(index)
+
+    def wake_state(self, index: int) -> None:
+        if not self.closed:
+            self.view.wake_state(index)
 
     def reply(self, position: int, request_id: int, status: abi.RequestStatus,
               message: str = "", **slot: int) -> None:

@@ -14,7 +14,7 @@ from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.identity import Binding
 from dpu_offload.keys import ExpertKey
 from gpu_kernels.abi import SlotState
-from gpu_kernels.channel import split_word
+from gpu_kernels.channel import split_word, state_word
 from gpu_kernels.ring import RingError
 
 _SETTLED = (SlotState.READY, SlotState.LANDED)
@@ -42,9 +42,10 @@ class SlotPool:
     checksums: list[tuple[int, ...]] = field(default_factory=list)
     """Per slot, the chunk checksums of the blob it holds (to verify copies made from it)."""
     by_key: dict[ExpertKey, int] = field(default_factory=dict)
-    idle: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    """READY or LANDED slots nobody holds, least recently released first: eviction
-    candidates."""
+    idle: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    """READY or LANDED slots nobody holds through the agent, least recently released first:
+    eviction candidates, each with the client's ``touches`` count of the slot when it was
+    queued (a slot the client hit since, by a pin, gets a second chance)."""
     generation: list[int] = field(default_factory=list)
     """Per slot, how many deliveries it was given (the slot-state table's generation)."""
     channel: DeviceChannel | None = None
@@ -79,29 +80,67 @@ class SlotPool:
         return sum(1 for s, r in zip(self.state, self.refs, strict=True)
                    if s == SlotState.FILLING and r == 0)
 
+    def make_idle(self, idx: int) -> None:
+        """Queue slot ``idx`` (settled, nobody holds it through the agent) for eviction."""
+        self.idle[idx] = self._touches(idx)
+
+    def _touches(self, idx: int) -> int:
+        return 0 if self.channel is None else self.channel.touches(self.state_base + idx)
+
     def allocate(self, key: ExpertKey) -> int | None:
-        """A slot for ``key`` in FILLING state with one reference; None when all are held."""
+        """A slot for ``key`` in FILLING state with one reference; None when every slot is
+        held or pinned. Free slots first, then idle ones, least recently used first: an idle
+        slot the client hit (pinned) since it was queued goes to the back once."""
+        start = 0
+        while (idx := self._next_free(start)) is not None:
+            if self._claim(idx, key):
+                return idx
+            start = idx + 1
+        for _ in range(2 * len(self.idle)):
+            idx, seen = self.idle.popitem(last=False)
+            touches = self._touches(idx)
+            if touches == seen:
+                old = self.keys[idx]
+                if self._claim(idx, key):
+                    del self.by_key[old]  # type: ignore[arg-type]
+                    return idx
+            self.idle[idx] = touches
+        return None
+
+    def _next_free(self, start: int) -> int | None:
         try:
-            idx = self.state.index(SlotState.FREE)
+            return self.state.index(SlotState.FREE, start)
         except ValueError:
-            if not self.idle:
-                return None
-            idx, _ = self.idle.popitem(last=False)
-            del self.by_key[self.keys[idx]]  # type: ignore[arg-type]
+            return None
+
+    def _claim(self, idx: int, key: ExpertKey) -> bool:
+        """Give slot ``idx`` to a delivery of ``key`` (FILLING, the next generation, one
+        reference) unless the client has it pinned. EVICTING is stored before the pins are read
+        (the client's mirror image: ``Channel.try_pin``); a pinned slot gets its old word back
+        and keeps its expert (a waiter on that word sees EVICTING come and go, no new
+        generation)."""
+        channel, index = self.channel, self.state_base + idx
+        if channel is not None:
+            old_word = int(channel.view.words[index])
+            channel.store_word(index, state_word(self.generation[idx], SlotState.EVICTING))
+            if channel.pins_after(index)[0]:
+                channel.store_word(index, old_word)
+                channel.wake_state(index)
+                return False
         self.state[idx] = SlotState.FILLING
         self.keys[idx] = key
         self.refs[idx] = 1
         self.by_key[key] = idx
         self.generation[idx] += 1
         self._publish(idx)
-        return idx
+        return True
 
     def mark_ready(self, idx: int) -> None:
         """Every chunk of the slot's delivery was verified: READY (idle if nobody holds it)."""
         self.state[idx] = SlotState.READY
         self._publish(idx)
         if self.refs[idx] == 0:
-            self.idle[idx] = None
+            self.make_idle(idx)
 
     def mark_landed(self, idx: int) -> None:
         """Every chunk was copied, unchecked (a DMA-engine device), and the engine published
@@ -110,7 +149,7 @@ class SlotPool:
         consumer may have written its verdict already."""
         self.state[idx] = SlotState.LANDED
         if self.refs[idx] == 0:
-            self.idle[idx] = None
+            self.make_idle(idx)
 
     def verdict(self, idx: int) -> SlotState | None:
         """What the consumer published for a LANDED slot's generation: READY, FAILED, or None
@@ -273,7 +312,7 @@ class Session:
                 if idx is not None and pool.refs[idx] > 0:
                     pool.refs[idx] -= 1
                     if pool.refs[idx] == 0 and pool.state[idx] in _SETTLED:
-                        pool.idle[idx] = None
+                        pool.make_idle(idx)
                     return True
         return False
 

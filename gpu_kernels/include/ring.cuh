@@ -58,6 +58,7 @@ typedef unsigned long long uint64_t;
 #define DPU_SLOT_READY 2u
 #define DPU_SLOT_FAILED 3u
 #define DPU_SLOT_LANDED 4u
+#define DPU_SLOT_EVICTING 5u  // the agent is about to reuse the slot (pinned hits)
 #define DPU_REQSTATUS_OK 0u
 #define DPU_REQSTATUS_BAD_OPCODE 1u
 #define DPU_REQSTATUS_INVALID_ARGUMENT 2u
@@ -163,6 +164,12 @@ typedef struct {
     uint32_t status;
     uint32_t expected;
 } dpu_slot_state;
+
+// Written by the client only (pinned hits); no kernel reads it.
+typedef struct {
+    uint32_t pins;
+    uint32_t touches;
+} dpu_pin;
 
 #ifdef __CUDACC__
 // Checksum of 32-bit little-endian words w[i] whose global word index is g = offset / 4 + i:

@@ -1,0 +1,163 @@
+"""Pinned hits: a client acquires an expert its slot still holds READY through the channel's pin
+table, with no request posted, and the agent never gives a pinned slot to another delivery
+(docs/ABI.md, "Pinned hits")."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.service.registry import SlotPool
+from dpu_offload.keys import ExpertKey
+from gpu_kernels import abi
+from gpu_kernels.channel import Channel, state_word
+from gpu_kernels.shm import SharedBuffer
+from host_client import AgentClient, AgentError, CpuReferenceDevice, SlotPoolSpec
+from host_client.launcher import AgentProcess
+from tests.conftest import checkpoint_bytes
+
+READY, FILLING = abi.SlotState.READY, abi.SlotState.FILLING
+
+
+@pytest.fixture
+def pool() -> Iterator[SlotPool]:
+    channel = DeviceChannel(("session", 1), capacity=8)
+    yield SlotPool(region_id=1, slot_bytes=64, slot_count=2, channel=channel)
+    channel.close()
+
+
+def _fill(pool: SlotPool, key: ExpertKey) -> int:
+    idx = pool.allocate(key)
+    assert idx is not None
+    pool.refs[idx] = 0
+    pool.mark_ready(idx)
+    return idx
+
+
+def test_a_pinned_slot_is_not_given_to_another_delivery(pool: SlotPool) -> None:
+    """The agent stores the new word, reads the pin, and puts the old word back."""
+    a, b, c = (ExpertKey("m", 0, e) for e in range(3))
+    ia, ib = _fill(pool, a), _fill(pool, b)
+    view = pool.channel.view
+    word_a = state_word(pool.generation[ia], READY)
+    assert view.try_pin(ia, word_a)
+    assert pool.allocate(c) == ib  # a is older but pinned: b goes
+    assert int(view.words[ia]) == word_a and pool.keys[ia] == a and pool.by_key[a] == ia
+    assert pool.allocate(ExpertKey("m", 0, 3)) is None  # b is held now, a pinned
+    assert int(view.words[ia]) == word_a
+    view.unpin(ia)
+    assert pool.allocate(ExpertKey("m", 0, 3)) == ia
+    assert int(view.words[ia]) == state_word(pool.generation[ia], FILLING)
+    assert not view.try_pin(ia, word_a)  # the generation moved on: no hit on it
+    assert int(view.pins["pins"][ia]) == 0
+
+
+def test_a_slot_hit_by_a_pin_since_it_went_idle_is_evicted_last(pool: SlotPool) -> None:
+    a, b = ExpertKey("m", 0, 0), ExpertKey("m", 0, 1)
+    ia, ib = _fill(pool, a), _fill(pool, b)  # a went idle first
+    view = pool.channel.view
+    assert view.try_pin(ia, state_word(pool.generation[ia], READY))
+    view.unpin(ia)  # used since: a second chance
+    assert pool.allocate(ExpertKey("m", 0, 2)) == ib
+    pool.refs[ib] = 0
+    pool.mark_ready(ib)
+    assert pool.allocate(ExpertKey("m", 0, 3)) == ia  # its chance was used
+
+
+def test_a_pin_on_a_word_that_moved_is_undone(pool: SlotPool) -> None:
+    ia = _fill(pool, ExpertKey("m", 0, 0))
+    view = pool.channel.view
+    assert not view.try_pin(ia, state_word(pool.generation[ia] + 1, READY))
+    assert int(view.pins["pins"][ia]) == 0
+
+
+def _pinner(name: str, size: int, stop_at: float, out: mp.Queue) -> None:
+    """Client process: pin whatever slot 0 holds READY, then check it stays put while held."""
+    buf = SharedBuffer(name, size)
+    view = Channel(buf.array)
+    hits = moved = 0
+    while time.monotonic() < stop_at:
+        word = int(view.words[0])
+        if word & 0xFF != READY or not view.try_pin(0, word):
+            continue
+        hits += 1
+        for _ in range(50):  # the agent may store EVICTING and put the word back, no more
+            moved += int(view.words[0]) not in (word, word - READY + abi.SlotState.EVICTING)
+        view.unpin(0)
+    out.put((hits, moved))
+    del view
+    buf.close()
+
+
+def test_pins_and_reuse_exclude_each_other_across_processes(pool: SlotPool) -> None:
+    """A client process pins slot 0 as often as it can while this process (the agent) keeps
+    giving the one-slot pool to new experts: a pinned word never changes under its pin."""
+    one = SlotPool(region_id=2, slot_bytes=64, slot_count=1, channel=pool.channel)
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    stop_at = time.monotonic() + 8.0
+    proc = ctx.Process(target=_pinner, args=(pool.channel.name, pool.channel.size,
+                                             stop_at + 1.0, out))
+    proc.start()
+    try:
+        refused = reused = 0
+        e = 0
+        while time.monotonic() < stop_at:
+            e += 1
+            idx = one.allocate(ExpertKey("m", 0, e))
+            if idx is None:
+                refused += 1
+                continue
+            reused += 1
+            one.refs[idx] = 0
+            one.mark_ready(idx)
+        hits, moved = out.get(timeout=30)
+    finally:
+        proc.join(10)
+    assert moved == 0
+    assert hits > 100 and reused > 100 and refused > 0, (hits, reused, refused)
+
+
+@pytest.fixture
+def client(agent: AgentProcess) -> Iterator[AgentClient]:
+    c = AgentClient(agent.address, client_name="pytest-pins")
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("delivery", ["pull", "engine"])
+def test_a_resident_expert_is_a_pinned_hit_with_nothing_posted(
+        client: AgentClient, qwen_ckpt: Path, delivery: str) -> None:
+    truth = checkpoint_bytes(qwen_ckpt)
+    model = client.load_model(str(qwen_ckpt), f"qwen-pin-{delivery}")
+    dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 1)],
+                                 delivery=delivery)
+    key, other = ExpertKey(model.model, 1, 2), ExpertKey(model.model, 1, 3)
+    first = client.acquire(dev, key)
+    first.wait(10)
+    assert not first.pinned_hit and first.resident is False
+    client.release(dev, key)
+    posted = dev.channel.view.requests.produced
+    hit = client.acquire(dev, key)
+    assert hit.pinned_hit and hit.resident and hit.done()
+    assert dev.channel.view.requests.produced == posted  # no request on the ring
+    down = "model.layers.1.mlp.experts.2.down_proj.weight"
+    assert hit.wait(0).raw("down_proj").tobytes() == truth[down]
+    # Pinned, the pool's one slot cannot take another expert: a clear refusal.
+    with pytest.raises(AgentError) as err:
+        client.acquire(dev, other).wait(10)
+    assert "pinned" in str(err.value)
+    assert hit.wait(0).raw("down_proj").tobytes() == truth[down]
+    client.release(dev, key)  # drops the pin, posts nothing
+    assert dev.channel.view.requests.produced == posted + 1
+    slot = client.acquire(dev, other).wait(10)
+    assert slot.raw("down_proj").tobytes() == truth["model.layers.1.mlp.experts.3.down_proj.weight"]
+    client.release(dev, other)
+    again = client.acquire(dev, key)  # its slot went to `other`: asked for, delivered anew
+    assert not again.pinned_hit
+    assert again.wait(10).raw("down_proj").tobytes() == truth[down]
