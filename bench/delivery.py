@@ -229,12 +229,14 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             before = scrape(agent)
             stages = stage_breakdown(client, dev, other, resident, max(8, repeats * 2), cycle)
             stages.update(agent_request_times(before, scrape(agent)))
-            hit = []
+            hit, pinned = [], 0
             for r in range(max(20, repeats * 4)):  # an expert already READY in a slot
                 k = resident[r % half]
                 t0 = time.perf_counter()
-                client.acquire(dev, k).wait(10)
+                handle = client.acquire(dev, k)
+                handle.wait(10)
                 hit.append(time.perf_counter() - t0)
+                pinned += handle.pinned_hit
                 client.release(dev, k, wait=False)
             log(f"{name}: latency done")
             result: dict[str, object] = {
@@ -249,6 +251,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "acquire_rpc_p50_ms": median(single_rpc) * 1e3,
                 "acquire_to_grant_p50_ms": median(grant) * 1e3,
                 "ready_hit_p50_us": median(hit) * 1e6,
+                "ready_hit_pinned_fraction": pinned / len(hit),
                 **stages,
                 "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
                 "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
@@ -390,6 +393,7 @@ def main() -> int:
                       f"{r['acquire_rpc_p50_ms']:.3f}; batch {r['acquire_batch_rpc_p50_ms']:.3f})"
                       f" grant {r['acquire_to_grant_p50_ms']:.3f} ms"
                       f" hit {r['ready_hit_p50_us']:.0f} us"
+                      f" ({r['ready_hit_pinned_fraction']:.0%} pinned)"
                       f" | spinning: grant {r['stage_grant_p50_ms']:.3f} landed "
                       f"{r['stage_landed_p50_ms']:.3f} ready {r['stage_ready_p50_ms']:.3f} ms"
                       f" (agent: requests waited {r.get('agent_request_wait_us', 0):.0f} us,"
