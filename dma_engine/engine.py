@@ -77,6 +77,8 @@ class Target:
         SIGNAL is written behind the copies before it and completed once written. The batch
         is planned by :class:`~dma_engine.plan.Planner`."""
         done = self._finish()
+        if not self.work.has_entries():
+            return done
         room = self.completions.free_entries() - self._owed
         batch = self.work.pop_many(room) if room > 0 else self.work.entries[:0]
         if batch.size == 0:

@@ -17,6 +17,7 @@ _PROBE = 16
 """pop_many checks this many entries one by one before it checks the rest as an array;
 push_many writes up to this many entries one by one (struct stores, no array temporaries)."""
 _PRODUCER_AT = abi.HEADER_DTYPE.fields["producer"][1]
+_CONSUMER_AT = abi.HEADER_DTYPE.fields["consumer"][1]
 
 
 # Words another process or a device reads while they change (``seq``, ``producer``, slot-state
@@ -65,6 +66,7 @@ class Ring:
         assert self._seq_at == dtype.itemsize - 8, "seq is the last word of every entry"
         self._bytes = memoryview(buffer)
         self._producer_word = np.ndarray((1,), "<u8", buffer=buffer, offset=_PRODUCER_AT)
+        self._consumer_word = np.ndarray((1,), "<u8", buffer=buffer, offset=_CONSUMER_AT)
         self.payload = None
         if size > dtype.itemsize:
             self.payload = np.ndarray((cap, size - dtype.itemsize), np.uint8, buffer=buffer,
@@ -118,7 +120,7 @@ class Ring:
     # -- producer side ---------------------------------------------------------------------
     def free_entries(self) -> int:
         """Entries the producer may publish now without overwriting unconsumed ones."""
-        return self.capacity - (self._producer - int(self.header["consumer"]))
+        return self.capacity - (self._producer - int(self._consumer_word[0]))
 
     def push(self, entry: np.void | dict[str, int], payload: np.ndarray | None = None) -> bool:
         """Publish one entry (its ``seq`` is set here); False, writing nothing, when full."""
@@ -144,7 +146,7 @@ class Ring:
         store_fence()
         self._seq[i] = pos + 1
         self._producer = pos + 1
-        self.header["producer"] = pos + 1
+        self._producer_word[0] = pos + 1
         return True
 
     def push_many(self, records: np.ndarray) -> int:
@@ -173,7 +175,7 @@ class Ring:
         for at, k, m in spans:
             self._seq[at:at + m] = np.arange(pos + k + 1, pos + k + m + 1, dtype=np.uint64)
         self._producer = pos + n
-        self.header["producer"] = pos + n
+        self._producer_word[0] = pos + n
         return n
 
     def _push_few(self, records: np.ndarray, n: int, pos: int, first: int) -> None:
@@ -197,7 +199,7 @@ class Ring:
         """Account for ``n`` entries published by another agent of this producer (a kernel
         launched on our behalf), in order from the current position."""
         self._producer += n
-        self.header["producer"] = self._producer
+        self._producer_word[0] = self._producer
 
     # -- consumer side ---------------------------------------------------------------------
     def peek(self) -> np.void | None:
@@ -244,13 +246,13 @@ class Ring:
         else:
             out = np.concatenate([self.entries[first:], self.entries[:first + n - self.capacity]])
         self._consumer = pos + n
-        self.header["consumer"] = self._consumer
+        self._consumer_word[0] = self._consumer
         return out
 
     def advance(self, count: int = 1) -> None:
         """Release the entry last returned by :meth:`peek` (or the next ``count``)."""
         self._consumer += count
-        self.header["consumer"] = self._consumer
+        self._consumer_word[0] = self._consumer
 
     @property
     def consumed(self) -> int:
