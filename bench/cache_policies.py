@@ -1,9 +1,10 @@
 """Replay a routing trace through the weight cache's eviction policies.
 
-Per cache size (in experts): hit rate of LRU, LFU, the routing-aware policy, and Belady's MIN
-(the offline optimum, as the ceiling). Each step's distinct experts are accessed together (they
-cannot evict each other); the step is then reported to the policies as routing statistics, as
-clients do with ReportRouting. Trace format: docs/LAYOUT.md.
+Per cache size (in experts): hit rate of every policy in ``POLICIES`` (LRU, LFU, the
+routing-aware and the learned-reuse policy) and of Belady's MIN (the offline optimum, as the
+ceiling), and each policy's own time per access. Each step's distinct experts are accessed
+together (they cannot evict each other); the step is then reported to the policies as routing
+statistics, as clients do with ReportRouting. Trace format: docs/LAYOUT.md.
 
 Usage:
   python bench/cache_policies.py --trace FILE [--cache-experts N ...] [--json] [--plot PNG]
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -28,32 +30,42 @@ from dpu_offload.keys import ExpertKey
 MODEL = "trace"
 
 
-def simulate(steps: list[RoutingStep], policy_name: str, size: int) -> float:
-    """Hit rate of one policy at one cache size."""
+def simulate(steps: list[RoutingStep], policy_name: str, size: int) -> tuple[float, float]:
+    """(hit rate, the policy's own time per access in seconds) of one policy at one cache
+    size; the time counts every call into the policy, as the agent would make them."""
     policy = POLICIES[policy_name]()
     resident: set[ExpertKey] = set()
     hits = total = 0
+    spent = 0.0
+    clock = time.perf_counter
     for step in steps:
         want = {ExpertKey(MODEL, step.layer, e) for e in step.experts}
         for key in sorted(want):
             total += 1
             if key in resident:
                 hits += 1
+                t0 = clock()
                 policy.on_access(key)
+                spent += clock() - t0
                 continue
+            t0 = clock()
             if len(resident) >= size:
-                victim = policy.victim(resident - want)
+                victim = policy.victim(resident - want, key)
                 if victim is None:
+                    spent += clock() - t0
                     continue  # the step alone overfills the cache: serve without caching
                 resident.discard(victim)
                 policy.on_remove(victim)
             resident.add(key)
             policy.on_insert(key)
+            spent += clock() - t0
         counts: dict[int, int] = defaultdict(int)
         for e in step.experts:
             counts[e] += 1
+        t0 = clock()
         policy.observe(MODEL, step.layer, counts)
-    return hits / max(1, total)
+        spent += clock() - t0
+    return hits / max(1, total), spent / max(1, total)
 
 
 def simulate_min(steps: list[RoutingStep], size: int) -> float:
@@ -85,10 +97,19 @@ def simulate_min(steps: list[RoutingStep], size: int) -> float:
 
 
 def run(steps: list[RoutingStep], sizes: list[int]) -> dict[str, object]:
-    rates: dict[str, list[float]] = {name: [simulate(steps, name, s) for s in sizes]
-                                     for name in POLICIES}
+    """Hit rates per policy and size (MIN as the ceiling), each policy's mean time per access
+    (microseconds) and its hit rate relative to MIN averaged over the sizes."""
+    rates: dict[str, list[float]] = {}
+    cost: dict[str, float] = {}
+    for name in POLICIES:
+        runs = [simulate(steps, name, s) for s in sizes]
+        rates[name] = [r for r, _ in runs]
+        cost[name] = sum(c for _, c in runs) / len(runs) * 1e6
     rates["min"] = [simulate_min(steps, s) for s in sizes]
-    return {"sizes": sizes, "hit_rate": rates}
+    of_min = {name: sum(r / m for r, m in zip(rates[name], rates["min"], strict=True) if m)
+              / len(sizes) for name in POLICIES}
+    return {"sizes": sizes, "hit_rate": rates, "policy_us_per_access": cost,
+            "mean_fraction_of_min": of_min}
 
 
 def plot(result: dict[str, object], title: str, path: Path) -> None:
@@ -135,6 +156,10 @@ def main() -> int:
         for i, s in enumerate(sizes):
             print(f"{name} size {s:4d}: " + "  ".join(
                 f"{p} {r[i]:.3f}" for p, r in result["hit_rate"].items()))
+        print(f"{name} mean of MIN: " + "  ".join(
+            f"{p} {v:.3f}" for p, v in result["mean_fraction_of_min"].items()))
+        print(f"{name} policy us per access: " + "  ".join(
+            f"{p} {v:.1f}" for p, v in result["policy_us_per_access"].items()))
     if not args.no_save:
         write("cache", envelope("cache_policies", result, trace=name, steps=len(steps),
                                 command=" ".join(["python", "bench/cache_policies.py",

@@ -48,7 +48,7 @@ class AgentConfig:
     admin_names: tuple[str, ...] = ()
     """Client-certificate common names (mutual TLS) that see every session in GetStatus."""
     arena_bytes: int = 1 * 2**30
-    cache_policy: str = "lru"
+    cache_policy: str = "reuse"
     chunk_bytes: int = 1 * 2**20
     transfer_timeout_seconds: int = 30
     link_concurrency: int = 4

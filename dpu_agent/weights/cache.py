@@ -113,7 +113,7 @@ class WeightCache:
                 fill = False
             else:
                 self.stats.misses += 1
-                offset = self._allocate(entry.blob_bytes)
+                offset = self._allocate(entry.blob_bytes, key)
                 cached = CachedExpert(entry, offset, pins=1)
                 self._resident[key] = cached
                 self.policy.on_insert(key)
@@ -126,13 +126,13 @@ class WeightCache:
             raise cached.error
         return cached
 
-    def _allocate(self, nbytes: int) -> int:
+    def _allocate(self, nbytes: int, key: ExpertKey) -> int:
         while True:
             offset = self.arena.alloc(nbytes)
             if offset is not None:
                 return offset
             victims = [k for k, c in self._resident.items() if c.pins == 0 and c.ready.is_set()]
-            victim = self.policy.victim(victims)
+            victim = self.policy.victim(victims, key)
             if victim is None:
                 raise CacheFullError(f"arena of {self.arena.size} bytes cannot hold {nbytes} "
                                      "more: every resident expert is pinned")

@@ -12,6 +12,8 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+import numpy as np
+
 from dpu_offload.keys import ExpertKey
 
 
@@ -24,7 +26,11 @@ class EvictionPolicy(Protocol):
     def on_access(self, key: ExpertKey) -> None: ...
     def on_remove(self, key: ExpertKey) -> None: ...
     def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None: ...
-    def victim(self, candidates: Iterable[ExpertKey]) -> ExpertKey | None: ...
+    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
+               ) -> ExpertKey | None:
+        """The key to evict among ``candidates`` to make room for ``incoming`` (None if
+        unknown), or None when there is none."""
+        ...
 
 
 class LruPolicy:
@@ -47,7 +53,8 @@ class LruPolicy:
     def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None:
         pass
 
-    def victim(self, candidates: Iterable[ExpertKey]) -> ExpertKey | None:
+    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
+               ) -> ExpertKey | None:
         allowed = set(candidates)
         return next((k for k in self._order if k in allowed), None)
 
@@ -75,7 +82,8 @@ class LfuPolicy:
     def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None:
         pass
 
-    def victim(self, candidates: Iterable[ExpertKey]) -> ExpertKey | None:
+    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
+               ) -> ExpertKey | None:
         return min(candidates, key=lambda k: (self._count[k], self._tick.get(k, 0)),
                    default=None)
 
@@ -140,7 +148,8 @@ class RoutingAwarePolicy:
         p = min(max(sum(shares) / len(shares), 1e-9), 1.0)
         return d + n * (1.0 - p) / p if p < 1.0 else float(d)
 
-    def victim(self, candidates: Iterable[ExpertKey]) -> ExpertKey | None:
+    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
+               ) -> ExpertKey | None:
         best, best_t = None, -math.inf
         for k in candidates:
             t = self.expected_steps(k)
@@ -149,5 +158,141 @@ class RoutingAwarePolicy:
         return best
 
 
-POLICIES: dict[str, type] = {"lru": LruPolicy, "lfu": LfuPolicy, "routing": RoutingAwarePolicy}
+class _LayerStats:
+    """One MoE layer's selection history: per expert, decayed selection counts at each
+    horizon (``[E, H]``) and the visit count decayed alike (``[H]``), the feature rows
+    (``[E, 2 + H]``: a constant, selected at the last visit, the share of visits that selected
+    it at each horizon), its predicted chance to be selected at the next visit (``p``), and
+    which experts are resident."""
+
+    def __init__(self, horizons: int) -> None:
+        self.counts = np.zeros((0, horizons))
+        self.visits = np.zeros(horizons)
+        self.x = np.zeros((0, 2 + horizons))
+        self.p: list[float] = []
+        self.resident: set[int] = set()
+
+    def grow(self, experts: int) -> None:
+        n = self.x.shape[0]
+        if experts > n:
+            self.counts = np.vstack([self.counts, np.zeros((experts - n, self.counts.shape[1]))])
+            self.x = np.vstack([self.x, np.zeros((experts - n, self.x.shape[1]))])
+            self.x[:, 0] = 1.0
+            self.p += [0.0] * (experts - n)
+
+    def visit(self, chosen: list[int], decay: np.ndarray) -> None:
+        """Fold in one visit that selected ``chosen``; the feature rows follow."""
+        self.counts *= decay
+        self.counts[chosen] += 1.0
+        self.visits = self.visits * decay + 1.0
+        self.x[:, 1] = 0.0
+        self.x[chosen, 1] = 1.0
+        np.divide(self.counts, self.visits, out=self.x[:, 2:])
+
+
+class LearnedReusePolicy:
+    """Evicts the expert with the fewest expected hits per step it would hold its slot, from a
+    model of reuse learned online from the routing the agent observes.
+
+    For expert (L, e) it predicts ``p``, the chance that the next visit of layer L selects
+    e, from its history at layer L: selected at the last visit or not, and the share of
+    visits that selected it over horizons of 1, 4, 16, 64 and 256 visits and all of them
+    (recency and frequency at once). One linear model per model, fitted by recursive least
+    squares with forgetting (``forget`` per visit; refitted every ``refit`` visits) on every
+    expert of each visited layer, so it follows a shift in routing and needs no offline
+    training. Decode visits MoE layers in order, so layer L comes next in ``d`` steps counted
+    from the layer being filled (``n`` for that layer itself: its other experts are not needed
+    before the next token). The victim minimises ``p / d``: a slot held for an expert far
+    away must pay for the wait with a higher chance of use. With one MoE layer it orders by
+    ``p`` alone.
+    """
+
+    name = "reuse"
+    HALF_LIVES = (1.0, 4.0, 16.0, 64.0, 256.0, math.inf)
+    """Horizons of the selection shares, in visits of the layer."""
+
+    def __init__(self, forget: float = 0.98, refit: int = 4, ridge: float = 1e-3) -> None:
+        self._decay = np.array([0.5 ** (1.0 / h) for h in self.HALF_LIVES])
+        self._forget, self._refit = forget, refit
+        k = 2 + len(self.HALF_LIVES)
+        self._ridge = ridge * np.eye(k)
+        self._gram: dict[str, np.ndarray] = defaultdict(lambda: np.zeros((k, k)))
+        self._moment: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(k))
+        self._weights: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(k))
+        self._visits: dict[str, int] = defaultdict(int)
+        self._layers: dict[tuple[str, int], _LayerStats] = {}
+        self._order: dict[str, dict[int, int]] = defaultdict(dict)
+        """model -> MoE layer -> its position among the layers seen, in layer order."""
+        self._current: dict[str, int] = {}
+
+    def _stats(self, model: str, layer: int) -> _LayerStats:
+        stats = self._layers.get((model, layer))
+        if stats is None:
+            stats = self._layers[(model, layer)] = _LayerStats(len(self.HALF_LIVES))
+            order = sorted([*self._order[model], layer])
+            self._order[model] = {la: i for i, la in enumerate(order)}
+        return stats
+
+    def on_insert(self, key: ExpertKey) -> None:
+        stats = self._stats(key.model, key.layer)
+        stats.grow(key.expert + 1)
+        stats.resident.add(key.expert)
+        self._current[key.model] = key.layer
+
+    on_access = on_insert
+
+    def on_remove(self, key: ExpertKey) -> None:
+        stats = self._layers.get((key.model, key.layer))
+        if stats is not None:
+            stats.resident.discard(key.expert)
+
+    def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None:
+        """One visit of ``layer``: ``tokens[e]`` tokens selected expert e."""
+        stats = self._stats(model, layer)
+        chosen = [e for e, n in tokens.items() if n > 0]
+        stats.grow(max(chosen, default=-1) + 1)
+        x = stats.x
+        gram, moment = self._gram[model], self._moment[model]
+        gram *= self._forget
+        moment *= self._forget
+        gram += x.T @ x
+        moment += x[chosen].sum(axis=0)
+        stats.visit(chosen, self._decay)
+        self._visits[model] += 1
+        if self._visits[model] % self._refit == 1 or self._refit == 1:
+            self._weights[model] = np.linalg.solve(gram + self._ridge, moment)
+        # A linear fit can go below 0: clipped, or p / d would prefer the nearest layer.
+        stats.p = np.clip(stats.x @ self._weights[model], 1e-4, 1.0).tolist()
+        self._current[model] = layer
+
+    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
+               ) -> ExpertKey | None:
+        allowed = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+        models = {k.model for k in allowed} if incoming is None else {incoming.model}
+        best, best_v = None, math.inf
+        for model in models:
+            order = self._order.get(model, {})
+            n = max(1, len(order))
+            now = order.get(incoming.layer if incoming is not None
+                            else self._current.get(model, -1), 0)
+            for layer, at in order.items():
+                stats = self._layers[(model, layer)]
+                if not stats.resident:
+                    continue
+                d = (at - now) % n or n
+                for e in sorted(stats.resident, key=stats.p.__getitem__):
+                    value = stats.p[e] / d
+                    if value >= best_v:
+                        break
+                    key = ExpertKey(model, layer, e)
+                    if key in allowed:
+                        best, best_v = key, value
+                        break
+        if best is None:  # keys the policy never saw inserted
+            best = next(iter(allowed), None)
+        return best
+
+
+POLICIES: dict[str, type] = {"lru": LruPolicy, "lfu": LfuPolicy, "routing": RoutingAwarePolicy,
+                             "reuse": LearnedReusePolicy}
 """Config name -> policy class."""
