@@ -38,8 +38,8 @@ def test_it_learns_that_an_expert_just_selected_comes_back() -> None:
         policy.observe("m", step.layer, {e: 1 for e in step.experts})
     last = set(step.experts)  # layer 3's last visit
     cold = [e for e in range(8) if e not in last]
-    stats = policy._layers[("m", 3)]
-    assert min(stats.p[e] for e in last) > max(stats.p[e] for e in cold) + 0.3
+    p = {e: policy.predicted(ExpertKey("m", 3, e)) for e in range(8)}
+    assert min(p[e] for e in last) > max(p[e] for e in cold) + 0.3
 
 
 def test_the_victim_is_a_candidate_and_the_layer_far_away_goes_first() -> None:

@@ -162,15 +162,17 @@ class _LayerStats:
     """One MoE layer's selection history: per expert, decayed selection counts at each
     horizon (``[E, H]``) and the visit count decayed alike (``[H]``), the feature rows
     (``[E, 2 + H]``: a constant, selected at the last visit, the share of visits that selected
-    it at each horizon), its predicted chance to be selected at the next visit (``p``), and
-    which experts are resident."""
+    it at each horizon), which experts are resident, and (computed when asked, kept until the
+    next visit) each expert's predicted chance to be selected at the next visit and the
+    resident expert with the lowest."""
 
     def __init__(self, horizons: int) -> None:
         self.counts = np.zeros((0, horizons))
         self.visits = np.zeros(horizons)
         self.x = np.zeros((0, 2 + horizons))
-        self.p: list[float] = []
         self.resident: set[int] = set()
+        self._p: list[float] | None = None
+        self._lowest: tuple[float, int] | None = None
 
     def grow(self, experts: int) -> None:
         n = self.x.shape[0]
@@ -178,7 +180,7 @@ class _LayerStats:
             self.counts = np.vstack([self.counts, np.zeros((experts - n, self.counts.shape[1]))])
             self.x = np.vstack([self.x, np.zeros((experts - n, self.x.shape[1]))])
             self.x[:, 0] = 1.0
-            self.p += [0.0] * (experts - n)
+            self._p = None
 
     def visit(self, chosen: list[int], decay: np.ndarray) -> None:
         """Fold in one visit that selected ``chosen``; the feature rows follow."""
@@ -188,6 +190,32 @@ class _LayerStats:
         self.x[:, 1] = 0.0
         self.x[chosen, 1] = 1.0
         np.divide(self.counts, self.visits, out=self.x[:, 2:])
+        self._p = self._lowest = None
+
+    def admit(self, expert: int) -> None:
+        self.resident.add(expert)
+        if self._lowest is not None and self._p is not None and \
+                self._p[expert] < self._lowest[0]:
+            self._lowest = (self._p[expert], expert)
+
+    def evict(self, expert: int) -> None:
+        self.resident.discard(expert)
+        if self._lowest is not None and self._lowest[1] == expert:
+            self._lowest = None
+
+    def p(self, weights: np.ndarray) -> list[float]:
+        if self._p is None:
+            # A linear fit can go below 0: clipped, or p / d would prefer the nearest layer.
+            self._p = np.clip(self.x @ weights, 1e-4, 1.0).tolist()
+        return self._p
+
+    def lowest(self, weights: np.ndarray) -> tuple[float, int]:
+        """(p, expert) of the resident expert least likely to be selected next."""
+        if self._lowest is None:
+            p = self.p(weights)
+            e = min(self.resident, key=p.__getitem__)
+            self._lowest = (p[e], e)
+        return self._lowest
 
 
 class LearnedReusePolicy:
@@ -198,28 +226,27 @@ class LearnedReusePolicy:
     e, from its history at layer L: selected at the last visit or not, and the share of
     visits that selected it over horizons of 1, 4, 16, 64 and 256 visits and all of them
     (recency and frequency at once). One linear model per model, fitted by recursive least
-    squares with forgetting (``forget`` per visit; refitted every ``refit`` visits) on every
-    expert of each visited layer, so it follows a shift in routing and needs no offline
-    training. Decode visits MoE layers in order, so layer L comes next in ``d`` steps counted
-    from the layer being filled (``n`` for that layer itself: its other experts are not needed
-    before the next token). The victim minimises ``p / d``: a slot held for an expert far
-    away must pay for the wait with a higher chance of use. With one MoE layer it orders by
-    ``p`` alone.
+    squares with forgetting (``forget`` per visit) on every expert of each visited layer, so it
+    follows a shift in routing and needs no offline training; a layer's predictions are made at
+    its visit. Decode visits MoE layers in order, so layer L comes next in
+    ``d`` steps counted from the layer being filled (``n`` for that layer itself: its other
+    experts are not needed before the next token). The victim minimises ``p / d``: a slot
+    held for an expert far away must pay for the wait with a higher chance of use. With one
+    MoE layer it orders by ``p`` alone.
     """
 
     name = "reuse"
     HALF_LIVES = (1.0, 4.0, 16.0, 64.0, 256.0, math.inf)
     """Horizons of the selection shares, in visits of the layer."""
 
-    def __init__(self, forget: float = 0.98, refit: int = 4, ridge: float = 1e-3) -> None:
+    def __init__(self, forget: float = 0.98, ridge: float = 1e-3) -> None:
         self._decay = np.array([0.5 ** (1.0 / h) for h in self.HALF_LIVES])
-        self._forget, self._refit = forget, refit
+        self._forget = forget
         k = 2 + len(self.HALF_LIVES)
         self._ridge = ridge * np.eye(k)
         self._gram: dict[str, np.ndarray] = defaultdict(lambda: np.zeros((k, k)))
         self._moment: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(k))
         self._weights: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(k))
-        self._visits: dict[str, int] = defaultdict(int)
         self._layers: dict[tuple[str, int], _LayerStats] = {}
         self._order: dict[str, dict[int, int]] = defaultdict(dict)
         """model -> MoE layer -> its position among the layers seen, in layer order."""
@@ -236,7 +263,7 @@ class LearnedReusePolicy:
     def on_insert(self, key: ExpertKey) -> None:
         stats = self._stats(key.model, key.layer)
         stats.grow(key.expert + 1)
-        stats.resident.add(key.expert)
+        stats.admit(key.expert)
         self._current[key.model] = key.layer
 
     on_access = on_insert
@@ -244,7 +271,14 @@ class LearnedReusePolicy:
     def on_remove(self, key: ExpertKey) -> None:
         stats = self._layers.get((key.model, key.layer))
         if stats is not None:
-            stats.resident.discard(key.expert)
+            stats.evict(key.expert)
+
+    def predicted(self, key: ExpertKey) -> float:
+        """The chance that the next visit of ``key``'s layer selects it (0 if never seen)."""
+        stats = self._layers.get((key.model, key.layer))
+        if stats is None or key.expert >= stats.x.shape[0]:
+            return 0.0
+        return stats.p(self._weights[key.model])[key.expert]
 
     def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None:
         """One visit of ``layer``: ``tokens[e]`` tokens selected expert e."""
@@ -257,12 +291,9 @@ class LearnedReusePolicy:
         moment *= self._forget
         gram += x.T @ x
         moment += x[chosen].sum(axis=0)
+        weights = self._weights[model] = np.linalg.solve(gram + self._ridge, moment)
         stats.visit(chosen, self._decay)
-        self._visits[model] += 1
-        if self._visits[model] % self._refit == 1 or self._refit == 1:
-            self._weights[model] = np.linalg.solve(gram + self._ridge, moment)
-        # A linear fit can go below 0: clipped, or p / d would prefer the nearest layer.
-        stats.p = np.clip(stats.x @ self._weights[model], 1e-4, 1.0).tolist()
+        stats.p(weights)  # other layers keep the prediction of their own last visit
         self._current[model] = layer
 
     def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
@@ -271,7 +302,7 @@ class LearnedReusePolicy:
         models = {k.model for k in allowed} if incoming is None else {incoming.model}
         best, best_v = None, math.inf
         for model in models:
-            order = self._order.get(model, {})
+            order, weights = self._order.get(model, {}), self._weights[model]
             n = max(1, len(order))
             now = order.get(incoming.layer if incoming is not None
                             else self._current.get(model, -1), 0)
@@ -280,14 +311,19 @@ class LearnedReusePolicy:
                 if not stats.resident:
                     continue
                 d = (at - now) % n or n
-                for e in sorted(stats.resident, key=stats.p.__getitem__):
-                    value = stats.p[e] / d
-                    if value >= best_v:
-                        break
-                    key = ExpertKey(model, layer, e)
-                    if key in allowed:
-                        best, best_v = key, value
-                        break
+                p, e = stats.lowest(weights)
+                if p / d >= best_v:
+                    continue
+                key = ExpertKey(model, layer, e)
+                if key not in allowed:  # held now: the next lowest of the layer
+                    ps = stats.p(weights)
+                    rest = [r for r in stats.resident if ExpertKey(model, layer, r) in allowed]
+                    if not rest:
+                        continue
+                    e = min(rest, key=ps.__getitem__)
+                    p, key = ps[e], ExpertKey(model, layer, e)
+                if p / d < best_v:
+                    best, best_v = key, p / d
         if best is None:  # keys the policy never saw inserted
             best = next(iter(allowed), None)
         return best
