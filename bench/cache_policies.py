@@ -23,11 +23,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS, envelope, figure, save_figure, write
+from dpu_agent.config import AgentConfig
+from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.traces import RoutingStep, generate_trace, read_trace
 from dpu_agent.weights.policies import POLICIES
 from dpu_offload.keys import ExpertKey
 
 MODEL = "trace"
+DEFAULT_POLICY = AgentConfig().cache_policy
 
 
 def simulate(steps: list[RoutingStep], policy_name: str, size: int) -> tuple[float, float]:
@@ -68,6 +71,63 @@ def simulate(steps: list[RoutingStep], policy_name: str, size: int) -> tuple[flo
     return hits / max(1, total), spent / max(1, total)
 
 
+def simulate_prefetch(steps: list[RoutingStep], policy_name: str, size: int, k: int
+                      ) -> dict[str, float]:
+    """Demand caching by ``policy_name`` plus, after each step, a prefetch of the ``k``
+    experts :class:`NextLayerPredictor` expects the next MoE layer to select (as ReportRouting
+    with ``prefetch_top_k`` does). Returns ``ready``: the fraction of needed experts already
+    resident (or in flight) when their step starts, ``wasted``: the fraction of prefetched
+    experts evicted before any use, and ``prefetched`` per step."""
+    policy = POLICIES[policy_name]()
+    predictor = NextLayerPredictor()
+    layers = sorted({s.layer for s in steps})
+    at = {layer: i for i, layer in enumerate(layers)}
+    experts = 1 + max(e for s in steps for e in s.experts)
+    resident: set[ExpertKey] = set()
+    unused: set[ExpertKey] = set()
+    need = ready = fetched = wasted = 0
+
+    def admit(key: ExpertKey, keep: set[ExpertKey]) -> bool:
+        nonlocal wasted
+        if len(resident) >= size:
+            victim = policy.victim(resident - keep, key)
+            if victim is None:
+                return False
+            resident.discard(victim)
+            policy.on_remove(victim)
+            if victim in unused:
+                unused.discard(victim)
+                wasted += 1
+        resident.add(key)
+        policy.on_insert(key)
+        return True
+
+    for step in steps:
+        want = {ExpertKey(MODEL, step.layer, e) for e in step.experts}
+        for key in sorted(want):
+            need += 1
+            if key in resident:
+                ready += 1
+                unused.discard(key)
+                policy.on_access(key)
+            else:
+                admit(key, want)
+        counts: dict[int, int] = defaultdict(int)
+        for e in step.experts:
+            counts[e] += 1
+        policy.observe(MODEL, step.layer, counts)
+        predictor.observe(MODEL, at[step.layer], len(layers), experts, step.experts)
+        nxt, guess = predictor.predict(MODEL, k)
+        ahead = {ExpertKey(MODEL, layers[nxt], e) for e in guess}
+        for key in sorted(ahead - resident):
+            if not admit(key, want | ahead):
+                break
+            unused.add(key)
+            fetched += 1
+    return {"ready": ready / max(1, need), "wasted": wasted / max(1, fetched),
+            "prefetched_per_step": fetched / max(1, len(steps))}
+
+
 def simulate_min(steps: list[RoutingStep], size: int) -> float:
     """Belady's MIN: evict the resident expert whose next use is furthest in the future."""
     accesses = [[(s.layer, e) for e in sorted(set(s.experts))] for s in steps]
@@ -96,9 +156,10 @@ def simulate_min(steps: list[RoutingStep], size: int) -> float:
     return hits / max(1, total)
 
 
-def run(steps: list[RoutingStep], sizes: list[int]) -> dict[str, object]:
+def run(steps: list[RoutingStep], sizes: list[int], prefetch: list[int]) -> dict[str, object]:
     """Hit rates per policy and size (MIN as the ceiling), each policy's mean time per access
-    (microseconds) and its hit rate relative to MIN averaged over the sizes."""
+    (microseconds) and its hit rate relative to MIN averaged over the sizes; with
+    ``prefetch`` (experts per step), the default policy with next-layer prefetch per size."""
     rates: dict[str, list[float]] = {}
     cost: dict[str, float] = {}
     for name in POLICIES:
@@ -108,8 +169,13 @@ def run(steps: list[RoutingStep], sizes: list[int]) -> dict[str, object]:
     rates["min"] = [simulate_min(steps, s) for s in sizes]
     of_min = {name: sum(r / m for r, m in zip(rates[name], rates["min"], strict=True) if m)
               / len(sizes) for name in POLICIES}
-    return {"sizes": sizes, "hit_rate": rates, "policy_us_per_access": cost,
-            "mean_fraction_of_min": of_min}
+    ahead = {str(k): [simulate_prefetch(steps, DEFAULT_POLICY, s, k) for s in sizes]
+             for k in prefetch}
+    return {"sizes": sizes, "distinct_experts": len({(s.layer, e) for s in steps
+                                                     for e in s.experts}),
+            "hit_rate": rates, "policy_us_per_access": cost,
+            "mean_fraction_of_min": of_min, "prefetch_policy": DEFAULT_POLICY,
+            "prefetch": ahead}
 
 
 def plot(result: dict[str, object], title: str, path: Path) -> None:
@@ -135,6 +201,8 @@ def main() -> int:
     ap.add_argument("--cache-experts", nargs="+", type=int)
     ap.add_argument("--json", action="store_true", help="print the result object only")
     ap.add_argument("--plot", type=Path, help="PNG path (default bench/results/cache-NAME.png)")
+    ap.add_argument("--prefetch", nargs="*", type=int, default=[], metavar="K",
+                    help="also replay with next-layer prefetch of K experts per step")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     if args.trace:
@@ -149,7 +217,9 @@ def main() -> int:
     sizes = args.cache_experts or sorted({max(1, distinct * f // 16) for f in (2, 4, 6, 8, 12)})
     if any(s <= 0 for s in sizes):
         ap.error("--cache-experts must be positive")
-    result = run(steps, sizes)
+    if any(k <= 0 for k in args.prefetch):
+        ap.error("--prefetch K must be positive")
+    result = run(steps, sizes, args.prefetch)
     if args.json:
         print(json.dumps(result))
     else:
@@ -160,6 +230,10 @@ def main() -> int:
             f"{p} {v:.3f}" for p, v in result["mean_fraction_of_min"].items()))
         print(f"{name} policy us per access: " + "  ".join(
             f"{p} {v:.1f}" for p, v in result["policy_us_per_access"].items()))
+        for k, runs in result["prefetch"].items():
+            print(f"{name} prefetch {k}/step: " + "  ".join(
+                f"size {s}: ready {r['ready']:.3f} wasted {r['wasted']:.2f}"
+                for s, r in zip(sizes, runs, strict=True)))
     if not args.no_save:
         write("cache", envelope("cache_policies", result, trace=name, steps=len(steps),
                                 command=" ".join(["python", "bench/cache_policies.py",

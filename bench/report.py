@@ -103,6 +103,15 @@ def cache(d: dict[str, Any]) -> list[Row]:
         rows.append((f"{d['trace']}: {name} hit rate / MIN, mean over sizes", f"{of_min:.3f}",
                      f"LRU {r['mean_fraction_of_min']['lru']:.3f} / LFU "
                      f"{r['mean_fraction_of_min']['lfu']:.3f}", "", ">= 0.85", of_min >= 0.85))
+    quarter = min(range(len(r["sizes"])),  # the size nearest a 25 % cache
+                  key=lambda i: abs(4 * r["sizes"][i] - r.get("distinct_experts", 0)))
+    for k, runs in r.get("prefetch", {}).items():
+        got, mn = runs[quarter], rates["min"][quarter]
+        rows.append((f"{d['trace']}: ready when needed, {r['prefetch_policy']} + next-layer "
+                     f"prefetch of {k} per step, {r['sizes'][quarter]} experts",
+                     f"{got['ready']:.3f} ({got['wasted']:.0%} of prefetches wasted)",
+                     f"MIN demand {mn:.3f}", f"{got['ready'] / mn:.2f} of MIN" if mn else "-",
+                     "> MIN, < 50 % wasted", got["ready"] > mn and got["wasted"] < 0.5))
     cost = r.get("policy_us_per_access", {}).get(name)
     if cost is not None:
         rows.append((f"{d['trace']}: {name} policy time per access", f"{cost:.1f} us",

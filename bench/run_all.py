@@ -24,7 +24,7 @@ TRACES = ROOT.parent / "shared" / "traces"
 CPU = [
     ("cache policies (generated trace)", ["cache_policies.py", "--generate", "16", "64", "6",
                                           "400", "--cache-experts", "64", "128", "256", "384",
-                                          "512"]),
+                                          "512", "--prefetch", "6"]),
     ("placement (58 x 256, 8-64 GPUs)", ["placement.py"]),
     ("rebalance and prefetch (CPU device)", ["rebalance.py"]),
     ("steering lookups", ["steering.py"]),
@@ -67,7 +67,7 @@ def main() -> int:
     jobs = list(CPU)
     for trace in sorted(TRACES.glob("*.jsonl")):
         jobs.insert(0, (f"cache policies ({trace.stem})", ["cache_policies.py", "--trace",
-                                                            str(trace)]))
+                                                            str(trace), "--prefetch", "2", "4"]))
     if args.quick:
         jobs = [j for j in jobs if j[1][0] != "load.py"]
     gpus = gpu_count()

@@ -36,6 +36,7 @@ from dpu_agent.errors import (
 )
 from dpu_agent.identity import Binding, current_caller
 from dpu_agent.planning.apply import PlacementExecutor
+from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.routing_stats import RoutingStats
 from dpu_agent.planning.scheduler import Priority, Scheduler
 from dpu_agent.service.registry import (
@@ -123,6 +124,7 @@ class Orchestrator:
         self.scheduler = Scheduler(config.link_concurrency)
         self.placements = PlacementExecutor(self)
         self.routing = RoutingStats()
+        self.predictor = NextLayerPredictor()
         self.flows = FlowTable()
         self.activations: Any = None
         """The ActivationRouter when [activations] is enabled (set by the server)."""
@@ -651,9 +653,10 @@ class Orchestrator:
 
     def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
                        prefetch: tuple[Session, int, int] | None = None) -> int:
-        """Feed observed routing (layer, {expert: tokens}) to the cache policy and the routing
-        statistics, in order. With ``prefetch = (session, device_id, k)``, queue the k most
-        selected experts of the MoE layer after the last step's; returns how many."""
+        """Feed observed routing (layer, {expert: tokens}) to the cache policy, the routing
+        statistics and the next-layer predictor, in order. With ``prefetch = (session,
+        device_id, k)``, queue the k experts the predictor expects the MoE layer after the last
+        step's to select; returns how many."""
         catalog = self.models.get(model)
         if catalog is None:
             raise not_found(f"model {model!r} is not loaded")
@@ -667,16 +670,19 @@ class Orchestrator:
                               f"({catalog.layout.experts_per_layer} per layer)")
         if prefetch is not None:
             self.device(prefetch[0], prefetch[1])
+        moe = list(catalog.layout.moe_layers)
         for layer, counts in steps:
             self.cache.observe(model, layer, counts)
             self.routing.observe(catalog, layer, counts)
+            self.predictor.observe(model, moe.index(layer), len(moe),
+                                   catalog.layout.experts_per_layer,
+                                   [e for e, n in counts.items() if n > 0])
         if prefetch is None or not steps:
             return 0
         session, device_id, k = prefetch
-        moe = list(catalog.layout.moe_layers)
-        nxt = (moe.index(steps[-1][0]) + 1) % len(moe)
-        keys = [ExpertKey(model, moe[nxt], e) for e in self.routing.top_experts(model, nxt, k)]
-        return self.prefetch(session, device_id, keys)
+        nxt, experts = self.predictor.predict(model, k)
+        return self.prefetch(session, device_id, [ExpertKey(model, moe[nxt], e)
+                                                  for e in experts])
 
     # -- data plane ------------------------------------------------------------------------
     def _devices(self) -> tuple[Device, ...]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import random
 
-from bench.cache_policies import simulate
+from bench.cache_policies import simulate, simulate_prefetch
+from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.traces import RoutingStep, generate_trace
 from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy
 from dpu_offload.keys import ExpertKey
@@ -83,3 +84,38 @@ def test_every_policy_takes_the_incoming_key() -> None:
         policy.on_insert(a)
         policy.observe("m", 0, {0: 1})
         assert policy.victim([a], b) == a, name
+
+
+def test_the_next_layer_predictor_learns_a_transition_and_falls_back_to_history() -> None:
+    """Layer 0's expert e is always followed by layer 1's expert (e + 3) % 8: after a few
+    tokens the prediction is that expert; a layer with no transitions yet is predicted from
+    its own last selection."""
+    predictor = NextLayerPredictor()
+    rng = random.Random(1)
+    for _ in range(40):
+        e = rng.randrange(8)
+        predictor.observe("m", 0, 3, 8, [e])
+        predictor.observe("m", 1, 3, 8, [(e + 3) % 8])
+        predictor.observe("m", 2, 3, 8, [rng.randrange(8)])
+    predictor.observe("m", 0, 3, 8, [5])
+    assert predictor.predict("m", 1) == (1, [0])
+    fresh = NextLayerPredictor()
+    assert fresh.predict("m", 2) == (-1, [])
+    fresh.observe("m", 1, 3, 8, [4, 6])
+    fresh.observe("m", 0, 3, 8, [2])
+    assert fresh.predict("m", 2) == (1, [4, 6])
+
+
+def test_prefetch_makes_more_experts_ready_than_demand_alone() -> None:
+    """The replay of bench/cache_policies.py: a layer-to-layer dependence that demand caching
+    cannot use and the predictor can."""
+    rng = random.Random(2)
+    steps = []
+    for _ in range(300):
+        e = rng.randrange(8)
+        for layer in range(6):
+            steps.append(RoutingStep(layer, ((e + layer) % 8, rng.randrange(8))))
+    demand = simulate(steps, "reuse", 12)[0]
+    ahead = simulate_prefetch(steps, "reuse", 12, 2)
+    assert ahead["ready"] > demand + 0.1, (demand, ahead)
+    assert 0.0 <= ahead["wasted"] < 1.0

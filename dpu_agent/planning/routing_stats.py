@@ -1,5 +1,5 @@
 """Routing load per model, accumulated from ReportRouting with exponential decay: the
-``[layers, experts]`` array the planner balances and the prefetcher ranks."""
+``[layers, experts]`` array the placement planner balances."""
 
 from __future__ import annotations
 
@@ -42,12 +42,3 @@ class RoutingStats:
         with self._lock:
             arr = self._load.get(model)
             return None if arr is None else arr.copy()
-
-    def top_experts(self, model: str, position: int, k: int) -> list[int]:
-        """The ``k`` most selected experts at MoE layer ``position`` (empty if unseen)."""
-        with self._lock:
-            arr = self._load.get(model)
-            if arr is None or not arr[position].any():
-                return []
-            row = arr[position]
-            return [int(e) for e in np.argsort(-row, kind="stable")[:k] if row[e] > 0]
