@@ -49,6 +49,9 @@ class AgentConfig:
     """Client-certificate common names (mutual TLS) that see every session in GetStatus."""
     arena_bytes: int = 1 * 2**30
     cache_policy: str = "reuse"
+    prefetch_traces_dir: str = ""
+    """A folder of recorded routing traces, ``<model name>.jsonl`` (docs/LAYOUT.md): a model
+    loaded under that name has its next-layer predictor learn from the trace first."""
     chunk_bytes: int = 1 * 2**20
     transfer_timeout_seconds: int = 30
     link_concurrency: int = 4
@@ -142,6 +145,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("server", "admin_names"): ("admin_names", _names),
     ("arena", "bytes"): ("arena_bytes", _size),
     ("cache", "policy"): ("cache_policy", _str),
+    ("prefetch", "traces_dir"): ("prefetch_traces_dir", _str),
     ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
     ("transfer", "timeout_seconds"): ("transfer_timeout_seconds", _int),
     ("transfer", "link_concurrency"): ("link_concurrency", _int),
@@ -207,6 +211,8 @@ def _check(cfg: AgentConfig) -> list[str]:
         problems.append("transfer.timeout_seconds: must be positive")
     if cfg.arena_bytes < max(cfg.chunk_bytes, 2**20):
         problems.append(f"arena.bytes: {cfg.arena_bytes} is smaller than 1 MiB")
+    if cfg.prefetch_traces_dir and not os.path.isdir(cfg.prefetch_traces_dir):
+        problems.append(f"prefetch.traces_dir: {cfg.prefetch_traces_dir!r} is not a directory")
     if cfg.cache_policy not in POLICIES:
         problems.append(f"cache.policy: {cfg.cache_policy!r} is not one of "
                         f"{sorted(POLICIES)}")

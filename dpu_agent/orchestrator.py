@@ -39,6 +39,7 @@ from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.routing_stats import RoutingStats
 from dpu_agent.planning.scheduler import Priority, Scheduler
+from dpu_agent.planning.traces import read_trace
 from dpu_agent.service.registry import (
     ARENA_REGION_ID,
     Device,
@@ -69,6 +70,8 @@ STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool",
 when their creator is dead."""
 LANDING_POLL_SECONDS = 0.001
 """An acquire that waits for an unheld slot to land looks again this often."""
+MAX_TRACE_BYTES = 256 * 2**20
+"""A recorded routing trace larger than this is not read (``prefetch.traces_dir``)."""
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,30 @@ class Orchestrator:
             if model_name not in self.models:
                 self.models[model_name] = catalog
                 self.model_names.append(model_name)
+        self._learn_routing(catalog)
         if persist:
             self.persist()
         return self.models[model_name]
+
+    def _learn_routing(self, catalog: ModelCatalog) -> None:
+        """Teach the next-layer predictor the model's recorded trace, if the config names a
+        folder holding ``<model name>.jsonl``; a trace that cannot be used is logged and
+        skipped (the model loads all the same)."""
+        folder = self.config.prefetch_traces_dir
+        path = Path(folder) / f"{catalog.name}.jsonl" if folder else None
+        if path is None or not path.is_file():
+            return
+        try:
+            if path.stat().st_size > MAX_TRACE_BYTES:
+                raise ValueError(f"larger than {MAX_TRACE_BYTES} bytes")
+            steps = read_trace(path)
+        except (OSError, ValueError) as exc:
+            log.warning("routing trace %s not used for %r: %s", path, catalog.name, exc)
+            return
+        used = self.predictor.learn(catalog.name, list(catalog.layout.moe_layers),
+                                    catalog.layout.experts_per_layer, steps)
+        log.info("next-layer predictor of %r learned %d of %d steps of %s", catalog.name,
+                 used, len(steps), path)
 
     def _reload(self, old: ModelCatalog) -> ModelCatalog:
         """A degraded model (a shard changed under the agent) loaded again: a fresh catalog of

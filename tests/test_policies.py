@@ -5,13 +5,18 @@ bench/cache_policies.py)."""
 
 from __future__ import annotations
 
+import json
 import random
+import time
+from pathlib import Path
 
 from bench.cache_policies import simulate, simulate_prefetch
 from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.traces import RoutingStep, generate_trace
 from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy
 from dpu_offload.keys import ExpertKey
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+from host_client.launcher import AgentProcess
 
 
 def _sticky_trace(layers: int, experts: int, tokens: int, stay: float, seed: int = 0
@@ -119,3 +124,35 @@ def test_prefetch_makes_more_experts_ready_than_demand_alone() -> None:
     ahead = simulate_prefetch(steps, "reuse", 12, 2)
     assert ahead["ready"] > demand + 0.1, (demand, ahead)
     assert 0.0 <= ahead["wasted"] < 1.0
+
+
+def test_the_agent_prefetches_what_a_recorded_trace_taught_it(qwen_ckpt: Path,
+                                                               tmp_path: Path) -> None:
+    """``prefetch.traces_dir`` holds ``<model>.jsonl``: at LoadModel the agent's predictor
+    learns that layer 0's expert e is followed by layer 1's (e + 3) % 6, and a ReportRouting
+    of layer 0 choosing 2 with ``prefetch_top_k=1`` delivers layer 1's expert 5 ahead of use.
+    A malformed trace is skipped: the model loads all the same."""
+    model = "qpred"
+    lines = []
+    for t in range(60):
+        e = t % 6
+        lines += [json.dumps({"layer": 0, "experts": [e]}),
+                  json.dumps({"layer": 1, "experts": [(e + 3) % 6]}),
+                  json.dumps({"layer": 2, "experts": [t % 5]})]
+    (tmp_path / f"{model}.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "broken.jsonl").write_text('{"layer": "x"}\n')
+    with AgentProcess(f'[arena]\nbytes = "64MiB"\n[prefetch]\ntraces_dir = "{tmp_path}"\n'
+                      ) as agent, AgentClient(agent.address) as client:
+        info = client.load_model(str(qwen_ckpt), model)
+        assert client.load_model(str(qwen_ckpt), "broken").model == "broken"
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(info.expert_bytes, 4)])
+        l0, l1 = info.moe_layers[0], info.moe_layers[1]
+        client.report_routing(model, [(l0, {2: 1})], prefetch_to=dev, prefetch_top_k=1)
+        deadline = time.monotonic() + 10
+        while client.status().transfers_in_flight or not client.status().experts_cached:
+            assert time.monotonic() < deadline, "the prefetch did not land"
+            time.sleep(0.02)
+        hit = client.acquire(dev, ExpertKey(model, l1, 5))
+        miss = client.acquire(dev, ExpertKey(model, l1, 0))
+        assert hit.wait(10) and hit.resident, "layer 1's expert 5 was not prefetched"
+        assert miss.wait(10) and miss.resident is False
