@@ -33,74 +33,46 @@ MODEL = "trace"
 DEFAULT_POLICY = AgentConfig().cache_policy
 
 
-def simulate(steps: list[RoutingStep], policy_name: str, size: int) -> tuple[float, float]:
-    """(hit rate, the policy's own time per access in seconds) of one policy at one cache
-    size; the time counts every call into the policy, as the agent would make them."""
-    policy = POLICIES[policy_name]()
-    resident: set[ExpertKey] = set()
-    hits = total = 0
-    spent = 0.0
-    clock = time.perf_counter
-    for step in steps:
-        want = {ExpertKey(MODEL, step.layer, e) for e in step.experts}
-        for key in sorted(want):
-            total += 1
-            if key in resident:
-                hits += 1
-                t0 = clock()
-                policy.on_access(key)
-                spent += clock() - t0
-                continue
-            t0 = clock()
-            if len(resident) >= size:
-                victim = policy.victim(resident - want, key)
-                if victim is None:
-                    spent += clock() - t0
-                    continue  # the step alone overfills the cache: serve without caching
-                resident.discard(victim)
-                policy.on_remove(victim)
-            resident.add(key)
-            policy.on_insert(key)
-            spent += clock() - t0
-        counts: dict[int, int] = defaultdict(int)
-        for e in step.experts:
-            counts[e] += 1
-        t0 = clock()
-        policy.observe(MODEL, step.layer, counts)
-        spent += clock() - t0
-    return hits / max(1, total), spent / max(1, total)
-
-
-def simulate_prefetch(steps: list[RoutingStep], policy_name: str, size: int, k: int
-                      ) -> dict[str, float]:
-    """Demand caching by ``policy_name`` plus, after each step, a prefetch of the ``k``
-    experts :class:`NextLayerPredictor` expects the next MoE layer to select (as ReportRouting
-    with ``prefetch_top_k`` does). Returns ``ready``: the fraction of needed experts already
-    resident (or in flight) when their step starts, ``wasted``: the fraction of prefetched
-    experts evicted before any use, and ``prefetched`` per step."""
+def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int = 0
+           ) -> dict[str, float]:
+    """Replay ``steps`` through a cache of ``size`` experts evicting by ``policy_name``; with
+    ``prefetch``, after each step the ``prefetch`` experts :class:`NextLayerPredictor`
+    expects the next MoE layer to select are fetched too (as ReportRouting with
+    ``prefetch_top_k`` does). Returns ``ready``: the fraction of needed experts resident when
+    their step starts (the hit rate without prefetch), ``wasted``: the fraction of prefetched
+    experts evicted before any use, ``prefetched_per_step``, and ``policy_s_per_access``:
+    the time of every call into the policy, per needed expert."""
     policy = POLICIES[policy_name]()
     predictor = NextLayerPredictor()
     layers = sorted({s.layer for s in steps})
     at = {layer: i for i, layer in enumerate(layers)}
-    experts = 1 + max(e for s in steps for e in s.experts)
+    experts = 1 + max((e for s in steps for e in s.experts), default=0)
     resident: set[ExpertKey] = set()
     unused: set[ExpertKey] = set()
     need = ready = fetched = wasted = 0
+    spent = 0.0
+    clock = time.perf_counter
 
     def admit(key: ExpertKey, keep: set[ExpertKey]) -> bool:
-        nonlocal wasted
-        if len(resident) >= size:
-            victim = policy.victim(resident - keep, key)
-            if victim is None:
-                return False
-            resident.discard(victim)
-            policy.on_remove(victim)
-            if victim in unused:
-                unused.discard(victim)
-                wasted += 1
-        resident.add(key)
-        policy.on_insert(key)
-        return True
+        """Make room for ``key`` (never evicting ``keep``) and insert it; False when every
+        resident expert is kept (the step alone overfills the cache: served uncached)."""
+        nonlocal wasted, spent
+        t0 = clock()
+        try:
+            if len(resident) >= size:
+                victim = policy.victim(resident - keep, key)
+                if victim is None:
+                    return False
+                resident.discard(victim)
+                policy.on_remove(victim)
+                if victim in unused:
+                    unused.discard(victim)
+                    wasted += 1
+            resident.add(key)
+            policy.on_insert(key)
+            return True
+        finally:
+            spent += clock() - t0
 
     for step in steps:
         want = {ExpertKey(MODEL, step.layer, e) for e in step.experts}
@@ -109,15 +81,21 @@ def simulate_prefetch(steps: list[RoutingStep], policy_name: str, size: int, k: 
             if key in resident:
                 ready += 1
                 unused.discard(key)
+                t0 = clock()
                 policy.on_access(key)
+                spent += clock() - t0
             else:
                 admit(key, want)
         counts: dict[int, int] = defaultdict(int)
         for e in step.experts:
             counts[e] += 1
+        t0 = clock()
         policy.observe(MODEL, step.layer, counts)
+        spent += clock() - t0
+        if not prefetch:
+            continue
         predictor.observe(MODEL, at[step.layer], len(layers), experts, step.experts)
-        nxt, guess = predictor.predict(MODEL, k)
+        nxt, guess = predictor.predict(MODEL, prefetch)
         ahead = {ExpertKey(MODEL, layers[nxt], e) for e in guess}
         for key in sorted(ahead - resident):
             if not admit(key, want | ahead):
@@ -125,7 +103,15 @@ def simulate_prefetch(steps: list[RoutingStep], policy_name: str, size: int, k: 
             unused.add(key)
             fetched += 1
     return {"ready": ready / max(1, need), "wasted": wasted / max(1, fetched),
-            "prefetched_per_step": fetched / max(1, len(steps))}
+            "prefetched_per_step": fetched / max(1, len(steps)),
+            "policy_s_per_access": spent / max(1, need)}
+
+
+def simulate(steps: list[RoutingStep], policy_name: str, size: int) -> tuple[float, float]:
+    """(hit rate, the policy's own time per access in seconds) of one policy at one cache
+    size, demand fetches only."""
+    r = replay(steps, policy_name, size)
+    return r["ready"], r["policy_s_per_access"]
 
 
 def simulate_min(steps: list[RoutingStep], size: int) -> float:
@@ -169,8 +155,7 @@ def run(steps: list[RoutingStep], sizes: list[int], prefetch: list[int]) -> dict
     rates["min"] = [simulate_min(steps, s) for s in sizes]
     of_min = {name: sum(r / m for r, m in zip(rates[name], rates["min"], strict=True) if m)
               / len(sizes) for name in POLICIES}
-    ahead = {str(k): [simulate_prefetch(steps, DEFAULT_POLICY, s, k) for s in sizes]
-             for k in prefetch}
+    ahead = {str(k): [replay(steps, DEFAULT_POLICY, s, k) for s in sizes] for k in prefetch}
     return {"sizes": sizes, "distinct_experts": len({(s.layer, e) for s in steps
                                                      for e in s.experts}),
             "hit_rate": rates, "policy_us_per_access": cost,

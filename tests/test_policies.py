@@ -10,7 +10,7 @@ import random
 import time
 from pathlib import Path
 
-from bench.cache_policies import simulate, simulate_prefetch
+from bench.cache_policies import replay, simulate
 from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.traces import RoutingStep, generate_trace
 from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy
@@ -121,7 +121,7 @@ def test_prefetch_makes_more_experts_ready_than_demand_alone() -> None:
         for layer in range(6):
             steps.append(RoutingStep(layer, ((e + layer) % 8, rng.randrange(8))))
     demand = simulate(steps, "reuse", 12)[0]
-    ahead = simulate_prefetch(steps, "reuse", 12, 2)
+    ahead = replay(steps, "reuse", 12, prefetch=2)
     assert ahead["ready"] > demand + 0.1, (demand, ahead)
     assert 0.0 <= ahead["wasted"] < 1.0
 
