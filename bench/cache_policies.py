@@ -9,6 +9,7 @@ statistics, as clients do with ReportRouting. Trace format: docs/LAYOUT.md.
 Usage:
   python bench/cache_policies.py --trace FILE [--cache-experts N ...] [--json] [--plot PNG]
   python bench/cache_policies.py --generate LAYERS EXPERTS TOPK TOKENS ...   (shipped generator)
+  add --prefetch K ... to replay the default policy with next-layer prefetch of K experts
 """
 
 from __future__ import annotations
