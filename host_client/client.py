@@ -54,6 +54,9 @@ log = logging.getLogger("host_client")
 
 DELIVERIES = {"pull": pb.DELIVERY_DEVICE_PULL, "engine": pb.DELIVERY_DMA_ENGINE}
 """``register_device``'s ``delivery`` names -> ``pb.Delivery``."""
+RECOVER_FIRST_PAUSE, RECOVER_MAX_PAUSE = 0.2, 1.6
+"""While the agent is away the client looks for it after 0.2 s, then twice as long each time
+up to 1.6 s (seconds): a restart is found within ~2 s, and waiting costs next to no CPU."""
 
 PACKET_RING_CAPACITY = 256
 PACKET_ENTRY_BYTES = 64 + 4096
@@ -453,16 +456,26 @@ class AgentClient:
                         ) -> pb.ApplyPlacementResponse:
         """Place ``assignment[moe layer position][expert]`` -> device ids, make-before-break;
         progress arrives as ``placement_progress`` events (see :meth:`placement_progress`)."""
-        return self.stub.ApplyPlacement(pb.ApplyPlacementRequest(
+        resp = self.stub.ApplyPlacement(pb.ApplyPlacementRequest(
             session_id=self.session_id, model=model,
             layers=[pb.LayerPlacement(experts=[pb.DeviceList(device_ids=d) for d in row])
                     for row in assignment]), timeout=self.rpc_timeout)
+        self._ring_all()
+        return resp
 
     def rebalance(self, model: str, replicas: int = 0) -> pb.RebalanceResponse:
         """Re-plan ``model`` over this session's devices from reported routing and apply it."""
-        return self.stub.Rebalance(pb.RebalanceRequest(
+        resp = self.stub.Rebalance(pb.RebalanceRequest(
             session_id=self.session_id, model=model, replicas=replicas),
             timeout=self.rpc_timeout)
+        self._ring_all()
+        return resp
+
+    def _ring_all(self) -> None:
+        """Wake every device's consumer: the agent has work for them it was not asked for
+        through their channels."""
+        for dev in self.devices.values():
+            dev.device.doorbell.ring()
 
     def wait_placement(self, placement_id: int, timeout: float = 60.0) -> pb.PlacementProgress:
         """Block until every new copy of a placement is verified or failed; returns the final
@@ -528,6 +541,8 @@ class AgentClient:
             prefetch_top_k=prefetch_top_k if prefetch_to is not None else 0,
             prefetch_device_id=prefetch_to.device_id if prefetch_to is not None else 0),
             timeout=self.rpc_timeout)
+        if prefetch_to is not None:
+            prefetch_to.device.doorbell.ring()
 
     def status(self) -> pb.StatusResponse:
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.rpc_timeout)
@@ -560,10 +575,11 @@ class AgentClient:
         client loaded and re-register every device with fresh rings and pools. Slots held
         before are gone (their acquires failed with AgentUnavailable)."""
         self.reconnected.clear()
+        pause = RECOVER_FIRST_PAUSE
         while not self._closed.is_set():
             ready = grpc.channel_ready_future(self.channel)
             try:
-                ready.result(timeout=1.0)
+                ready.result(timeout=pause)
                 self._open_session()
                 for name, path in list(self._models.items()):
                     self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
@@ -583,7 +599,8 @@ class AgentClient:
                 return
             except (grpc.FutureTimeoutError, grpc.RpcError):
                 ready.cancel()
-                self._closed.wait(0.2)
+                self._closed.wait(pause)
+                pause = min(2 * pause, RECOVER_MAX_PAUSE)  # bounded back-off while it is down
             except ValueError:  # the channel was closed: the client is closing
                 ready.cancel()
                 return

@@ -41,10 +41,13 @@ class Doorbell:
       a transfer's chunks in rounds, and a consumer asleep between rounds delays them.
     - otherwise ``wait`` sleeps ``first_s``, doubling up to ``max_s`` seconds while polls come
       back empty; ``ring`` (and ``expect``) end a sleep at once; ``reset`` after a poll that
-      found work.
+      found work. The client rings after every request that makes the agent post work it does
+      not wait for (prefetch, placement, rebalance), so only work the agent starts on its own
+      (a periodic rebalance) waits out a nap: an idle consumer costs ~0.4 % of a core on the
+      2-core CPU machine instead of ~8 % with naps of at most 1 ms.
     """
 
-    def __init__(self, first_s: float = 20e-6, max_s: float = 1e-3) -> None:
+    def __init__(self, first_s: float = 20e-6, max_s: float = 0.1) -> None:
         self.first_s, self.max_s = first_s, max_s
         self._event = threading.Event()
         self._idle = 0
