@@ -15,7 +15,8 @@ from gpu_kernels import abi
 _FENCE = threading.Lock()
 _PROBE = 16
 """pop_many checks this many entries one by one before it checks the rest as an array;
-push_many writes up to this many entries one by one (struct stores, no array temporaries)."""
+push_many writes up to this many entries one by one (byte and element stores, no array
+temporaries)."""
 _PRODUCER_AT = abi.HEADER_DTYPE.fields["producer"][1]
 _CONSUMER_AT = abi.HEADER_DTYPE.fields["consumer"][1]
 

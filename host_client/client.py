@@ -498,19 +498,18 @@ class AgentClient:
     def release(self, dev: AttachedDevice, key: ExpertKey, wait: bool = True) -> None:
         """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns once the
         request is posted (the agent serves a channel's requests in order, so a later acquire
-        sees the slot freed); a refusal is then logged, not raised. While the agent is away
+        sees the slot freed); a refusal is then logged, not raised. A pinned hit's reference is
+        dropped in the pin table, nothing posted. While the agent is away
         (its session and references went with it) ``wait=True`` raises AgentUnavailable."""
         if self._down:
             if wait:
                 raise self._outage
             return
-        if dev.channel.unpin(key):
-            return
-        if wait:
+        if not wait:
+            self.release_batch(dev, [key])
+        elif not dev.channel.unpin(key):
             entry = [(abi.RequestOp.RELEASE, self._index(key.model), key)]
             self._answer(dev, dev.channel.post(entry)[0])
-            return
-        self.release_batch(dev, [key])
 
     def release_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> None:
         """Drop one reference on each of ``keys`` with one post (a layer's experts), returning
