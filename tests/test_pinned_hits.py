@@ -161,3 +161,26 @@ def test_a_resident_expert_is_a_pinned_hit_with_nothing_posted(
     again = client.acquire(dev, key)  # its slot went to `other`: asked for, delivered anew
     assert not again.pinned_hit
     assert again.wait(10).raw("down_proj").tobytes() == truth[down]
+
+
+def test_a_pin_table_full_of_garbage_costs_only_its_own_session(agent: AgentProcess,
+                                                                 qwen_ckpt: Path) -> None:
+    """The pin table is client-written: a session that fills its own with garbage only keeps
+    its own slots from being reused (RESOURCE_EXHAUSTED naming the pins, nothing changed);
+    another session is served, and once the table is sane again so is the first."""
+    truth = checkpoint_bytes(qwen_ckpt)
+    with AgentClient(agent.address) as bad, AgentClient(agent.address) as good:
+        model = bad.load_model(str(qwen_ckpt), "qwen-garbage")
+        dev = bad.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        gdev = good.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        pins = dev.channel.view.pins
+        pins["pins"] = 0xFFFFFFFF
+        pins["touches"] = 0xDEADBEEF
+        key = ExpertKey(model.model, 0, 1)
+        with pytest.raises(AgentError) as err:
+            bad.acquire(dev, key).wait(10)
+        assert "pinned" in str(err.value)
+        name = "model.layers.0.mlp.experts.1.down_proj.weight"
+        assert good.acquire(gdev, key).wait(10).raw("down_proj").tobytes() == truth[name]
+        pins["pins"] = 0
+        assert bad.acquire(dev, key).wait(10).raw("down_proj").tobytes() == truth[name]
