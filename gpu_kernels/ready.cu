@@ -54,7 +54,10 @@ extern "C" __global__ void dpu_wait_landed(const uint64_t* word, uint64_t genera
 // When *result is 4 (LANDED): the grid sums the terms of the slot's n16 16-byte vectors (its
 // blob placed at offset 0) into scratch[0]; the last block to finish compares the sum with the
 // entry's `expected` and publishes the verdict for `generation`: status CHECKSUM_MISMATCH
-// (status_mismatch) then word FAILED, or word READY; *result becomes 0 or 1. scratch
+// (status_mismatch) then word FAILED, or word READY; *result becomes 0 or 1 (2, publishing
+// nothing, when the word no longer reads LANDED for `generation`: the agent gave the slot to
+// another delivery while it was summed; a store between this re-read and the verdict's can
+// still be overwritten: docs/ABI.md). scratch
 // (uint32[2]: sum, blocks finished) is zero on entry and left zero. Otherwise nothing is done.
 extern "C" __global__ void dpu_verify_landed(dpu_slot_state* entry, uint64_t generation,
                                              const uint4* __restrict__ data,
@@ -79,6 +82,11 @@ extern "C" __global__ void dpu_verify_landed(dpu_slot_state* entry, uint64_t gen
     const uint32_t got = atomicAdd(scratch, 0u);
     scratch[0] = 0;
     scratch[1] = 0;
+    const uint64_t landed = (generation << DPU_SLOT_STATE_BITS) | DPU_SLOT_LANDED;
+    if (dpu_load_volatile_u64(&entry->word) != landed) {  // evicted while summed: not ours
+        *result = 2u;
+        return;
+    }
     const bool ok = got == dpu_load_volatile_u32(&entry->expected);
     if (!ok) *(volatile uint32_t*)&entry->status = status_mismatch;
     __threadfence_system();

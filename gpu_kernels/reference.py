@@ -341,12 +341,15 @@ def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndar
     """Twin of ``cuda_ops.verify_landed``: wait until ``states[index]`` (``SLOT_STATE_DTYPE``
     entries) reads LANDED for ``generation``, then check ``blob`` (``uint8[nbytes]``, the slot's
     bytes) against the entry's ``expected`` and publish READY, or FAILED with
-    CHECKSUM_MISMATCH. Returns the outcome (an index into ``cuda_ops.WAIT_OUTCOMES``)."""
+    CHECKSUM_MISMATCH, unless the word moved on meanwhile (2, nothing published). Returns the
+    outcome (an index into ``cuda_ops.WAIT_OUTCOMES``)."""
     outcome = _poll_word(states["word"], index, generation, timeout_s, True)
     if outcome != 4:
         return outcome
     entry = states[index:index + 1]
     ok = terms_sum(blob) == int(entry["expected"][0])
+    if int(entry["word"][0]) != (generation << abi.SLOT_STATE_BITS) | int(abi.SlotState.LANDED):
+        return 2  # the slot went to another delivery while it was summed
     if not ok:
         entry["status"] = int(abi.Status.CHECKSUM_MISMATCH)
     store_fence()

@@ -399,18 +399,19 @@ class AgentClient:
         handles = self._handles(dev, keys)
         refused: AgentError | None = None
         granted = []
-        for h in handles:
+        for h in handles:  # the agent answers in order: each reply is awaited once
             h.wait_granted(self.rpc_timeout)
             if h.refusal is not None:
                 refused = refused or h.refusal
             else:
                 granted.append(h.key)
+                # Where the DMA engine delivers, the check it claims starts on the device
+                # now, while the agent still serves the rest of the batch.
+                h.done()
         if refused is not None:
             if granted:
                 self.release_batch(dev, granted)
             raise refused
-        for h in handles:
-            h.done()  # where the DMA engine delivers: each claimed check starts on the device
         return handles
 
     def link_peers(self) -> dict[int, list[int]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -84,9 +83,11 @@ class CudaDevice(Device):
             self._state = self.cp.zeros(_STATE_WORDS, dtype=self.cp.uint64)
             self._kernel = launch.kernel("receive", "dpu_receive", ordinal)
         self._pools: dict[int, Any] = {}
-        self._checks: deque[_KernelTicket] = deque()
-        self._check_scratch: Any = None
-        """``uint32[2 * MAX_CHANNEL_SLOTS]``: each slot's check's running sum and count."""
+        with self.dev:
+            self._check_words = self.cp.zeros(3 * abi.MAX_CHANNEL_SLOTS, self.cp.uint32)
+        """``uint32[3 * MAX_CHANNEL_SLOTS]``: per slot index, its check's running sum and block
+        count (scratch), then the outcome word of the check ``start_check`` launched (one
+        lane's stream orders a slot's checks, so each reuses it after the last ended)."""
         self._registered: list[int] = []
         self._running = False
         self._done_event: Any = None
@@ -167,9 +168,7 @@ class CudaDevice(Device):
         if blob.size % 16:
             raise ValueError(f"a slot check needs a multiple of 16 bytes, got {blob.size}")
         with self.dev:
-            if self._check_scratch is None:
-                self._check_scratch = self.cp.zeros(2 * abi.MAX_CHANNEL_SLOTS, self.cp.uint32)
-            scratch = self._check_scratch[2 * index:2 * index + 2]
+            scratch = self._check_words[2 * index:2 * index + 2]
             cuda_ops.verify_landed(entry_address, generation, int(blob.data.ptr),
                                    int(blob.size), timeout, result, scratch, stream)
 
@@ -179,15 +178,13 @@ class CudaDevice(Device):
         polls the word on the GPU until the bytes have landed."""
         with self.dev, self._check_lock:
             stream = launch.shared_stream(self.ordinal, f"check-{index % CHECK_LANES}")
-            result = self.cp.empty(1, self.cp.uint32)
+            outcome = 2 * abi.MAX_CHANNEL_SLOTS + index
+            result = self._check_words[outcome:outcome + 1]
             self.enqueue_check(entry_address, index, generation, blob, timeout, result, stream)
             ended = self.cp.cuda.Event(disable_timing=True)
             ended.record(stream)
-            ticket = _KernelTicket(ended, result)
-            while self._checks and self._checks[0].done():
-                self._checks.popleft()
-            self._checks.append(ticket)  # its result word stays allocated until the kernels ran
-        return ticket
+        return _KernelTicket(ended, result)
+
 
     def warm_up(self) -> None:
         """Load every kernel module, then launch the receive kernel once against a ring whose

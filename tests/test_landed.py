@@ -87,3 +87,50 @@ def test_cuda_check_matches_the_twin(state: abi.SlotState, generation: int, corr
         assert not scratch.get().any(), "the scratch words are left zero for the next check"
     finally:
         cp.cuda.runtime.hostUnregister(states.ctypes.data)
+
+
+def test_twin_publishes_nothing_when_the_slot_moved_on_while_summed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent gives an unheld LANDED slot to another delivery while its check sums the
+    bytes: the check must not write the old generation's verdict over the new FILLING word."""
+    blob = np.random.default_rng(2).integers(0, 256, 4096, dtype=np.uint8)
+    states = _states(5, S.LANDED, terms_sum(blob))
+    evicted = state_word(6, S.FILLING)
+
+    def sum_while_evicted(data: np.ndarray) -> int:
+        states["word"][3] = evicted  # the agent's _claim, between the check's poll and verdict
+        return terms_sum(data)
+
+    monkeypatch.setattr(reference, "terms_sum", sum_while_evicted)
+    assert reference.verify_landed(states, 3, 5, blob, timeout_s=0.01) == 2
+    assert int(states["word"][3]) == evicted and states["status"][3] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_verdict_is_not_published_over_a_moved_word() -> None:
+    """``dpu_verify_landed`` launched as if its wait had seen LANDED (result word 4) while the
+    word already reads the next generation's FILLING: outcome 2, the word and status kept."""
+    import cupy as cp
+
+    from gpu_kernels import launch
+    from host_client.cuda_device import device_pointer
+
+    blob = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    blob[5] ^= 1  # a mismatch would also write the status: nothing may be written at all
+    states = _states(6, S.FILLING, terms_sum(blob) ^ 1)
+    before = states.copy()
+    cp.cuda.runtime.hostRegister(states.ctypes.data, states.nbytes, 0x1 | 0x2)
+    try:
+        result = cp.full(1, 4, cp.uint32)
+        scratch = cp.zeros(2, cp.uint32)
+        on_gpu = cp.asarray(blob)
+        entry = device_pointer(states.ctypes.data) + 3 * abi.SLOT_STATE_DTYPE.itemsize
+        launch.kernel("ready", "dpu_verify_landed")(
+            (64,), (256,), (np.uint64(entry), np.uint64(5), on_gpu, np.uint64(blob.size // 16),
+                            np.uint32(abi.Status.CHECKSUM_MISMATCH), result, scratch))
+        cp.cuda.runtime.deviceSynchronize()
+        assert int(result.get()[0]) == 2
+        assert states.tobytes() == before.tobytes()
+        assert not scratch.get().any()
+    finally:
+        cp.cuda.runtime.hostUnregister(states.ctypes.data)
