@@ -85,6 +85,9 @@ FAULTS = [
      "test_an_exception_that_escapes_a_handler_is_internal_with_a_request_id"),
     ("a second session registers the first one's rings (names read in /dev/shm)",
      "tests/test_security.py::test_another_sessions_rings_cannot_be_registered"),
+    ("a second session registers a segment before its creator does",
+     "tests/test_security.py::"
+     "test_a_segment_is_registered_only_by_the_session_it_was_named_for"),
     ("a client never reads its event stream while 20,480 events are emitted for it",
      "tests/test_hostile_rpc.py::test_an_unread_event_stream_is_bounded_and_counted"),
 ]
@@ -96,6 +99,9 @@ OUTCOME = {
     "a second session registers the first one's rings (names read in /dev/shm)":
     "PERMISSION_DENIED naming the segment for each of the work, completion, rx and tx rings; "
     "nothing registered; the owner's acquires still land the checkpoint's bytes",
+    "a second session registers a segment before its creator does": "PERMISSION_DENIED: a "
+    "segment's name carries an HMAC of it keyed by the creating session's token, so only that "
+    "session can register it (a made-up name too is refused); the creator then registers it",
     "agent SIGKILLed during transfers": "in-flight acquires fail with UNAVAILABLE in < 1 s; "
     "the client reconnects, reloads models, re-registers devices; every slot verified after",
     "agent restarted gracefully (SIGTERM, as systemctl restart)": "the clean end of the event "

@@ -4,11 +4,12 @@ names it is checked against them (``Orchestrator.session``)."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 from contextvars import ContextVar
 from dataclasses import dataclass
+
+from gpu_kernels.shm import token_digest
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,9 @@ class Binding:
     def issue(cls, identity: str) -> tuple[Binding, str]:
         """A new binding for ``identity`` and the token to hand out (once)."""
         token = secrets.token_hex(16)
-        return cls(_digest(token), identity), token
+        return cls(token_digest(token), identity), token
 
     def admits(self, who: Caller) -> bool:
         """Whether ``who`` presented this session's token (and, under TLS, is its owner)."""
-        return hmac.compare_digest(_digest(who.token), self.digest) and \
+        return hmac.compare_digest(token_digest(who.token), self.digest) and \
             who.identity == self.identity
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()

@@ -59,7 +59,7 @@ from dpu_offload.keys import ExpertKey, model_name_problem
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.ring import RingError
-from gpu_kernels.shm import SharedBufferError, sweep_stale
+from gpu_kernels.shm import SharedBufferError, bound_to, sweep_stale
 
 log = logging.getLogger("dpu_agent")
 
@@ -405,7 +405,7 @@ class Orchestrator:
                                 channel=dev.channel,
                                 state_base=self._state_range(dev, req.slot_count))
                 if dev.delivery == pb.DELIVERY_DMA_ENGINE:
-                    self._check_unclaimed("slot pool", req.shm_name, bytes(req.cuda_ipc_handle))
+                    self._check_own(session, "slot pool", req.shm_name, bytes(req.cuda_ipc_handle))
                     self.plane.engine.add_pool(dev, pool)
                 dev.pools[rid] = pool
             elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
@@ -419,7 +419,7 @@ class Orchestrator:
                                      f"device {dev.device_id} already has its rings")
                 ring_kind = (abi.RingKind.WORK if kind == pb.REGION_KIND_WORK_RING
                              else abi.RingKind.COMPLETION)
-                self._check_unclaimed(f"{ring_kind.name.lower()} ring", req.shm_name, b"")
+                self._check_own(session, f"{ring_kind.name.lower()} ring", req.shm_name, b"")
                 try:
                     check_ring(req.shm_name, ring_kind)
                 except (SharedBufferError, RingError) as exc:
@@ -453,7 +453,7 @@ class Orchestrator:
                     raise AgentError(ErrorKind.ALREADY_EXISTS,
                                      f"device {dev.device_id} already has its "
                                      f"{ring_kind.name.lower()} ring")
-                self._check_unclaimed(f"{ring_kind.name.lower()} ring", req.shm_name, b"")
+                self._check_own(session, f"{ring_kind.name.lower()} ring", req.shm_name, b"")
                 try:
                     check_ring(req.shm_name, ring_kind)
                 except (SharedBufferError, RingError) as exc:
@@ -467,11 +467,20 @@ class Orchestrator:
             dev.regions[rid] = kind
             return rid
 
-    def _check_unclaimed(self, region: str, shm_name: str, ipc_handle: bytes) -> None:
-        """A region is one session's own: refuse memory the agent already knows by that name
-        or handle (the arena, any session's channel, rings or pools; names are listed in
-        /dev/shm). The DMA engine writes a pool it is handed, and the agent writes work into
-        a ring and reads completions from it. PERMISSION_DENIED names which."""
+    def _check_own(self, session: Session, region: str, shm_name: str, ipc_handle: bytes
+                   ) -> None:
+        """A region is one session's own: refuse shared memory whose name is not bound to the
+        session's token (``shm.session_name``: only a holder of the token could have created
+        it; names are listed in /dev/shm), and memory the agent already knows by that name or
+        handle (the arena, any session's channel, rings or pools). The DMA engine writes a
+        pool it is handed, and the agent writes work into a ring and reads completions from
+        it. PERMISSION_DENIED names which."""
+        if shm_name and session.binding is not None and not bound_to(shm_name,
+                                                                     session.binding.digest):
+            raise AgentError(ErrorKind.PERMISSION_DENIED,
+                             f"{region}: shared memory {shm_name!r} was not created for this "
+                             "session (its name is not bound to the session's token: "
+                             "host_client names segments with shm.session_name)")
         with self._lock:
             taken = {self.arena.name}.union(*(d.exports() for d in self._devices_locked()))
         for handle, what in ((shm_name, f"shared memory {shm_name!r}"),

@@ -7,6 +7,8 @@ unlinks it when *any* attaching process exits, so the owner here manages lifetim
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import mmap
 import os
 import re
@@ -27,6 +29,37 @@ def unique_name(prefix: str) -> str:
     creator's leftovers, ``sweep_stale``) and 128 random bits (so no one guesses it; the
     segment is also 0600)."""
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
+
+
+_TAG_HEX = 32
+"""Hex digits of a session-bound name's tag (128 bits of HMAC-SHA256)."""
+
+
+def token_digest(token: str) -> bytes:
+    """SHA-256 of a session token: all the agent keeps of it, and the key that binds the
+    session's segment names (:func:`session_name`)."""
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _tag(digest: bytes, base: str) -> str:
+    return hmac.new(digest, base.encode(), hashlib.sha256).hexdigest()[:_TAG_HEX]
+
+
+def session_name(prefix: str, token: str) -> str:
+    """A fresh segment name bound to the session whose token is ``token``: ``unique_name``'s
+    form, its random part a 64-bit nonce followed by an HMAC-SHA256 tag of the name so far,
+    keyed by the token's digest. The agent registers a client's segment for a session only
+    if its name is bound to that session (:func:`bound_to`), so a caller who reads the name
+    in /dev/shm cannot register it in another session: it could not have created it."""
+    base = f"{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+    return base + _tag(token_digest(token), base)
+
+
+def bound_to(name: str, digest: bytes) -> bool:
+    """Whether ``name`` came from :func:`session_name` for the session whose token has this
+    ``digest``."""
+    base, tag = name[:-_TAG_HEX], name[-_TAG_HEX:]
+    return len(name) > _TAG_HEX and hmac.compare_digest(_tag(digest, base), tag)
 
 
 def _alive(pid: int) -> bool:

@@ -34,6 +34,7 @@ from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
+from gpu_kernels.shm import session_name
 from host_client.devices import Device
 from host_client.errors import (
     AgentError,
@@ -264,10 +265,13 @@ class AgentClient:
         # A DMA-engine device has no consumer here: the agent's engine process moves and
         # checks the bytes; this process only polls slot-state words.
         engine = delivery == "engine"
-        work = None if engine else SharedRing(abi.RingKind.WORK, ring_capacity)
-        completion = None if engine else SharedRing(abi.RingKind.COMPLETION, ring_capacity)
-        rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
-        tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES)
+        # Segment names are bound to the session's token: the agent registers them for it only.
+        token = self._token
+        work = None if engine else SharedRing(abi.RingKind.WORK, ring_capacity, token=token)
+        completion = None if engine else SharedRing(abi.RingKind.COMPLETION, ring_capacity,
+                                                    token=token)
+        rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
+        tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
         channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes)
         channel.device_address = device.register_host_ring(channel.view.buffer)
         attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx,
@@ -282,7 +286,7 @@ class AgentClient:
                           work.ring, completion.ring)
         for spec in specs:
             nbytes = spec.slot_bytes * spec.slot_count
-            memory = device.allocate(nbytes, shared=engine)
+            memory = device.allocate(nbytes, session_name("dpu-pool", token) if engine else "")
             rid = self.stub.RegisterRegion(pb.RegisterRegionRequest(
                 session_id=self.session_id, device_id=resp.device_id,
                 kind=pb.REGION_KIND_SLOT_POOL, size_bytes=nbytes,

@@ -106,7 +106,7 @@ class CudaDevice(Device):
     def _map_arena(self, arena: SharedBuffer, region_id: int) -> int:
         return self._register_host(arena.address, arena.size)
 
-    def allocate(self, nbytes: int, shared: bool = False) -> Any:
+    def allocate(self, nbytes: int, shared: str = "") -> Any:
         with self.dev:
             # Its own cudaMalloc, not a pool sub-allocation, so a CUDA IPC handle covers it.
             mem = self.cp.cuda.memory.Memory(nbytes)

@@ -22,7 +22,7 @@ from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, reference
 from gpu_kernels.reference import ReceiveKernel
 from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer, unique_name
+from gpu_kernels.shm import SharedBuffer
 
 RW = abi.RegionFlags.READABLE | abi.RegionFlags.WRITABLE
 
@@ -158,10 +158,11 @@ class Device(ABC):
         """Register the arena with this device; returns its base as the consumer sees it."""
 
     @abstractmethod
-    def allocate(self, nbytes: int, shared: bool = False) -> Any:
-        """``nbytes`` of zeroed device memory (``uint8`` array of this device's xp); with
-        ``shared``, memory another process (the DMA engine) can open by :meth:`export_handle`
-        or :meth:`export_shm`."""
+    def allocate(self, nbytes: int, shared: str = "") -> Any:
+        """``nbytes`` of zeroed device memory (``uint8`` array of this device's xp). With
+        ``shared`` (a shared-memory name, ``shm.session_name``), memory another process (the
+        DMA engine) can open: by :meth:`export_handle` (a GPU's own memory), or under that name
+        (:meth:`export_shm`, the CPU reference device)."""
 
     def export_shm(self, memory: Any) -> str:
         """Shared-memory name of ``memory`` allocated ``shared`` (CPU reference device)."""
@@ -273,10 +274,10 @@ class CpuReferenceDevice(Device):
         self.memory[region_id] = arena.array
         return arena.address
 
-    def allocate(self, nbytes: int, shared: bool = False) -> np.ndarray:
+    def allocate(self, nbytes: int, shared: str = "") -> np.ndarray:
         if not shared:
             return np.zeros(nbytes, dtype=np.uint8)
-        buf = SharedBuffer(unique_name("dpu-pool"), nbytes, create=True)
+        buf = SharedBuffer(shared, nbytes, create=True)
         self._shared[buf.address] = buf
         return buf.array
 

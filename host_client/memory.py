@@ -13,7 +13,7 @@ from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer, unique_name
+from gpu_kernels.shm import SharedBuffer, session_name, unique_name
 
 NUMPY_DTYPES: dict[str, Any] = {
     "BF16": np.uint16,  # raw bits; NumPy has no bfloat16 (torch views get the real dtype)
@@ -55,12 +55,20 @@ def tensor_layout(manifest: pb.ExpertManifest, name: str) -> TensorLayout:
 
 
 class SharedRing:
-    """A ring in POSIX shared memory owned by this process; ``name`` is its export handle."""
+    """A ring in POSIX shared memory owned by this process; ``name`` is its export handle.
 
-    def __init__(self, kind: abi.RingKind, capacity: int, entry_size: int | None = None) -> None:
+    Args:
+        token: the session's token, to which the segment's name is bound
+            (``shm.session_name``: the agent registers it for that session only); "" for a
+            ring no agent registers (a test's own).
+    """
+
+    def __init__(self, kind: abi.RingKind, capacity: int, entry_size: int | None = None,
+                 token: str = "") -> None:
         size = abi.ring_bytes(capacity, entry_size or abi.entry_dtype_for(kind).itemsize)
-        self.buffer = SharedBuffer(unique_name(f"dpu-ring-{kind.name.lower()}"), size,
-                                   create=True)
+        prefix = f"dpu-ring-{kind.name.lower()}"
+        name = session_name(prefix, token) if token else unique_name(prefix)
+        self.buffer = SharedBuffer(name, size, create=True)
         self.ring = Ring.format(self.buffer.array, kind, capacity, entry_size)
 
     @property

@@ -14,6 +14,7 @@ import pytest
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
+from gpu_kernels.shm import session_name
 from host_client import AgentClient, AgentUnavailable, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
@@ -140,7 +141,11 @@ def test_unregistered_ring_and_pool_refusals(client: AgentClient) -> None:
                                   slot_count=1), grpc.StatusCode.INVALID_ARGUMENT),
         (pb.RegisterRegionRequest(session_id=client.session_id, device_id=dev.device_id,
                                   kind=pb.REGION_KIND_WORK_RING, shm_name="no-such-ring"),
-         grpc.StatusCode.INVALID_ARGUMENT),
+         grpc.StatusCode.PERMISSION_DENIED),  # not a name made for this session
+        (pb.RegisterRegionRequest(session_id=client.session_id, device_id=dev.device_id,
+                                  kind=pb.REGION_KIND_WORK_RING,
+                                  shm_name=session_name("dpu-ring-work", client.session_token)),
+         grpc.StatusCode.INVALID_ARGUMENT),  # made for it, but no such segment
         (pb.RegisterRegionRequest(session_id=client.session_id, device_id=99,
                                   kind=pb.REGION_KIND_SLOT_POOL, size_bytes=256, slot_bytes=256,
                                   slot_count=1), grpc.StatusCode.FAILED_PRECONDITION),

@@ -393,8 +393,9 @@ def test_compute_enqueued_behind_a_stream_wait_reads_the_landed_bytes(
 def test_a_pool_naming_memory_the_agent_knows_is_refused(
         agent: AgentProcess, qwen_ckpt: Path) -> None:
     """The DMA engine writes whatever pool it is handed, so a DMA-engine pool may not be the
-    arena, another session's pool, channel or ring (names are listed in /dev/shm):
-    PERMISSION_DENIED, nothing registered, the victim's bytes unchanged."""
+    arena, another session's pool, channel or ring (names are listed in /dev/shm), nor a
+    session's own pool twice: PERMISSION_DENIED, nothing registered, the victim's bytes
+    unchanged."""
     from dpu_offload.v1 import agent_pb2 as pb
 
     with AgentClient(agent.address) as victim, AgentClient(agent.address) as thief:
@@ -415,9 +416,16 @@ def test_a_pool_naming_memory_the_agent_knows_is_refused(
                     kind=pb.REGION_KIND_SLOT_POOL, size_bytes=model.expert_bytes * 2,
                     slot_bytes=model.expert_bytes, slot_count=2, shm_name=name), timeout=10)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
-            assert "already" in err.value.details()
+            assert "not created for this session" in err.value.details()
         assert not [s for s in thief.status().sessions
                     if s.session_id == thief.session_id and s.regions]
+        with pytest.raises(grpc.RpcError) as err:  # its own pool, a second time
+            victim.stub.RegisterRegion(pb.RegisterRegionRequest(
+                session_id=victim.session_id, device_id=vdev.device_id,
+                kind=pb.REGION_KIND_SLOT_POOL, size_bytes=model.expert_bytes * 2,
+                slot_bytes=model.expert_bytes, slot_count=2, shm_name=victim_pool), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "already" in err.value.details()
         np.testing.assert_array_equal(slot.blob, before)
 
 

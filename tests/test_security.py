@@ -8,8 +8,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import abi
 from host_client import AgentClient, AgentUnavailable, CpuReferenceDevice, SlotPoolSpec, TlsFiles
 from host_client.launcher import AgentProcess
 
@@ -260,7 +263,8 @@ def test_another_sessions_rings_cannot_be_registered(agent: AgentProcess,
                     session_id=thief.session_id, device_id=tdev.device_id, kind=kind,
                     size_bytes=ring.size, shm_name=ring.name), timeout=10)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (kind, err.value)
-            assert ring.name in err.value.details() and "already" in err.value.details()
+            assert ring.name in err.value.details()
+            assert "not created for this session" in err.value.details()
         assert not [s for s in thief.status().sessions
                     if s.session_id == thief.session_id and s.regions]
         key = ExpertKey("owned", model.moe_layers[0], 1)
@@ -292,3 +296,58 @@ def test_administrators_need_client_certificates(tmp_path: Path) -> None:
     agent = AgentProcess('[server]\nadmin_names = ["ops"]\n')
     with pytest.raises(RuntimeError, match=r"server\.admin_names: .*tls_client_ca"):
         agent.start()
+
+
+def test_a_segment_is_registered_only_by_the_session_it_was_named_for(
+        agent: AgentProcess) -> None:
+    """A thief that reads a segment's name in /dev/shm before its creator registers it (or
+    any name it made up) is refused: the name must be bound to the registering session's
+    token (``shm.session_name``). The creator registers it afterwards, unhindered."""
+    from host_client.memory import SharedRing
+
+    with AgentClient(agent.address) as owner, AgentClient(agent.address) as thief:
+        devices = [c.stub.RegisterDevice(pb.RegisterDeviceRequest(
+            session_id=c.session_id, kind=pb.DEVICE_KIND_CPU_REFERENCE, ordinal=0),
+            timeout=10).device_id for c in (owner, thief)]
+        fresh = SharedRing(abi.RingKind.RX_PACKET, 16, 256, token=owner.session_token)
+        unbound = SharedRing(abi.RingKind.RX_PACKET, 16, 256)
+        try:
+            for ring in (fresh, unbound):
+                with pytest.raises(grpc.RpcError) as err:
+                    thief.stub.RegisterRegion(pb.RegisterRegionRequest(
+                        session_id=thief.session_id, device_id=devices[1],
+                        kind=pb.REGION_KIND_RX_RING, size_bytes=ring.size, shm_name=ring.name),
+                        timeout=10)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert ring.name in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                owner.stub.RegisterRegion(pb.RegisterRegionRequest(
+                    session_id=owner.session_id, device_id=devices[0],
+                    kind=pb.REGION_KIND_RX_RING, size_bytes=unbound.size,
+                    shm_name=unbound.name), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert owner.stub.RegisterRegion(pb.RegisterRegionRequest(
+                session_id=owner.session_id, device_id=devices[0], kind=pb.REGION_KIND_RX_RING,
+                size_bytes=fresh.size, shm_name=fresh.name), timeout=10).region_id >= 0
+        finally:
+            fresh.close()
+            unbound.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=40), st.text(min_size=1, max_size=40))
+def test_a_session_name_is_bound_to_its_token_only(mine: str, theirs: str) -> None:
+    """``session_name`` gives a name ``bound_to`` the digest of its token and of no other;
+    the name keeps the form the start-up sweep of a dead creator's segments reads."""
+    import os
+    import re
+
+    from gpu_kernels.shm import bound_to, session_name, token_digest
+
+    name = session_name("dpu-ring-work", mine)
+    assert bound_to(name, token_digest(mine))
+    assert bound_to(name, token_digest(theirs)) == (mine == theirs)
+    assert re.fullmatch(rf"dpu-ring-work-{os.getpid()}-[0-9a-f]+", name)
+    tampered = name[:-1] + ("0" if name[-1] != "0" else "1")
+    assert not bound_to(tampered, token_digest(mine))
+    assert not bound_to("x", token_digest(mine))
