@@ -540,6 +540,7 @@ class Orchestrator:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(LANDING_POLL_SECONDS)
+        pool.granted[idx] = True  # the client may check this generation from now on
         if not fresh:
             return self._grant(pool, idx, entry, (), resident=True)
         transfer = self._deliver_fresh(session, dev, pool, idx, entry, wait)
@@ -575,7 +576,7 @@ class Orchestrator:
                 if idx is not None:
                     pool.refs[idx] = refs
                     return dev, pool, idx, entry, True
-            landing = sum(pool.unheld_filling() for pool in fitting)
+            landing = sum(pool.unheld_landing() for pool in fitting)
         if landing:
             raise SlotsLanding(f"every slot that fits {key} on device {device_id} is held or "
                                f"still landing ({landing} unheld)")

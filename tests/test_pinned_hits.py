@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dpu_agent.dataplane.channels import DeviceChannel
-from dpu_agent.service.registry import SlotPool
+from dpu_agent.service.registry import CHECK_GRACE_SECONDS, SlotPool
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi
 from gpu_kernels.channel import Channel, state_word
@@ -55,6 +55,36 @@ def test_a_pinned_slot_is_not_given_to_another_delivery(pool: SlotPool) -> None:
     assert int(view.words[ia]) == state_word(pool.generation[ia], FILLING)
     assert not view.try_pin(ia, word_a)  # the generation moved on: no hit on it
     assert int(view.pins["pins"][ia]) == 0
+
+
+def test_a_granted_landed_slot_waits_for_its_verdict_before_reuse(pool: SlotPool) -> None:
+    """An unheld LANDED slot whose generation a client was granted may be under its check:
+    it goes to another delivery only once the verdict came (or the grace passed), so the old
+    generation's verdict is never written over the new FILLING word. One never granted (a
+    prefetch nobody acquired) has no check and goes at once."""
+    a, b, c = (ExpertKey("m", 0, e) for e in range(3))
+    view = pool.channel.view
+    ia = pool.allocate(a)
+    ib = pool.allocate(b)
+    assert ia is not None and ib is not None
+    pool.granted[ia] = True  # Orchestrator.acquire granted a; b was a prefetch
+    for i in (ia, ib):
+        pool.refs[i] = 0
+        pool.mark_landed(i)
+    assert pool.checking(ia) and not pool.checking(ib)
+    assert pool.unheld_landing() == 1
+    assert pool.allocate(c) == ib  # a is older but may be under its check
+    pool.refs[ib] = 0
+    pool.mark_landed(ib)
+    assert pool.allocate(ExpertKey("m", 0, 3)) == ib  # ib again, never granted; a still not
+    view.store_word(ia, state_word(pool.generation[ia], READY))  # the client's verdict
+    assert not pool.checking(ia)
+    assert pool.allocate(ExpertKey("m", 0, 4)) == ia
+    pool.granted[ia] = True
+    pool.refs[ia] = 0
+    pool.mark_landed(ia)
+    pool.landed_at[ia] -= CHECK_GRACE_SECONDS  # no verdict, but long landed: no check runs
+    assert not pool.checking(ia) and pool.unheld_landing() == 0
 
 
 def test_a_slot_hit_by_a_pin_since_it_went_idle_is_evicted_last(pool: SlotPool) -> None:

@@ -22,6 +22,10 @@ _SETTLED = (SlotState.READY, SlotState.LANDED)
 
 ARENA_REGION_ID = 0
 """Every session's region table holds the agent's arena at id 0."""
+CHECK_GRACE_SECONDS = 0.1
+"""A LANDED slot whose generation a client was granted is not given to another delivery for
+this long after it landed unless its verdict came: the client's check may be summing it, and
+a check that saw LANDED publishes within microseconds of the bytes (docs/ABI.md)."""
 
 
 @dataclass
@@ -48,6 +52,10 @@ class SlotPool:
     queued (a slot the client hit since, by a pin, gets a second chance)."""
     generation: list[int] = field(default_factory=list)
     """Per slot, how many deliveries it was given (the slot-state table's generation)."""
+    granted: list[bool] = field(default_factory=list)
+    """Per slot, whether a client was granted its current generation (so may check it)."""
+    landed_at: list[float] = field(default_factory=list)
+    """Per slot, when the agent saw its delivery land (monotonic seconds)."""
     channel: DeviceChannel | None = None
     """The device's data-plane channel, whose slot-state table mirrors ``state``."""
     state_base: int = 0
@@ -61,6 +69,8 @@ class SlotPool:
         self.transfer = [0] * n
         self.checksums = [()] * n
         self.generation = [0] * n
+        self.granted = [False] * n
+        self.landed_at = [0.0] * n
 
     def _publish(self, idx: int, status: int = 0) -> None:
         if self.channel is not None:
@@ -74,11 +84,21 @@ class SlotPool:
         if self.channel is not None:
             self.channel.store_expected(self.state_base + idx, expected)
 
-    def unheld_filling(self) -> int:
+    def unheld_landing(self) -> int:
         """Slots nobody holds whose delivery is still in flight (a prefetch, or an acquire
-        released before the agent saw its copy complete): evictable once they land."""
-        return sum(1 for s, r in zip(self.state, self.refs, strict=True)
-                   if s == SlotState.FILLING and r == 0)
+        released before the agent saw its copy complete), or whose check may still be
+        running (:meth:`checking`): evictable in a moment."""
+        return sum(1 for i, r in enumerate(self.refs)
+                   if r == 0 and (self.state[i] == SlotState.FILLING or self.checking(i)))
+
+    def checking(self, idx: int) -> bool:
+        """Whether the slot is LANDED, granted to a client, without a verdict yet and landed
+        less than ``CHECK_GRACE_SECONDS`` ago: a check of the client's may be summing its
+        bytes, and would publish the old generation's verdict over the next delivery's word
+        (the GPU cannot compare-and-swap host memory)."""
+        return (self.state[idx] == SlotState.LANDED and self.granted[idx]
+                and time.monotonic() - self.landed_at[idx] < CHECK_GRACE_SECONDS
+                and self.verdict(idx) is None)
 
     def make_idle(self, idx: int) -> None:
         """Queue slot ``idx`` (settled, nobody holds it through the agent) for eviction."""
@@ -99,7 +119,7 @@ class SlotPool:
         for _ in range(2 * len(self.idle)):
             idx, seen = self.idle.popitem(last=False)
             touches = self._touches(idx)
-            if touches == seen:
+            if touches == seen and not self.checking(idx):
                 old = self.keys[idx]
                 if self._claim(idx, key):
                     del self.by_key[old]  # type: ignore[arg-type]
@@ -132,6 +152,7 @@ class SlotPool:
         self.refs[idx] = 1
         self.by_key[key] = idx
         self.generation[idx] += 1
+        self.granted[idx] = False
         self._publish(idx)
         return True
 
@@ -148,6 +169,7 @@ class SlotPool:
         for its consumer's verdict (idle if nobody holds it). Nothing is published here: the
         consumer may have written its verdict already."""
         self.state[idx] = SlotState.LANDED
+        self.landed_at[idx] = time.monotonic()
         if self.refs[idx] == 0:
             self.make_idle(idx)
 
