@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 Assignment = list[list[list[int]]]
 """``assignment[layer][expert]`` = sorted GPU indices holding that expert."""
@@ -153,6 +152,8 @@ def _relabel(bins: list[list[int]], bin_load: np.ndarray, slots: np.ndarray,
     for e, gs in enumerate(current):
         for g in gs:
             holds[g].add(e)
+    from scipy.optimize import linear_sum_assignment  # here: importing it doubles start-up
+
     mapping = np.arange(gpus)
     for cap in np.unique(slots):
         group = np.flatnonzero(slots == cap)
