@@ -59,7 +59,9 @@ def bound_to(name: str, digest: bytes) -> bool:
     """Whether ``name`` came from :func:`session_name` for the session whose token has this
     ``digest``."""
     base, tag = name[:-_TAG_HEX], name[-_TAG_HEX:]
-    return len(name) > _TAG_HEX and hmac.compare_digest(_tag(digest, base), tag)
+    # bytes: compare_digest refuses str with non-ASCII characters (a client's name may hold any)
+    return len(name) > _TAG_HEX and hmac.compare_digest(_tag(digest, base).encode(),
+                                                         tag.encode())
 
 
 def _alive(pid: int) -> bool:

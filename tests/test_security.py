@@ -351,3 +351,20 @@ def test_a_session_name_is_bound_to_its_token_only(mine: str, theirs: str) -> No
     tampered = name[:-1] + ("0" if name[-1] != "0" else "1")
     assert not bound_to(tampered, token_digest(mine))
     assert not bound_to("x", token_digest(mine))
+    assert not bound_to(name[:-3] + mine[:3], token_digest(mine))  # any characters: False
+
+
+def test_a_region_named_in_any_characters_is_refused_by_name(agent: AgentProcess) -> None:
+    """A hostile ``shm_name`` of non-ASCII characters is PERMISSION_DENIED like any name not
+    made for the session (it once escaped as INTERNAL: ``hmac.compare_digest`` refuses
+    non-ASCII str)."""
+    with AgentClient(agent.address) as client:
+        dev = client.stub.RegisterDevice(pb.RegisterDeviceRequest(
+            session_id=client.session_id, kind=pb.DEVICE_KIND_CPU_REFERENCE, ordinal=0),
+            timeout=10)
+        for name in ("é" * 40, "dpu-ring-rx-1-" + "ü" * 48, "x"):
+            with pytest.raises(grpc.RpcError) as err:
+                client.stub.RegisterRegion(pb.RegisterRegionRequest(
+                    session_id=client.session_id, device_id=dev.device_id,
+                    kind=pb.REGION_KIND_RX_RING, size_bytes=4096, shm_name=name), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
