@@ -285,6 +285,23 @@ Written by the client only; the agent reads it and trusts it with nothing but th
 slots."""
 
 
+BELL_DTYPE = np.dtype(
+    {
+        "names": ["rings", "sleeping"],
+        "formats": ["<u4", "<u4"],
+        "offsets": [0, 4],
+        "itemsize": 64,
+    }
+)
+"""The agent's doorbell, 64 bytes, one per agent, mapped by every client: ``rings`` (a futex
+word) changes each time a client rang while the agent's data-plane loop was asleep on it,
+``sleeping`` is 1 while the loop is (about to be) asleep. A client that posted a request fences
+and, if ``sleeping``, adds one to ``rings`` and wakes it; the loop stores ``sleeping``, fences,
+looks once more for work, then sleeps while ``rings`` is unchanged (docs/ABI.md, "The agent's
+doorbell"). It carries no data: a client that writes garbage into it can only wake the agent, or
+delay its own requests until the loop's timed wake-up."""
+
+
 class ChannelLayout(NamedTuple):
     """Byte offsets of a channel's parts (the request ring starts at 0) and its size."""
 

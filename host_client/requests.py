@@ -15,6 +15,7 @@ import numpy as np
 
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi, futex
+from gpu_kernels.bell import Bell
 from gpu_kernels.channel import Channel, state_word
 from gpu_kernels.shm import SharedBuffer
 from host_client.errors import AgentUnavailable, refusal
@@ -39,9 +40,11 @@ class ClientChannel:
     its reply was taken.
     """
 
-    def __init__(self, shm_name: str, size: int) -> None:
+    def __init__(self, shm_name: str, size: int, bell: Bell | None = None) -> None:
         self._buffer = SharedBuffer(shm_name, size)
         self.view = Channel(self._buffer.array)
+        self._bell = bell
+        """The agent's doorbell, rung after every post (None: the agent polls)."""
         self.capacity = self.view.capacity
         self._lock = threading.Lock()
         self._next_id = 1
@@ -96,6 +99,8 @@ class ClientChannel:
             if on_reply is not None:
                 self._callbacks.extend(positions)
             self.view.requests.push_many(records)
+        if self._bell is not None:
+            self._bell.ring()
         return positions
 
     def remember(self, key: ExpertKey, reply: np.void) -> None:

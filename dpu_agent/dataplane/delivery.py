@@ -46,11 +46,13 @@ class Deliveries:
         chunk_bytes: descriptor size, bytes.
         retries: where a refetch runs (it may read the checkpoint).
         alive: whether a session id is still open (no refetch for a closed one).
+        wake: wakes the data-plane loop (it flushes and polls what was posted).
     """
 
     def __init__(self, cache: WeightCache, chunk_bytes: int, retries: Executor,
-                 alive: Callable[[str], bool]) -> None:
+                 alive: Callable[[str], bool], wake: Callable[[], None]) -> None:
         self.cache = cache
+        self.wake = wake
         self.chunk_bytes = chunk_bytes
         self.retries = retries
         self.alive = alive
@@ -149,6 +151,7 @@ class Deliveries:
             pool.checksums[idx] = plan.checksums
         assert dev.queue is not None
         dev.queue.submit(plan.descriptors(transfer.transfer_id))
+        self.wake()  # posted from a thread of the agent's: the loop may be asleep
         return transfer
 
     def _delivered(self, session: Session, dev: Device, pool: SlotPool, idx: int,

@@ -12,16 +12,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpu_kernels import futex
+from gpu_kernels.bell import Bell
 
 log = logging.getLogger("dpu_agent.dataplane")
 
 SPIN_SECONDS = 0.002
-"""After work was found the loop only yields the GIL for this long, then naps."""
+"""After work was found the loop only yields the GIL for this long, then naps or sleeps."""
 NAP_SECONDS = 20e-6
-"""Nap between polls while recently busy or while transfers are in flight."""
-IDLE_SECONDS = 0.1
-"""Idle for this long (nothing in flight), the loop naps ``IDLE_NAP_SECONDS``."""
-IDLE_NAP_SECONDS = 0.0005
+"""Nap between polls while transfers are in flight (completions come without a bell)."""
+DOZE_SECONDS = 0.05
+"""With nothing in flight the loop sleeps on the doorbell (``gpu_kernels.bell``) for at most
+this long: a client's post or the agent's own delivery wakes it sooner; verdicts on LANDED
+slots and sweeps wait at most this."""
 SWEEP_SECONDS = 0.5
 """How often the stuck-transfer sweep runs."""
 
@@ -47,13 +49,15 @@ class DataPlaneLoop:
             it handled.
         in_flight: transfers posted and not yet completed (keeps the loop polling closely).
         sweep: called every ``SWEEP_SECONDS`` (stuck transfers, dead engines).
+        bell: what the loop sleeps on with nothing in flight (None: it naps instead).
     """
 
     def __init__(self, poll: Callable[[], tuple[int, int]], in_flight: Callable[[], int],
-                 sweep: Iterable[Callable[[], None]]) -> None:
+                 sweep: Iterable[Callable[[], None]], bell: Bell | None = None) -> None:
         self._poll = poll
         self._in_flight = in_flight
         self._sweeps = tuple(sweep)
+        self._bell = bell
         self._stop = threading.Event()
         self.stats = LoopStats()
         self.heartbeat = time.monotonic()
@@ -79,27 +83,36 @@ class DataPlaneLoop:
                         sweep()
                     except Exception:
                         log.exception("data-plane sweep failed")
-            try:
-                requests, completions = self._poll()
-            except Exception:  # a bug must not stop the data plane: logged, counted
-                log.exception("data-plane pass failed")
-                stats.errors += 1
-                requests = completions = 0
-            stats.requests += requests
-            stats.completions += completions
-            if requests or completions:
-                stats.cpu_seconds = time.thread_time()
+            if self._one_pass():
                 last_work = now
                 continue
-            idle = now - last_work
-            if idle < SPIN_SECONDS:
+            if now - last_work < SPIN_SECONDS:
                 time.sleep(0)
-            elif idle < IDLE_SECONDS or self._in_flight():
+            elif self._bell is None or self._in_flight():
                 time.sleep(NAP_SECONDS)
-            else:
-                time.sleep(IDLE_NAP_SECONDS)
+            elif self._bell.doze(max(0.0, min(DOZE_SECONDS, SWEEP_SECONDS - (now - last_sweep))),
+                                 self._one_pass, lambda found: not found):
+                last_work = time.monotonic()
+
+    def _one_pass(self) -> bool:
+        """Poll every source once; whether anything was handled."""
+        stats = self.stats
+        try:
+            requests, completions = self._poll()
+        except Exception:  # a bug must not stop the data plane: logged, counted
+            log.exception("data-plane pass failed")
+            stats.errors += 1
+            return False
+        stats.requests += requests
+        stats.completions += completions
+        if requests or completions:
+            stats.cpu_seconds = time.thread_time()
+            return True
+        return False
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        if self._bell is not None:
+            self._bell.ring()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)

@@ -19,6 +19,8 @@ from dpu_agent.dataplane.loop import DataPlaneLoop
 from dpu_agent.dataplane.requests import RequestCore, RequestServer
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels.bell import BELL_BYTES, Bell
+from gpu_kernels.shm import SharedBuffer, unique_name
 
 if TYPE_CHECKING:
     from dpu_agent.service.registry import Device
@@ -47,12 +49,15 @@ class DataPlane:
     def __init__(self, core: RequestCore, cache: WeightCache, chunk_bytes: int, fills: Executor,
                  alive: Callable[[str], bool], devices: Callable[[], tuple[Device, ...]],
                  arena: tuple[str, int, int], transfer_timeout: float) -> None:
-        self.deliveries = Deliveries(cache, chunk_bytes, fills, alive)
+        self._bell_buffer = SharedBuffer(unique_name("dpu-bell"), BELL_BYTES, create=True)
+        self.bell = Bell(self._bell_buffer.array)
+        """The doorbell clients ring after posting (its name goes to every session)."""
+        self.deliveries = Deliveries(cache, chunk_bytes, fills, alive, self.bell.ring)
         self.requests = RequestServer(core, fills)
         self.engine = EngineDevices(*arena, devices, self._engine_died)
         """Devices the DMA-engine process serves (it starts when the first registers)."""
         self.loop = DataPlaneLoop(self._poll_once, lambda: self.deliveries.tracker.in_flight,
-                                  [self._cancel_stuck, self.engine.supervisor.check])
+                                  [self._cancel_stuck, self.engine.supervisor.check], self.bell)
         self._devices = devices
         self._transfer_timeout = transfer_timeout
         self._landed_checked = 0.0
@@ -60,9 +65,15 @@ class DataPlane:
     def start(self) -> None:
         self.loop.start()
 
+    @property
+    def bell_name(self) -> str:
+        """The doorbell's shared-memory name."""
+        return self._bell_buffer.name
+
     def stop(self) -> None:
         self.loop.stop()
         self.engine.supervisor.stop()
+        self._bell_buffer.unlink()
 
     def _engine_died(self, devices: set[Device]) -> None:
         """The DMA engine died: its devices' transfers in flight end CANCELLED (their slots go

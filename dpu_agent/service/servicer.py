@@ -109,7 +109,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             session_id=s.session_id, session_token=token, lease_seconds=int(s.lease_seconds),
             arena=pb.ArenaInfo(shm_name=arena.name, size_bytes=arena.size,
                                region_id=ARENA_REGION_ID),
-            activations_port=self.core.activations.port if self.core.activations else 0)
+            activations_port=self.core.activations.port if self.core.activations else 0,
+            bell_shm_name=self.core.plane.bell_name)
 
     async def KeepAlive(self, request: pb.SessionRef, context: grpc.aio.ServicerContext
                         ) -> pb.Empty:

@@ -1,0 +1,62 @@
+"""The agent's doorbell (``abi.BELL_DTYPE``): how a client that posts a request wakes the
+agent's data-plane loop when it sleeps for want of work, so an idle agent spends no CPU and
+still answers the next request within a futex wake. Both sides' halves are here: a client's
+:meth:`Bell.ring` after it published entries, the loop's :meth:`Bell.doze`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+from gpu_kernels import abi, futex
+from gpu_kernels.ring import store_fence
+
+T = TypeVar("T")
+
+BELL_BYTES = abi.BELL_DTYPE.itemsize
+
+
+class Bell:
+    """The doorbell laid out in ``buffer`` (``uint8[BELL_BYTES]`` of a shared mapping that
+    outlives this object)."""
+
+    def __init__(self, buffer: np.ndarray) -> None:
+        if buffer.size < BELL_BYTES:
+            raise ValueError(f"a doorbell needs {BELL_BYTES} bytes, got {buffer.size}")
+        words = np.ndarray((2,), "<u4", buffer=buffer)
+        self._rings, self._sleeping = words[0:1], words[1:2]
+        self._address = int(buffer.ctypes.data)
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the loop said it is (about to be) asleep."""
+        return bool(self._sleeping[0])
+
+    def ring(self) -> None:
+        """After publishing entries: wake the loop if it sleeps. The fence orders the entries
+        before the load of ``sleeping`` (the loop's mirror image: it stores ``sleeping``,
+        fences, and looks for work once more), so no request is left until the timed wake."""
+        store_fence()
+        if self._sleeping[0]:
+            self._rings[0] = (int(self._rings[0]) + 1) & 0xFFFFFFFF
+            futex.wake(self._address)
+            os.sched_yield()  # the woken loop may have been placed on this CPU
+
+    def doze(self, timeout: float, look: Callable[[], T], idle: Callable[[T], bool]) -> T:
+        """Sleep until a client rings or ``timeout`` seconds pass, unless ``look()`` (one pass
+        for work, after ``sleeping`` is published) finds some (``idle`` of its result False).
+        Returns that last look's result."""
+        seen = int(self._rings[0])
+        self._sleeping[0] = 1
+        store_fence()
+        try:
+            found = look()
+            if idle(found):
+                futex.wait(self._address, seen, timeout)
+            return found
+        finally:
+            self._sleeping[0] = 0
