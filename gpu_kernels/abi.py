@@ -298,8 +298,8 @@ word) changes each time a client rang while the agent's data-plane loop was asle
 ``sleeping`` is 1 while the loop is (about to be) asleep. A client that posted a request fences
 and, if ``sleeping``, adds one to ``rings`` and wakes it; the loop stores ``sleeping``, fences,
 looks once more for work, then sleeps while ``rings`` is unchanged (docs/ABI.md, "The agent's
-doorbell"). It carries no data: a client that writes garbage into it can only wake the agent, or
-delay its own requests until the loop's timed wake-up."""
+doorbell"). It carries no data: a client that writes garbage into it can wake the agent, make
+posts pay a wake, or leave posts until the loop's timed wake-up (50 ms), nothing more."""
 
 
 class ChannelLayout(NamedTuple):

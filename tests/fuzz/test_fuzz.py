@@ -290,6 +290,7 @@ def test_fuzz_request_ring(channel_live, entries: list[dict[str, int]]) -> None:
                           "model": e["model"], "layer": e["layer"], "expert": e["expert"],
                           "posted_ns": e["posted_ns"]})
     dev.channel._next_id = base + len(entries) + 1
+    dev.channel._bell.ring()  # as every client does after it published entries
     granted = []
     for pos, e in zip(positions, entries, strict=True):
         deadline = time.monotonic() + 10
