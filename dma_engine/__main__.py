@@ -9,6 +9,7 @@ that fails changes nothing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 from dma_engine.engine import Engine, Target
 from dma_engine.signals import SlotStates
 from gpu_kernels import abi
+from gpu_kernels.bell import BELL_BYTES, Bell
 from gpu_kernels.ring import Ring, RingError
 from gpu_kernels.shm import SharedBuffer, SharedBufferError
 
@@ -111,7 +113,13 @@ def control(engine: Engine) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="dma-engine %(levelname)s %(message)s")
-    engine = Engine()
+    ap = argparse.ArgumentParser(prog="python -m dma_engine")
+    ap.add_argument("--bell", default="",
+                    help="shared-memory name of the doorbell the agent rings after posting work "
+                         "(the engine sleeps on it when idle; without it, it naps)")
+    args = ap.parse_args()
+    bell_buffer = SharedBuffer(args.bell, BELL_BYTES) if args.bell else None
+    engine = Engine(None if bell_buffer is None else Bell(bell_buffer.array))
     threading.Thread(target=control, args=(engine,), name="control", daemon=True).start()
     sys.stdout.write(json.dumps({"ok": True, "ready": True}) + "\n")
     sys.stdout.flush()

@@ -15,9 +15,17 @@ from dma_engine.backends import CpuBackend, CudaBackend
 from dma_engine.plan import Planner
 from dma_engine.signals import SignalWrite, SlotStates
 from gpu_kernels import abi, futex
+from gpu_kernels.bell import Bell
 from gpu_kernels.copy_runs import completions
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer
+
+SPIN_SECONDS = 0.002
+"""After work the loop only yields for this long."""
+NAP_SECONDS = 20e-6
+"""Nap between passes while runs are in flight (their events complete without a bell)."""
+DOZE_SECONDS = 0.05
+"""With nothing in flight the loop sleeps on the agent's bell for at most this long."""
 
 log = logging.getLogger("dma_engine")
 
@@ -123,11 +131,13 @@ class Engine:
     """Every attached target, served by :meth:`run` on the calling thread; ``lock`` guards the
     target table against the control thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, bell: Bell | None = None) -> None:
         self.targets: dict[int, Target] = {}
         self.lock = threading.Lock()
         self._backends: dict[tuple[str, int], Any] = {}
         self.stopping = False
+        self._bell = bell
+        """What :meth:`run` sleeps on with nothing in flight (None: it naps)."""
 
     def backend(self, kind: str, ordinal: int) -> Any:
         key = (kind, ordinal)
@@ -135,25 +145,33 @@ class Engine:
             self._backends[key] = CudaBackend(ordinal) if kind == "cuda" else CpuBackend()
         return self._backends[key]
 
+    def _serve_all(self) -> tuple[int, bool]:
+        """One pass over every target: (descriptors taken, whether runs are in flight)."""
+        with self.lock:
+            taken = sum(t.serve() for t in self.targets.values())
+            return taken, any(t.busy() for t in self.targets.values())
+
     def run(self) -> None:
+        """Serve until ``stopping``: spin 2 ms after work, nap 20 us while runs are in flight
+        or without a bell, else sleep on the bell (at most ``DOZE_SECONDS``)."""
         futex.tight_timer_slack()
         last_work = time.monotonic()
         while not self.stopping:
-            with self.lock:
-                taken = sum(t.serve() for t in self.targets.values())
-                busy = any(t.busy() for t in self.targets.values())
+            taken, busy = self._serve_all()
             now = time.monotonic()
-            if taken:
+            if taken or busy:
                 last_work = now
-                continue
-            if busy:
-                last_work = now
-            if now - last_work < 0.002:
+                if taken:
+                    continue
+            if now - last_work < SPIN_SECONDS:
                 time.sleep(0)
-            elif now - last_work < 0.1:
-                time.sleep(20e-6)
+            elif busy or self._bell is None:
+                time.sleep(NAP_SECONDS)
             else:
-                time.sleep(0.0005)
+                taken, busy = self._bell.doze(DOZE_SECONDS, self._serve_all,
+                                              lambda found: not (found[0] or found[1]))
+                if taken or busy:
+                    last_work = time.monotonic()
 
     def close(self) -> None:
         with self.lock:

@@ -63,7 +63,7 @@ from gpu_kernels.shm import SharedBufferError, bound_to, sweep_stale
 
 log = logging.getLogger("dpu_agent")
 
-STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool", "dpu-bell",
+STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool", "dpu-bell", "dpu-engine-bell",
                   *(f"dpu-{side}-{kind.name.lower()}" for side in ("engine", "ring")
                     for kind in abi.RingKind))
 """Names of the segments agents and host clients create (``unique_name``): swept at start

@@ -72,10 +72,19 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _engine_bell(agent_pid: int) -> Bell:
+    """The DMA engine's doorbell of the agent ``agent_pid`` (its segment, mapped here)."""
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(f"dpu-engine-bell-{agent_pid}-")]
+    assert len(names) == 1, names
+    return Bell(SharedBuffer(names[0], BELL_BYTES).array)
+
+
 def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -> None:
-    """With nothing to do the data-plane loop sleeps (the whole agent process under 4 % of a
-    core; ~11 % on the 2-core VM while the loop polled, 1 % with the bell), and a client's
-    post rings it awake: the acquire is served and the bell's ``rings`` moved."""
+    """With nothing to do the data-plane loop and the DMA engine sleep on their bells (each
+    process under 4 % of a core; ~11 % and ~9 % on the 2-core VM while they polled, ~1 % and
+    ~0.4 % with the bells), and a client's post rings the agent awake, whose delivery rings the
+    engine: the acquire is served and both bells' ``rings`` moved."""
+    from bench.delivery import engine_pid
     from dpu_offload.keys import ExpertKey
 
     with AgentProcess() as agent, AgentClient(agent.address) as client:
@@ -86,15 +95,18 @@ def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -
         client.acquire(dev, key).wait(10)
         client.release(dev, key)
         time.sleep(0.5)
-        bell = dev.channel._bell
-        assert bell is not None and bell.asleep
-        c0, t0 = _cpu_seconds(agent.proc.pid), time.monotonic()
+        bell, engine_bell = dev.channel._bell, _engine_bell(agent.proc.pid)
+        assert bell is not None and bell.asleep and engine_bell.asleep
+        pids = (agent.proc.pid, engine_pid(agent.proc.pid))
+        c0, t0 = [_cpu_seconds(p) for p in pids], time.monotonic()
         time.sleep(3.0)
-        share = (_cpu_seconds(agent.proc.pid) - c0) / (time.monotonic() - t0)
-        assert share < 0.04, f"the idle agent used {share:.1%} of a core"
-        rings = int(bell._rings[0])
+        for pid, c in zip(pids, c0, strict=True):
+            share = (_cpu_seconds(pid) - c) / (time.monotonic() - t0)
+            assert share < 0.04, f"idle process {pid} used {share:.1%} of a core"
+        rings = int(bell._rings[0]), int(engine_bell._rings[0])
         other = ExpertKey("bell", model.moe_layers[0], 2)
         slot = client.acquire(dev, other).wait(10)
-        assert slot.key == other and int(bell._rings[0]) != rings
+        assert slot.key == other
+        assert int(bell._rings[0]) != rings[0] and int(engine_bell._rings[0]) != rings[1]
         client.release(dev, other)
         assert os.path.exists(f"/dev/shm/{client._bell_buffer.name}")

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.errors import invalid
 from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels.bell import BELL_BYTES, Bell
+from gpu_kernels.shm import SharedBuffer, unique_name
 
 if TYPE_CHECKING:
     from dpu_agent.service.registry import Device, SlotPool
@@ -44,8 +46,11 @@ class EngineSupervisor:
             new engine (fresh rings: the dead engine's unconsumed work must not run).
     """
 
-    def __init__(self, on_death: Callable[[list[int]], dict[int, dict[str, Any]]]) -> None:
+    def __init__(self, on_death: Callable[[list[int]], dict[int, dict[str, Any]]],
+                 bell: str = "") -> None:
         self._on_death = on_death
+        self._bell = bell
+        """The shared-memory name of the doorbell the engine sleeps on when idle ("" none)."""
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
         self._targets: dict[int, dict[str, Any]] = {}
@@ -60,7 +65,8 @@ class EngineSupervisor:
     def _start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "dma_engine"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "dma_engine", *(["--bell", self._bell] if self._bell else [])],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self._read()  # {"ready": true}
         log.info("dma engine started (pid %d)", self._proc.pid)
@@ -190,11 +196,19 @@ class EngineDevices:
         self._arena = {"name": arena_name, "size": arena_size, "region": arena_region}
         self._devices = devices
         self._on_death = on_death
-        self.supervisor = EngineSupervisor(self._died)
+        self._bell_buffer = SharedBuffer(unique_name("dpu-engine-bell"), BELL_BYTES, create=True)
+        self.bell = Bell(self._bell_buffer.array)
+        """Rung after work is pushed to the engine (its loop sleeps on it when idle)."""
+        self.supervisor = EngineSupervisor(self._died, self._bell_buffer.name)
 
     @property
     def restarts(self) -> int:
         return self.supervisor.restarts
+
+    def stop(self) -> None:
+        """Stop the engine and remove its doorbell's name."""
+        self.supervisor.stop()
+        self._bell_buffer.unlink()
 
     def _command(self, dev: Device, rings: EngineRings) -> dict[str, Any]:
         return {"kind": "cuda" if dev.kind == pb.DEVICE_KIND_CUDA else "cpu",
@@ -207,7 +221,7 @@ class EngineDevices:
         registered); returns the queue the agent posts on and reads completions from."""
         rings = EngineRings()
         try:
-            queue = DeviceQueue(rings.work, rings.completions)
+            queue = DeviceQueue(rings.work, rings.completions, self.bell)
         except BaseException:
             rings.close()
             raise
@@ -254,7 +268,7 @@ class EngineDevices:
         for dev in devices:
             old_rings, old_queue = dev.engine_rings, dev.queue
             rings = EngineRings()
-            dev.queue = DeviceQueue(rings.work, rings.completions)
+            dev.queue = DeviceQueue(rings.work, rings.completions, self.bell)
             dev.engine_rings = rings
             fresh[dev.device_id] = self._command(dev, rings)
             if old_queue is not None:

@@ -72,7 +72,7 @@ class DataPlane:
 
     def stop(self) -> None:
         self.loop.stop()
-        self.engine.supervisor.stop()
+        self.engine.stop()
         self._bell_buffer.unlink()
 
     def _engine_died(self, devices: set[Device]) -> None:

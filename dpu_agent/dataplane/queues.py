@@ -11,6 +11,7 @@ from collections import deque
 import numpy as np
 
 from gpu_kernels import abi
+from gpu_kernels.bell import Bell
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer, unique_name
 
@@ -30,7 +31,10 @@ class DeviceQueue:
     frees entries (:meth:`flush`): the producer is held back, nothing is dropped.
     """
 
-    def __init__(self, work_shm: str, completion_shm: str) -> None:
+    def __init__(self, work_shm: str, completion_shm: str, bell: Bell | None = None) -> None:
+        self._bell = bell
+        """Rung after descriptors are pushed (the DMA engine's; a device's own consumer has
+        none: the client keeps it awake while it expects work)."""
         self._buffers: list[SharedBuffer] = []
         try:
             self.work = self._open(work_shm, abi.RingKind.WORK)
@@ -50,24 +54,32 @@ class DeviceQueue:
         """Queue ``DESCRIPTOR_DTYPE[n]`` for the device, in order."""
         with self._lock:
             self._backlog.append(records)
-            self._flush_locked()
+            pushed, _ = self._flush_locked()
+        if pushed and self._bell is not None:
+            self._bell.ring()
 
     def flush(self) -> int:
         """Push backlog into freed ring entries; returns descriptors still waiting."""
         if not self._backlog:
             return 0
         with self._lock:
-            return self._flush_locked()
+            pushed, waiting = self._flush_locked()
+        if pushed and self._bell is not None:
+            self._bell.ring()
+        return waiting
 
-    def _flush_locked(self) -> int:
+    def _flush_locked(self) -> tuple[int, int]:
+        """(descriptors pushed, descriptors still waiting)."""
+        pushed = 0
         while self._backlog:
             head = self._backlog[0]
             n = self.work.push_many(head)
+            pushed += n
             if n < head.size:
                 self._backlog[0] = head[n:]
                 break
             self._backlog.popleft()
-        return sum(int(b.size) for b in self._backlog)
+        return pushed, sum(int(b.size) for b in self._backlog)
 
     def poll_completions(self, limit: int = 4096) -> np.ndarray:
         """Completed entries (``COMPLETION_DTYPE[n]``), oldest first, at most ``limit``."""
