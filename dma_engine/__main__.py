@@ -19,7 +19,7 @@ from typing import Any
 from dma_engine.engine import Engine, Target
 from dma_engine.signals import SlotStates
 from gpu_kernels import abi
-from gpu_kernels.bell import BELL_BYTES, Bell
+from gpu_kernels.bell import Bell
 from gpu_kernels.ring import Ring, RingError
 from gpu_kernels.shm import SharedBuffer, SharedBufferError
 
@@ -118,8 +118,7 @@ def main() -> None:
                     help="shared-memory name of the doorbell the agent rings after posting work "
                          "(the engine sleeps on it when idle; without it, it naps)")
     args = ap.parse_args()
-    bell_buffer = SharedBuffer(args.bell, BELL_BYTES) if args.bell else None
-    engine = Engine(None if bell_buffer is None else Bell(bell_buffer.array))
+    engine = Engine(Bell.open(args.bell) if args.bell else None)
     threading.Thread(target=control, args=(engine,), name="control", daemon=True).start()
     sys.stdout.write(json.dumps({"ok": True, "ready": True}) + "\n")
     sys.stdout.flush()

@@ -14,6 +14,7 @@ import numpy as np
 
 from gpu_kernels import abi, futex
 from gpu_kernels.ring import store_fence
+from gpu_kernels.shm import SharedBuffer, unique_name
 
 T = TypeVar("T")
 
@@ -21,15 +22,34 @@ BELL_BYTES = abi.BELL_DTYPE.itemsize
 
 
 class Bell:
-    """The doorbell laid out in ``buffer`` (``uint8[BELL_BYTES]`` of a shared mapping that
-    outlives this object)."""
+    """The doorbell laid out in ``segment`` (its first ``BELL_BYTES``), which it keeps mapped."""
 
-    def __init__(self, buffer: np.ndarray) -> None:
-        if buffer.size < BELL_BYTES:
-            raise ValueError(f"a doorbell needs {BELL_BYTES} bytes, got {buffer.size}")
-        words = np.ndarray((2,), "<u4", buffer=buffer)
+    def __init__(self, segment: SharedBuffer) -> None:
+        if segment.size < BELL_BYTES:
+            raise ValueError(f"a doorbell needs {BELL_BYTES} bytes, got {segment.size}")
+        self._segment = segment
+        words = np.ndarray((2,), "<u4", buffer=segment.array)
         self._rings, self._sleeping = words[0:1], words[1:2]
-        self._address = int(buffer.ctypes.data)
+        self._address = segment.address
+
+    @classmethod
+    def create(cls, prefix: str) -> Bell:
+        """A new doorbell in a segment of this process's (``shm.unique_name(prefix)``)."""
+        return cls(SharedBuffer(unique_name(prefix), BELL_BYTES, create=True))
+
+    @classmethod
+    def open(cls, name: str) -> Bell:
+        """The doorbell another process created under ``name``."""
+        return cls(SharedBuffer(name, BELL_BYTES))
+
+    @property
+    def name(self) -> str:
+        """The segment's shared-memory name (what the other side opens)."""
+        return self._segment.name
+
+    def unlink(self) -> None:
+        """Remove the name (the creator's duty); mappings stay valid."""
+        self._segment.unlink()
 
     @property
     def asleep(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from gpu_kernels import abi
+from gpu_kernels.channel import state_word
 from gpu_kernels.checksum import chunk_checksum, row_checksums, terms_sum
 from gpu_kernels.ring import Ring, store_fence
 from gpu_kernels.routing import DispatchPlan
@@ -348,11 +349,10 @@ def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndar
         return outcome
     entry = states[index:index + 1]
     ok = terms_sum(blob) == int(entry["expected"][0])
-    if int(entry["word"][0]) != (generation << abi.SLOT_STATE_BITS) | int(abi.SlotState.LANDED):
+    if int(entry["word"][0]) != state_word(generation, abi.SlotState.LANDED):
         return 2  # the slot went to another delivery while it was summed
     if not ok:
         entry["status"] = int(abi.Status.CHECKSUM_MISMATCH)
     store_fence()
-    entry["word"] = (generation << abi.SLOT_STATE_BITS) | int(
-        abi.SlotState.READY if ok else abi.SlotState.FAILED)
+    entry["word"] = state_word(generation, abi.SlotState.READY if ok else abi.SlotState.FAILED)
     return 0 if ok else 1

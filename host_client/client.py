@@ -34,8 +34,8 @@ from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
-from gpu_kernels.bell import BELL_BYTES, Bell
-from gpu_kernels.shm import SharedBuffer, session_name
+from gpu_kernels.bell import Bell
+from gpu_kernels.shm import session_name
 from host_client.devices import Device
 from host_client.errors import (
     AgentError,
@@ -226,8 +226,7 @@ class AgentClient:
         self.lease_seconds = resp.lease_seconds
         self.arena = resp.arena
         self.activations_port = resp.activations_port
-        self._bell_buffer = SharedBuffer(resp.bell_shm_name, BELL_BYTES) \
-            if resp.bell_shm_name else None
+        self._bell = Bell.open(resp.bell_shm_name) if resp.bell_shm_name else None
         self._ref = pb.SessionRef(session_id=self.session_id)
         self._events = self.stub.Events(self._ref)
 
@@ -275,9 +274,7 @@ class AgentClient:
                                                     token=token)
         rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
         tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
-        channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes,
-                                None if self._bell_buffer is None
-                                else Bell(self._bell_buffer.array))
+        channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes, self._bell)
         channel.device_address = device.register_host_ring(channel.view.buffer)
         attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx,
                                           tx, specs=specs, ring_capacity=ring_capacity,

@@ -23,8 +23,8 @@ PROBE_BYTES = 64 << 20
 class _KernelTicket:
     """A landed-slot check enqueued on the check stream: ended once its event has."""
 
-    def __init__(self, ended: Any, result: Any) -> None:
-        self.ended, self.result = ended, result
+    def __init__(self, ended: Any) -> None:
+        self.ended = ended
 
     def done(self) -> bool:
         return bool(self.ended.done)
@@ -183,7 +183,7 @@ class CudaDevice(Device):
             self.enqueue_check(entry_address, index, generation, blob, timeout, result, stream)
             ended = self.cp.cuda.Event(disable_timing=True)
             ended.record(stream)
-        return _KernelTicket(ended, result)
+        return _KernelTicket(ended)
 
 
     def warm_up(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu_kernels.bell import BELL_BYTES, Bell
+from gpu_kernels.bell import Bell
 from gpu_kernels.shm import SharedBuffer, unique_name
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
@@ -23,8 +23,8 @@ DOZE = 2.0
 
 def _dozer(bell_name: str, work_name: str) -> None:
     """Acknowledge each piece of work the other process posts, dozing in between."""
-    bell_buf, work_buf = SharedBuffer(bell_name, BELL_BYTES), SharedBuffer(work_name, 16)
-    bell, words = Bell(bell_buf.array), np.ndarray((2,), "<u8", buffer=work_buf.array)
+    bell, work_buf = Bell.open(bell_name), SharedBuffer(work_name, 16)
+    words = np.ndarray((2,), "<u8", buffer=work_buf.array)
     posted, acked = words[0:1], words[1:2]
     while int(acked[0]) < ROUNDS:
         if int(posted[0]) != int(acked[0]):
@@ -37,11 +37,11 @@ def test_every_ring_after_new_work_wakes_the_dozer_across_processes() -> None:
     """The store-fence-load on both sides: the poster stores work, fences, reads
     ``sleeping``; the dozer stores ``sleeping``, fences, looks for work. Whatever the
     interleaving, no piece of work waits for the dozer's timeout."""
-    bell_buf = SharedBuffer(unique_name("test-bell"), BELL_BYTES, create=True)
+    bell = Bell.create("test-bell")
     work_buf = SharedBuffer(unique_name("test-work"), 16, create=True)
-    bell, words = Bell(bell_buf.array), np.ndarray((2,), "<u8", buffer=work_buf.array)
+    words = np.ndarray((2,), "<u8", buffer=work_buf.array)
     posted, acked = words[0:1], words[1:2]
-    proc = mp.get_context("spawn").Process(target=_dozer, args=(bell_buf.name, work_buf.name))
+    proc = mp.get_context("spawn").Process(target=_dozer, args=(bell.name, work_buf.name))
     proc.start()
     try:
         worst, slept = 0.0, 0
@@ -62,8 +62,8 @@ def test_every_ring_after_new_work_wakes_the_dozer_across_processes() -> None:
         assert slept > ROUNDS // 6, slept
     finally:
         proc.join(10)
-        for buf in (bell_buf, work_buf):
-            buf.unlink()
+        bell.unlink()
+        work_buf.unlink()
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -76,7 +76,7 @@ def _engine_bell(agent_pid: int) -> Bell:
     """The DMA engine's doorbell of the agent ``agent_pid`` (its segment, mapped here)."""
     names = [n for n in os.listdir("/dev/shm") if n.startswith(f"dpu-engine-bell-{agent_pid}-")]
     assert len(names) == 1, names
-    return Bell(SharedBuffer(names[0], BELL_BYTES).array)
+    return Bell.open(names[0])
 
 
 def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -> None:
@@ -109,4 +109,4 @@ def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -
         assert slot.key == other
         assert int(bell._rings[0]) != rings[0] and int(engine_bell._rings[0]) != rings[1]
         client.release(dev, other)
-        assert os.path.exists(f"/dev/shm/{client._bell_buffer.name}")
+        assert os.path.exists(f"/dev/shm/{client._bell.name}")

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.errors import invalid
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels.bell import BELL_BYTES, Bell
-from gpu_kernels.shm import SharedBuffer, unique_name
+from gpu_kernels.bell import Bell
 
 if TYPE_CHECKING:
     from dpu_agent.service.registry import Device, SlotPool
@@ -196,10 +195,9 @@ class EngineDevices:
         self._arena = {"name": arena_name, "size": arena_size, "region": arena_region}
         self._devices = devices
         self._on_death = on_death
-        self._bell_buffer = SharedBuffer(unique_name("dpu-engine-bell"), BELL_BYTES, create=True)
-        self.bell = Bell(self._bell_buffer.array)
+        self.bell = Bell.create("dpu-engine-bell")
         """Rung after work is pushed to the engine (its loop sleeps on it when idle)."""
-        self.supervisor = EngineSupervisor(self._died, self._bell_buffer.name)
+        self.supervisor = EngineSupervisor(self._died, self.bell.name)
 
     @property
     def restarts(self) -> int:
@@ -208,7 +206,7 @@ class EngineDevices:
     def stop(self) -> None:
         """Stop the engine and remove its doorbell's name."""
         self.supervisor.stop()
-        self._bell_buffer.unlink()
+        self.bell.unlink()
 
     def _command(self, dev: Device, rings: EngineRings) -> dict[str, Any]:
         return {"kind": "cuda" if dev.kind == pb.DEVICE_KIND_CUDA else "cpu",

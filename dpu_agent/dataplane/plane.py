@@ -19,8 +19,7 @@ from dpu_agent.dataplane.loop import DataPlaneLoop
 from dpu_agent.dataplane.requests import RequestCore, RequestServer
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels.bell import BELL_BYTES, Bell
-from gpu_kernels.shm import SharedBuffer, unique_name
+from gpu_kernels.bell import Bell
 
 if TYPE_CHECKING:
     from dpu_agent.service.registry import Device
@@ -49,8 +48,7 @@ class DataPlane:
     def __init__(self, core: RequestCore, cache: WeightCache, chunk_bytes: int, fills: Executor,
                  alive: Callable[[str], bool], devices: Callable[[], tuple[Device, ...]],
                  arena: tuple[str, int, int], transfer_timeout: float) -> None:
-        self._bell_buffer = SharedBuffer(unique_name("dpu-bell"), BELL_BYTES, create=True)
-        self.bell = Bell(self._bell_buffer.array)
+        self.bell = Bell.create("dpu-bell")
         """The doorbell clients ring after posting (its name goes to every session)."""
         self.deliveries = Deliveries(cache, chunk_bytes, fills, alive, self.bell.ring)
         self.requests = RequestServer(core, fills)
@@ -68,12 +66,12 @@ class DataPlane:
     @property
     def bell_name(self) -> str:
         """The doorbell's shared-memory name."""
-        return self._bell_buffer.name
+        return self.bell.name
 
     def stop(self) -> None:
         self.loop.stop()
         self.engine.stop()
-        self._bell_buffer.unlink()
+        self.bell.unlink()
 
     def _engine_died(self, devices: set[Device]) -> None:
         """The DMA engine died: its devices' transfers in flight end CANCELLED (their slots go
