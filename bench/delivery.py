@@ -24,7 +24,9 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -74,16 +76,26 @@ def engine_pid(agent_pid: int) -> int:
     return 0
 
 
-def proc_cpu_seconds(pid: int) -> float:
-    """CPU seconds of every thread of ``pid`` so far, at nanosecond resolution (schedstat;
-    /proc/PID/stat counts 10 ms ticks, too coarse for a few hundred MB)."""
-    total = 0
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the threads of ``pid``, summed by thread name (this process's
+    Python threads by their ``threading`` name, others by their kernel name), at nanosecond
+    resolution (schedstat; /proc/PID/stat counts 10 ms ticks, too coarse for a few hundred
+    MB)."""
+    names = {t.native_id: t.name for t in threading.enumerate()} if pid == os.getpid() else {}
+    out: Counter[str] = Counter()
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            total += int((task / "schedstat").read_text().split()[0])
+            ns = int((task / "schedstat").read_text().split()[0])
+            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
         except (OSError, IndexError, ValueError):
             continue  # the thread ended meanwhile
-    return total / 1e9
+        out[name] += ns / 1e9
+    return dict(out)
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` so far (``thread_cpu_seconds`` summed)."""
+    return sum(thread_cpu_seconds(pid).values())
 
 
 def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
@@ -196,14 +208,18 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             cycle(keys[half:])  # evicts every GPU slot; arena now holds all experts
             log(f"{name}: arena warm")
             bw, cpu_client, cpu_agent, cpu_engine, nbytes_total = [], 0.0, 0.0, 0.0, 0
+            by_thread: Counter[str] = Counter()
             engine = engine_pid(agent.proc.pid)
             rpc.clear()
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
+                threads0 = thread_cpu_seconds(os.getpid())
                 c0, a0 = time.process_time(), proc_cpu_seconds(agent.proc.pid)
                 e0 = proc_cpu_seconds(engine) if engine else 0.0
                 dt = cycle(batch)
                 cpu_client += time.process_time() - c0
+                for name, s in thread_cpu_seconds(os.getpid()).items():
+                    by_thread[name] += s - threads0.get(name, 0.0)
                 cpu_agent += proc_cpu_seconds(agent.proc.pid) - a0
                 cpu_engine += (proc_cpu_seconds(engine) - e0) if engine else 0.0
                 nbytes_total += half * model.expert_bytes
@@ -254,6 +270,9 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "ready_hit_pinned_fraction": pinned / len(hit),
                 **stages,
                 "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
+                "client_cpu_s_per_gb_by_thread": {
+                    name: s / (nbytes_total / 1e9) for name, s in by_thread.most_common()
+                    if s > 0},
                 "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
                 "engine_cpu_s_per_gb": cpu_engine / (nbytes_total / 1e9),
                 "delivery": delivery,
@@ -399,7 +418,10 @@ def main() -> int:
                       f" (agent: requests waited {r.get('agent_request_wait_us', 0):.0f} us,"
                       f" served in {r.get('agent_request_service_us', 0):.0f} us)"
                       f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
-                      f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB",
+                      f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB"
+                      f" (client threads: " + ", ".join(
+                          f"{n} {v:.4f}" for n, v in
+                          list(r["client_cpu_s_per_gb_by_thread"].items())[:4]) + ")",
                       file=sys.stderr)
     if args.trace:
         print(f"traced into {args.trace}: python bench/trace_report.py {args.trace}")
