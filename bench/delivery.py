@@ -213,9 +213,12 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             rpc.clear()
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
-                threads0 = thread_cpu_seconds(os.getpid())
-                c0, a0 = time.process_time(), proc_cpu_seconds(agent.proc.pid)
+                # Reading another process's /proc costs this one ~1 ms: outside the client's
+                # interval (it once was inside, and made up half the client's CPU per GB).
+                a0 = proc_cpu_seconds(agent.proc.pid)
                 e0 = proc_cpu_seconds(engine) if engine else 0.0
+                threads0 = thread_cpu_seconds(os.getpid())
+                c0 = time.process_time()
                 dt = cycle(batch)
                 cpu_client += time.process_time() - c0
                 for name, s in thread_cpu_seconds(os.getpid()).items():

@@ -117,8 +117,12 @@ def main() -> None:
     ap.add_argument("--bell", default="",
                     help="shared-memory name of the doorbell the agent rings after posting work "
                          "(the engine sleeps on it when idle; without it, it naps)")
+    ap.add_argument("--agent-bell", default="",
+                    help="shared-memory name of the agent's doorbell, rung after completions "
+                         "are pushed (without it, the agent polls for them)")
     args = ap.parse_args()
-    engine = Engine(Bell.open(args.bell) if args.bell else None)
+    engine = Engine(Bell.open(args.bell) if args.bell else None,
+                    Bell.open(args.agent_bell) if args.agent_bell else None)
     threading.Thread(target=control, args=(engine,), name="control", daemon=True).start()
     sys.stdout.write(json.dumps({"ok": True, "ready": True}) + "\n")
     sys.stdout.flush()

@@ -76,21 +76,21 @@ class Target:
         """Whether runs are in flight (the loop keeps polling closely)."""
         return bool(self._in_flight)
 
-    def serve(self) -> int:
+    def serve(self) -> tuple[int, int]:
         """Complete the runs that landed, then take what the work ring holds (as far as the
         completion ring has room) and submit it without waiting for it to land; returns how
-        many descriptors were completed or taken. Each run is completed as soon as it landed,
+        many descriptors were (completed, taken). Each run is completed as soon as it landed,
         so copying never waits for the agent and new work never waits for old. VERIFY is not
         acted on: a DMA engine cannot check bytes (the slot's consumer checks the blob); a
         SIGNAL is written behind the copies before it and completed once written. The batch
         is planned by :class:`~dma_engine.plan.Planner`."""
         done = self._finish()
         if not self.work.has_entries():
-            return done
+            return done, 0
         room = self.completions.free_entries() - self._owed
         batch = self.work.pop_many(room) if room > 0 else self.work.entries[:0]
         if batch.size == 0:
-            return done
+            return done, 0
         plan = self.planner.plan(batch)
         job = _Batch(batch, plan.status, plan.copied, len(plan.ops), plan.exit)
         self._in_flight.extend(job for _ in plan.ops)
@@ -99,9 +99,10 @@ class Target:
         if not plan.moved.all():  # refused, or nothing to move: completed at once
             now = np.flatnonzero(~plan.moved)
             self.completions.push_many(completions(batch, plan.status, plan.copied, now))
+            done += int(now.size)
         if not plan.ops and job.exit:
             self.work.request_exit()
-        return done + int(batch.size)
+        return done, int(batch.size)
 
     def _finish(self) -> int:
         done = 0
@@ -131,13 +132,15 @@ class Engine:
     """Every attached target, served by :meth:`run` on the calling thread; ``lock`` guards the
     target table against the control thread."""
 
-    def __init__(self, bell: Bell | None = None) -> None:
+    def __init__(self, bell: Bell | None = None, agent_bell: Bell | None = None) -> None:
         self.targets: dict[int, Target] = {}
         self.lock = threading.Lock()
         self._backends: dict[tuple[str, int], Any] = {}
         self.stopping = False
         self._bell = bell
         """What :meth:`run` sleeps on with nothing in flight (None: it naps)."""
+        self._agent_bell = agent_bell
+        """Rung after completions are pushed (the agent's loop may sleep through copies)."""
 
     def backend(self, kind: str, ordinal: int) -> Any:
         key = (kind, ordinal)
@@ -148,8 +151,15 @@ class Engine:
     def _serve_all(self) -> tuple[int, bool]:
         """One pass over every target: (descriptors taken, whether runs are in flight)."""
         with self.lock:
-            taken = sum(t.serve() for t in self.targets.values())
-            return taken, any(t.busy() for t in self.targets.values())
+            completed = taken = 0
+            for t in self.targets.values():
+                c, n = t.serve()
+                completed += c
+                taken += n
+            busy = any(t.busy() for t in self.targets.values())
+        if completed and self._agent_bell is not None:
+            self._agent_bell.ring()
+        return taken, busy
 
     def run(self) -> None:
         """Serve until ``stopping``: spin 2 ms after work, nap 20 us while runs are in flight

@@ -54,6 +54,9 @@ class AgentConfig:
     loaded under that name has its next-layer predictor learn from the trace first."""
     chunk_bytes: int = 1 * 2**20
     transfer_timeout_seconds: int = 30
+    poll_spin_us: int = 200
+    """How long the data-plane loop polls after work before it sleeps on its doorbell,
+    microseconds (longer: lower wake-up latency, more CPU)."""
     link_concurrency: int = 4
     rebalance_interval_seconds: int = 0
     default_lease_seconds: int = 10
@@ -125,6 +128,7 @@ def _str(v: Any) -> str:
 
 
 MAX_ADMIN_NAMES = 64
+MAX_POLL_SPIN_US = 100_000
 
 
 def _names(v: Any) -> tuple[str, ...]:
@@ -148,6 +152,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("prefetch", "traces_dir"): ("prefetch_traces_dir", _str),
     ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
     ("transfer", "timeout_seconds"): ("transfer_timeout_seconds", _int),
+    ("transfer", "poll_spin_us"): ("poll_spin_us", _int),
     ("transfer", "link_concurrency"): ("link_concurrency", _int),
     ("placement", "rebalance_interval_seconds"): ("rebalance_interval_seconds", _int),
     ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
@@ -207,6 +212,9 @@ def _check(cfg: AgentConfig) -> list[str]:
         problems.append("transfer.link_concurrency: must be positive")
     if cfg.rebalance_interval_seconds < 0:
         problems.append("placement.rebalance_interval_seconds: must be >= 0 (0 = off)")
+    if not 0 <= cfg.poll_spin_us <= MAX_POLL_SPIN_US:
+        problems.append(f"transfer.poll_spin_us: {cfg.poll_spin_us} is not between 0 and "
+                        f"{MAX_POLL_SPIN_US}")
     if cfg.transfer_timeout_seconds <= 0:
         problems.append("transfer.timeout_seconds: must be positive")
     if cfg.arena_bytes < max(cfg.chunk_bytes, 2**20):

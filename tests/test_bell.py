@@ -110,3 +110,37 @@ def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -
         assert int(bell._rings[0]) != rings[0] and int(engine_bell._rings[0]) != rings[1]
         client.release(dev, other)
         assert os.path.exists(f"/dev/shm/{client._bell.name}")
+
+
+def test_the_loop_sleeps_only_when_what_it_waits_for_rings() -> None:
+    """While something it waits for comes without a ring (a device consumer's completions, a
+    verdict), the data-plane loop keeps polling; when all of it rings (the DMA engine's
+    completions), it sleeps on the bell after its spin, and a ring wakes it."""
+    from dpu_agent.dataplane.loop import DataPlaneLoop
+
+    bell = Bell.create("test-loop-bell")
+    unrung, passes = [1], [0]
+
+    def poll() -> tuple[int, int]:
+        passes[0] += 1
+        return 0, 0
+
+    loop = DataPlaneLoop(poll, lambda: unrung[0], [], bell, spin=0.001)
+    loop.start()
+    try:
+        time.sleep(0.2)
+        assert not bell.asleep and passes[0] > 100
+        unrung[0] = 0
+        deadline = time.monotonic() + 5
+        while not bell.asleep and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert bell.asleep
+        before = passes[0]
+        bell.ring()
+        deadline = time.monotonic() + 1
+        while passes[0] == before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert passes[0] > before
+    finally:
+        loop.stop()
+        bell.unlink()

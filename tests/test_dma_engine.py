@@ -134,3 +134,27 @@ def test_a_signal_it_may_not_write_is_refused(rig: Rig, offset: int, state: abi.
     done = rig.run(d)
     assert done["status"].tolist() == [int(status)]
     np.testing.assert_array_equal(rig.channel.view.buffer, before)
+
+
+def test_completions_ring_the_agents_bell_when_it_sleeps(rig: Rig) -> None:
+    """The engine rings the agent's doorbell after it pushed completions, so the agent's loop
+    may sleep through copies; a pass that completes nothing rings nothing."""
+    from dma_engine.engine import Engine
+    from gpu_kernels.bell import Bell
+
+    agent_bell = Bell.create("test-agent-bell")
+    engine = Engine(agent_bell=Bell.open(agent_bell.name))
+    engine.targets[1] = rig.target
+    try:
+        agent_bell._sleeping[0] = 1  # as the agent's loop publishes before it dozes
+        engine._serve_all()
+        assert int(agent_bell._rings[0]) == 0
+        rig.queue.submit(rig.plan(0, 0, 3 * CHUNK, 2, 1).descriptors(7))
+        for _ in range(100):
+            engine._serve_all()
+            if rig.queue.poll_completions().size:
+                break
+        assert int(agent_bell._rings[0]) >= 1
+    finally:
+        engine.targets.clear()
+        agent_bell.unlink()

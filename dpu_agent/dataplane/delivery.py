@@ -145,7 +145,8 @@ class Deliveries:
                 self.delivered_bytes[source] += t.bytes_done
             self._delivered(session, dev, pool, idx, entry, t, attempt)
 
-        transfer = self.tracker.start(plan, done, owner=dev)
+        transfer = self.tracker.start(plan, done, owner=dev,
+                                      rung=dev.delivery == pb.DELIVERY_DMA_ENGINE)
         with session.lock:
             pool.transfer[idx] = transfer.transfer_id
             pool.checksums[idx] = plan.checksums
@@ -200,6 +201,12 @@ class Deliveries:
             log.warning("checksum mismatch on %s found by its consumer; its next acquire "
                         "refetches it from the checkpoint", key)
             self.cache.invalidate(key)
+
+    @property
+    def awaiting_verdicts(self) -> int:
+        """LANDED slots whose consumer's verdict is not taken up yet (it comes without a
+        ring: the loop polls for it)."""
+        return len(self._landed)
 
     def check_landed(self) -> None:
         """Take up every verdict published on a LANDED slot (the data-plane loop calls this);

@@ -46,10 +46,12 @@ class EngineSupervisor:
     """
 
     def __init__(self, on_death: Callable[[list[int]], dict[int, dict[str, Any]]],
-                 bell: str = "") -> None:
+                 bell: str = "", agent_bell: str = "") -> None:
         self._on_death = on_death
-        self._bell = bell
-        """The shared-memory name of the doorbell the engine sleeps on when idle ("" none)."""
+        self._bells = [*(["--bell", bell] if bell else []),
+                       *(["--agent-bell", agent_bell] if agent_bell else [])]
+        """The doorbells' shared-memory names on the engine's command line: the one it sleeps
+        on when idle, the agent's it rings after completing work."""
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
         self._targets: dict[int, dict[str, Any]] = {}
@@ -64,7 +66,7 @@ class EngineSupervisor:
     def _start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "dma_engine", *(["--bell", self._bell] if self._bell else [])],
+            [sys.executable, "-m", "dma_engine", *self._bells],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self._read()  # {"ready": true}
@@ -187,17 +189,19 @@ class EngineDevices:
         devices: every registered device (those with engine rings are the engine's).
         on_death: called with the dead engine's devices, after each got fresh rings and a fresh
             queue, so their transfers in flight can be failed.
+        agent_bell: the agent's doorbell (shared-memory name), which the engine rings after it
+            completes work ("" none: the agent must poll for completions).
     """
 
     def __init__(self, arena_name: str, arena_size: int, arena_region: int,
                  devices: Callable[[], tuple[Device, ...]],
-                 on_death: Callable[[set[Device]], None]) -> None:
+                 on_death: Callable[[set[Device]], None], agent_bell: str = "") -> None:
         self._arena = {"name": arena_name, "size": arena_size, "region": arena_region}
         self._devices = devices
         self._on_death = on_death
         self.bell = Bell.create("dpu-engine-bell")
         """Rung after work is pushed to the engine (its loop sleeps on it when idle)."""
-        self.supervisor = EngineSupervisor(self._died, self.bell.name)
+        self.supervisor = EngineSupervisor(self._died, self.bell.name, agent_bell)
 
     @property
     def restarts(self) -> int:

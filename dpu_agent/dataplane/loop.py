@@ -16,14 +16,16 @@ from gpu_kernels.bell import Bell
 
 log = logging.getLogger("dpu_agent.dataplane")
 
-SPIN_SECONDS = 0.002
-"""After work was found the loop only yields the GIL for this long, then naps or sleeps."""
+SPIN_SECONDS = 200e-6
+"""After work was found the loop only yields the GIL for this long (by default: the agent's
+``transfer.poll_spin_us``), then naps or sleeps."""
 NAP_SECONDS = 20e-6
-"""Nap between polls while transfers are in flight (completions come without a bell)."""
+"""Nap between polls while something it waits for comes without a bell (a device consumer's
+completions, a consumer's verdict on a LANDED slot)."""
 DOZE_SECONDS = 0.05
-"""With nothing in flight the loop sleeps on the doorbell (``gpu_kernels.bell``) for at most
-this long: a client's post or the agent's own delivery wakes it sooner; verdicts on LANDED
-slots and sweeps wait at most this."""
+"""Otherwise the loop sleeps on the doorbell (``gpu_kernels.bell``) for at most this long: a
+client's post, the DMA engine's completions or the agent's own delivery wake it sooner;
+sweeps wait at most this."""
 SWEEP_SECONDS = 0.5
 """How often the stuck-transfer sweep runs."""
 
@@ -47,15 +49,19 @@ class DataPlaneLoop:
     Args:
         poll: one pass over every source; returns how many entries (requests and completions)
             it handled.
-        in_flight: transfers posted and not yet completed (keeps the loop polling closely).
+        unrung: how many things the loop waits for that come without a ring of ``bell``
+            (keeps the loop polling closely while nonzero).
         sweep: called every ``SWEEP_SECONDS`` (stuck transfers, dead engines).
-        bell: what the loop sleeps on with nothing in flight (None: it naps instead).
+        bell: what the loop sleeps on otherwise (None: it naps instead).
+        spin: seconds the loop polls after work before it naps or sleeps.
     """
 
-    def __init__(self, poll: Callable[[], tuple[int, int]], in_flight: Callable[[], int],
-                 sweep: Iterable[Callable[[], None]], bell: Bell | None = None) -> None:
+    def __init__(self, poll: Callable[[], tuple[int, int]], unrung: Callable[[], int],
+                 sweep: Iterable[Callable[[], None]], bell: Bell | None = None,
+                 spin: float = SPIN_SECONDS) -> None:
         self._poll = poll
-        self._in_flight = in_flight
+        self._unrung = unrung
+        self._spin = spin
         self._sweeps = tuple(sweep)
         self._bell = bell
         self._stop = threading.Event()
@@ -86,9 +92,9 @@ class DataPlaneLoop:
             if self._one_pass():
                 last_work = now
                 continue
-            if now - last_work < SPIN_SECONDS:
+            if now - last_work < self._spin:
                 time.sleep(0)
-            elif self._bell is None or self._in_flight():
+            elif self._bell is None or self._unrung():
                 time.sleep(NAP_SECONDS)
             elif self._bell.doze(max(0.0, min(DOZE_SECONDS, SWEEP_SECONDS - (now - last_sweep))),
                                  self._one_pass, lambda found: not found):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from dpu_agent.dataplane.delivery import Deliveries
 from dpu_agent.dataplane.engine import EngineDevices
-from dpu_agent.dataplane.loop import DataPlaneLoop
+from dpu_agent.dataplane.loop import SPIN_SECONDS, DataPlaneLoop
 from dpu_agent.dataplane.requests import RequestCore, RequestServer
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_offload.v1 import agent_pb2 as pb
@@ -43,19 +43,24 @@ class DataPlane:
         devices: every registered device, as the loop should poll them now.
         arena: (shared-memory name, bytes, region id) of the arena the DMA engine maps.
         transfer_timeout: seconds a transfer may go without completing.
+        spin: seconds the loop polls after work before it sleeps (``transfer.poll_spin_us``).
     """
 
     def __init__(self, core: RequestCore, cache: WeightCache, chunk_bytes: int, fills: Executor,
                  alive: Callable[[str], bool], devices: Callable[[], tuple[Device, ...]],
-                 arena: tuple[str, int, int], transfer_timeout: float) -> None:
+                 arena: tuple[str, int, int], transfer_timeout: float,
+                 spin: float = SPIN_SECONDS) -> None:
         self.bell = Bell.create("dpu-bell")
         """The doorbell clients ring after posting (its name goes to every session)."""
         self.deliveries = Deliveries(cache, chunk_bytes, fills, alive, self.bell.ring)
         self.requests = RequestServer(core, fills)
-        self.engine = EngineDevices(*arena, devices, self._engine_died)
-        """Devices the DMA-engine process serves (it starts when the first registers)."""
-        self.loop = DataPlaneLoop(self._poll_once, lambda: self.deliveries.tracker.in_flight,
-                                  [self._cancel_stuck, self.engine.supervisor.check], self.bell)
+        self.engine = EngineDevices(*arena, devices, self._engine_died, self.bell.name)
+        """Devices the DMA-engine process serves (it starts when the first registers; it rings
+        ``bell`` when it completes work)."""
+        self.loop = DataPlaneLoop(
+            self._poll_once,
+            lambda: self.deliveries.tracker.unrung + self.deliveries.awaiting_verdicts,
+            [self._cancel_stuck, self.engine.supervisor.check], self.bell, spin)
         self._devices = devices
         self._transfer_timeout = transfer_timeout
         self._landed_checked = 0.0

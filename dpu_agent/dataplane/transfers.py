@@ -149,6 +149,9 @@ class Transfer:
     failed_chunks: list[int] = field(default_factory=list)
     owner: object | None = None
     """What the transfer serves (the agent's Device); cancellation selects by it."""
+    rung: bool = False
+    """Whether its completions come with a ring of the agent's doorbell (the DMA engine's
+    do; a device consumer's are only found by polling)."""
     started: float = field(default_factory=time.monotonic)
     """When the descriptors were posted (monotonic seconds)."""
 
@@ -169,13 +172,19 @@ class TransferTracker:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._live: dict[int, Transfer] = {}
+        self._unrung = 0
 
     def start(self, plan: TransferPlan, on_done: Callable[[Transfer], None],
-              owner: object | None = None) -> Transfer:
+              owner: object | None = None, rung: bool = False) -> Transfer:
         with self._lock:
-            t = Transfer(next(self._ids), plan, on_done, owner=owner)
+            t = Transfer(next(self._ids), plan, on_done, owner=owner, rung=rung)
             self._live[t.transfer_id] = t
+            self._unrung += not rung
         return t
+
+    def _forget(self, t: Transfer) -> None:
+        del self._live[t.transfer_id]
+        self._unrung -= not t.rung
 
     def complete_many(self, recs: np.ndarray) -> list[Transfer]:
         """Fold a batch of completion entries in (one pass per transfer, not per chunk: array
@@ -201,7 +210,7 @@ class TransferTracker:
                 t.chunks_done += int(counts[j])
                 t.bytes_done += int(nbytes[j])
                 if t.chunks_done >= t.chunk_count:
-                    del self._live[tid]
+                    self._forget(t)
                     finished.append(t)
             for i in bad.tolist():
                 t = self._live.get(int(recs["transfer_id"][i])) or next(
@@ -220,7 +229,7 @@ class TransferTracker:
         with self._lock:
             gone = [t for t in self._live.values() if predicate(t)]
             for t in gone:
-                del self._live[t.transfer_id]
+                self._forget(t)
                 t.status = abi.Status.CANCELLED
         for t in gone:
             t.on_done(t)
@@ -235,3 +244,8 @@ class TransferTracker:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._live)
+
+    @property
+    def unrung(self) -> int:
+        """Transfers in flight whose completions come without a ring (found by polling)."""
+        return self._unrung
