@@ -114,7 +114,9 @@ def cache(d: dict[str, Any]) -> list[Row]:
                      "> MIN, < 50 % wasted", got["ready"] > mn and got["wasted"] < 0.5))
     cost = r.get("policy_us_per_access", {}).get(name)
     if cost is not None:
-        rows.append((f"{d['trace']}: {name} policy time per access", f"{cost:.1f} us",
+        data_path = r.get("data_path_us_per_access", {}).get(name)
+        split = "" if data_path is None else f" ({data_path:.1f} us on the data path)"
+        rows.append((f"{d['trace']}: {name} policy time per access", f"{cost:.1f} us{split}",
                      f"LRU {r['policy_us_per_access']['lru']:.1f} us", "", "<= 5 us",
                      cost <= 5.0))
     return rows
