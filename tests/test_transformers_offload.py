@@ -15,10 +15,23 @@ from host_client.integrations.transformers import (  # noqa: E402
     OffloadError,
     experts_modules,
     offload_experts,
+    scaled_input_blocks,
 )
 
 SERVED = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
+          "llama4_text",
           "granitemoe", "phimoe"]
+
+
+def offload_model_layers(path) -> list[int]:
+    """The MoE layers of a saved tiny model (every layer but DeepSeek's dense first)."""
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    first_dense = cfg.get("first_k_dense_replace", 0)
+    step = cfg.get("interleave_moe_layer_step", 1)
+    return [la for la in range(cfg["num_hidden_layers"])
+            if la >= first_dense and (la + 1) % step == 0]
 
 
 @pytest.mark.parametrize("form", ["default", "fused"])
@@ -32,10 +45,12 @@ def test_logits_and_generate_equal_the_resident_model(tmp_path, agent: AgentProc
     with torch.no_grad():
         want = model(ids).logits
         want_tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    modules = [*experts_modules(model), *((n, b.experts) for n, b in scaled_input_blocks(model))]
     with AgentClient(agent.address) as client:
         offload = offload_experts(model, client, path, CpuReferenceDevice(), cache=EXPERTS,
                                   name=f"off-{model_type}-{form}")
-        assert not any(p in m._parameters for _, m in experts_modules(model)
+        assert len(modules) == len(offload.layers) == len(offload_model_layers(path))
+        assert not any(p in m._parameters for _, m in modules
                        for p in ("gate_up_proj", "down_proj")), "expert weights stayed"
         with torch.no_grad():
             got = model(ids).logits

@@ -10,6 +10,13 @@ batch), points the parameters at the pool views, renumbers ``top_k_index`` from 
 slot numbers and runs the module's own forward (whichever experts implementation the model is
 configured with: same math as the resident model), then releases the experts.
 
+Llama-4 is the exception: its experts module takes every expert's copy of the input, already
+scaled by the router (``[E * T, H]``), and computes all ``E`` experts (the non-routed ones on
+zero rows). Its MoE block's forward is replaced instead (:class:`_ScaledInputBlock`): the
+router as the model runs it, the routed experts acquired, each computed by the module's own
+forward on its slot's view, the others left at the zeros they would have produced, and the sum
+and shared expert as the model does them (same math, so the same logits).
+
 Which layer a module serves comes from its name (``...layers.{L}...``) and must be one of the
 checkpoint's MoE layers; which tensor of a blob backs which parameter comes from the blob's
 roles: the module's parameter names, or ``gate_proj`` + ``up_proj`` lying side by side (a
@@ -47,6 +54,20 @@ def experts_modules(model: Any) -> Iterator[tuple[str, Any]]:
         if (hasattr(module, "has_gate") and hasattr(module, "num_experts")
                 and any(p in module._parameters for p in EXPERT_PARAMETERS)):
             yield name, module
+
+
+def scaled_input_blocks(model: Any) -> Iterator[tuple[str, Any]]:
+    """(qualified name of the experts module, MoE block) of every MoE block whose experts take
+    the router-scaled input of every expert and compute them all (Llama-4: ``router``,
+    ``shared_expert`` and an ``experts`` module with stacked parameters and a
+    ``(hidden_states)`` forward)."""
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        if (experts is not None and hasattr(module, "router")
+                and hasattr(module, "shared_expert") and not hasattr(experts, "has_gate")
+                and hasattr(experts, "num_experts")
+                and any(p in experts._parameters for p in EXPERT_PARAMETERS)):
+            yield f"{name}.experts", module
 
 
 @dataclass
@@ -115,6 +136,35 @@ class ExpertOffload:
     """Acquires that started no delivery (the expert was in its slot)."""
 
 
+def _acquire(offload: ExpertOffload, layer: int, routed: list[int], views: _PoolViews,
+             num_experts: int) -> tuple[list[ExpertKey], Any]:
+    """Acquire the ``routed`` experts of ``layer`` in one batch and wait for them; returns the
+    keys (to release) and ``slot_of``, ``int64[num_experts + 1]``: each routed expert's slot
+    number in the pool (``views.slots`` for the others)."""
+    import torch
+
+    keys = [ExpertKey(offload.model, layer, e) for e in routed]
+    handles = offload.client.acquire_batch(offload.device, keys)
+    slot_of = torch.full((num_experts + 1,), views.slots, dtype=torch.long)
+    for e, h in zip(routed, handles, strict=True):
+        h.wait(120)
+        where = h.where
+        assert where is not None
+        slot_of[e] = where[1] // views.slot_bytes
+        offload.hits += bool(h.resident)
+    offload.forwards += 1
+    offload.experts_acquired += len(keys)
+    return keys, slot_of
+
+
+def _synchronize(out: Any) -> None:
+    """Wait for the kernels that read the slots before the experts are released."""
+    import torch
+
+    if out.is_cuda:
+        torch.cuda.current_stream(out.device).synchronize()
+
+
 class _Layer:
     """One MoE layer's forward through the agent (bound to its experts module)."""
 
@@ -129,31 +179,61 @@ class _Layer:
 
         off, module = self.offload, self.module
         routed = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < self.num_experts]
-        keys = [ExpertKey(off.model, self.layer, e) for e in routed]
-        handles = off.client.acquire_batch(off.device, keys)
-        slot_of = torch.full((self.num_experts + 1,), self.views.slots, dtype=torch.long)
-        for e, h in zip(routed, handles, strict=True):
-            h.wait(120)
-            where = h.where
-            assert where is not None
-            slot_of[e] = where[1] // self.views.slot_bytes
-            off.hits += bool(h.resident)
-        off.forwards += 1
-        off.experts_acquired += len(keys)
+        keys, slot_of = _acquire(off, self.layer, routed, self.views, self.num_experts)
         try:
             for param, view in self.views.tensors.items():
                 setattr(module, param, view)
             module.num_experts = self.views.slots
             out = self.forward(module, hidden_states,
                                slot_of.to(top_k_index.device)[top_k_index], top_k_weights)
-            if out.is_cuda:
-                torch.cuda.current_stream(out.device).synchronize()  # read before released
+            _synchronize(out)
         finally:
             module.num_experts = self.num_experts
             for param in self.views.tensors:
                 setattr(module, param, None)
             off.client.release_batch(off.device, keys)
         return out
+
+
+class _ScaledInputBlock:
+    """Llama-4's MoE block forward through the agent (bound to the block): the model's router,
+    the routed experts each run by the experts module's own forward on its slot's views (one
+    expert's ``[1, T, H]`` input), zeros for the rest (what the model computes for them: their
+    input rows are zero), then the model's sum over experts and its shared expert."""
+
+    def __init__(self, offload: ExpertOffload, layer: int, block: Any, views: _PoolViews
+                 ) -> None:
+        self.offload, self.layer, self.block, self.views = offload, layer, block, views
+        self.experts = block.experts
+        self.experts_forward = type(block.experts).forward
+        self.num_experts = int(block.num_experts)
+
+    def __call__(self, hidden_states: Any) -> tuple[Any, Any]:
+        import torch
+
+        block, experts = self.block, self.experts
+        tokens = hidden_states.reshape(-1, block.hidden_dim)
+        scores, logits = block.router(tokens)  # [T, E]; 0 outside each token's top k
+        routed = sorted(torch.topk(logits, block.top_k, dim=1).indices.unique().tolist())
+        keys, slot_of = _acquire(self.offload, self.layer, routed, self.views,
+                                 self.num_experts)
+        try:
+            scaled = tokens.repeat(self.num_experts, 1) * scores.transpose(0, 1).reshape(-1, 1)
+            scaled = scaled.view(self.num_experts, -1, block.hidden_dim)
+            per_expert = torch.zeros_like(scaled)
+            for e in routed:
+                s = int(slot_of[e])
+                for param, view in self.views.tensors.items():
+                    setattr(experts, param, view[s:s + 1])
+                per_expert[e] = self.experts_forward(experts, scaled[e])
+            out = block.shared_expert(tokens)
+            out.add_(per_expert.sum(dim=0))
+            _synchronize(out)
+        finally:
+            for param in self.views.tensors:
+                setattr(experts, param, None)
+            self.offload.client.release_batch(self.offload.device, keys)
+        return out, logits
 
 
 def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
@@ -163,8 +243,8 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
 
     Args:
         model: a transformers 5 MoE model (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3,
-            gpt-oss, GraniteMoE, PhiMoE...); its experts' parameters are dropped (they may be
-            on the meta device), everything else stays where it is.
+            gpt-oss, GraniteMoE, PhiMoE, Llama-4...); its experts' parameters are dropped
+            (they may be on the meta device), everything else stays where it is.
         client: a connected :class:`AgentClient`.
         checkpoint: the model's checkpoint directory, loaded into the agent here.
         device: where the experts are delivered: a :class:`Device` (registered here with one
@@ -190,7 +270,9 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                                                            max(per_layer, min(slots, total)))],
                                      delivery=delivery)
     offload = ExpertOffload(client, info.model, dev)
-    for qualified, module in experts_modules(model):
+    blocks = {f"{name}": block for name, block in scaled_input_blocks(model)}
+    for qualified, module in [*experts_modules(model),
+                              *((name, block.experts) for name, block in blocks.items())]:
         m = _LAYER.search(qualified)
         layer = int(m[1]) if m else -1
         if layer not in layers:
@@ -205,7 +287,11 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             del module._parameters[p]
             setattr(module, p, None)
         offload.layers[layer] = module
-        module.forward = _Layer(offload, layer, module, views)
+        if qualified in blocks:
+            blocks[qualified].forward = _ScaledInputBlock(offload, layer, blocks[qualified],
+                                                          views)
+        else:
+            module.forward = _Layer(offload, layer, module, views)
     if not offload.layers:
         raise OffloadError("the model has no transformers 5 experts module (stacked expert "
                            "parameters and a (hidden_states, top_k_index, top_k_weights) "
