@@ -274,6 +274,17 @@ def transformers_decode(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def transformers_load(d: dict[str, Any]) -> list[Row]:
+    r = d["results"]
+    tag = (f"{r['arch']} expert shapes, {r['layers']} MoE layers, {r['experts_mb']:.0f} MB of "
+           "experts")
+    return [(f"peak memory of loading, {tag}", f"{r['without_experts']['peak_mb']:.0f} MB "
+             f"(load_without_experts)", f"from_pretrained {r['whole']['peak_mb']:.0f} MB",
+             f"{r['peak_ratio']:.2f}x", "", None),
+            (f"load time, {tag}", f"{r['without_experts']['seconds']:.1f} s",
+             f"from_pretrained {r['whole']['seconds']:.1f} s", "", "", None)]
+
+
 def arm64(d: dict[str, Any]) -> list[Row]:
     r = d["results"]
     return [("agent start-up, aarch64 under qemu", f"{r['aarch64_under_qemu']['startup_s']:.1f} s",
@@ -321,6 +332,8 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("transformers generate(), OLMoE-1B-7B shapes, the OLMoE routing trace replayed (H200)",
      "transformers-decode-olmoe-1b-7b-cuda-olmoe-1b-7b-layer0-gsm8k", transformers_decode,
      "transformers-decode-olmoe-1b-7b-cuda-olmoe-1b-7b-layer0-gsm8k.png"),
+    ("Loading a transformers model without its experts", "transformers-load",
+     transformers_load, ""),
     ("Decode with offloaded experts (CPU reference device)", "decode-qwen3-30b-a3b-cpu",
      decode, "decode-qwen3-30b-a3b-cpu.png"),
     ("The agent on Arm", "arm64", arm64, ""),

@@ -11,9 +11,11 @@ from host_client.launcher import AgentProcess
 from tests.test_transformers_checkpoints import EXPERTS, FAMILIES, _model
 
 torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 from host_client.integrations.transformers import (  # noqa: E402
     OffloadError,
     experts_modules,
+    load_without_experts,
     offload_experts,
     scaled_input_blocks,
 )
@@ -60,6 +62,36 @@ def test_logits_and_generate_equal_the_resident_model(tmp_path, agent: AgentProc
         assert offload.forwards >= 2 * len(offload.layers)
         # More deliveries than slots: the pool (one layer's experts) was reused across layers.
         assert offload.experts_acquired - offload.hits > EXPERTS
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss",
+                                        "llama4_text"])
+def test_a_model_loaded_without_its_experts_is_served(tmp_path, agent: AgentProcess,
+                                                      model_type: str) -> None:
+    """``load_without_experts``: transformers loads everything but the routed experts (renamed
+    from the checkpoint's original form where the family needs it: Mixtral's
+    ``block_sparse_moe``), whose parameters never exist; with them served by the agent the
+    logits equal the whole model's, loaded alike."""
+    path = tmp_path / model_type
+    _model(model_type).save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 8]])
+    with torch.no_grad():
+        want = model(ids).logits
+    ignored = type(model).__dict__.get("_keys_to_ignore_on_load_unexpected")
+    loaded = load_without_experts(path, dtype=torch.bfloat16).eval()
+    full, got = dict(model.named_parameters()), dict(loaded.named_parameters())
+    assert set(got) == {n for n in full if ".experts." not in n}
+    assert all(torch.equal(p, full[n]) for n, p in got.items())
+    # Nothing stays patched: the same classes built afterwards have their experts again.
+    assert dict(_model(model_type).named_parameters()).keys() == full.keys()
+    assert type(loaded).__dict__.get("_keys_to_ignore_on_load_unexpected") == ignored
+    with AgentClient(agent.address) as client:
+        offload_experts(loaded, client, path, CpuReferenceDevice(), cache=EXPERTS,
+                        name=f"meta-{model_type}")
+        with torch.no_grad():
+            served = loaded(ids).logits
+    assert torch.equal(served, want), (served - want).abs().max()
 
 
 def test_the_dma_engine_can_fill_the_experts(tmp_path, agent: AgentProcess) -> None:

@@ -25,6 +25,7 @@ per-expert checkpoint) for ``gate_up_proj``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,10 +41,18 @@ from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 """The stacked parameters of a transformers 5 experts module that the pool stands in for."""
+_UNSET = object()
 
 
 class OffloadError(ValueError):
     """The model and the checkpoint loaded in the agent do not fit together; says where."""
+
+
+def expert_parameters(module: Any) -> list[str]:
+    """The stacked expert parameters ``module`` has: as parameters, or left out as meta
+    tensors by :func:`load_without_experts`."""
+    return [p for p in EXPERT_PARAMETERS if p in module._parameters
+            or getattr(getattr(module, p, None), "is_meta", False)]
 
 
 def experts_modules(model: Any) -> Iterator[tuple[str, Any]]:
@@ -52,7 +61,7 @@ def experts_modules(model: Any) -> Iterator[tuple[str, Any]]:
     interface (``use_experts_implementation``)."""
     for name, module in model.named_modules():
         if (hasattr(module, "has_gate") and hasattr(module, "num_experts")
-                and any(p in module._parameters for p in EXPERT_PARAMETERS)):
+                and expert_parameters(module)):
             yield name, module
 
 
@@ -65,9 +74,79 @@ def scaled_input_blocks(model: Any) -> Iterator[tuple[str, Any]]:
         experts = getattr(module, "experts", None)
         if (experts is not None and hasattr(module, "router")
                 and hasattr(module, "shared_expert") and not hasattr(experts, "has_gate")
-                and hasattr(experts, "num_experts")
-                and any(p in experts._parameters for p in EXPERT_PARAMETERS)):
+                and hasattr(experts, "num_experts") and expert_parameters(experts)):
             yield f"{name}.experts", module
+
+
+_LEFT_OUT = r"\.experts\.(gate_up_proj|down_proj)(_bias)?$"
+"""The checkpoint keys (as transformers renames them) that have nowhere to go when the experts
+are left out: not reported as unexpected."""
+
+
+@contextlib.contextmanager
+def _experts_left_out(model_class: type, classes: set[type]) -> Iterator[None]:
+    """While open, a module of ``classes`` is built without its stacked expert parameters: each
+    becomes a plain meta tensor of its shape (so weight initialisation still finds it), and the
+    checkpoint's tensors for it have nowhere to go (``model_class`` does not report them).
+    Patches the classes: not for models of the same classes built on other threads
+    meanwhile."""
+    import torch
+
+    saved = {cls: cls.__init__ for cls in classes}
+    ignored = model_class.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
+
+    def leaving_out(init: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            for p in EXPERT_PARAMETERS:
+                param = self._parameters.pop(p, None)
+                if param is not None:
+                    setattr(self, p, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+        return __init__
+
+    for cls, init in saved.items():
+        cls.__init__ = leaving_out(init)
+    model_class._keys_to_ignore_on_load_unexpected = [
+        *(model_class._keys_to_ignore_on_load_unexpected or []), _LEFT_OUT]
+    try:
+        yield
+    finally:
+        for cls, init in saved.items():
+            cls.__init__ = init
+        if ignored is _UNSET:
+            del model_class._keys_to_ignore_on_load_unexpected
+        else:
+            model_class._keys_to_ignore_on_load_unexpected = ignored
+
+
+def load_without_experts(checkpoint: str | Path, model_class: Any = None, **kwargs: Any) -> Any:
+    """A transformers MoE model from ``checkpoint`` with its routed experts left out, for
+    :func:`offload_experts`: transformers' own ``from_pretrained`` (its renames and conversions
+    of older checkpoint forms; ``kwargs`` such as ``dtype`` or ``device_map`` passed through)
+    loads everything else, while the experts modules are built without their stacked
+    parameters, so the checkpoint's expert tensors are never read (Qwen3-30B-A3B expert shapes,
+    2.3 GB of experts: peak memory 5.8 GB loaded whole, 0.39 GB so;
+    ``bench/transformers_load.py``).
+
+    Args:
+        checkpoint: a Hugging Face checkpoint directory.
+        model_class: the transformers class to load (default ``AutoModelForCausalLM``).
+    """
+    import torch
+    import transformers
+
+    cls = model_class or transformers.AutoModelForCausalLM
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    with torch.device("meta"):
+        probe = cls.from_config(config)
+    classes = ({type(m) for _, m in experts_modules(probe)}
+               | {type(b.experts) for _, b in scaled_input_blocks(probe)})
+    if not classes:
+        raise OffloadError(f"{checkpoint}: the model has no experts module to leave out "
+                           "(stacked expert parameters: transformers 5's experts interface or "
+                           "Llama-4's)")
+    with _experts_left_out(type(probe), classes):
+        return cls.from_pretrained(checkpoint, **kwargs)
 
 
 @dataclass
@@ -281,10 +360,10 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
         if int(module.num_experts) != per_layer:
             raise OffloadError(f"{qualified}: {module.num_experts} experts, the checkpoint "
                                f"has {per_layer} per layer")
-        wanted = [p for p in EXPERT_PARAMETERS if p in module._parameters]
+        wanted = expert_parameters(module)
         views = _views(dev, client.manifest(ExpertKey(info.model, layer, 0)), wanted)
         for p in wanted:
-            del module._parameters[p]
+            module._parameters.pop(p, None)
             setattr(module, p, None)
         offload.layers[layer] = module
         if qualified in blocks:
