@@ -1,6 +1,5 @@
-"""The README's first example runs as written: a transformers model generating with its
-experts served by the agent, the same tokens as the whole model (loaded by transformers), the model served loaded
-without its experts."""
+"""The README's first example runs as written: a transformers model, loaded without its
+experts, generating with them served by the agent: the same tokens as the whole model."""
 
 from __future__ import annotations
 
