@@ -125,26 +125,28 @@ def test_a_model_that_does_not_fit_the_checkpoint_is_refused(tmp_path,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("delivery", ["pull", "engine"])
+@pytest.mark.parametrize(("model_type", "delivery"), [("qwen3_moe", "pull"),
+                                                      ("qwen3_moe", "engine"),
+                                                      ("llama4_text", "engine")])
 def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
-                                                  delivery: str) -> None:
+                                                  model_type: str, delivery: str) -> None:
     """The model on the GPU, the experts delivered into a CUDA slot pool (by the device's
     consumer, or by the DMA engine and checked on the GPU), viewed by torch through DLPack."""
     from host_client import SlotPoolSpec
     from host_client.cuda_device import CudaDevice
 
-    model = _model("qwen3_moe").eval()
-    path = tmp_path / "qwen3"
+    model = _model(model_type).eval()
+    path = tmp_path / model_type
     model.save_pretrained(path)
     model = model.to("cuda")
     ids = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 8]], device="cuda")
     with torch.no_grad():
         want = model(ids).logits
     with AgentClient(agent.address) as client:
-        info = client.load_model(str(path), f"gpu-{delivery}")
+        info = client.load_model(str(path), f"gpu-{model_type}-{delivery}")
         dev = client.register_device(CudaDevice(0), [SlotPoolSpec(info.expert_bytes, EXPERTS)],
                                      delivery=delivery)
-        offload_experts(model, client, path, dev, name=f"gpu-{delivery}")
+        offload_experts(model, client, path, dev, name=f"gpu-{model_type}-{delivery}")
         with torch.no_grad():
             got = model(ids).logits
         assert torch.equal(got, want), (got - want).abs().max()
