@@ -42,7 +42,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
 }
 """Module -> functions (``Class.method`` or ``function``) whose calls are timed."""
 IDLE: dict[str, Callable[[Any], bool]] = {
-    "Target.serve": lambda r: r == 0,
+    "Target.serve": lambda r: r == (0, 0),
     "RequestServer.serve": lambda r: r == 0,
     "DataPlane._poll_once": lambda r: r == (0, 0),
     "DeviceChannel.take_requests": lambda r: r[1].size == 0,
