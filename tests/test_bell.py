@@ -144,3 +144,47 @@ def test_the_loop_sleeps_only_when_what_it_waits_for_rings() -> None:
     finally:
         loop.stop()
         bell.unlink()
+
+
+def test_a_taken_acquire_wakes_the_engine_before_any_delivery(qwen_ckpt: Path) -> None:
+    """The agent rings the DMA engine's bell as soon as it has taken an ACQUIRE, before it
+    serves it, so the engine's wake-up overlaps the serving: an acquire that starts no
+    delivery (its expert is READY in a slot, unheld) still rings it; a RELEASE does not."""
+    from dpu_offload.keys import ExpertKey
+    from gpu_kernels import abi
+
+    with AgentProcess() as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "ahead")
+        dev = client.register_device(CpuReferenceDevice(),
+                                     [SlotPoolSpec(model.expert_bytes, 2)], delivery="engine")
+        key = ExpertKey("ahead", model.moe_layers[0], 1)
+        client.acquire(dev, key).wait(10)
+        client.release(dev, key)
+        engine_bell = _engine_bell(agent.proc.pid)
+        channel = dev.channel
+
+        def post(op: abi.RequestOp) -> np.void:
+            """A raw entry (no pinned hit on the client's side), answered."""
+            position = channel.view.requests.produced
+            assert channel.view.requests.push({
+                "request_id": channel._next_id, "opcode": int(op), "flags": 0,
+                "model": 0, "layer": key.layer, "expert": key.expert, "posted_ns": 0})
+            channel._next_id += 1
+            channel._bell.ring()
+            deadline = time.monotonic() + 10
+            while (reply := channel.view.reply_at(position)) is None:
+                assert time.monotonic() < deadline, "no reply"
+                time.sleep(0.0005)
+            return reply
+
+        for op, rings_engine in ((abi.RequestOp.ACQUIRE, True), (abi.RequestOp.RELEASE, False)):
+            deadline = time.monotonic() + 5
+            while not engine_bell.asleep and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert engine_bell.asleep
+            before = int(engine_bell._rings[0])
+            reply = post(op)
+            assert int(reply["status"]) == abi.RequestStatus.OK
+            if op == abi.RequestOp.ACQUIRE:
+                assert int(reply["flags"]) & abi.ReplyFlags.RESIDENT  # no delivery started
+            assert (int(engine_bell._rings[0]) != before) == rings_engine, op.name
