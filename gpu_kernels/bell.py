@@ -56,18 +56,15 @@ class Bell:
         """Whether the loop said it is (about to be) asleep."""
         return bool(self._sleeping[0])
 
-    def ring(self, yield_cpu: bool = True) -> None:
+    def ring(self) -> None:
         """After publishing entries: wake the loop if it sleeps. The fence orders the entries
         before the load of ``sleeping`` (the loop's mirror image: it stores ``sleeping``,
-        fences, and looks for work once more), so no request is left until the timed wake.
-        ``yield_cpu``: give up the CPU after a wake (the woken loop may have been placed on
-        this one); a ringer with work of its own to do next passes False."""
+        fences, and looks for work once more), so no request is left until the timed wake."""
         store_fence()
         if self._sleeping[0]:
             self._rings[0] = (int(self._rings[0]) + 1) & 0xFFFFFFFF
             futex.wake(self._address)
-            if yield_cpu:
-                os.sched_yield()
+            os.sched_yield()  # the woken loop may have been placed on this CPU
 
     def doze(self, timeout: float, look: Callable[[], T], idle: Callable[[T], bool]) -> T:
         """Sleep until a client rings or ``timeout`` seconds pass, unless ``look()`` (one pass

@@ -107,12 +107,6 @@ class DataPlane:
             log.error("transfer %d cancelled: no completion within %s s (device consumer "
                       "stuck or gone)", t.transfer_id, limit)
 
-    def _wake_engine(self) -> None:
-        """Requests that may start a delivery were taken: wake the DMA engine now (if it
-        sleeps), so it is up by the time their descriptors come (serving the first request
-        after a sleep takes the agent ~0.1-0.3 ms, the engine's own wake-up ~50-150 us)."""
-        self.engine.bell.ring(yield_cpu=False)
-
     def _poll_once(self) -> tuple[int, int]:
         """One pass of the loop: every channel's requests, then every queue's backlog and
         completions. Returns (requests, completions) handled."""
@@ -120,9 +114,7 @@ class DataPlane:
         devices = self._devices()
         for dev in devices:
             if dev.channel is not None and not dev.channel.closed:
-                engine = dev.delivery == pb.DELIVERY_DMA_ENGINE
-                requests += self.requests.serve(dev.channel,
-                                                self._wake_engine if engine else None)
+                requests += self.requests.serve(dev.channel)
         for q in (dev.queue for dev in devices if dev.queue is not None):
             try:
                 q.flush()

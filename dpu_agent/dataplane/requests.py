@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Protocol
 
@@ -22,7 +21,6 @@ log = logging.getLogger("dpu_agent.dataplane")
 
 MAX_WAIT_NS = 10 * 10**9
 """A posting time further back than this is not believed (a client's clock field)."""
-_DELIVERING = frozenset({int(abi.RequestOp.ACQUIRE), int(abi.RequestOp.PREFETCH)})
 _ID, _OP, _MODEL, _LAYER, _EXPERT, _POSTED = (
     abi.REQUEST_DTYPE.names.index(f) for f in ("request_id", "opcode", "model", "layer",
                                                "expert", "posted_ns"))
@@ -70,17 +68,13 @@ class RequestServer:
         self.served_ns = 0
         """Sum over timed requests of taken -> answered (or handed to a fill thread)."""
 
-    def serve(self, channel: DeviceChannel, ahead: Callable[[], None] | None = None) -> int:
-        """Take and answer what ``channel`` has posted; returns how many requests. ``ahead``
-        is called once entries were taken, before any is served, when they hold an ACQUIRE or
-        a PREFETCH (which may start a delivery: the DMA engine can be woken meanwhile)."""
+    def serve(self, channel: DeviceChannel) -> int:
+        """Take and answer what ``channel`` has posted; returns how many requests."""
         first, batch = channel.take_requests()
         if batch.size == 0:
             return 0
         taken = time.monotonic_ns()
         rows = batch.tolist()  # plain tuples: a field of a NumPy record costs a microsecond
-        if ahead is not None and any(row[_OP] in _DELIVERING for row in rows):
-            ahead()
         for j, row in enumerate(rows):
             self._one(channel, first + j, row)
         # A diagnostic, client-written: only plausible times count.
