@@ -80,6 +80,11 @@ for s in $STAGES; do
       timeout "${BENCH_TIMEOUT:-240}" python3 bench/multi_gpu.py --device cuda 2>&1 | tee "$LOG/bench-multi_gpu.log" | tail -4
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
     fi ;;
+  setup)
+    stage "setup only: the carried wheels are in /tmp/dpu-site" ;;
+  *)
+    echo "gpu-check: unknown stage '$s' (tests fuzz demo sanitizer bench profile setup)" >&2
+    exit 2 ;;
   esac
   save
 done
