@@ -106,7 +106,10 @@ class _Model:
             visited layer (features and target), so ``acc[:K, :K]`` is the Gram matrix and
             ``acc[:K, K]`` the moment of the least-squares fit.
         weights: ``float64[K]``, the fit.
-        layers: layer number -> state; ``at``: layer number -> position in decode order.
+        layers: layer number -> state; ``at``: layer number -> position in decode order;
+            ``by_at``: the layer numbers in decode order.
+        current: the layer last visited or filled (where distances count from when an
+            eviction names no incoming expert).
         low: ``float64[n]``, per position the ``p`` of the layer's least likely resident expert
             (inf: none resident).
         distance: ``float64[n, n]``, ``distance[now, at]``: steps from filling the layer at
@@ -160,7 +163,6 @@ class LearnedReusePolicy:
     """
 
     name = "reuse"
-    HALF_LIVES = HALF_LIVES
 
     def __init__(self, forget: float = 0.98, ridge: float = 1e-3) -> None:
         self._forget = forget
