@@ -117,8 +117,8 @@ class ExpertWorker:
         self._slots: dict[ExpertKey, Any] = {}
         """Experts this worker holds (one reference each, released on close): serving a
         placed expert costs no RPC."""
-        self._wide: dict[ExpertKey, tuple[np.ndarray, ...]] = {}
-        """CPU device: each held expert's weights as float32 (widened once)."""
+        self._weights: dict[ExpertKey, tuple[Any, Any, Any]] = {}
+        """Each held expert's (gate, up, down) as the FFN takes them (``_keep``)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="expert-worker", daemon=True)
         self._thread.start()
@@ -146,15 +146,30 @@ class ExpertWorker:
                     status=FrameStatus.WORKER_FAILED), text])
 
     def hold(self, keys: list[ExpertKey]) -> None:
-        """Acquire ``keys`` now (one AcquireBatch) so that serving them later costs no RPC."""
-        for key, handle in zip(keys, self.client.acquire_batch(self.dev, keys), strict=True):
-            self._keep(key, handle.wait(120))
+        """Acquire ``keys`` now (one AcquireBatch) so that serving them later costs no RPC.
+        ValueError (the rest released) for an expert the worker cannot compute."""
+        handles = self.client.acquire_batch(self.dev, keys)
+        for i, (key, handle) in enumerate(zip(keys, handles, strict=True)):
+            try:
+                self._keep(key, handle.wait(120))
+            except BaseException:
+                self.client.release_batch(self.dev, keys[i + 1:])
+                raise
 
     def _keep(self, key: ExpertKey, slot: Any) -> Any:
+        """Hold ``slot`` for ``key`` with its SwiGLU weights ready to use: widened to float32
+        on the CPU (NumPy has no BF16 GEMM), C-contiguous on a GPU (a copy only where the
+        checkpoint keeps them transposed). ValueError for an expert the worker cannot
+        compute."""
+        try:
+            weights = slot.swiglu_weights()
+        except ValueError:
+            self.client.release(self.dev, key)
+            raise
+        self._weights[key] = (tuple(reference.bf16_to_f32(w) for w in weights)
+                              if self.ops is None else
+                              tuple(self.xp.ascontiguousarray(w) for w in weights))
         self._slots[key] = slot
-        if self.ops is None:  # NumPy has no bf16 GEMM: widen each expert's weights once
-            self._wide[key] = tuple(reference.bf16_to_f32(slot.tensor(r)) for r in
-                                    ("gate_proj", "up_proj", "down_proj"))
         return slot
 
     @staticmethod
@@ -195,16 +210,15 @@ class ExpertWorker:
                 PACKET_RETRANSMITS.labels(device).inc()
         if self.client.generation != self._generation:
             self._slots.clear()  # the agent restarted: earlier slots are gone
-            self._wide.clear()
+            self._weights.clear()
             self._generation = self.client.generation
         slot = self._slots.get(key)
         if slot is None:
             slot = self._keep(key, self.client.acquire(self.dev, key).wait(60))
         x = inputs.view(np.uint16).reshape(rows, row_bytes // 2)
-        wide = self._wide.get(key)
-        out = (reference.swiglu_f32_weights(x, *wide) if wide is not None else
-               expert_ffn(x, slot.tensor("gate_proj"), slot.tensor("up_proj"),
-                          slot.tensor("down_proj")))
+        weights = self._weights[key]
+        out = (reference.swiglu_f32_weights(x, *weights) if self.ops is None else
+               expert_ffn(x, *weights))
         # Send kernel (or twin): packetize the output into the tx ring; the NIC reads it out.
         flat = out.view(np.uint8).reshape(-1)
         result = np.empty(flat.size, np.uint8)
@@ -230,7 +244,7 @@ class ExpertWorker:
             except Exception:  # noqa: BLE001 - the session may be gone already
                 pass
         self._slots.clear()
-        self._wide.clear()
+        self._weights.clear()
 
 
 class ActivationSender:

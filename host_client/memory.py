@@ -132,6 +132,38 @@ class ExpertSlot:
         t = self.layout(name)
         return self.raw(name).view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
 
+    def swiglu_weights(self) -> tuple[Any, Any, Any]:
+        """The expert's SwiGLU weights as BF16 bits ``uint16``: gate ``[I, H]``, up ``[I, H]``,
+        down ``[H, I]``. Per-expert tensors as they are; a fused ``gate_up_proj`` with its
+        ``down_proj`` split into halves, gate first: ``[2I, H]`` and ``[H, I]``
+        (transformers 5's fused save) as contiguous views, ``[H, 2I]`` and ``[I, H]``
+        (Llama-4's orientation) as transposed views. ValueError naming the blob's tensors
+        for any other expert (biases, as gpt-oss's clamped activation has; not BF16)."""
+        names = set(self.names)
+        if "gate_proj" in names:
+            weights = (self.tensor("gate_proj"), self.tensor("up_proj"),
+                       self.tensor("down_proj"))
+        elif ({"gate_up_proj", "down_proj"} <= names
+              and not any(n.endswith("_bias") for n in names)):
+            fused, down = self.tensor("gate_up_proj"), self.tensor("down_proj")
+            (a, b), (c, d) = fused.shape, down.shape
+            if a == 2 * d and b == c:
+                weights = (fused[:d], fused[d:], down)
+            elif b == 2 * c and a == d:
+                weights = (fused[:, :c].T, fused[:, c:].T, down.T)
+            else:
+                raise ValueError(f"{self.key}: gate_up_proj {list(fused.shape)} and down_proj "
+                                 f"{list(down.shape)} are not [2I, H] and [H, I], nor "
+                                 "[H, 2I] and [I, H]")
+        else:
+            raise ValueError(f"{self.key}: not a SwiGLU expert without biases (its tensors: "
+                             f"{sorted(names)})")
+        kinds = {self.layout(n).dtype for n in names if not n.endswith("_scale_inv")}
+        if kinds != {"BF16"}:
+            raise ValueError(f"{self.key}: the worker computes BF16 experts, this one holds "
+                             f"{sorted(kinds)}")
+        return weights
+
     def torch(self, name: str) -> Any:
         """The tensor as a torch tensor of its real dtype, sharing memory through DLPack (on
         the CPU reference device too)."""

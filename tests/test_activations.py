@@ -5,6 +5,7 @@ against a dense reference; refusals; credits; migration under traffic."""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from host_client.activations import (
     ExpertWorker,
 )
 from host_client.launcher import AgentProcess
+from host_client.memory import ExpertSlot
 from tests.conftest import checkpoint_bytes
 
 SETTINGS = '[activations]\nlisten_address = "127.0.0.1:0"\ncredits_per_sender = 4\n'
@@ -57,10 +59,20 @@ def served(qwen_ckpt: Path):
 
 def _dense(ckpt: Path, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
     truth = checkpoint_bytes(ckpt)
+    inter = json.loads((ckpt / "config.json").read_text())["moe_intermediate_size"]
 
     def weight(e: int, role: str) -> np.ndarray:
-        raw = np.frombuffer(truth[f"model.layers.{layer}.mlp.experts.{e}.{role}.weight"],
-                            np.uint16)
+        name = f"model.layers.{layer}.mlp.experts.{e}.{role}.weight"
+        if name in truth:
+            raw = np.frombuffer(truth[name], np.uint16)
+        else:  # saved fused: [E, 2I, H] (gate rows, then up rows) and [E, H, I]
+            stacked = "down_proj" if role == "down_proj" else "gate_up_proj"
+            rows = x.shape[1] if role == "down_proj" else 2 * inter
+            cols = inter if role == "down_proj" else x.shape[1]
+            raw = np.frombuffer(truth[f"model.layers.{layer}.mlp.experts.{stacked}"],
+                                np.uint16).reshape(-1, rows, cols)[e]
+            if role != "down_proj":
+                raw = raw[:inter] if role == "gate_proj" else raw[inter:]
         return reference.bf16_to_f32(raw).astype(np.float64)
 
     xf = reference.bf16_to_f32(x).astype(np.float64)
@@ -341,3 +353,65 @@ def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
             assert worker.ops is not None and worker.refused_packets == 0
         finally:
             worker.close()
+
+
+def _slot(tensors: dict[str, tuple[np.ndarray, str]]) -> ExpertSlot:
+    """An expert slot over a blob holding ``tensors`` (name -> (array, safetensors dtype)),
+    each 256-byte aligned as the agent lays them out."""
+    from dpu_offload.keys import ExpertKey
+    from dpu_offload.v1 import agent_pb2 as pb
+
+    entries, parts, offset = [], [], 0
+    for name, (array, dtype) in tensors.items():
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        entries.append(pb.TensorEntry(name=name, dtype=dtype, shape=list(array.shape),
+                                      offset=offset, nbytes=raw.size))
+        pad = -raw.size % 256
+        parts += [raw, np.zeros(pad, np.uint8)]
+        offset += raw.size + pad
+    manifest = pb.ExpertManifest(key=pb.ExpertKey(model="m", layer=0, expert=0),
+                                 blob_bytes=offset, tensors=entries)
+    return ExpertSlot(ExpertKey("m", 0, 0), np.concatenate(parts), manifest)
+
+
+def test_swiglu_weights_of_every_layout_the_worker_computes() -> None:
+    """Per-expert tensors, transformers 5's fused ``[2I, H]`` / ``[H, I]`` and Llama-4's
+    ``[H, 2I]`` / ``[I, H]`` give the same gate ``[I, H]``, up ``[I, H]`` and down ``[H, I]``;
+    biases (gpt-oss's activation) and FP8 are refused by name."""
+    rng = np.random.default_rng(3)
+    hidden, inter = 16, 8
+    gate, up, down = (rng.integers(0, 1 << 15, shape).astype(np.uint16)
+                      for shape in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    layouts = {
+        "per-expert": {"gate_proj": (gate, "BF16"), "up_proj": (up, "BF16"),
+                       "down_proj": (down, "BF16")},
+        "fused": {"gate_up_proj": (np.concatenate([gate, up]), "BF16"),
+                  "down_proj": (down, "BF16")},
+        "in_out": {"gate_up_proj": (np.concatenate([gate.T, up.T], axis=1), "BF16"),
+                   "down_proj": (down.T, "BF16")},
+    }
+    for name, tensors in layouts.items():
+        got = _slot(tensors).swiglu_weights()
+        for g, want in zip(got, (gate, up, down), strict=True):
+            assert np.array_equal(g, want), name
+    with pytest.raises(ValueError, match="gate_up_proj_bias"):
+        _slot({**layouts["in_out"], "gate_up_proj_bias": (np.zeros(2 * inter, np.uint16),
+                                                          "BF16")}).swiglu_weights()
+    with pytest.raises(ValueError, match="F8_E4M3"):
+        _slot({"gate_proj": (gate.view(np.uint8), "F8_E4M3"),
+               "up_proj": (up.view(np.uint8), "F8_E4M3"),
+               "down_proj": (down.view(np.uint8), "F8_E4M3")}).swiglu_weights()
+
+
+def test_a_fused_checkpoint_is_served(tmp_path: Path) -> None:
+    """A checkpoint saved fused (``experts.gate_up_proj`` ``[E, 2I, H]``): the worker splits
+    each expert's halves and the combined output matches the dense reference."""
+    from host_client.checkpoints import CheckpointSpec, make_checkpoint
+
+    fused = make_checkpoint(tmp_path / "fused", CheckpointSpec(
+        "qwen3-moe", layers=3, experts=6, hidden=256, intermediate=192, fused=True))
+    with serving(fused) as (agent, _, model, _, _):
+        layer = model.moe_layers[0]
+        dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
+                               model.experts_per_layer, layer, fused,
+                               routing(model.experts_per_layer, 8, 2, 5))
