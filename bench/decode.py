@@ -14,14 +14,23 @@ in one AcquireBatch, so the misses' transfers overlap and are waited for in orde
 host memory on each miss) and ``http`` (Expert Kit style: 1 MiB HTTP chunks into a host
 buffer, then a copy). Reported per
 path and cache fraction: tokens/s, time per token split into expert compute, waiting for
-experts and the rest, hit rate, bytes fetched per token, and the bound set by the missed bytes
-over the copy bandwidth measured in the same run (pinned host-to-device on the GPU, a host
-memcpy on the CPU device). On the GPU the offload device uses the copy-engine mechanism (one
-GPU serves several registered devices here, and persistent kernels would compete for SMs).
+experts and the rest, hit rate, bytes fetched per token, and the bound set by the bytes the
+agent moved (the misses'; with ``--prefetch`` every prefetch's too, read from its
+``dpu_agent_delivered_bytes``) over the copy bandwidth measured in the same run (pinned
+host-to-device on the GPU, a host memcpy on the CPU device). On the GPU the offload device uses
+the copy-engine mechanism (one GPU serves several registered devices here, and persistent
+kernels would compete for SMs).
+
+With ``--prefetch K`` the offload path also reports each layer's routing to the agent
+(ReportRouting, one gRPC call per layer) and has it prefetch the K experts its next-layer
+predictor expects the following layer to select into the same device's slots: a prefetched
+expert its layer then asks for counts as a hit (ready or on its way when needed), and the
+tokens per second show what prediction is worth against the bandwidth its misses waste.
 
 Usage: python bench/decode.py [--device cpu|cuda] [--arch qwen3-30b-a3b]
                               [--gpu-cache-fraction 0.1 0.25 0.5] [--trace FILE] [--tokens N]
-                              [--layers L] [--experts E] [--json] [--profile FILE]
+                              [--layers L] [--experts E] [--prefetch K] [--json]
+                              [--profile FILE]
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from bench.common import (
     host_to_device_rate,
     http_fetch,
     save_figure,
+    scrape,
     write,
 )
 from dpu_agent.planning.traces import generate_trace, read_trace
@@ -84,6 +94,12 @@ def routing(trace: Path | None, layers: int, experts: int, top_k: int, tokens: i
             row.append(sorted({e % experts for e in step.experts}))
         out.append(row)
     return out
+
+
+def delivered_bytes(agent: AgentProcess) -> float:
+    """Bytes the agent has delivered to devices so far, from every source."""
+    return sum(v for k, v in scrape(agent).items()
+               if k.startswith("dpu_agent_delivered_bytes_total"))
 
 
 class Decoder:
@@ -192,15 +208,20 @@ def main() -> int:
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
     ap.add_argument("--delivery", choices=["pull", "engine"], default="pull",
                     help="engine: the agent's DMA-engine process writes the slots")
+    ap.add_argument("--prefetch", type=int, default=0, metavar="K",
+                    help="after each layer, have the agent prefetch K predicted experts of the "
+                         "next one (ReportRouting)")
     ap.add_argument("--profile", type=Path,
                     help="append a cProfile of each offload decode loop (main thread) here")
     args = ap.parse_args()
+    if not 0 <= args.prefetch <= args.experts:
+        ap.error(f"--prefetch must be between 0 and --experts ({args.experts})")
     if args.replot:
         plot(json.loads(args.replot.read_text())["results"], args.replot.with_suffix(".png"))
         return 0
     result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
                  args.experts, device=args.device, profile=args.profile,
-                 delivery=args.delivery)
+                 delivery=args.delivery, prefetch=args.prefetch)
     print_table(result)
     if args.no_save:
         return 0
@@ -208,7 +229,9 @@ def main() -> int:
                                     command="python bench/decode.py " + " ".join(sys.argv[1:])),
                  f"-{args.arch}-{args.device}"
                  + ("-engine" if args.delivery == "engine" else "")
-                 + (f"-{args.experts}experts" if args.experts != 16 else ""))
+                 + (f"-{args.experts}experts" if args.experts != 16 else "")
+                 + (f"-{args.trace.stem}" if args.trace else "")
+                 + (f"-prefetch{args.prefetch}" if args.prefetch else ""))
     plot(result, path.with_suffix(".png"))
     print(json.dumps(result) if args.json else f"wrote {path}")
     return 0
@@ -216,10 +239,11 @@ def main() -> int:
 
 def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, layers: int,
         experts: int, shrink: int = 1, device: str = "cpu", profile: Path | None = None,
-        delivery: str = "pull") -> dict[str, Any]:
+        delivery: str = "pull", prefetch: int = 0) -> dict[str, Any]:
     """``shrink`` divides hidden and intermediate sizes (tests only; 1 keeps the real ones).
     ``profile``: a text file that each fraction's offload loop appends its cProfile to.
-    ``delivery``: "pull" (the device's consumer copies) or "engine" (the DMA engine does)."""
+    ``delivery``: "pull" (the device's consumer copies) or "engine" (the DMA engine does).
+    ``prefetch``: experts of the next layer the agent prefetches after each layer (0: none)."""
     xp: Any = np
     if device == "cuda":
         import cupy as xp
@@ -255,14 +279,16 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     for e in range(experts)}
         decoder.run(lambda la, e: resident[la, e], lambda *_: None, min(tokens, 2))  # warm-up
         reference_out = decoder.run(lambda la, e: resident[la, e], lambda *_: None, tokens)
-        results: dict[str, Any] = {"arch": arch, "delivery": delivery, "hidden": hidden,
+        results: dict[str, Any] = {"arch": arch, "delivery": delivery, "prefetch": prefetch,
+                                   "hidden": hidden,
                                    "intermediate": inter,
                                    "top_k": top_k, "layers": layers, "experts": experts,
                                    "tokens": tokens, "device": device,
                                    "copy_bandwidth_gbps": bandwidth / 1e9,
                                    "runs": []}
         arena_mib = max(4096, layers * experts * expert_bytes * 5 // 4 >> 20)
-        with AgentProcess(f'[arena]\nbytes = "{arena_mib}MiB"\n') as agent, \
+        with AgentProcess(f'[arena]\nbytes = "{arena_mib}MiB"\n'
+                          '[metrics]\nlisten_address = "127.0.0.1:0"\n') as agent, \
                 AgentClient(agent.address, rpc_timeout=120) as client:
             model = client.load_model(str(root), "m")
             server = chunk_server({f"{la}-{e}": b"".join(w.tobytes() for w in
@@ -294,6 +320,9 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     got = session.acquire_batch(dev, [ExpertKey("m", layer, e) for e in experts])
                     handles.clear()
                     handles.update(zip(experts, got, strict=True))
+                    if prefetch:
+                        session.report_routing("m", [(layer, dict.fromkeys(experts, 1))],
+                                               prefetch_to=dev, prefetch_top_k=prefetch)
 
                 def fetch(layer: int, e: int, handles=handles, stats=stats
                           ) -> tuple[np.ndarray, ...]:
@@ -306,8 +335,11 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
 
                 prof = cProfile.Profile() if profile else None
                 calls = sum(session.rpc_calls.values()) - session.rpc_calls["KeepAlive"]
+                delivered = delivered_bytes(agent)
                 with prof or contextlib.nullcontext():
                     off = decoder.run(fetch, release, tokens, begin)
+                time.sleep(0.05)  # prefetches still landing count as moved bytes too
+                moved = delivered_bytes(agent) - delivered
                 off["grpc_calls_per_token"] = (sum(session.rpc_calls.values()) - calls
                                                - session.rpc_calls["KeepAlive"]) / tokens
                 if prof is not None and profile is not None:
@@ -328,11 +360,15 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 ht = decoder.run(staged.fetch, lambda *_: None, tokens)
                 ht.pop("outputs")
                 missed_bytes = misses * expert_bytes
+                # The bytes the agent moved: the misses' and, with prefetch, every prefetch's
+                # (used or wasted); the bound charges them all.
+                moved_bytes = moved
                 compute = reference_out["compute_s_per_token"]
-                bound = tokens / (tokens * compute + missed_bytes / bandwidth)
+                bound = tokens / (tokens * compute + moved_bytes / bandwidth)
                 results["runs"].append({
                     "fraction": fraction, "slots": slots, "hit_rate": stats["hits"] / acc,
                     "bytes_fetched_per_token": missed_bytes / tokens,
+                    "bytes_moved_per_token": moved_bytes / tokens,
                     "offload": off, "pageable": pg, "http": ht,
                     "resident_tokens_per_s": reference_out["tokens_per_s"],
                     "bound_tokens_per_s": bound,
@@ -381,10 +417,12 @@ def gpu_ratio(run: dict[str, Any], resident_gpu: float | None) -> str:
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, top-{r['top_k']}, "
-          f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s",
+          f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s"
+          + (f"; next-layer prefetch of {r['prefetch']}" if r.get("prefetch") else ""),
           file=sys.stderr)
     print(" cache  hit rate  offload tok/s  (wait ms/tok)  compute x resident  (GPU x res.)  "
-          "gRPC/tok  bound  pageable  http  x bound  x http", file=sys.stderr)
+          "gRPC/tok  MB/tok missed (moved)  bound  pageable  http  x bound  x http",
+          file=sys.stderr)
     resident = r["resident"]["compute_s_per_token"]
     resident_gpu = r["resident"].get("gpu_compute_s_per_token")
     for run in r["runs"]:
@@ -394,6 +432,8 @@ def print_table(r: dict[str, Any]) -> None:
               f"{o['compute_s_per_token'] / resident:18.2f}  "
               f"({gpu_ratio(o, resident_gpu):>11})  "
               f"{o.get('grpc_calls_per_token', float('nan')):8.2f}  "
+              f"{run['bytes_fetched_per_token'] / 1e6:9.1f} "
+              f"({run.get('bytes_moved_per_token', float('nan')) / 1e6:7.1f})  "
               f"{run['bound_tokens_per_s']:5.1f}  "
               f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
               f"{run['offload_vs_bound']:7.2f}  {run['offload_vs_http']:6.2f}", file=sys.stderr)
