@@ -34,6 +34,7 @@ CPU = [
     ("activation round trips (CPU device)", ["activations.py"]),
     ("load: 64 clients", ["load.py", "--seconds", "20"]),
     ("decode with offloaded experts (CPU device)", ["decode.py", "--tokens", "8"]),
+    ("loading a transformers model without its experts", ["transformers_load.py"]),
 ]
 GPU = [
     ("delivery arena -> GPU", ["delivery.py", "--device", "cuda", "--experts", "16",
