@@ -32,7 +32,8 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
 def test_every_problem_is_listed_with_its_key() -> None:
     with pytest.raises(ConfigError) as err:
         from_mapping({"server": {"listen_address": "nohost", "bogus": 1},
-                      "arena": {"bytes": "lots"}, "transfer": {"chunk_bytes": 17},
+                      "arena": {"bytes": "lots"},
+                      "transfer": {"chunk_bytes": 17, "poll_spin_us": 100_001},
                       "cache": {"policy": "random"}, "weird": 3,
                       "cluster": {"etcd_endpoints": "etcd", "agent_id": "a/b",
                                   "peer_fetch": "sometimes", "lease_seconds": 0}}, env={})
@@ -40,7 +41,8 @@ def test_every_problem_is_listed_with_its_key() -> None:
     for needle in ("server.listen_address", "server.bogus: unknown key", "arena.bytes",
                    "weird: expected a [weird] table", "cluster.etcd_endpoints: etcd endpoint "
                    "'etcd' is not host:port", "cluster.agent_id", "cluster.peer_fetch",
-                   "cluster.lease_seconds: must be positive"):
+                   "cluster.lease_seconds: must be positive",
+                   "transfer.poll_spin_us: 100001 is not between 0 and 100000"):
         assert needle in text, text
 
 
