@@ -121,8 +121,13 @@ def main() -> None:
                     help="shared-memory name of the agent's doorbell, rung after completions "
                          "are pushed (without it, the agent polls for them)")
     args = ap.parse_args()
-    engine = Engine(Bell.open(args.bell) if args.bell else None,
-                    Bell.open(args.agent_bell) if args.agent_bell else None)
+    bells = []
+    for flag, name in (("--bell", args.bell), ("--agent-bell", args.agent_bell)):
+        try:
+            bells.append(Bell.open(name) if name else None)
+        except (SharedBufferError, ValueError) as exc:
+            ap.error(f"{flag} {name!r}: {exc}")
+    engine = Engine(*bells)
     threading.Thread(target=control, args=(engine,), name="control", daemon=True).start()
     sys.stdout.write(json.dumps({"ok": True, "ready": True}) + "\n")
     sys.stdout.flush()

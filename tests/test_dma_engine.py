@@ -158,3 +158,16 @@ def test_completions_ring_the_agents_bell_when_it_sleeps(rig: Rig) -> None:
     finally:
         engine.targets.clear()
         agent_bell.unlink()
+
+
+def test_a_doorbell_that_does_not_exist_is_refused_at_start() -> None:
+    """The engine's command line is checked: a bell name that names no segment ends the
+    process with a usage error naming the flag, before it serves anything."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "dma_engine", "--agent-bell",
+                          "dpu-bell-no-such"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "--agent-bell 'dpu-bell-no-such'" in res.stderr and "does not exist" in res.stderr
+    assert res.stdout == ""  # never said ready
