@@ -150,3 +150,15 @@ def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
         with torch.no_grad():
             got = model(ids).logits
         assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_loading_a_model_without_experts_modules_is_refused(tmp_path) -> None:
+    """A dense checkpoint has no experts to leave out: OffloadError naming it, nothing
+    patched."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=128)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "dense")
+    with pytest.raises(OffloadError, match="no experts module to leave out"):
+        load_without_experts(tmp_path / "dense")
