@@ -68,11 +68,6 @@ class DataPlane:
     def start(self) -> None:
         self.loop.start()
 
-    @property
-    def bell_name(self) -> str:
-        """The doorbell's shared-memory name."""
-        return self.bell.name
-
     def stop(self) -> None:
         self.loop.stop()
         self.engine.stop()

@@ -349,7 +349,7 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                                                            max(per_layer, min(slots, total)))],
                                      delivery=delivery)
     offload = ExpertOffload(client, info.model, dev)
-    blocks = {f"{name}": block for name, block in scaled_input_blocks(model)}
+    blocks = dict(scaled_input_blocks(model))
     for qualified, module in [*experts_modules(model),
                               *((name, block.experts) for name, block in blocks.items())]:
         m = _LAYER.search(qualified)
