@@ -339,7 +339,9 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 with prof or contextlib.nullcontext():
                     off = decoder.run(fetch, release, tokens, begin)
                 time.sleep(0.05)  # prefetches still landing count as moved bytes too
-                moved = delivered_bytes(agent) - delivered
+                # The bytes the agent moved: the misses' and, with prefetch, every prefetch's
+                # (used or wasted); the bound charges them all.
+                moved_bytes = delivered_bytes(agent) - delivered
                 off["grpc_calls_per_token"] = (sum(session.rpc_calls.values()) - calls
                                                - session.rpc_calls["KeepAlive"]) / tokens
                 if prof is not None and profile is not None:
@@ -360,9 +362,6 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 ht = decoder.run(staged.fetch, lambda *_: None, tokens)
                 ht.pop("outputs")
                 missed_bytes = misses * expert_bytes
-                # The bytes the agent moved: the misses' and, with prefetch, every prefetch's
-                # (used or wasted); the bound charges them all.
-                moved_bytes = moved
                 compute = reference_out["compute_s_per_token"]
                 bound = tokens / (tokens * compute + moved_bytes / bandwidth)
                 results["runs"].append({
