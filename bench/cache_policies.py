@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, envelope, figure, save_figure, write
 from dpu_agent.config import AgentConfig
 from dpu_agent.planning.prediction import NextLayerPredictor
-from dpu_agent.planning.traces import RoutingStep, generate_trace, read_trace
-from dpu_agent.weights.policies import POLICIES
+from dpu_agent.routing.stats import RoutingStats
+from dpu_agent.routing.traces import RoutingStep, generate_trace, read_trace
+from dpu_agent.weights.policies import POLICIES, make_policy
 from dpu_offload.keys import ExpertKey
 
 MODEL = "trace"
@@ -44,13 +45,12 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
     experts evicted before any use, ``prefetched_per_step``, and ``policy_s_per_access``:
     the time of every call into the policy, per needed expert, of which
     ``data_path_s_per_access`` the calls an acquire makes (access, victim, insert, remove: the
-    agent's data-plane loop) and ``observe_s_per_access`` the routing observations
-    (ReportRouting, on the agent's control thread)."""
-    policy = POLICIES[policy_name]()
-    predictor = NextLayerPredictor()
-    layers = sorted({s.layer for s in steps})
-    at = {layer: i for i, layer in enumerate(layers)}
-    experts = 1 + max((e for s in steps for e in s.experts), default=0)
+    agent's data-plane loop) and ``observe_s_per_access`` the routing observations (folding
+    the step into the routing statistics and the policy's own update: ReportRouting, on the
+    agent's control thread)."""
+    stats = RoutingStats()
+    policy = make_policy(policy_name, stats)
+    predictor = NextLayerPredictor(stats)
     resident: set[ExpertKey] = set()
     unused: set[ExpertKey] = set()
     need = ready = fetched = wasted = 0
@@ -95,13 +95,12 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
         for e in step.experts:
             counts[e] += 1
         t0 = clock()
-        policy.observe(MODEL, step.layer, counts)
+        policy.observe(stats.observe(MODEL, step.layer, counts))
         observing += clock() - t0
         if not prefetch:
             continue
-        predictor.observe(MODEL, at[step.layer], len(layers), experts, step.experts)
         nxt, guess = predictor.predict(MODEL, prefetch)
-        ahead = {ExpertKey(MODEL, layers[nxt], e) for e in guess}
+        ahead = {ExpertKey(MODEL, nxt, e) for e in guess}
         for key in sorted(ahead - resident):
             if not admit(key, want | ahead):
                 break

@@ -61,7 +61,7 @@ from bench.common import (
     scrape,
     write,
 )
-from dpu_agent.planning.traces import generate_trace, read_trace
+from dpu_agent.routing.traces import generate_trace, read_trace
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, write
-from dpu_agent.planning.traces import generate_trace
+from dpu_agent.routing.traces import generate_trace
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, Device, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint

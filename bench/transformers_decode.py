@@ -84,7 +84,7 @@ class TraceReplay:
     :meth:`rewind` before a run makes every run see the same routing."""
 
     def __init__(self, model: Any, trace: Path) -> None:
-        from dpu_agent.planning.traces import read_trace
+        from dpu_agent.routing.traces import read_trace
         from host_client.integrations.transformers import experts_modules
 
         by_layer: dict[int, list[tuple[int, ...]]] = {}

@@ -51,7 +51,8 @@ class AgentConfig:
     cache_policy: str = "reuse"
     prefetch_traces_dir: str = ""
     """A folder of recorded routing traces, ``<model name>.jsonl`` (docs/LAYOUT.md): a model
-    loaded under that name has its next-layer predictor learn from the trace first."""
+    loaded under that name starts its routing statistics (the next-layer predictor's, the cache
+    policy's and the planner's) from the trace."""
     chunk_bytes: int = 1 * 2**20
     transfer_timeout_seconds: int = 30
     poll_spin_us: int = 200

@@ -37,9 +37,9 @@ from dpu_agent.errors import (
 from dpu_agent.identity import Binding, current_caller
 from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.prediction import NextLayerPredictor
-from dpu_agent.planning.routing_stats import RoutingStats
 from dpu_agent.planning.scheduler import Priority, Scheduler
-from dpu_agent.planning.traces import read_trace
+from dpu_agent.routing.stats import RoutingStats
+from dpu_agent.routing.traces import read_trace
 from dpu_agent.service.registry import (
     ARENA_REGION_ID,
     Device,
@@ -53,7 +53,7 @@ from dpu_agent.weights.cache import WeightCache, WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog, path_problem
 from dpu_agent.weights.ingest import attach_manifest
 from dpu_agent.weights.layouts import LayoutError
-from dpu_agent.weights.policies import POLICIES
+from dpu_agent.weights.policies import make_policy
 from dpu_agent.weights.safetensors_file import CheckpointError
 from dpu_offload.keys import ExpertKey, model_name_problem
 from dpu_offload.v1 import agent_pb2 as pb
@@ -106,7 +106,11 @@ class Orchestrator:
             log.warning("removed %d shared-memory segments left by dead processes: %s",
                         len(stale), ", ".join(sorted(stale)[:8]))
         self.arena = Arena(config.arena_bytes)
-        self.cache = WeightCache(self.arena, config.chunk_bytes, POLICIES[config.cache_policy]())
+        self.routing = RoutingStats()
+        """The one store of routing statistics (the cache policy, the predictor and the
+        placement planner read it)."""
+        self.cache = WeightCache(self.arena, config.chunk_bytes,
+                                 make_policy(config.cache_policy, self.routing))
         self.models: dict[str, ModelCatalog] = {}
         self.model_names: list[str] = []
         """Model index (request-ring entries name models by it) -> name, in load order."""
@@ -126,8 +130,7 @@ class Orchestrator:
         data-plane loop reads it on every pass)."""
         self.scheduler = Scheduler(config.link_concurrency)
         self.placements = PlacementExecutor(self)
-        self.routing = RoutingStats()
-        self.predictor = NextLayerPredictor()
+        self.predictor = NextLayerPredictor(self.routing)
         self.flows = FlowTable()
         self.activations: Any = None
         """The ActivationRouter when [activations] is enabled (set by the server)."""
@@ -192,15 +195,18 @@ class Orchestrator:
             if model_name not in self.models:
                 self.models[model_name] = catalog
                 self.model_names.append(model_name)
+        self.routing.declare(model_name, catalog.layout.moe_layers,
+                             catalog.layout.experts_per_layer)
         self._learn_routing(catalog)
         if persist:
             self.persist()
         return self.models[model_name]
 
     def _learn_routing(self, catalog: ModelCatalog) -> None:
-        """Teach the next-layer predictor the model's recorded trace, if the config names a
-        folder holding ``<model name>.jsonl``; a trace that cannot be used is logged and
-        skipped (the model loads all the same)."""
+        """Fold the model's recorded trace into its routing statistics (what the next-layer
+        predictor, the cache policy and the planner start from), if the config names a folder
+        holding ``<model name>.jsonl``; a trace that cannot be used is logged and skipped (the
+        model loads all the same)."""
         folder = self.config.prefetch_traces_dir
         path = Path(folder) / f"{catalog.name}.jsonl" if folder else None
         if path is None or not path.is_file():
@@ -212,9 +218,8 @@ class Orchestrator:
         except (OSError, ValueError) as exc:
             log.warning("routing trace %s not used for %r: %s", path, catalog.name, exc)
             return
-        used = self.predictor.learn(catalog.name, list(catalog.layout.moe_layers),
-                                    catalog.layout.experts_per_layer, steps)
-        log.info("next-layer predictor of %r learned %d of %d steps of %s", catalog.name,
+        used = self.routing.learn(catalog.name, steps, catalog.layout.experts_per_layer)
+        log.info("routing statistics of %r learned %d of %d steps of %s", catalog.name,
                  used, len(steps), path)
 
     def _reload(self, old: ModelCatalog) -> ModelCatalog:
@@ -687,10 +692,10 @@ class Orchestrator:
 
     def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
                        prefetch: tuple[Session, int, int] | None = None) -> int:
-        """Feed observed routing (layer, {expert: tokens}) to the cache policy, the routing
-        statistics and the next-layer predictor, in order. With ``prefetch = (session,
-        device_id, k)``, queue the k experts the predictor expects the MoE layer after the last
-        step's to select; returns how many."""
+        """Fold observed routing (layer, {expert: tokens}) into the routing statistics and
+        show each visit to the cache policy. With ``prefetch = (session, device_id, k)``, queue
+        the k experts the predictor expects the MoE layer after the last step's to select;
+        returns how many."""
         catalog = self.models.get(model)
         if catalog is None:
             raise not_found(f"model {model!r} is not loaded")
@@ -704,19 +709,13 @@ class Orchestrator:
                               f"({catalog.layout.experts_per_layer} per layer)")
         if prefetch is not None:
             self.device(prefetch[0], prefetch[1])
-        moe = list(catalog.layout.moe_layers)
         for layer, counts in steps:
-            self.cache.observe(model, layer, counts)
-            self.routing.observe(catalog, layer, counts)
-            self.predictor.observe(model, moe.index(layer), len(moe),
-                                   catalog.layout.experts_per_layer,
-                                   [e for e, n in counts.items() if n > 0])
+            self.cache.observe(self.routing, model, layer, counts)
         if prefetch is None or not steps:
             return 0
         session, device_id, k = prefetch
         nxt, experts = self.predictor.predict(model, k)
-        return self.prefetch(session, device_id, [ExpertKey(model, moe[nxt], e)
-                                                  for e in experts])
+        return self.prefetch(session, device_id, [ExpertKey(model, nxt, e) for e in experts])
 
     # -- data plane ------------------------------------------------------------------------
     def _devices(self) -> tuple[Device, ...]:

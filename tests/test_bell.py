@@ -113,24 +113,30 @@ def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -
 
 
 def test_the_loop_sleeps_only_when_what_it_waits_for_rings() -> None:
-    """While something it waits for comes without a ring (a device consumer's completions, a
-    verdict), the data-plane loop keeps polling; when all of it rings (the DMA engine's
-    completions), it sleeps on the bell after its spin, and a ring wakes it."""
+    """While something it waits for closely comes without a ring (a device consumer's
+    completions) the data-plane loop keeps polling; while only something it may take up later
+    does (a consumer's verdict), it sleeps on the bell at most that bound; when all of it rings
+    (the DMA engine's completions), it sleeps after its spin, and a ring wakes it."""
     from dpu_agent.dataplane.loop import DataPlaneLoop
 
     bell = Bell.create("test-loop-bell")
-    unrung, passes = [1], [0]
+    limit, passes = [0.0], [0]
 
     def poll() -> tuple[int, int]:
         passes[0] += 1
         return 0, 0
 
-    loop = DataPlaneLoop(poll, lambda: unrung[0], [], bell, spin=0.001)
+    loop = DataPlaneLoop(poll, lambda: limit[0], [], bell, spin=0.001)
     loop.start()
     try:
         time.sleep(0.2)
         assert not bell.asleep and passes[0] > 100
-        unrung[0] = 0
+        limit[0] = 0.02  # bounded dozes: ~10 in 0.2 s (each pass in a doze counts 2)
+        time.sleep(0.05)
+        before = passes[0]
+        time.sleep(0.2)
+        assert 4 <= passes[0] - before <= 40, passes[0] - before
+        limit[0] = 1.0
         deadline = time.monotonic() + 5
         while not bell.asleep and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.planning.traces import generate_trace, write_trace
+from dpu_agent.routing.traces import generate_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["activations", "arm64", "cache_policies", "cluster", "decode", "delivery", "load",

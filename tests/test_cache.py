@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.weights.arena import ARENA_ALIGN, Arena
 from dpu_agent.weights.cache import CacheFullError, WeightCache, WouldBlock
 from dpu_agent.weights.catalog import build_catalog
-from dpu_agent.weights.policies import POLICIES
+from dpu_agent.weights.policies import POLICIES, make_policy
 from gpu_kernels.checksum import blob_checksums
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 
@@ -62,7 +63,7 @@ def test_concurrent_hits_misses_evictions_serve_true_bytes(tmp_path: Path, polic
                 t.file.read_bytes()[t.file_offset:t.file_offset + t.nbytes], np.uint8)
         truth[e.key] = blob
     arena = Arena(6 * cat.expert_bytes)  # 6 of 16 experts fit: constant eviction
-    cache = WeightCache(arena, 64 << 10, POLICIES[policy]())
+    cache = WeightCache(arena, 64 << 10, make_policy(policy, RoutingStats()))
     errors: list[str] = []
 
     def worker(seed: int) -> None:
@@ -100,7 +101,7 @@ def test_acquire_without_waiting_serves_hits_only(tmp_path: Path) -> None:
                                                           hidden=256, intermediate=128))
     e0, e1 = build_catalog(root).experts.values()
     arena = Arena(4 * e0.blob_bytes)
-    cache = WeightCache(arena, 64 << 10, POLICIES["lru"]())
+    cache = WeightCache(arena, 64 << 10, make_policy("lru", RoutingStats()))
     try:
         with pytest.raises(WouldBlock):
             cache.acquire(e0, wait=False)

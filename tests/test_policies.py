@@ -12,8 +12,9 @@ from pathlib import Path
 
 from bench.cache_policies import replay, simulate
 from dpu_agent.planning.prediction import NextLayerPredictor
-from dpu_agent.planning.traces import RoutingStep, generate_trace
-from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy
+from dpu_agent.routing.stats import FEATURES, LAST, SHARE, RoutingStats
+from dpu_agent.routing.traces import RoutingStep, generate_trace
+from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy, make_policy
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
@@ -38,20 +39,26 @@ def _sticky_trace(layers: int, experts: int, tokens: int, stay: float, seed: int
     return steps
 
 
+def _reuse_after(steps: list[RoutingStep]) -> LearnedReusePolicy:
+    """A learned-reuse policy on its own routing statistics, shown ``steps``."""
+    stats = RoutingStats()
+    policy = LearnedReusePolicy(stats)
+    for step in steps:
+        policy.observe(stats.observe("m", step.layer, {e: 1 for e in step.experts}))
+    return policy
+
+
 def test_it_learns_that_an_expert_just_selected_comes_back() -> None:
-    policy = LearnedReusePolicy()
-    for step in _sticky_trace(4, 8, 300, stay=0.8):
-        policy.observe("m", step.layer, {e: 1 for e in step.experts})
-    last = set(step.experts)  # layer 3's last visit
+    steps = _sticky_trace(4, 8, 300, stay=0.8)
+    policy = _reuse_after(steps)
+    last = set(steps[-1].experts)  # layer 3's last visit
     cold = [e for e in range(8) if e not in last]
     p = {e: policy.predicted(ExpertKey("m", 3, e)) for e in range(8)}
     assert min(p[e] for e in last) > max(p[e] for e in cold) + 0.3
 
 
 def test_the_victim_is_a_candidate_and_the_layer_far_away_goes_first() -> None:
-    policy = LearnedReusePolicy()
-    for step in _sticky_trace(4, 8, 50, stay=0.5):
-        policy.observe("m", step.layer, {e: 1 for e in step.experts})
+    policy = _reuse_after(_sticky_trace(4, 8, 50, stay=0.5))
     keys = [ExpertKey("m", layer, e) for layer in range(4) for e in range(2)]
     for key in keys:
         policy.on_insert(key)
@@ -83,32 +90,62 @@ def test_on_sticky_routing_it_keeps_up_with_lru_where_lfu_cannot() -> None:
 
 
 def test_every_policy_takes_the_incoming_key() -> None:
-    for name, cls in POLICIES.items():
-        policy = cls()
+    for name in POLICIES:
+        stats = RoutingStats()
+        policy = make_policy(name, stats)
         a, b = ExpertKey("m", 0, 0), ExpertKey("m", 1, 1)
         policy.on_insert(a)
-        policy.observe("m", 0, {0: 1})
+        policy.observe(stats.observe("m", 0, {0: 1}))
         assert policy.victim([a], b) == a, name
+
+
+def test_one_store_of_routing_statistics_on_one_clock() -> None:
+    """A layer's features, its token load and the transitions to the next layer come from the
+    same visits: shares are decayed means (a young layer's are not biased low), the load is
+    decayed tokens, a transition is counted only between consecutive MoE layers."""
+    stats = RoutingStats()
+    stats.declare("m", [3, 7], 4)
+    assert stats.load("m") is None
+    stats.observe("m", 3, {1: 5, 2: 0})
+    stats.observe("m", 7, {0: 2})
+    stats.observe("m", 3, {1: 1, 3: 1})
+    layer = stats.model("m").layers[3]
+    assert layer.visits == 2 and layer.features.shape == (4, FEATURES)
+    assert list(layer.features[:, LAST]) == [0, 1, 0, 1]
+    assert layer.features[1, SHARE[1.0]] == 1.0  # selected at every visit: share 1 at any horizon
+    assert layer.features[1, SHARE[float("inf")]] == 1.0
+    assert layer.features[3, SHARE[float("inf")]] == 0.5
+    load = stats.load("m")
+    assert load is not None and load.shape == (2, 4)
+    assert load[0, 1] > 5.0 and load[0, 2] == 0.0 and load[1, 0] == 2.0
+    onward = stats.model("m").layers[3].onward
+    assert onward[1, 0] > 0 and onward.sum() == onward[1, 0]  # 3 -> 7 once
+    back = stats.model("m").layers[7].onward  # 7 -> 3: decode wraps round
+    assert back[0, 1] > 0 and back[0, 3] == back[0, 1] and back.sum() == 2 * back[0, 1]
+    assert stats.model("m").next_layer(7) == 3
 
 
 def test_the_next_layer_predictor_learns_a_transition_and_falls_back_to_history() -> None:
     """Layer 0's expert e is always followed by layer 1's expert (e + 3) % 8: after a few
     tokens the prediction is that expert; a layer with no transitions yet is predicted from
     its own last selection."""
-    predictor = NextLayerPredictor()
+    stats = RoutingStats()
+    stats.declare("m", range(3), 8)
+    predictor = NextLayerPredictor(stats)
     rng = random.Random(1)
     for _ in range(40):
         e = rng.randrange(8)
-        predictor.observe("m", 0, 3, 8, [e])
-        predictor.observe("m", 1, 3, 8, [(e + 3) % 8])
-        predictor.observe("m", 2, 3, 8, [rng.randrange(8)])
-    predictor.observe("m", 0, 3, 8, [5])
+        stats.observe("m", 0, {e: 1})
+        stats.observe("m", 1, {(e + 3) % 8: 1})
+        stats.observe("m", 2, {rng.randrange(8): 1})
+    stats.observe("m", 0, {5: 1})
     assert predictor.predict("m", 1) == (1, [0])
-    fresh = NextLayerPredictor()
-    assert fresh.predict("m", 2) == (-1, [])
-    fresh.observe("m", 1, 3, 8, [4, 6])
-    fresh.observe("m", 0, 3, 8, [2])
-    assert fresh.predict("m", 2) == (1, [4, 6])
+    fresh = RoutingStats()
+    fresh.declare("m", range(3), 8)
+    assert NextLayerPredictor(fresh).predict("m", 2) == (-1, [])
+    fresh.observe("m", 1, {4: 1, 6: 2})
+    fresh.observe("m", 0, {2: 1})
+    assert NextLayerPredictor(fresh).predict("m", 2) == (1, [4, 6])
 
 
 def test_prefetch_makes_more_experts_ready_than_demand_alone() -> None:

@@ -20,12 +20,12 @@ SPIN_SECONDS = 200e-6
 """After work was found the loop only yields the GIL for this long (by default: the agent's
 ``transfer.poll_spin_us``), then naps or sleeps."""
 NAP_SECONDS = 20e-6
-"""Nap between polls while something it waits for comes without a bell (a device consumer's
-completions, a consumer's verdict on a LANDED slot)."""
+"""Nap between polls while something it waits for closely comes without a bell (a device
+consumer's completions)."""
 DOZE_SECONDS = 0.05
-"""Otherwise the loop sleeps on the doorbell (``gpu_kernels.bell``) for at most this long: a
-client's post, the DMA engine's completions or the agent's own delivery wake it sooner;
-sweeps wait at most this."""
+"""Otherwise the loop sleeps on the doorbell (``gpu_kernels.bell``) for at most this long (or
+less, as ``doze_limit`` says): a client's post, the DMA engine's completions or the agent's
+own delivery wake it sooner; sweeps wait at most this."""
 SWEEP_SECONDS = 0.5
 """How often the stuck-transfer sweep runs."""
 
@@ -49,18 +49,20 @@ class DataPlaneLoop:
     Args:
         poll: one pass over every source; returns how many entries (requests and completions)
             it handled.
-        unrung: how many things the loop waits for that come without a ring of ``bell``
-            (keeps the loop polling closely while nonzero).
+        doze_limit: how long the loop may sleep on ``bell`` now, seconds (at most
+            ``DOZE_SECONDS``): 0 while something it waits for closely comes without a ring (it
+            naps ``NAP_SECONDS`` between polls instead), a bound where something it may take up
+            later comes without a ring (a consumer's verdict).
         sweep: called every ``SWEEP_SECONDS`` (stuck transfers, dead engines).
         bell: what the loop sleeps on otherwise (None: it naps instead).
         spin: seconds the loop polls after work before it naps or sleeps.
     """
 
-    def __init__(self, poll: Callable[[], tuple[int, int]], unrung: Callable[[], int],
+    def __init__(self, poll: Callable[[], tuple[int, int]], doze_limit: Callable[[], float],
                  sweep: Iterable[Callable[[], None]], bell: Bell | None = None,
                  spin: float = SPIN_SECONDS) -> None:
         self._poll = poll
-        self._unrung = unrung
+        self._doze_limit = doze_limit
         self._spin = spin
         self._sweeps = tuple(sweep)
         self._bell = bell
@@ -94,10 +96,12 @@ class DataPlaneLoop:
                 continue
             if now - last_work < self._spin:
                 time.sleep(0)
-            elif self._bell is None or self._unrung():
+                continue
+            bell = self._bell
+            limit = min(DOZE_SECONDS, self._doze_limit(), SWEEP_SECONDS - (now - last_sweep))
+            if bell is None or limit <= 0.0:
                 time.sleep(NAP_SECONDS)
-            elif self._bell.doze(max(0.0, min(DOZE_SECONDS, SWEEP_SECONDS - (now - last_sweep))),
-                                 self._one_pass, lambda found: not found):
+            elif bell.doze(limit, self._one_pass, lambda found: not found):
                 last_work = time.monotonic()
 
     def _one_pass(self) -> bool:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from dpu_agent.dataplane.delivery import Deliveries
 from dpu_agent.dataplane.engine import EngineDevices
-from dpu_agent.dataplane.loop import SPIN_SECONDS, DataPlaneLoop
+from dpu_agent.dataplane.loop import DOZE_SECONDS, SPIN_SECONDS, DataPlaneLoop
 from dpu_agent.dataplane.requests import RequestCore, RequestServer
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_offload.v1 import agent_pb2 as pb
@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpu_agent.dataplane")
 
 LANDED_CHECK_SECONDS = 0.001
-"""How often the loop takes up consumers' verdicts on LANDED slots (an acquire of a LANDED
-slot takes its verdict up at once)."""
+"""How often the loop takes up consumers' verdicts on LANDED slots, while any is awaited: it
+sleeps on the doorbell for at most this long, not polling between (an acquire of a LANDED
+slot takes its verdict up at once; an eviction reads it from the slot's word)."""
 
 
 class DataPlane:
@@ -57,10 +58,9 @@ class DataPlane:
         self.engine = EngineDevices(*arena, devices, self._engine_died, self.bell.name)
         """Devices the DMA-engine process serves (it starts when the first registers; it rings
         ``bell`` when it completes work)."""
-        self.loop = DataPlaneLoop(
-            self._poll_once,
-            lambda: self.deliveries.tracker.unrung + self.deliveries.awaiting_verdicts,
-            [self._cancel_stuck, self.engine.supervisor.check], self.bell, spin)
+        self.loop = DataPlaneLoop(self._poll_once, self._doze_limit,
+                                  [self._cancel_stuck, self.engine.supervisor.check], self.bell,
+                                  spin)
         self._devices = devices
         self._transfer_timeout = transfer_timeout
         self._landed_checked = 0.0
@@ -72,6 +72,14 @@ class DataPlane:
         self.loop.stop()
         self.engine.stop()
         self.bell.unlink()
+
+    def _doze_limit(self) -> float:
+        """How long the loop may sleep on the doorbell: not at all while a device consumer's
+        completions are awaited (they come without a ring), ``LANDED_CHECK_SECONDS`` while only
+        consumers' verdicts are."""
+        if self.deliveries.tracker.unrung:
+            return 0.0
+        return LANDED_CHECK_SECONDS if self.deliveries.awaiting_verdicts else DOZE_SECONDS
 
     def _engine_died(self, devices: set[Device]) -> None:
         """The DMA engine died: its devices' transfers in flight end CANCELLED (their slots go

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.policies import EvictionPolicy
@@ -219,10 +220,14 @@ class WeightCache:
                     self._orphans.remove(cached)
                     self.arena.free(cached.offset)
 
-    def observe(self, model: str, layer: int, tokens: dict[int, int]) -> None:
-        """Routing statistics for the policy (one step at one layer)."""
+    def observe(self, routing: RoutingStats, model: str, layer: int,
+                tokens: Mapping[int, int]) -> None:
+        """Fold a visit of a MoE layer into ``routing`` (``tokens[e]``: tokens that selected
+        expert e) and show it to the policy, under the cache's lock: visits reach the policy in
+        the order they were folded in (its view of the layer's features before the visit is
+        valid only until the next)."""
         with self._lock:
-            self.policy.observe(model, layer, tokens)
+            self.policy.observe(routing.observe(model, layer, tokens))
 
     def invalidate(self, key: ExpertKey) -> None:
         """Forget an expert's arena copy (it failed verification) so the next acquire refills

@@ -1,17 +1,19 @@
 """Eviction policies of the weight cache, behind one interface.
 
 A policy only orders keys; the cache decides what is evictable (unpinned, resident). Every
-policy sees the same events: inserts, accesses, removals, and (for the routing-aware one)
-routing observations of which experts each step selected.
+policy sees the same events: inserts, accesses, removals, and each visit of a MoE layer that
+routing reported (already folded into the agent's routing statistics, which the policies that
+``reads_routing`` read: :func:`make_policy`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Protocol
 
+from dpu_agent.routing.stats import SHARE, RoutingStats, Visit
 from dpu_agent.weights.reuse import LearnedReusePolicy
 from dpu_offload.keys import ExpertKey
 
@@ -24,7 +26,7 @@ class EvictionPolicy(Protocol):
     def on_insert(self, key: ExpertKey) -> None: ...
     def on_access(self, key: ExpertKey) -> None: ...
     def on_remove(self, key: ExpertKey) -> None: ...
-    def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None: ...
+    def observe(self, visit: Visit) -> None: ...
     def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
                ) -> ExpertKey | None:
         """The key to evict among ``candidates`` to make room for ``incoming`` (None if
@@ -49,7 +51,7 @@ class LruPolicy:
     def on_remove(self, key: ExpertKey) -> None:
         self._order.pop(key, None)
 
-    def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None:
+    def observe(self, visit: Visit) -> None:
         pass
 
     def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
@@ -78,7 +80,7 @@ class LfuPolicy:
     def on_remove(self, key: ExpertKey) -> None:
         self._tick.pop(key, None)
 
-    def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None:
+    def observe(self, visit: Visit) -> None:
         pass
 
     def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
@@ -92,25 +94,21 @@ class RoutingAwarePolicy:
 
     Decode visits a model's MoE layers in order, one token after another. For expert (L, e),
     with the layer last observed being C, layer L comes next in ``d = (L - C) mod n`` steps
-    (``n`` if L = C); each visit selects e with probability ``p``: the mean of its
-    exponentially decayed shares of the layer's selections over a short and a long horizon
-    (``half_lives``, in visits of that layer), so both recent locality and lasting popularity
-    count. The expected time to
-    its next use is ``d + n (1 - p) / p``; the victim maximises it (Belady's rule with the
-    future replaced by that expectation). With one layer it reduces to a decayed LFU.
+    (``n`` if L = C); each visit selects e with probability ``p``: its share of the layer's
+    selections over ``horizon`` visits (``dpu_agent.routing.stats.HALF_LIVES``), pulled
+    towards a small prior while the layer has few visits. The expected time to its next use
+    is ``d + n (1 - p) / p``; the victim maximises it (Belady's rule with the future replaced
+    by that expectation). With one layer it reduces to a decayed LFU.
     """
 
     name = "routing"
+    reads_routing = True
 
-    def __init__(self, half_lives: tuple[float, ...] = (64.0,), prior: float = 0.5
-                 ) -> None:
-        self._decays = [0.5 ** (1.0 / h) for h in half_lives]
+    def __init__(self, stats: RoutingStats, horizon: float = 64.0, prior: float = 0.5) -> None:
+        self._stats = stats
+        self._column = SHARE[horizon]
+        self._decay = 0.5 ** (1.0 / horizon)
         self._prior = prior
-        self._score: dict[tuple[str, int], list[dict[int, float]]] = defaultdict(
-            lambda: [{} for _ in self._decays])
-        self._mass: dict[tuple[str, int], list[float]] = defaultdict(
-            lambda: [0.0] * len(self._decays))
-        self._layers: dict[str, set[int]] = defaultdict(set)
         self._current: dict[str, int] = {}
 
     def on_insert(self, key: ExpertKey) -> None:
@@ -121,30 +119,20 @@ class RoutingAwarePolicy:
     def on_remove(self, key: ExpertKey) -> None:
         pass
 
-    def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> None:
-        """One step of routing at ``layer``: ``tokens[e]`` tokens selected expert e."""
-        slot = (model, layer)
-        mass = self._mass[slot]
-        for h, (scores, decay) in enumerate(zip(self._score[slot], self._decays, strict=True)):
-            for e in scores:
-                scores[e] *= decay
-            for e, n in tokens.items():
-                if n > 0:
-                    scores[e] = scores.get(e, 0.0) + 1.0
-            mass[h] = mass[h] * decay + 1.0
-        self._layers[model].add(layer)
-        self._current[model] = layer
+    def observe(self, visit: Visit) -> None:
+        self._current[visit.model] = visit.layer
 
     def expected_steps(self, key: ExpertKey) -> float:
-        layers = sorted(self._layers.get(key.model, ())) or [key.layer]
-        n = len(layers)
+        model = self._stats.model(key.model)
+        layer = model.layers.get(key.layer)
+        n = max(1, len(model.order))
         current = self._current.get(key.model, key.layer)
-        pos = {layer: i for i, layer in enumerate(layers)}
-        d = (pos.get(key.layer, 0) - pos.get(current, 0)) % n or n
-        slot = (key.model, key.layer)
-        shares = [(scores.get(key.expert, 0.0) + self._prior * 1e-3) / (mass + self._prior)
-                  for scores, mass in zip(self._score[slot], self._mass[slot], strict=True)]
-        p = min(max(sum(shares) / len(shares), 1e-9), 1.0)
+        d = (model.position.get(key.layer, 0) - model.position.get(current, 0)) % n or n
+        share, mass = 0.0, 0.0
+        if layer is not None and key.expert < layer.experts:
+            share = float(layer.features[key.expert, self._column])
+            mass = (1.0 - self._decay ** layer.visits) / (1.0 - self._decay)
+        p = min(max((share * mass + self._prior * 1e-3) / (mass + self._prior), 1e-9), 1.0)
         return d + n * (1.0 - p) / p if p < 1.0 else float(d)
 
     def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
@@ -160,3 +148,10 @@ class RoutingAwarePolicy:
 POLICIES: dict[str, type] = {"lru": LruPolicy, "lfu": LfuPolicy, "routing": RoutingAwarePolicy,
                              "reuse": LearnedReusePolicy}
 """Config name -> policy class."""
+
+
+def make_policy(name: str, stats: RoutingStats) -> EvictionPolicy:
+    """The policy named ``name`` (a key of ``POLICIES``), reading ``stats`` if it reads
+    routing."""
+    cls = POLICIES[name]
+    return cls(stats) if getattr(cls, "reads_routing", False) else cls()

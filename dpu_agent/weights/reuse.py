@@ -11,83 +11,40 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import numpy as np
 from scipy.linalg import lapack
 
+from dpu_agent.routing.stats import FEATURES, LayerStats, RoutingStats, Visit
 from dpu_offload.keys import ExpertKey
 
-HALF_LIVES = (1.0, 4.0, 16.0, 64.0, 256.0, math.inf)
-"""Horizons of the selection shares, in visits of the layer."""
-K = 2 + len(HALF_LIVES)
-"""Features per expert: a constant, selected at the last visit, the share at each horizon."""
-_DECAY = [0.5 ** (1.0 / h) for h in HALF_LIVES]
-_STEP_CACHE = 4096
-"""Visit counts whose feature update (``_Steps``) is kept; by then every finite horizon's
-decayed visit count has converged (to 2e-5 at 256 visits), only the unbounded one moves."""
+K = FEATURES
+"""Features per expert (``dpu_agent.routing.stats``): a constant, selected at the last visit,
+the share at each horizon."""
 _FLOOR = 1e-4
 """A linear fit can go below 0: clipped, or p / d would prefer the nearest layer."""
-
-
-class _Steps:
-    """The feature update of a layer's ``t``-th visit, the same for every layer: the shares
-    become ``a * share + b * selected`` per horizon (``a = decay V_t / V_t+1``, ``b =
-    1 / V_t+1``, ``V_t = (1 - decay^t) / (1 - decay)`` the decayed visit count), and the
-    last-visit flag ``0 * flag + 1 * selected``. ``step(t)`` is ``(a, b)``, ``float64[K - 1]``
-    each (columns 1 .. K-1), from a table of the first ``_STEP_CACHE`` visits."""
-
-    def __init__(self) -> None:
-        t = np.arange(_STEP_CACHE + 1, dtype=np.float64)[:, None]
-        decay = np.array(_DECAY)[None, :]
-        finite = decay < 1.0
-        visits = np.where(finite, (1.0 - decay ** t) / np.where(finite, 1.0 - decay, 1.0), t)
-        self._table = np.zeros((_STEP_CACHE, 2, K - 1))
-        self._table[:, 0, 1:] = decay * visits[:-1] / visits[1:]
-        self._table[:, 1, 0] = 1.0
-        self._table[:, 1, 1:] = 1.0 / visits[1:]
-
-    def step(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        if t < _STEP_CACHE:
-            row = self._table[t]
-            return row[0], row[1]
-        a, b = self._table[-1].copy()
-        a[-1], b[-1] = t / (t + 1.0), 1.0 / (t + 1.0)
-        return a, b
-
-
-_steps = _Steps()
 
 
 class _Layer:
     """One MoE layer's state.
 
     Attributes:
-        x: ``float64[E, K + 1]``: per expert the features and, in the last column, whether the
-            visit being folded in selected it (the regression's target).
-        visits: visits folded in so far.
+        stats: the layer's routing statistics (the agent's one store).
         p: per expert, the predicted chance that the next visit selects it, made at the
             layer's last visit (or when it grew).
         resident: experts of the layer in the cache.
         low: (p, expert) of the resident expert least likely to be selected next.
     """
 
-    def __init__(self) -> None:
-        self.x = np.zeros((0, K + 1))
-        self.visits = 0
+    def __init__(self, stats: LayerStats) -> None:
+        self.stats = stats
         self.p: list[float] = []
         self.resident: set[int] = set()
         self.low: tuple[float, int] | None = None
 
-    def grow(self, experts: int, weights: np.ndarray) -> None:
-        n = self.x.shape[0]
-        if experts > n:
-            self.x = np.vstack([self.x, np.zeros((experts - n, K + 1))])
-            self.x[n:, 0] = 1.0
-            self.predict(weights)
-
     def predict(self, weights: np.ndarray) -> None:
-        self.p = np.clip(self.x[:, :K] @ weights, _FLOOR, 1.0).tolist()
+        self.p = np.clip(self.stats.features @ weights, _FLOOR, 1.0).tolist()
         self.refresh_low()
 
     def refresh_low(self) -> None:
@@ -126,10 +83,10 @@ class _Model:
         self.distance = np.zeros((0, 0))
         self.current = -1
 
-    def layer(self, number: int) -> _Layer:
+    def layer(self, number: int, stats: LayerStats) -> _Layer:
         state = self.layers.get(number)
         if state is None:
-            state = self.layers[number] = _Layer()
+            state = self.layers[number] = _Layer(stats)
             self.by_at = sorted(self.layers)
             self.at = {la: i for i, la in enumerate(self.by_at)}
             n = len(self.by_at)
@@ -149,30 +106,42 @@ class LearnedReusePolicy:
     """Evicts the expert with the fewest expected hits per step it would hold its slot, from a
     model of reuse learned online from the routing the agent observes.
 
-    For expert (L, e) it predicts ``p``, the chance that the next visit of layer L selects
-    e, from its history at layer L: selected at the last visit or not, and the share of
-    visits that selected it over horizons of 1, 4, 16, 64 and 256 visits and all of them
-    (recency and frequency at once). One linear model per model, fitted by least squares with
-    forgetting (``forget`` per visit) on every expert of each visited layer, so it follows a
-    shift in routing and needs no offline training; a layer's predictions are made at its
-    visit. Decode visits MoE layers in order, so layer L comes next in ``d`` steps counted from
-    the layer being filled (``n`` for that layer itself: its other experts are not needed
-    before the next token). The victim minimises ``p / d``: a slot held for an expert far away
-    must pay for the wait with a higher chance of use. With one MoE layer it orders by ``p``
-    alone.
+    For expert (L, e) it predicts ``p``, the chance that the next visit of layer L selects e,
+    from its history at layer L in the agent's routing statistics (``stats``): selected at the
+    last visit or not, and the share of visits that selected it over horizons of 1, 4, 16, 64
+    and 256 visits and all of them (recency and frequency at once). One linear model per model,
+    fitted by least squares with forgetting (``forget`` per visit) on every expert of each
+    visited layer, so it follows a shift in routing and needs no offline training; a layer's
+    predictions are made at its visit. Decode visits MoE layers in order, so layer L comes next
+    in ``d`` steps counted from the layer being filled (``n`` for that layer itself: its other
+    experts are not needed before the next token). The victim minimises ``p / d``: a slot held
+    for an expert far away must pay for the wait with a higher chance of use. With one MoE layer
+    it orders by ``p`` alone.
     """
 
     name = "reuse"
+    reads_routing = True
 
-    def __init__(self, forget: float = 0.98, ridge: float = 1e-3) -> None:
+    def __init__(self, stats: RoutingStats, forget: float = 0.98, ridge: float = 1e-3) -> None:
+        self._stats = stats
         self._forget = forget
         self._ridge = ridge * np.eye(K)
         self._models: dict[str, _Model] = defaultdict(_Model)
 
+    def _layer(self, model: _Model, key: ExpertKey) -> _Layer:
+        """The policy's state of ``key``'s layer, its statistics grown to hold ``key`` (new
+        experts get a prediction from the current fit)."""
+        layer = model.layers.get(key.layer)
+        if layer is None or key.expert >= len(layer.p):
+            stats = self._stats.layer(key.model, key.layer, key.expert + 1)
+            layer = model.layer(key.layer, stats)
+            if len(layer.p) < stats.experts:
+                layer.predict(model.weights)
+        return layer
+
     def on_insert(self, key: ExpertKey) -> None:
         model = self._models[key.model]
-        layer = model.layer(key.layer)
-        layer.grow(key.expert + 1, model.weights)
+        layer = self._layer(model, key)
         layer.resident.add(key.expert)
         if layer.low is None or layer.p[key.expert] < layer.low[0]:
             layer.low = (layer.p[key.expert], key.expert)
@@ -199,28 +168,22 @@ class LearnedReusePolicy:
             return 0.0
         return layer.p[key.expert]
 
-    def observe(self, model_name: str, layer_number: int, tokens: Mapping[int, int]) -> None:
-        """One visit of ``layer_number``: ``tokens[e]`` tokens selected expert e."""
-        model = self._models[model_name]
-        layer = model.layer(layer_number)
-        chosen = np.fromiter((e for e, n in tokens.items() if n > 0), np.intp)
-        layer.grow(int(chosen.max(initial=-1)) + 1, model.weights)
-        x = layer.x
-        x[:, K] = 0.0
-        x[chosen, K] = 1.0
+    def observe(self, visit: Visit) -> None:
+        """One visit of a layer (already folded into the routing statistics): the fit learns
+        what the features before it said about what it selected; the layer's predictions are
+        made anew from the features after it."""
+        model = self._models[visit.model]
+        layer = model.layer(visit.layer, visit.stats)
+        x = visit.before
         acc = model.acc
         acc *= self._forget
         acc += x.T @ x
         _, weights, info = lapack.dposv(acc[:K, :K] + self._ridge, acc[:K, K])
         if info == 0:  # else (not positive definite: cannot happen with the ridge) keep the last
             model.weights = weights
-        a, b = _steps.step(layer.visits)
-        layer.visits += 1
-        x[:, 1:K] *= a
-        x[chosen, 1:K] += b
         layer.predict(model.weights)  # other layers keep the prediction of their own last visit
-        model.publish(layer_number, layer)
-        model.current = layer_number
+        model.publish(visit.layer, layer)
+        model.current = visit.layer
 
     def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
                ) -> ExpertKey | None:
