@@ -198,8 +198,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 t0 = time.perf_counter()
                 handles = client.acquire_batch(dev, batch)
                 rpc.append(time.perf_counter() - t0)
-                for h in handles:
-                    h.wait(120)
+                client.wait_all(handles, 120)
                 dt = time.perf_counter() - t0
                 client.release_batch(dev, batch)
                 return dt

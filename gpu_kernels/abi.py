@@ -269,6 +269,20 @@ the state is LANDED) is ``checksum.blob_sum`` of the blob that should be in the 
 generation grows each time the slot is given to a new delivery."""
 
 
+CHECK_DTYPE = np.dtype(
+    {
+        "names": ["entry", "generation", "data", "n16"],
+        "formats": ["<u8", "<u8", "<u8", "<u8"],
+        "offsets": [0, 8, 16, 24],
+        "itemsize": 32,
+    }
+)
+"""One slot of a batch check (``cuda_ops.verify_landed_batch``), 32 bytes, in host memory the
+device maps: the device address of the slot's slot-state entry (``entry``), the delivery's
+``generation``, the device address of the slot's blob (``data``) and its length in 16-byte
+vectors (``n16``). Written by the client, read only by its own kernels."""
+
+
 PIN_DTYPE = np.dtype(
     {
         "names": ["pins", "touches"],

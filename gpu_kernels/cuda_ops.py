@@ -203,3 +203,29 @@ def verify_landed(entry_address: int, generation: int, data: int, nbytes: int,
         (np.uint64(entry_address), np.uint64(generation), np.uint64(data), np.uint64(n16),
          np.uint32(abi.Status.CHECKSUM_MISMATCH), result, scratch), stream=stream)
 
+
+BATCH_THREADS = 512
+"""Threads per block of a batch check."""
+MAX_BATCH_CHECKS = 64
+"""Slots one batch-check launch takes."""
+BATCH_BLOCKS_PER_SLOT = 8
+"""At most this many blocks check one slot of a batch: they sit resident while the slot's
+bytes have not landed, so a batch of n slots holds ``n * BATCH_BLOCKS_PER_SLOT`` blocks; 8 sum
+a 9.4 MB slot in tens of microseconds."""
+
+
+def verify_landed_batch(checks_address: int, n: int, largest_n16: int, timeout_s: float,
+                        results: Any, scratch: Any, stream: Any) -> None:
+    """Enqueue on ``stream`` the checks of ``n`` DMA-engine deliveries in one launch, each as
+    :func:`verify_landed` does, each as soon as its own bytes land: ``checks_address`` is the
+    device address of ``abi.CHECK_DTYPE[n]`` in mapped host memory (read by the kernel's
+    blocks as they start: keep it unchanged until the launch has ended), ``largest_n16`` the
+    largest ``n16`` among them (it sizes the grid). ``results`` (``uint32[n]``) get each slot's
+    outcome (an index into ``WAIT_OUTCOMES``; no verdict unless every block of the slot saw it
+    land); ``scratch`` (``uint32[4 * n]`` device words, zero, left zero) must not be in use by
+    another launch at the same time. Twin: ``reference.verify_landed_batch``."""
+    blocks = max(1, min(BATCH_BLOCKS_PER_SLOT, -(-largest_n16 // (BATCH_THREADS * 64))))
+    launch.kernel("ready", "dpu_verify_landed_batch")(
+        (blocks, n), (BATCH_THREADS,),
+        (np.uint64(checks_address), np.uint64(int(timeout_s * 1e9)),
+         np.uint32(abi.Status.CHECKSUM_MISMATCH), results, scratch), stream=stream)

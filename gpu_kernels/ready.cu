@@ -51,14 +51,47 @@ extern "C" __global__ void dpu_wait_landed(const uint64_t* word, uint64_t genera
     __threadfence();
 }
 
-// When *result is 4 (LANDED): the grid sums the terms of the slot's n16 16-byte vectors (its
-// blob placed at offset 0) into scratch[0]; the last block to finish compares the sum with the
-// entry's `expected` and publishes the verdict for `generation`: status CHECKSUM_MISMATCH
-// (status_mismatch) then word FAILED, or word READY; *result becomes 0 or 1 (2, publishing
-// nothing, when the word no longer reads LANDED for `generation`: the agent gave the slot to
-// another delivery while it was summed; a store between this re-read and the verdict's can
-// still be overwritten: docs/ABI.md). scratch
-// (uint32[2]: sum, blocks finished) is zero on entry and left zero. Otherwise nothing is done.
+// The grid's share of a slot's checksum terms: its n16 16-byte vectors (blob at offset 0),
+// this thread starting at vector `first`, `stride` apart.
+// Four loads in flight per thread: a few blocks then sum a slot at a useful fraction of the
+// memory bandwidth.
+__device__ uint32_t dpu_blob_terms(const uint4* __restrict__ data, unsigned long long n16,
+                                   unsigned long long first, unsigned long long stride) {
+    uint32_t sum = 0;
+    unsigned long long i = first;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        const uint4 a = data[i], b = data[i + stride], c = data[i + 2 * stride],
+                    d = data[i + 3 * stride];
+        sum += dpu_vec_terms(a, 4 * i) + dpu_vec_terms(b, 4 * (i + stride)) +
+               dpu_vec_terms(c, 4 * (i + 2 * stride)) + dpu_vec_terms(d, 4 * (i + 3 * stride));
+    }
+    for (; i < n16; i += stride) sum += dpu_vec_terms(data[i], 4 * i);
+    return sum;
+}
+
+// By the last block of a slot's check, its whole sum `got` in hand: compare it with the entry's
+// `expected` and publish the verdict for `generation` (status CHECKSUM_MISMATCH, then word
+// FAILED; or word READY) unless the word no longer reads LANDED for `generation` (the agent gave
+// the slot to another delivery while it was summed: nothing is written). Returns the outcome:
+// 0 READY, 1 FAILED, 2 moved on.
+__device__ uint32_t dpu_publish_verdict(dpu_slot_state* entry, uint64_t generation, uint32_t got,
+                                        uint32_t status_mismatch) {
+    const uint64_t landed = (generation << DPU_SLOT_STATE_BITS) | DPU_SLOT_LANDED;
+    if (dpu_load_volatile_u64(&entry->word) != landed) return 2u;  // evicted while summed
+    const bool ok = got == dpu_load_volatile_u32(&entry->expected);
+    if (!ok) *(volatile uint32_t*)&entry->status = status_mismatch;
+    __threadfence_system();
+    *(volatile uint64_t*)&entry->word =
+        (generation << DPU_SLOT_STATE_BITS) | (ok ? DPU_SLOT_READY : DPU_SLOT_FAILED);
+    __threadfence_system();
+    return ok ? 0u : 1u;
+}
+
+// When *result is 4 (LANDED): the grid sums the slot's blob into scratch[0]; the last block to
+// finish publishes the verdict (dpu_publish_verdict) and sets *result to its outcome (a store
+// between the verdict's re-read of the word and its own can still be overwritten:
+// docs/ABI.md). scratch (uint32[2]: sum, blocks finished) is zero on entry and left zero.
+// Otherwise nothing is done.
 extern "C" __global__ void dpu_verify_landed(dpu_slot_state* entry, uint64_t generation,
                                              const uint4* __restrict__ data,
                                              unsigned long long n16, uint32_t status_mismatch,
@@ -66,11 +99,9 @@ extern "C" __global__ void dpu_verify_landed(dpu_slot_state* entry, uint64_t gen
     __shared__ uint32_t partial[32];
     __shared__ bool last;
     if (*(volatile uint32_t*)result != DPU_WAIT_CHECK) return;
-    uint32_t sum = 0;
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-         i < n16; i += (unsigned long long)gridDim.x * blockDim.x)
-        sum += dpu_vec_terms(data[i], 4 * i);
-    const uint32_t total = dpu_block_sum(sum, partial);
+    const uint32_t total = dpu_block_sum(
+        dpu_blob_terms(data, n16, blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x,
+                       (unsigned long long)gridDim.x * blockDim.x), partial);
     if (threadIdx.x == 0) {
         atomicAdd(scratch, total);
         __threadfence();
@@ -82,16 +113,79 @@ extern "C" __global__ void dpu_verify_landed(dpu_slot_state* entry, uint64_t gen
     const uint32_t got = atomicAdd(scratch, 0u);
     scratch[0] = 0;
     scratch[1] = 0;
-    const uint64_t landed = (generation << DPU_SLOT_STATE_BITS) | DPU_SLOT_LANDED;
-    if (dpu_load_volatile_u64(&entry->word) != landed) {  // evicted while summed: not ours
-        *result = 2u;
+    *result = dpu_publish_verdict(entry, generation, got, status_mismatch);
+}
+
+#define DPU_CHECK_SCRATCH 4u  // words per slot: sum, blocks that summed, blocks done, wait flag
+
+// The checks of a batch of slots in one launch: grid (G, n), blocks (x, y) check slot y of
+// `checks`, each slot as dpu_wait_landed + dpu_verify_landed do, independently of the others
+// (a slot is verified as soon as it lands, whatever the rest do). Block (0, y) polls the slot's
+// word (host memory) and hands the outcome to its G - 1 siblings through scratch (device
+// memory, so one poller per slot crosses PCIe; a sibling also reads the word itself every
+// ~0.5 ms, so it never depends on the poller being resident). Only when all G blocks summed the
+// bytes does the last to finish publish a verdict. results[y]: the slot's outcome (0 READY,
+// 1 FAILED, 2 moved on, 3 timed out). scratch: uint32[DPU_CHECK_SCRATCH * n], zero on entry,
+// left zero.
+extern "C" __global__ void dpu_verify_landed_batch(const dpu_slot_check* checks,
+                                                   uint64_t timeout_ns, uint32_t status_mismatch,
+                                                   uint32_t* results, uint32_t* scratch) {
+    __shared__ uint32_t partial[32];
+    __shared__ uint32_t outcome;
+    __shared__ bool last;
+    const dpu_slot_check c = checks[blockIdx.y];
+    uint32_t* s = scratch + DPU_CHECK_SCRATCH * blockIdx.y;
+    const uint64_t* word = (const uint64_t*)c.entry;
+    if (threadIdx.x == 0) {
+        if (blockIdx.x == 0) {
+            outcome = dpu_poll_word(word, c.generation, timeout_ns, true);
+            __threadfence();
+            *(volatile uint32_t*)(s + 3) = outcome + 1;
+        } else {
+            uint64_t start, now;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+            unsigned int backoff = 64;
+            for (unsigned int i = 1;; ++i) {
+                const uint32_t handed = dpu_load_volatile_u32(s + 3);
+                if (handed) { outcome = handed - 1; break; }
+                if ((i & 255u) == 0 &&
+                    dpu_load_volatile_u64(word) ==
+                        ((c.generation << DPU_SLOT_STATE_BITS) | DPU_SLOT_LANDED)) {
+                    outcome = DPU_WAIT_CHECK;
+                    break;
+                }
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                if (now - start > timeout_ns) { outcome = 3u; break; }
+                __nanosleep(backoff);
+                if (backoff < 2048) backoff <<= 1;
+            }
+        }
+    }
+    __syncthreads();
+    const bool landed = outcome == DPU_WAIT_CHECK;
+    const uint32_t total = dpu_block_sum(
+        landed ? dpu_blob_terms((const uint4*)c.data, c.n16,
+                                blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x,
+                                (unsigned long long)gridDim.x * blockDim.x)
+               : 0u, partial);
+    if (threadIdx.x == 0) {
+        if (landed) {
+            atomicAdd(s, total);
+            atomicAdd(s + 1, 1u);
+        }
+        __threadfence();
+        last = atomicAdd(s + 2, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x != 0) return;
+    __threadfence();
+    const uint32_t got = atomicAdd(s, 0u);
+    const uint32_t summed = atomicAdd(s + 1, 0u);
+    s[0] = s[1] = s[2] = s[3] = 0;
+    if (summed != gridDim.x) {  // some block saw no landing: no verdict from this check
+        results[blockIdx.y] = landed ? 3u : outcome;
         return;
     }
-    const bool ok = got == dpu_load_volatile_u32(&entry->expected);
-    if (!ok) *(volatile uint32_t*)&entry->status = status_mismatch;
-    __threadfence_system();
-    *(volatile uint64_t*)&entry->word =
-        (generation << DPU_SLOT_STATE_BITS) | (ok ? DPU_SLOT_READY : DPU_SLOT_FAILED);
-    __threadfence_system();
-    *result = ok ? 0u : 1u;
+    results[blockIdx.y] = dpu_publish_verdict((dpu_slot_state*)c.entry, c.generation, got,
+                                              status_mismatch);
 }

@@ -356,3 +356,11 @@ def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndar
     store_fence()
     entry["word"] = state_word(generation, abi.SlotState.READY if ok else abi.SlotState.FAILED)
     return 0 if ok else 1
+
+
+def verify_landed_batch(states: np.ndarray, checks: list[tuple[int, int, np.ndarray]],
+                        timeout_s: float) -> list[int]:
+    """Twin of ``cuda_ops.verify_landed_batch``: :func:`verify_landed` of each ``(index,
+    generation, blob)``, in order; returns their outcomes."""
+    return [verify_landed(states, index, generation, blob, timeout_s)
+            for index, generation, blob in checks]

@@ -45,7 +45,7 @@ from host_client.errors import (
     refusal,
     refusal_of,
 )
-from host_client.handles import AcquireHandle, LandedCheck
+from host_client.handles import AcquireHandle, LandedCheck, start_checks
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
 from host_client.requests import ClientChannel
 
@@ -403,22 +403,39 @@ class AgentClient:
         agent granted every slot (deliveries may still be in flight); if it refused any, the
         granted ones are released and the first refusal is raised. Each must be released."""
         handles = self._handles(dev, keys)
+        for h in handles:
+            h.deferred = True
         refused: AgentError | None = None
         granted = []
-        for h in handles:  # the agent answers in order: each reply is awaited once
+        # The agent answers in order: asleep until the last reply, one wake-up for the batch.
+        for h in reversed(handles):
             h.wait_granted(self.rpc_timeout)
+        for h in handles:
             if h.refusal is not None:
                 refused = refused or h.refusal
             else:
                 granted.append(h.key)
-                # Where the DMA engine delivers, the check it claims starts on the device
-                # now, while the agent still serves the rest of the batch.
-                h.done()
         if refused is not None:
+            for h in handles:
+                h.deferred = False
             if granted:
                 self.release_batch(dev, granted)
             raise refused
+        # Where the DMA engine delivers, the checks of the batch start on the device in one
+        # launch; each slot is checked as soon as its bytes land.
+        start_checks(handles, self.rpc_timeout)
         return handles
+
+    @staticmethod
+    def wait_all(handles: list[AcquireHandle], timeout: float | None = 30.0
+                 ) -> list[ExpertSlot]:
+        """Wait for every handle of a batch (``acquire_batch``) and return their slots in
+        order. The last is waited for first: a batch lands in order, so this sleeps through
+        it once, where waiting in order wakes once per expert (wait in order instead to
+        compute with each expert as it lands). Raises as :meth:`AcquireHandle.wait` does."""
+        for h in reversed(handles):
+            h.wait(timeout)
+        return [h.wait(timeout) for h in handles]
 
     def link_peers(self) -> dict[int, list[int]]:
         """Let every registered device read the slot pools of each other one it can reach

@@ -13,21 +13,26 @@ from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, cuda_ops, launch
 from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
 from gpu_kernels.shm import SharedBuffer
-from host_client.devices import CHECK_LANES, RW, CheckTicket, Device, DeviceFault
+from host_client.devices import CHECK_LANES, RW, CheckTicket, Device, DeviceFault, SlotCheck
 
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
 PROBE_BYTES = 64 << 20
 
 
-class _KernelTicket:
-    """A landed-slot check enqueued on the check stream: ended once its event has."""
+PARAM_BLOCKS = 256
+"""Batch checks' parameter blocks in mapped host memory, used round-robin: a block is written
+again only once the launch that read it has ended (256 batches later, in practice at once)."""
 
-    def __init__(self, ended: Any) -> None:
+
+class _KernelTicket:
+    """Landed-slot checks enqueued on check streams: ended once all their events have."""
+
+    def __init__(self, *ended: Any) -> None:
         self.ended = ended
 
     def done(self) -> bool:
-        return bool(self.ended.done)
+        return all(e.done for e in self.ended)
 
 
 def device_pointer(host_address: int) -> int:
@@ -89,6 +94,18 @@ class CudaDevice(Device):
         count (scratch), then the outcome word of the check ``start_check`` launched (one
         lane's stream orders a slot's checks, so each reuses it after the last ended)."""
         self._registered: list[int] = []
+        self._batch_params = np.zeros((PARAM_BLOCKS, cuda_ops.MAX_BATCH_CHECKS), abi.CHECK_DTYPE)
+        """Batch checks' parameters (``abi.CHECK_DTYPE``), a block per launch, round-robin;
+        registered mapped (the kernel reads them in place)."""
+        self._batch_params_at = self._register_host(int(self._batch_params.ctypes.data),
+                                                    int(self._batch_params.nbytes))
+        self._batch_ended: list[Any] = [None] * PARAM_BLOCKS
+        self._batch_next = 0
+        with self.dev:
+            self._batch_words = self.cp.zeros(
+                (CHECK_LANES, 5 * cuda_ops.MAX_BATCH_CHECKS), self.cp.uint32)
+        """Per lane: a batch check's scratch (``4 * MAX_BATCH_CHECKS``) and outcomes
+        (``MAX_BATCH_CHECKS``); a lane's stream orders its launches, so each reuses them."""
         self._running = False
         self._done_event: Any = None
 
@@ -185,6 +202,39 @@ class CudaDevice(Device):
             ended.record(stream)
         return _KernelTicket(ended)
 
+
+    def start_checks(self, states: np.ndarray, checks: list[SlotCheck], timeout: float
+                     ) -> CheckTicket:
+        """One launch per ``MAX_BATCH_CHECKS`` slots (``cuda_ops.verify_landed_batch``) on the
+        lanes' streams in turn, each slot checked as soon as its bytes land; the ticket ends
+        with the last launch."""
+        if not checks:
+            raise ValueError("no slot to check")
+        launched = []
+        for first in range(0, len(checks), cuda_ops.MAX_BATCH_CHECKS):
+            part = checks[first:first + cuda_ops.MAX_BATCH_CHECKS]
+            with self.dev, self._check_lock:
+                block = self._batch_next
+                self._batch_next = (block + 1) % PARAM_BLOCKS
+                if self._batch_ended[block] is not None:
+                    self._batch_ended[block].synchronize()  # its launch still reads the block
+                params = self._batch_params[block, :len(part)]
+                params["entry"] = [c.entry_address for c in part]
+                params["generation"] = [c.generation for c in part]
+                params["data"] = [int(c.blob.data.ptr) for c in part]
+                params["n16"] = [int(c.blob.size) // 16 for c in part]
+                lane = block % CHECK_LANES
+                stream = launch.shared_stream(self.ordinal, f"check-{lane}")
+                words = self._batch_words[lane]
+                cuda_ops.verify_landed_batch(
+                    self._batch_params_at + block * self._batch_params.strides[0], len(part),
+                    int(params["n16"].max()), timeout, words[4 * cuda_ops.MAX_BATCH_CHECKS:],
+                    words, stream)
+                ended = self.cp.cuda.Event(disable_timing=True)
+                ended.record(stream)
+                self._batch_ended[block] = ended
+            launched.append(ended)
+        return _KernelTicket(*launched)
 
     def warm_up(self) -> None:
         """Load every kernel module, then launch the receive kernel once against a ring whose

@@ -14,7 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -111,6 +111,17 @@ class _CheckThread:
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever looks
                 future.set_exception(exc)
+
+
+class SlotCheck(NamedTuple):
+    """One slot to check (:meth:`Device.start_checks`): its slot-state entry as the device
+    sees it (``entry_address``) and its index, the delivery's ``generation`` and the slot's
+    ``blob`` (``uint8[n]``, n a multiple of 16)."""
+
+    entry_address: int
+    index: int
+    generation: int
+    blob: Any
 
 
 class CheckTicket(Protocol):
@@ -215,6 +226,19 @@ class Device(ABC):
                 self._checkers[lane] = _CheckThread(f"{self.name}-check-{lane}")
             checker = self._checkers[lane]
         return checker.submit(reference.verify_landed, states, index, generation, blob, timeout)
+
+    def start_checks(self, states: np.ndarray, checks: list[SlotCheck], timeout: float
+                     ) -> CheckTicket:
+        """Start the checks of several slots at once (a batch's), each as :meth:`start_check`
+        does and each as soon as its own bytes land; one ticket for all. Here the NumPy twin,
+        in order, on one lane (by the first slot's index)."""
+        lane = checks[0].index % CHECK_LANES
+        with self._check_lock:
+            if lane not in self._checkers:
+                self._checkers[lane] = _CheckThread(f"{self.name}-check-{lane}")
+            checker = self._checkers[lane]
+        return checker.submit(reference.verify_landed_batch, states,
+                              [(c.index, c.generation, c.blob) for c in checks], timeout)
 
     def enqueue_check(self, entry_address: int, index: int, generation: int, blob: Any,
                       timeout: float, result: Any, stream: Any) -> None:

@@ -70,6 +70,17 @@ class LandedCheck:
                                        self.channel.word_address(index), index,
                                        int(reply["generation"]), slot.blob, timeout)
 
+    def start_many(self, granted: list[tuple[np.void, ExpertSlot]], timeout: float
+                   ) -> CheckTicket:
+        """Start the checks of several granted slots at once (``Device.start_checks``: one
+        launch for a batch); one ticket for all."""
+        from host_client.devices import SlotCheck
+
+        checks = [SlotCheck(self.channel.word_address(int(reply["state_index"])),
+                            int(reply["state_index"]), int(reply["generation"]), slot.blob)
+                  for reply, slot in granted]
+        return self.device.start_checks(self.channel.view.states, checks, timeout)
+
     def enqueue(self, reply: np.void, slot: ExpertSlot, stream: Any, timeout: float,
                 result: Any) -> None:
         """Enqueue on ``stream`` the wait for the slot's verdict: the check itself for the
@@ -83,6 +94,33 @@ class LandedCheck:
                                       stream)
         else:
             cuda_ops.wait_ready(address, generation, timeout, result, stream)
+
+
+def start_checks(handles: list[AcquireHandle], timeout: float = 30.0) -> None:
+    """Start, in one launch, the checks of the granted handles (one device's) whose delivery
+    is under way or landed unchecked and that no handle of this client claimed yet, and let
+    every handle start checks of its own again (a check that ends without a verdict is
+    restarted by its handle). A batch acquire calls it once the agent granted the batch: one
+    launch for a layer's experts, not one per expert."""
+    due = []
+    for h in handles:
+        h.deferred = False
+        reply = h._reply
+        if h._landed is None or reply is None or h._slot is not None or h._error is not None \
+                or h._ticket is not None:
+            continue
+        index, mine = int(reply["state_index"]), int(reply["generation"])
+        generation, state = split_word(h._channel.word(index))
+        if generation == mine and state in (abi.SlotState.FILLING, abi.SlotState.LANDED) \
+                and h._channel.claim_check(index, mine):
+            due.append(h)
+    if not due:
+        return
+    landed = due[0]._landed
+    assert landed is not None
+    ticket = landed.start_many([(h._reply, h._make_slot(h._reply)) for h in due], timeout)
+    for h in due:
+        h._ticket = ticket
 
 
 class AcquireHandle:
@@ -109,6 +147,9 @@ class AcquireHandle:
         self._repost = repost
         """Posts the acquire again, returning its ring position (DMA-engine devices)."""
         self._refetches = 0
+        self.deferred = False
+        """Set by a batch acquire: this handle starts no check of its own until
+        :func:`start_checks` has started the batch's."""
         self._ticket: CheckTicket | None = None
         """The check this handle started (None: not started, or another handle's)."""
         self._landed_at: float | None = None
@@ -190,7 +231,7 @@ class AcquireHandle:
         (it gave up before the bytes landed)."""
         if state == abi.SlotState.LANDED and self._landed_at is None:
             self._landed_at = time.monotonic()
-        if self._landed is None:
+        if self._landed is None or self.deferred:
             return
         if self._ticket is None:
             if self._channel.claim_check(index, mine):

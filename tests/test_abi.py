@@ -24,6 +24,7 @@ STRUCTS = {
     "dpu_reply": abi.REPLY_DTYPE,
     "dpu_slot_state": abi.SLOT_STATE_DTYPE,
     "dpu_pin": abi.PIN_DTYPE,
+    "dpu_slot_check": abi.CHECK_DTYPE,
 }
 
 

@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -21,6 +22,7 @@ from gpu_kernels import abi
 from gpu_kernels.channel import split_word
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec, TransferFailed
 from host_client.client import AttachedDevice
+from host_client.devices import CheckTicket, SlotCheck
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
 
@@ -59,6 +61,45 @@ def engine_dev(client: AgentClient, qwen_ckpt: Path) -> Iterator[AttachedDevice]
 def client(agent: AgentProcess) -> Iterator[AgentClient]:
     with AgentClient(agent.address) as c:
         yield c
+
+
+class _CountingDevice(CpuReferenceDevice):
+    """The CPU reference device, counting the checks it is asked to start."""
+
+    def __init__(self, ordinal: int) -> None:
+        super().__init__(ordinal)
+        self.singles: list[int] = []
+        self.batches: list[int] = []
+
+    def start_check(self, *args: Any) -> CheckTicket:
+        self.singles.append(1)
+        return super().start_check(*args)
+
+    def start_checks(self, states: np.ndarray, checks: list[SlotCheck], timeout: float
+                     ) -> CheckTicket:
+        self.batches.append(len(checks))
+        return super().start_checks(states, checks, timeout)
+
+
+def test_a_batch_acquire_starts_its_checks_in_one_launch(client: AgentClient,
+                                                        qwen_ckpt: Path) -> None:
+    """AcquireBatch through the DMA engine: the slots it was granted are checked by one batch
+    check (one kernel launch on a GPU), not one each; the bytes are the checkpoint's, and a
+    single acquire still starts its own check."""
+    model = client.load_model(str(qwen_ckpt), "qwen-batch-check")
+    device = _CountingDevice(9)
+    dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 8)],
+                                 delivery="engine")
+    truth = checkpoint_bytes(qwen_ckpt)
+    keys = [ExpertKey("qwen-batch-check", 1, e) for e in range(6)]
+    slots = [h.wait(10) for h in client.acquire_batch(dev, keys)]
+    assert device.batches == [6] and device.singles == []
+    for slot in slots:
+        name = f"model.layers.1.mlp.experts.{slot.key.expert}.down_proj.weight"
+        assert slot.raw("down_proj").tobytes() == truth[name]
+    client.release_batch(dev, keys)
+    client.acquire(dev, ExpertKey("qwen-batch-check", 2, 0)).wait(10)
+    assert device.singles == [1] and device.batches == [6]
 
 
 def test_engine_delivers_every_expert_from_its_own_process(

@@ -89,6 +89,56 @@ def test_cuda_check_matches_the_twin(state: abi.SlotState, generation: int, corr
         cp.cuda.runtime.hostUnregister(states.ctypes.data)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("nbytes", [16, 4096, 3 << 20])
+def test_cuda_batch_check_matches_the_twin(nbytes: int) -> None:
+    """One launch checks every case of ``CASES`` at once, a slot each (and one slot twice as
+    many times the size): each slot's outcome and slot-state bytes are the twin's; the
+    scratch is left zero."""
+    import cupy as cp
+
+    from gpu_kernels import cuda_ops
+    from host_client.cuda_device import device_pointer
+
+    rng = np.random.default_rng(nbytes)
+    cases = [*CASES, (S.LANDED, 5, False, 0)]
+    sizes = [nbytes] * len(CASES) + [2 * nbytes]
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    states = np.zeros(len(cases), abi.SLOT_STATE_DTYPE)
+    for i, ((state, generation, _, _), blob) in enumerate(zip(cases, blobs, strict=True)):
+        states[i] = (state_word(generation, state), 0, terms_sum(blob))
+    for (_, _, corrupt, _), blob in zip(cases, blobs, strict=True):
+        if corrupt:
+            blob[blob.size // 3] ^= 0x01
+    twin_states = states.copy()
+    want = reference.verify_landed_batch(
+        twin_states, [(i, 5, blob) for i, blob in enumerate(blobs)], timeout_s=0.01)
+    assert want == [outcome for *_, outcome in cases]
+    checks = np.zeros(len(cases), abi.CHECK_DTYPE)
+    rt = cp.cuda.runtime
+    rt.hostRegister(states.ctypes.data, states.nbytes, 0x1 | 0x2)
+    rt.hostRegister(checks.ctypes.data, checks.nbytes, 0x1 | 0x2)
+    try:
+        on_gpu = [cp.asarray(b) for b in blobs]
+        entries = device_pointer(states.ctypes.data)
+        checks["entry"] = [entries + i * abi.SLOT_STATE_DTYPE.itemsize for i in range(len(cases))]
+        checks["generation"] = 5
+        checks["data"] = [int(b.data.ptr) for b in on_gpu]
+        checks["n16"] = [b.size // 16 for b in on_gpu]
+        results = cp.full(len(cases), 0xFFFFFFFF, cp.uint32)
+        scratch = cp.zeros(4 * len(cases), cp.uint32)
+        stream = cp.cuda.Stream(non_blocking=True)
+        cuda_ops.verify_landed_batch(device_pointer(checks.ctypes.data), len(cases),
+                                     int(checks["n16"].max()), 0.01, results, scratch, stream)
+        stream.synchronize()
+        assert results.get().tolist() == want
+        assert states.tobytes() == twin_states.tobytes()
+        assert not scratch.get().any(), "the scratch words are left zero for the next batch"
+    finally:
+        rt.hostUnregister(checks.ctypes.data)
+        rt.hostUnregister(states.ctypes.data)
+
+
 def test_twin_publishes_nothing_when_the_slot_moved_on_while_summed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent gives an unheld LANDED slot to another delivery while its check sums the

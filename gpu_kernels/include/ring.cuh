@@ -165,6 +165,15 @@ typedef struct {
     uint32_t expected;
 } dpu_slot_state;
 
+// One slot of a batch check (dpu_verify_landed_batch), in host memory the device maps; the
+// client writes it, only its own kernels read it.
+typedef struct {
+    uint64_t entry;
+    uint64_t generation;
+    uint64_t data;
+    uint64_t n16;
+} dpu_slot_check;
+
 // Written by the client only (pinned hits); no kernel reads it.
 typedef struct {
     uint32_t pins;

@@ -224,9 +224,9 @@ def _acquire(offload: ExpertOffload, layer: int, routed: list[int], views: _Pool
 
     keys = [ExpertKey(offload.model, layer, e) for e in routed]
     handles = offload.client.acquire_batch(offload.device, keys)
+    offload.client.wait_all(handles, 120)
     slot_of = torch.full((num_experts + 1,), views.slots, dtype=torch.long)
     for e, h in zip(routed, handles, strict=True):
-        h.wait(120)
         where = h.where
         assert where is not None
         slot_of[e] = where[1] // views.slot_bytes
