@@ -409,7 +409,7 @@ class AgentClient:
         granted = []
         # The agent answers in order: asleep until the last reply, one wake-up for the batch.
         for h in reversed(handles):
-            h.wait_granted(self.rpc_timeout)
+            h.wait_granted(self.rpc_timeout, spin=len(handles) == 1)
         for h in handles:
             if h.refusal is not None:
                 refused = refused or h.refusal

@@ -5,6 +5,7 @@ consumer: a kernel on the caller's stream, or the NumPy twin on the CPU referenc
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -97,11 +98,12 @@ class LandedCheck:
 
 
 def start_checks(handles: list[AcquireHandle], timeout: float = 30.0) -> None:
-    """Start, in one launch, the checks of the granted handles (one device's) whose delivery
-    is under way or landed unchecked and that no handle of this client claimed yet, and let
-    every handle start checks of its own again (a check that ends without a verdict is
-    restarted by its handle). A batch acquire calls it once the agent granted the batch: one
-    launch for a layer's experts, not one per expert."""
+    """Start the checks of the granted handles (one device's) whose delivery is under way or
+    landed unchecked and that no handle of this client claimed yet, and let every handle start
+    checks of its own again (a check that ends without a verdict is restarted by its handle).
+    A batch acquire calls it once the agent granted the batch: one launch for a layer's
+    experts but the last, not one per expert; the last, which lands last and so decides when
+    the batch is ready, gets a check of its own, which sums with the whole device."""
     due = []
     for h in handles:
         h.deferred = False
@@ -116,11 +118,14 @@ def start_checks(handles: list[AcquireHandle], timeout: float = 30.0) -> None:
             due.append(h)
     if not due:
         return
-    landed = due[0]._landed
+    landed = due[-1]._landed
     assert landed is not None
-    ticket = landed.start_many([(h._reply, h._make_slot(h._reply)) for h in due], timeout)
-    for h in due:
-        h._ticket = ticket
+    last = due.pop()
+    last._ticket = landed.start(last._reply, last._make_slot(last._reply), timeout)
+    if due:
+        ticket = landed.start_many([(h._reply, h._make_slot(h._reply)) for h in due], timeout)
+        for h in due:
+            h._ticket = ticket
 
 
 class AcquireHandle:
@@ -182,10 +187,13 @@ class AcquireHandle:
         self._channel.remember(self.key, reply)
         return False
 
-    def wait_granted(self, timeout: float) -> None:
-        """Block (asleep) until the agent answered the acquire: a slot, or a refusal."""
+    def wait_granted(self, timeout: float, spin: bool = True) -> None:
+        """Block until the agent answered the acquire (a slot, or a refusal): polling until
+        ``SPIN_SECONDS`` after the post, then asleep (at once with ``spin=False``: a reply
+        that is far off, as a batch's last is)."""
         if not self.granted():
-            self._accept(self._channel.wait_reply(self._position, timeout, self._posted))
+            self._accept(self._channel.wait_reply(self._position, timeout,
+                                                  self._posted if spin else -math.inf))
 
     def _poll(self, timeout: float = 30.0) -> bool:
         """Advance as far as shared memory allows (checking a LANDED slot this handle
