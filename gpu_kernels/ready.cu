@@ -122,9 +122,10 @@ extern "C" __global__ void dpu_verify_landed(dpu_slot_state* entry, uint64_t gen
 // `checks`, each slot as dpu_wait_landed + dpu_verify_landed do, independently of the others
 // (a slot is verified as soon as it lands, whatever the rest do). Block (0, y) polls the slot's
 // word (host memory) and hands the outcome to its G - 1 siblings through scratch (device
-// memory, so one poller per slot crosses PCIe; a sibling also reads the word itself every
-// ~0.5 ms, so it never depends on the poller being resident). Only when all G blocks summed the
-// bytes does the last to finish publish a verdict. results[y]: the slot's outcome (0 READY,
+// memory, so one poller per slot crosses PCIe at the poll's rate; a sibling also reads the
+// word itself when it starts and at every 16th look after, ~30 us apart, so it never depends
+// on the poller being resident). Only when all G blocks summed the bytes does the last to
+// finish publish a verdict. results[y]: the slot's outcome (0 READY,
 // 1 FAILED, 2 moved on, 3 timed out). scratch: uint32[DPU_CHECK_SCRATCH * n], zero on entry,
 // left zero.
 extern "C" __global__ void dpu_verify_landed_batch(const dpu_slot_check* checks,
@@ -148,7 +149,7 @@ extern "C" __global__ void dpu_verify_landed_batch(const dpu_slot_check* checks,
             for (unsigned int i = 1;; ++i) {
                 const uint32_t handed = dpu_load_volatile_u32(s + 3);
                 if (handed) { outcome = handed - 1; break; }
-                if ((i & 255u) == 0 &&
+                if ((i & 15u) == 1 &&
                     dpu_load_volatile_u64(word) ==
                         ((c.generation << DPU_SLOT_STATE_BITS) | DPU_SLOT_LANDED)) {
                     outcome = DPU_WAIT_CHECK;
