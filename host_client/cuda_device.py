@@ -106,6 +106,7 @@ class CudaDevice(Device):
                 (CHECK_LANES, 5 * cuda_ops.MAX_BATCH_CHECKS), self.cp.uint32)
         """Per lane: a batch check's scratch (``4 * MAX_BATCH_CHECKS``) and outcomes
         (``MAX_BATCH_CHECKS``); a lane's stream orders its launches, so each reuses them."""
+        self.dev.synchronize()  # zeroed on the null stream, which the lanes' streams ignore
         self._running = False
         self._done_event: Any = None
 

@@ -77,6 +77,8 @@ def test_cuda_check_matches_the_twin(state: abi.SlotState, generation: int, corr
         result = cp.full(1, 0xFFFFFFFF, cp.uint32)
         scratch = cp.zeros(2, cp.uint32)
         stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.Device().synchronize()  # the fills above ran on the null stream, which a
+        # non-blocking stream does not wait for (a sanitizer's slowness once showed it)
         entry = device_pointer(states.ctypes.data) + 3 * abi.SLOT_STATE_DTYPE.itemsize
         on_gpu = cp.asarray(blob)
         cuda_ops.verify_landed(entry, 5, int(on_gpu.data.ptr), nbytes, 0.01, result, scratch,
@@ -128,6 +130,8 @@ def test_cuda_batch_check_matches_the_twin(nbytes: int) -> None:
         results = cp.full(len(cases), 0xFFFFFFFF, cp.uint32)
         scratch = cp.zeros(4 * len(cases), cp.uint32)
         stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.Device().synchronize()  # the fills above ran on the null stream, which a
+        # non-blocking stream does not wait for (a sanitizer's slowness once showed it)
         cuda_ops.verify_landed_batch(device_pointer(checks.ctypes.data), len(cases),
                                      int(checks["n16"].max()), 1.0, results, scratch, stream)
         stream.synchronize()
