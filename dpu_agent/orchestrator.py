@@ -12,24 +12,21 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.engine import EngineError
+from dpu_agent.dataplane.grants import SlotGrant, SlotGrants
 from dpu_agent.dataplane.plane import DataPlane
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.requests import unknown_model
 from dpu_agent.dataplane.steering import FlowTable, owned_by
-from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.errors import (
     AgentError,
     ErrorKind,
-    SlotsLanding,
     invalid,
     not_found,
     precondition,
@@ -49,7 +46,7 @@ from dpu_agent.service.registry import (
 )
 from dpu_agent.service.state import StateStore
 from dpu_agent.weights.arena import Arena
-from dpu_agent.weights.cache import WeightCache, WouldBlock
+from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog, path_problem
 from dpu_agent.weights.ingest import attach_manifest
 from dpu_agent.weights.layouts import LayoutError
@@ -68,29 +65,8 @@ STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool", "dpu-bell", "dpu
                     for kind in abi.RingKind))
 """Names of the segments agents and host clients create (``unique_name``): swept at start
 when their creator is dead."""
-LANDING_POLL_SECONDS = 0.001
-"""An acquire that waits for an unheld slot to land looks again this often."""
 MAX_TRACE_BYTES = 256 * 2**20
 """A recorded routing trace larger than this is not read (``prefetch.traces_dir``)."""
-
-
-@dataclass(frozen=True)
-class SlotGrant:
-    """Where an acquired expert lives (or will) on the device."""
-
-    transfer_id: int
-    region_id: int
-    slot_index: int
-    slot_offset: int
-    ready: bool
-    entry: ExpertEntry
-    checksums: tuple[int, ...]
-    state_index: int
-    """The slot's entry in the device channel's slot-state table."""
-    generation: int
-    """The slot's generation when granted: READY / FAILED of this generation ends the wait."""
-    resident: bool
-    """The slot already held the expert or was receiving it: no delivery was started."""
 
 
 class Orchestrator:
@@ -129,6 +105,8 @@ class Orchestrator:
         """Every session's devices, rebuilt only after a registration or a closure (the
         data-plane loop reads it on every pass)."""
         self.scheduler = Scheduler(config.link_concurrency)
+        self.grants = SlotGrants(self, self.plane.deliveries, self.scheduler, self._fills,
+                                 config.transfer_timeout_seconds)
         self.placements = PlacementExecutor(self)
         self.predictor = NextLayerPredictor(self.routing)
         self.flows = FlowTable()
@@ -525,133 +503,16 @@ class Orchestrator:
                                        "remove it")
         raise not_found(f"region {region_id} is not registered in this session")
 
-    # -- acquire / release -----------------------------------------------------------------
-    def acquire(self, session: Session, device_id: int, key: ExpertKey, wait: bool = True
-                ) -> SlotGrant:
-        """Grant a slot holding ``key`` on the device (one reference), starting its delivery
-        if needed. With ``wait=False`` the call never blocks: where the delivery would need
-        an arena fill, or a slot another delivery is still landing in, it raises WouldBlock, its
-        reservation undone (an idle slot it evicted for ``key`` stays free: the retry on a
-        worker thread would evict it too). With ``wait=True``, where every fitting slot is held
-        or still landing, it waits (up to the transfer timeout) for an unheld one to land."""
-        deadline = time.monotonic() + self.config.transfer_timeout_seconds
-        while True:
-            try:
-                dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs=1)
-                break
-            except SlotsLanding as exc:
-                if not wait:
-                    raise WouldBlock(exc.message) from exc
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(LANDING_POLL_SECONDS)
-        pool.granted[idx] = True  # the client may check this generation from now on
-        if not fresh:
-            return self._grant(pool, idx, entry, (), resident=True)
-        transfer = self._deliver_fresh(session, dev, pool, idx, entry, wait)
-        return self._grant(pool, idx, entry, transfer.plan.checksums, resident=False)
-
-    def _reserve(self, session: Session, device_id: int, key: ExpertKey, refs: int
-                 ) -> tuple[Device, SlotPool, int, ExpertEntry, bool]:
-        """Find the slot holding ``key`` or allocate one (FILLING); adds ``refs`` references.
-        Returns (device, pool, slot, entry, whether a delivery must start)."""
-        dev = self.device(session, device_id)
-        if dev.queue is None:
-            raise precondition(f"device {device_id} has no work and completion rings registered")
-        entry = self.expert(key)
-        with session.lock:
-            fitting = sorted((p for p in dev.pools.values() if p.slot_bytes >= entry.blob_bytes),
-                             key=lambda p: p.slot_bytes)
-            if not fitting:
-                raise precondition(f"no slot pool on device {device_id} holds {key} "
-                                   f"({entry.blob_bytes} bytes)")
-            for pool in fitting:
-                idx = pool.by_key.get(key)
-                if idx is not None and pool.state[idx] == SlotState.LANDED:
-                    # A verdict may have come since the loop last looked: a mismatch frees it.
-                    self.plane.deliveries.settle_landed(session, pool, idx)
-                    idx = pool.by_key.get(key)
-                if idx is not None:
-                    pool.refs[idx] += refs
-                    if pool.refs[idx]:
-                        pool.idle.pop(idx, None)
-                    return dev, pool, idx, entry, False
-            for pool in fitting:
-                idx = pool.allocate(key)
-                if idx is not None:
-                    pool.refs[idx] = refs
-                    return dev, pool, idx, entry, True
-            landing = sum(pool.unheld_landing() for pool in fitting)
-        if landing:
-            raise SlotsLanding(f"every slot that fits {key} on device {device_id} is held or "
-                               f"still landing ({landing} unheld)")
-        raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                         f"every slot that fits {key} on device {device_id} is held "
-                         "(or pinned by the client's hits)")
-
-    def _deliver_fresh(self, session: Session, dev: Device, pool: SlotPool, idx: int,
-                       entry: ExpertEntry, wait: bool = True) -> Transfer:
-        try:
-            return self.plane.deliveries.deliver(session, dev, pool, idx, entry, wait=wait)
-        except BaseException:
-            with session.lock:
-                pool.fail(idx, abi.Status.CANCELLED)  # ends any watcher of this generation
-            raise
-
+    # -- acquire / release (slots are granted by dataplane/grants.py) ---------------------
     def prefetch(self, session: Session, device_id: int, keys: list[ExpertKey]) -> int:
         """Queue deliveries of ``keys`` at prefetch priority, holding no reference."""
         self.device(session, device_id)
         for key in keys:
             self.expert(key)
         for key in keys:
-            self.start_background(session, device_id, key, Priority.PREFETCH, order=key.layer)
+            self.grants.start_background(session, device_id, key, Priority.PREFETCH,
+                                         order=key.layer)
         return len(keys)
-
-    def start_background(self, session: Session, device_id: int, key: ExpertKey,
-                         priority: Priority, *, refs: int = 0, order: int = 0,
-                         tag: object = None,
-                         on_ready: Callable[[bool], None] | None = None) -> None:
-        """Queue a delivery of ``key`` to the device on the scheduler. ``refs`` references are
-        taken when it starts; ``on_ready(ok)`` is called when the copy is verified (or at once
-        if it already was) or has failed."""
-        link = (session.session_id, device_id)
-
-        def start() -> bool:
-            try:
-                dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs)
-            except AgentError as exc:
-                session.events.emit(pb.Event(error=f"background delivery of {key}: "
-                                                   f"{exc.message}"))
-                if on_ready:
-                    on_ready(False)
-                return False
-            if not fresh:
-                if on_ready:
-                    if pool.state[idx] in (SlotState.READY, SlotState.LANDED):
-                        on_ready(True)
-                    else:
-                        self.plane.deliveries.when_ready(dev, key, on_ready)
-                return False
-            self.plane.deliveries.when_ready(
-                dev, key, lambda ok: self._fills.submit(self.scheduler.finished, link))
-            if on_ready:
-                self.plane.deliveries.when_ready(dev, key, on_ready)
-            try:
-                self._deliver_fresh(session, dev, pool, idx, entry)
-            except AgentError as exc:
-                self.plane.deliveries.fail(dev, key)
-                session.events.emit(pb.Event(error=f"background delivery of {key}: "
-                                                   f"{exc.message}"))
-            return True
-
-        self.scheduler.submit(link, priority, start, order=order, tag=tag)
-
-    def _grant(self, pool: SlotPool, idx: int, entry: ExpertEntry,
-               checksums: tuple[int, ...], *, resident: bool) -> SlotGrant:
-        ready = pool.state[idx] == SlotState.READY
-        return SlotGrant(0 if ready else pool.transfer[idx], pool.region_id, idx,
-                         idx * pool.slot_bytes, ready, entry, checksums,
-                         pool.state_base + idx, pool.generation[idx], resident)
 
     # -- the channel's requests (dataplane/requests.py calls these by owner) ---------------
     def _owner(self, owner: tuple[str, int]) -> Session:
@@ -662,7 +523,7 @@ class Orchestrator:
         return session
 
     def acquire_for(self, owner: tuple[str, int], key: ExpertKey, wait: bool) -> SlotGrant:
-        return self.acquire(self._owner(owner), owner[1], key, wait)
+        return self.grants.acquire(self._owner(owner), owner[1], key, wait)
 
     def release_for(self, owner: tuple[str, int], key: ExpertKey) -> None:
         self.release(self._owner(owner), owner[1], key)

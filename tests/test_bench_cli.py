@@ -57,7 +57,7 @@ def test_a_traced_delivery_run_times_all_three_processes(tmp_path: Path) -> None
     assert set(traces) == {"delivery.py", "dpu_agent.cli", "dma_engine"}, list(traces)
     assert all(not t["missing"] for t in traces.values()), [t["missing"] for t in traces.values()]
     for process, name in (("delivery.py", "ClientChannel.post"),
-                          ("dpu_agent.cli", "Orchestrator.acquire"),
+                          ("dpu_agent.cli", "SlotGrants.acquire"),
                           ("dpu_agent.cli", "TransferPlan.descriptors"),
                           ("dma_engine", "Planner.plan")):
         calls = traces[process]["calls"][name]

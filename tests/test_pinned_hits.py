@@ -67,7 +67,7 @@ def test_a_granted_landed_slot_waits_for_its_verdict_before_reuse(pool: SlotPool
     ia = pool.allocate(a)
     ib = pool.allocate(b)
     assert ia is not None and ib is not None
-    pool.granted[ia] = True  # Orchestrator.acquire granted a; b was a prefetch
+    pool.granted[ia] = True  # SlotGrants.acquire granted a; b was a prefetch
     for i in (ia, ib):
         pool.refs[i] = 0
         pool.mark_landed(i)

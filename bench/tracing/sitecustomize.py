@@ -31,14 +31,14 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "dpu_agent.dataplane.transfers": ("TransferPlan.descriptors", "TransferTracker.complete_many"),
     "dpu_agent.dataplane.queues": ("DeviceQueue.submit",),
     "dpu_agent.dataplane.channels": ("DeviceChannel.take_requests", "DeviceChannel.reply"),
-    "dpu_agent.orchestrator": ("Orchestrator.acquire", "Orchestrator._reserve"),
+    "dpu_agent.dataplane.grants": ("SlotGrants.acquire", "SlotGrants._reserve"),
     "dpu_agent.weights.cache": ("WeightCache.acquire",),
     "dma_engine.engine": ("Target.serve",),
     "dma_engine.plan": ("Planner.plan",),
     "dma_engine.backends": ("CudaLane.submit", "CpuLane.submit"),
     "host_client.handles": ("AcquireHandle._start_check", "AcquireHandle.wait"),
     "host_client.requests": ("ClientChannel.post",),
-    "host_client.cuda_device": ("CudaDevice.start_check",),
+    "host_client.cuda_device": ("CudaDevice.start_check", "CudaDevice.start_checks"),
 }
 """Module -> functions (``Class.method`` or ``function``) whose calls are timed."""
 IDLE: dict[str, Callable[[Any], bool]] = {

@@ -149,8 +149,9 @@ class PlacementExecutor:
                 for d in then:
                     self._copy(session, state, d, key)
 
-        self.core.start_background(session, device_id, key, Priority.REBALANCE, refs=1,
-                                   order=key.layer, tag=state.placement_id, on_ready=ready)
+        self.core.grants.start_background(session, device_id, key, Priority.REBALANCE, refs=1,
+                                          order=key.layer, tag=state.placement_id,
+                                          on_ready=ready)
 
     def _copy_done(self, session: Session, state: PlacementState, device_id: int,
                    key: ExpertKey, ok: bool) -> None:

@@ -184,7 +184,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     def _acquire(self, session_id: str, device_id: int, key: pb.ExpertKey, wait: bool = True
                  ) -> pb.AcquireResponse:
         s = self.core.session(session_id)
-        grant = self.core.acquire(s, device_id, _key(key), wait)
+        grant = self.core.grants.acquire(s, device_id, _key(key), wait)
         return pb.AcquireResponse(
             transfer_id=grant.transfer_id, region_id=grant.region_id,
             slot_index=grant.slot_index, slot_offset=grant.slot_offset,
