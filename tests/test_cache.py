@@ -18,7 +18,7 @@ from dpu_agent.weights.arena import ARENA_ALIGN, Arena
 from dpu_agent.weights.cache import CacheFullError, WeightCache, WouldBlock
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, make_policy
-from gpu_kernels.checksum import blob_checksums
+from gpu_kernels.checksum import blob_checksums, terms_sum
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 
 
@@ -77,8 +77,10 @@ def test_concurrent_hits_misses_evictions_serve_true_bytes(tmp_path: Path, polic
             got = arena.view(c.offset, e.blob_bytes)
             if not np.array_equal(got, truth[e.key]):
                 errors.append(f"{e.key}: wrong bytes")
-            if c.checksums != blob_checksums(truth[e.key], 64 << 10):
+            if list(c.checksums) != blob_checksums(truth[e.key], 64 << 10):
                 errors.append(f"{e.key}: wrong checksums")
+            if c.expected != terms_sum(truth[e.key]):
+                errors.append(f"{e.key}: wrong expected sum")
             cache.release(e.key)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]

@@ -28,7 +28,6 @@ from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.abi import SlotState
 from gpu_kernels.channel import state_word
-from gpu_kernels.checksum import blob_sum
 
 log = logging.getLogger("dpu_agent")
 
@@ -124,11 +123,11 @@ class Deliveries:
                 raise AgentError(ErrorKind.FAILED_PRECONDITION,
                                  f"model degraded: {exc.path.name} {exc.what} ({entry.key})"
                                  ) from exc
-            checksums = tuple(cached.checksums)
+            checksums = cached.checksums
             signal = None
             if dev.delivery == pb.DELIVERY_DMA_ENGINE:
                 with session.lock:
-                    pool.expect(idx, blob_sum(checksums, entry.blob_bytes, self.chunk_bytes))
+                    pool.expect(idx, cached.expected)
                 signal = Signal((pool.state_base + idx) * abi.SLOT_STATE_DTYPE.itemsize,
                                 state_word(pool.generation[idx], SlotState.LANDED))
             plan = TransferPlan(ARENA_REGION_ID, cached.offset, pool.region_id,

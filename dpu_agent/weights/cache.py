@@ -23,7 +23,7 @@ from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.policies import EvictionPolicy
 from dpu_agent.weights.safetensors_file import ShardChanged, ShardReader
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.checksum import blob_checksums
+from gpu_kernels.checksum import blob_checksums, blob_sum
 
 log = logging.getLogger("dpu_agent")
 
@@ -43,7 +43,11 @@ class CachedExpert:
     entry: ExpertEntry
     offset: int
     """Byte offset of the blob in the arena."""
-    checksums: list[int] = field(default_factory=list)
+    checksums: tuple[int, ...] = ()
+    """Per-chunk checksums of the blob (``chunk_bytes`` chunks), set by the fill."""
+    expected: int = 0
+    """The blob's sum of terms (``checksum.blob_sum``: what a LANDED slot's check compares
+    with), set by the fill: once per fill, not once per delivery."""
     pins: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -161,7 +165,7 @@ class WeightCache:
             blob = self.arena.view(cached.offset, cached.entry.blob_bytes)
             if source is not None:
                 try:
-                    cached.checksums = source(blob)
+                    cached.checksums = tuple(source(blob))
                     self.stats.peer_bytes += blob.size
                     return
                 except Exception as exc:  # noqa: BLE001 - any failed source falls back
@@ -176,7 +180,7 @@ class WeightCache:
                                                 "present")
                     self._shards.read_into(t.file, t.file_offset,
                                            blob[t.offset : t.offset + t.nbytes], t.stamp)
-                cached.checksums = blob_checksums(blob, self.chunk_bytes)
+                cached.checksums = tuple(blob_checksums(blob, self.chunk_bytes))
                 self._check_manifest(cached.entry, blob, cached.checksums)
             except ShardChanged as exc:
                 self.degraded[cached.entry.key.model] = str(exc)
@@ -191,9 +195,13 @@ class WeightCache:
                     self.arena.free(cached.offset)
         finally:
             self.stats.fill_seconds += time.perf_counter() - start
+            if cached.error is None:
+                cached.expected = blob_sum(cached.checksums, cached.entry.blob_bytes,
+                                           self.chunk_bytes)
             cached.ready.set()
 
-    def _check_manifest(self, entry: ExpertEntry, blob: np.ndarray, sums: list[int]) -> None:
+    def _check_manifest(self, entry: ExpertEntry, blob: np.ndarray, sums: tuple[int, ...]
+                        ) -> None:
         """ShardChanged when the bytes read differ from the ingest manifest's (a change no
         stamp shows: same size, modification time put back)."""
         if not entry.expected:
