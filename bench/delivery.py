@@ -191,21 +191,29 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             keys = [ExpertKey("m", layer, e) for e in range(experts)]
 
             rpc: list[float] = []
+            phases: Counter[str] = Counter()
+            """The calling thread's CPU seconds in each step of the measured cycles."""
 
             def cycle(batch: list[ExpertKey]) -> float:
                 """One AcquireBatch RPC for the batch (as a layer's experts are asked for), then
-                wait for every slot; returns seconds (the RPC's share goes to ``rpc``)."""
-                t0 = time.perf_counter()
+                wait for every slot; returns seconds (the RPC's share goes to ``rpc``, the
+                calling thread's CPU per step to ``phases``)."""
+                c0, t0 = time.thread_time(), time.perf_counter()
                 handles = client.acquire_batch(dev, batch)
+                c1 = time.thread_time()
                 rpc.append(time.perf_counter() - t0)
                 client.wait_all(handles, 120)
-                dt = time.perf_counter() - t0
+                c2, dt = time.thread_time(), time.perf_counter() - t0
                 client.release_batch(dev, batch)
+                phases["acquire_batch"] += c1 - c0
+                phases["wait_all"] += c2 - c1
+                phases["release_batch"] += time.thread_time() - c2
                 return dt
 
             cycle(keys[:half])  # cold: checkpoint -> arena -> GPU
             cycle(keys[half:])  # evicts every GPU slot; arena now holds all experts
             log(f"{name}: arena warm")
+            phases.clear()
             bw, cpu_client, cpu_agent, cpu_engine, nbytes_total = [], 0.0, 0.0, 0.0, 0
             by_thread: Counter[str] = Counter()
             engine = engine_pid(agent.proc.pid)
@@ -227,6 +235,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 nbytes_total += half * model.expert_bytes
                 bw.append(half * model.expert_bytes / dt / 1e9)
             log(f"{name}: bandwidth {bw}")
+            step_cpu = {step: s / (repeats * half) * 1e6 for step, s in phases.items()}
             batch_rpc = rpc[:]
             lat, single_rpc, grant = [], [], []
             resident, other = keys[half:], keys[:half]  # the last cycle loaded keys[half:]
@@ -275,6 +284,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "client_cpu_s_per_gb_by_thread": {
                     name: s / (nbytes_total / 1e9) for name, s in by_thread.most_common()
                     if s > 0},
+                "client_cpu_us_per_expert_by_step": step_cpu,
                 "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
                 "engine_cpu_s_per_gb": cpu_engine / (nbytes_total / 1e9),
                 "delivery": delivery,
@@ -423,7 +433,10 @@ def main() -> int:
                       f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB"
                       f" (client threads: " + ", ".join(
                           f"{n} {v:.4f}" for n, v in
-                          list(r["client_cpu_s_per_gb_by_thread"].items())[:4]) + ")",
+                          list(r["client_cpu_s_per_gb_by_thread"].items())[:4]) + ";"
+                      " the calling thread's CPU per expert: " + ", ".join(
+                          f"{n} {v:.0f} us" for n, v in
+                          r["client_cpu_us_per_expert_by_step"].items()) + ")",
                       file=sys.stderr)
     if args.trace:
         print(f"traced into {args.trace}: python bench/trace_report.py {args.trace}")
