@@ -45,7 +45,7 @@ from host_client.errors import (
     refusal,
     refusal_of,
 )
-from host_client.handles import AcquireHandle, LandedCheck, start_checks
+from host_client.handles import AcquireHandle, LandedCheck
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
 from host_client.requests import ClientChannel
 
@@ -423,7 +423,7 @@ class AgentClient:
             raise refused
         # Where the DMA engine delivers, the checks of the batch start on the device in one
         # launch; each slot is checked as soon as its bytes land.
-        start_checks(handles, self.rpc_timeout)
+        AcquireHandle.start_checks(handles, self.rpc_timeout)
         return handles
 
     @staticmethod

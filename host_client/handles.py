@@ -97,37 +97,6 @@ class LandedCheck:
             cuda_ops.wait_ready(address, generation, timeout, result, stream)
 
 
-def start_checks(handles: list[AcquireHandle], timeout: float = 30.0) -> None:
-    """Start the checks of the granted handles (one device's) whose delivery is under way or
-    landed unchecked and that no handle of this client claimed yet, and let every handle start
-    checks of its own again (a check that ends without a verdict is restarted by its handle).
-    A batch acquire calls it once the agent granted the batch: one launch for a layer's
-    experts but the last, not one per expert; the last, which lands last and so decides when
-    the batch is ready, gets a check of its own, which sums with the whole device."""
-    due = []
-    for h in handles:
-        h.deferred = False
-        reply = h._reply
-        if h._landed is None or reply is None or h._slot is not None or h._error is not None \
-                or h._ticket is not None:
-            continue
-        index, mine = int(reply["state_index"]), int(reply["generation"])
-        generation, state = split_word(h._channel.word(index))
-        if generation == mine and state in (abi.SlotState.FILLING, abi.SlotState.LANDED) \
-                and h._channel.claim_check(index, mine):
-            due.append(h)
-    if not due:
-        return
-    landed = due[-1]._landed
-    assert landed is not None
-    last = due.pop()
-    last._ticket = landed.start(last._reply, last._make_slot(last._reply), timeout)
-    if due:
-        ticket = landed.start_many([(h._reply, h._make_slot(h._reply)) for h in due], timeout)
-        for h in due:
-            h._ticket = ticket
-
-
 class AcquireHandle:
     """A pending (or already satisfied) acquire; :meth:`wait` returns the :class:`ExpertSlot`.
 
@@ -154,7 +123,7 @@ class AcquireHandle:
         self._refetches = 0
         self.deferred = False
         """Set by a batch acquire: this handle starts no check of its own until
-        :func:`start_checks` has started the batch's."""
+        :meth:`start_checks` has started the batch's."""
         self._ticket: CheckTicket | None = None
         """The check this handle started (None: not started, or another handle's)."""
         self._landed_at: float | None = None
@@ -186,6 +155,37 @@ class AcquireHandle:
         self._reply = reply
         self._channel.remember(self.key, reply)
         return False
+
+    @staticmethod
+    def start_checks(handles: list[AcquireHandle], timeout: float = 30.0) -> None:
+        """Start the checks of the granted handles (one device's) whose delivery is under way or
+        landed unchecked and that no handle of this client claimed yet, and let every handle start
+        checks of its own again (a check that ends without a verdict is restarted by its handle).
+        A batch acquire calls it once the agent granted the batch: one launch for a layer's
+        experts but the last, not one per expert; the last, which lands last and so decides when
+        the batch is ready, gets a check of its own, which sums with the whole device."""
+        due = []
+        for h in handles:
+            h.deferred = False
+            reply = h._reply
+            if h._landed is None or reply is None or h._slot is not None or h._error is not None \
+                    or h._ticket is not None:
+                continue
+            index, mine = int(reply["state_index"]), int(reply["generation"])
+            generation, state = split_word(h._channel.word(index))
+            if generation == mine and state in (abi.SlotState.FILLING, abi.SlotState.LANDED) \
+                    and h._channel.claim_check(index, mine):
+                due.append(h)
+        if not due:
+            return
+        landed = due[-1]._landed
+        assert landed is not None
+        last = due.pop()
+        last._ticket = landed.start(last._reply, last._make_slot(last._reply), timeout)
+        if due:
+            ticket = landed.start_many([(h._reply, h._make_slot(h._reply)) for h in due], timeout)
+            for h in due:
+                h._ticket = ticket
 
     def wait_granted(self, timeout: float, spin: bool = True) -> None:
         """Block until the agent answered the acquire (a slot, or a refusal): polling until
