@@ -1,5 +1,6 @@
-"""TransferTracker.complete_many folds completions the same whether they come in one large
-batch (array passes) or a few at a time (the dict path for small batches)."""
+"""Descriptors say what a delivery plan means, and TransferTracker.complete_many folds
+completions the same whether they come in one large batch (array passes) or a few at a time
+(the dict path for small batches)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_agent.dataplane.transfers import TransferPlan, TransferTracker
+from dpu_agent.dataplane.transfers import Signal, TransferPlan, TransferTracker
 from gpu_kernels import abi
 
 
@@ -46,3 +47,51 @@ def test_small_and_large_batches_fold_alike(chunks: list[int], data: st.DataObje
         assert failed == sorted(c for t, c in bad if t == tid and c < n)
         assert status == (int(abi.Status.CHECKSUM_MISMATCH) if failed else 0)
         assert nbytes == n * 256
+
+
+def _expected_rows(plan: TransferPlan, tid: int) -> np.ndarray:
+    """The descriptors a plan means, written field by field (the oracle)."""
+    if plan.signal is not None:
+        rows = [dict(opcode=abi.Opcode.COPY, src_region=plan.src_region,
+                     src_offset=plan.src_offset, dst_region=plan.dst_region,
+                     dst_offset=plan.dst_offset, length=plan.nbytes, position=0, checksum=0,
+                     flags=abi.DescriptorFlags.VERIFY if plan.verify else 0),
+                dict(opcode=abi.Opcode.SIGNAL, src_offset=plan.signal.word,
+                     dst_offset=plan.signal.offset)]
+    else:
+        rows = [dict(opcode=abi.Opcode.COPY, src_region=plan.src_region,
+                     src_offset=plan.src_offset + pos, dst_region=plan.dst_region,
+                     dst_offset=plan.dst_offset + pos,
+                     length=min(plan.chunk_bytes, plan.nbytes - pos), position=pos,
+                     checksum=plan.checksums[i],
+                     flags=abi.DescriptorFlags.VERIFY if plan.verify else 0)
+                for i, pos in enumerate(range(0, plan.nbytes, plan.chunk_bytes))]
+    out = np.zeros(len(rows), abi.DESCRIPTOR_DTYPE)
+    for i, row in enumerate(rows):
+        out[i]["transfer_id"], out[i]["chunk_index"], out[i]["chunk_count"] = tid, i, len(rows)
+        for name, value in row.items():
+            out[i][name] = value
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 15), st.integers(0, 2**40), st.integers(0, 15), st.integers(0, 2**40),
+       st.integers(1, 64), st.integers(1, 8), st.booleans(), st.booleans(),
+       st.integers(1, 2**63), st.integers(0, 2**62), st.integers(0, 2**20))
+def test_descriptors_say_what_the_plan_means(src: int, so: int, dst: int, do: int,
+                                             chunks: int, chunk16: int, verify: bool,
+                                             span: bool, tid: int, word: int,
+                                             entry: int) -> None:
+    """Both ways descriptors are built (a DMA-engine delivery's two rows packed into cached
+    bytes; a device consumer's chunks through array views of a cached template) write, row
+    by row and byte by byte, what the plan means; a second delivery of the same blob (the
+    cached side) too."""
+    chunk = 16 * chunk16
+    nbytes = chunks * chunk - (chunk // 2 if chunks > 1 else 0)
+    sums = tuple((7 * i + 1) & 0xFFFFFFFF for i in range(-(-nbytes // chunk)))
+    signal = Signal(entry, word) if span else None
+    plan = TransferPlan(src, so, dst, do, nbytes, chunk, sums, verify=verify, signal=signal)
+    want = _expected_rows(plan, tid)
+    assert plan.descriptors(tid).tobytes() == want.tobytes()
+    assert plan.descriptors(tid).tobytes() == want.tobytes()
+    assert len(want) == plan.descriptor_count

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -57,68 +58,87 @@ class TransferPlan:
 
     def descriptors(self, transfer_id: int) -> np.ndarray:
         """``DESCRIPTOR_DTYPE[descriptor_count]`` for this plan: its chunks (VERIFY on each if
-        ``verify``; one COPY of the whole blob, checksum 0, when ``span``), then its SIGNAL. A
-        copy of the blob's cached source side with this delivery's fields stored through
-        plain integer views of the rows (a handful of array operations whatever the chunk
-        count)."""
-        chunk_bytes, sums = (self.nbytes, (0,)) if self.span else (self.chunk_bytes,
-                                                                   self.checksums)
+        ``verify``), or, when ``span``, one COPY of the whole blob (checksum 0) and its
+        SIGNAL."""
+        if self.signal is not None:
+            return self._span_descriptors(transfer_id, self.signal)
         source, positions = _source_side(self.src_region, self.src_offset, self.nbytes,
-                                         chunk_bytes, sums, self.verify,
-                                         self.signal is not None)
+                                         self.chunk_bytes, self.checksums, self.verify)
         d = source.copy()
         words = d.view(np.uint64).reshape(d.size, _WORDS)
-        halves = d.view(np.uint32).reshape(d.size, 2 * _WORDS)
-        n = len(sums)
         words[:, _W_TRANSFER] = transfer_id
-        halves[:n, _H_DST_REGION] = self.dst_region
-        words[:n, _W_DST_OFFSET] = positions + np.uint64(self.dst_offset)
-        if self.signal is not None:
-            words[n, _W_SRC_OFFSET] = self.signal.word
-            words[n, _W_DST_OFFSET] = self.signal.offset
+        d.view(np.uint32).reshape(d.size, 2 * _WORDS)[:, _H_DST_REGION] = self.dst_region
+        words[:, _W_DST_OFFSET] = positions + np.uint64(self.dst_offset)
         return d
 
+    def _span_descriptors(self, transfer_id: int, signal: Signal) -> np.ndarray:
+        """A DMA-engine delivery's two descriptors: the cached source side's bytes with this
+        delivery's fields packed in (a few ``struct`` stores, no array operation: this runs
+        for every cold acquire on the agent's data path)."""
+        buf = bytearray(_span_source(self.src_region, self.src_offset, self.nbytes,
+                                     self.verify))
+        _U64.pack_into(buf, _AT["transfer_id"], transfer_id)
+        _COPY_DESTINATION.pack_into(buf, _AT["dst_region"], self.dst_region, 0, self.dst_offset)
+        _U64.pack_into(buf, _ROW + _AT["transfer_id"], transfer_id)
+        _SIGNAL_TARGET.pack_into(buf, _ROW + _AT["src_offset"], signal.word, 0, 0,
+                                 signal.offset)
+        return np.frombuffer(buf, abi.DESCRIPTOR_DTYPE)
 
-_WORDS = abi.DESCRIPTOR_DTYPE.itemsize // 8
 
-
-def _at(name: str, size: int) -> int:
-    """Index of field ``name`` in a row viewed as ``size``-byte integers."""
-    offset = abi.DESCRIPTOR_DTYPE.fields[name][1]
-    assert offset % size == 0 and abi.DESCRIPTOR_DTYPE[name].itemsize == size, name
-    return offset // size
-
-
-_W_TRANSFER, _W_SRC_OFFSET, _W_DST_OFFSET = (_at(f, 8) for f in
-                                             ("transfer_id", "src_offset", "dst_offset"))
-_H_DST_REGION = _at("dst_region", 4)
+_ROW = abi.DESCRIPTOR_DTYPE.itemsize
+_WORDS = _ROW // 8
+_AT = {name: f[1] for name, f in abi.DESCRIPTOR_DTYPE.fields.items()}
+"""Field -> byte offset in a descriptor row."""
+_W_TRANSFER, _W_DST_OFFSET = _AT["transfer_id"] // 8, _AT["dst_offset"] // 8
+_H_DST_REGION = _AT["dst_region"] // 4
 
 
 @functools.lru_cache(maxsize=1024)
 def _source_side(src_region: int, src_offset: int, nbytes: int, chunk_bytes: int,
-                 checksums: tuple[int, ...], verify: bool, signal: bool
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """The descriptors of a blob's delivery without their destination, transfer id and
-    SIGNAL word (the same for every delivery of a cached blob, so built once), and the
-    chunks' positions (``uint64[chunks]``, bytes)."""
+                 checksums: tuple[int, ...], verify: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk descriptors of a blob's delivery without their destination and transfer id
+    (the same for every delivery of a cached blob, so built once), and the chunks' positions
+    (``uint64[chunks]``, bytes)."""
     n = len(checksums)
-    d = np.zeros(n + signal, dtype=abi.DESCRIPTOR_DTYPE)
+    d = np.zeros(n, dtype=abi.DESCRIPTOR_DTYPE)
     pos = np.arange(n, dtype=np.uint64) * np.uint64(chunk_bytes)
-    d["chunk_count"] = d.size
-    d["chunk_index"] = np.arange(d.size)
-    chunks = d[:n]
-    chunks["opcode"] = abi.Opcode.COPY
-    chunks["flags"] = abi.DescriptorFlags.VERIFY if verify else 0
-    chunks["src_region"] = src_region
-    chunks["src_offset"] = pos + np.uint64(src_offset)
-    chunks["length"] = np.minimum(np.uint64(chunk_bytes), np.uint64(nbytes) - pos)
-    chunks["position"] = pos
-    chunks["checksum"] = np.asarray(checksums, dtype=np.uint32)
-    if signal:
-        d["opcode"][n] = abi.Opcode.SIGNAL
+    d["chunk_count"] = n
+    d["chunk_index"] = np.arange(n)
+    d["opcode"] = abi.Opcode.COPY
+    d["flags"] = abi.DescriptorFlags.VERIFY if verify else 0
+    d["src_region"] = src_region
+    d["src_offset"] = pos + np.uint64(src_offset)
+    d["length"] = np.minimum(np.uint64(chunk_bytes), np.uint64(nbytes) - pos)
+    d["position"] = pos
+    d["checksum"] = np.asarray(checksums, dtype=np.uint32)
     d.flags.writeable = False
     pos.flags.writeable = False
     return d, pos
+
+
+assert _AT["src_offset"] + 8 == _AT["dst_region"] and _AT["dst_region"] + 4 == _AT["checksum"] \
+    and _AT["checksum"] + 4 == _AT["dst_offset"], "the span path packs these fields as one run"
+_U64 = struct.Struct("<Q")
+_COPY_DESTINATION = struct.Struct("<IIQ")
+"""A span COPY's dst_region, checksum (0) and dst_offset, one run of the row."""
+_SIGNAL_TARGET = struct.Struct("<QIIQ")
+"""A SIGNAL's src_offset (the word it writes), dst_region and checksum (0) and dst_offset (the
+slot-state entry's byte offset), one run of the row."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _span_source(src_region: int, src_offset: int, nbytes: int, verify: bool) -> bytes:
+    """A span delivery's two descriptors (a COPY of the blob, its SIGNAL) without their
+    transfer id, destination and SIGNAL word, as bytes."""
+    d = np.zeros(2, dtype=abi.DESCRIPTOR_DTYPE)
+    d["chunk_count"] = 2
+    d["chunk_index"] = [0, 1]
+    d["opcode"] = [abi.Opcode.COPY, abi.Opcode.SIGNAL]
+    d["flags"][0] = abi.DescriptorFlags.VERIFY if verify else 0
+    d["src_region"][0] = src_region
+    d["src_offset"][0] = src_offset
+    d["length"][0] = nbytes
+    return d.tobytes()
 
 
 _FEW = 64
