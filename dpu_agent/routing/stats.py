@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -202,26 +203,26 @@ class RoutingStats:
     made from it is off by that visit, nothing else)."""
 
     def __init__(self) -> None:
-        self._models: dict[str, ModelStats] = {}
+        self._models: defaultdict[str, ModelStats] = defaultdict(ModelStats)
         self._lock = threading.Lock()
 
     def declare(self, model: str, layers: Iterable[int], experts: int) -> None:
         """The model's MoE layers and experts per layer, known before any routing (LoadModel):
         decode order and sizes are fixed from the start."""
         with self._lock:
-            stats = self._models.setdefault(model, ModelStats())
+            stats = self._models[model]
             for number in layers:
                 stats.layer(number, experts)
 
     def model(self, model: str) -> ModelStats:
         """The model's statistics (empty if nothing was declared or observed)."""
         with self._lock:
-            return self._models.setdefault(model, ModelStats())
+            return self._models[model]
 
     def layer(self, model: str, number: int, experts: int = 0) -> LayerStats:
         """Layer ``number``'s statistics, grown to at least ``experts``."""
         with self._lock:
-            return self._models.setdefault(model, ModelStats()).layer(number, experts)
+            return self._models[model].layer(number, experts)
 
     def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> Visit:
         """One visit of ``layer``: ``tokens[e]`` tokens selected expert e (experts with 0
@@ -230,7 +231,7 @@ class RoutingStats:
         chosen = np.array(picked, np.intp)
         counts = np.array([tokens[e] for e in picked], np.float64)
         with self._lock:
-            stats = self._models.get(model) or self._models.setdefault(model, ModelStats())
+            stats = self._models[model]
             here = stats.layer(layer, max(picked, default=-1) + 1)
             before = here.visit(chosen, counts)
             previous = stats.previous
@@ -248,10 +249,7 @@ class RoutingStats:
         used = 0
         for step in steps:
             if step.layer in known and all(0 <= e < experts for e in step.experts):
-                counts: dict[int, int] = {}
-                for e in step.experts:
-                    counts[e] = counts.get(e, 0) + 1
-                self.observe(model, step.layer, counts)
+                self.observe(model, step.layer, Counter(step.experts))
                 used += 1
         return used
 
