@@ -220,25 +220,25 @@ class Device(ABC):
         ``CHECK_LANES`` lanes by slot index, each lane in the order its checks were started
         (one slow delivery holds back only its lane). Here the NumPy twin, on this device's
         own threads: they stand for the GPU."""
-        lane = index % CHECK_LANES
-        with self._check_lock:
-            if lane not in self._checkers:
-                self._checkers[lane] = _CheckThread(f"{self.name}-check-{lane}")
-            checker = self._checkers[lane]
-        return checker.submit(reference.verify_landed, states, index, generation, blob, timeout)
+        return self._checker(index).submit(reference.verify_landed, states, index, generation,
+                                           blob, timeout)
 
     def start_checks(self, states: np.ndarray, checks: list[SlotCheck], timeout: float
                      ) -> CheckTicket:
         """Start the checks of several slots at once (a batch's), each as :meth:`start_check`
         does and each as soon as its own bytes land; one ticket for all. Here the NumPy twin,
         in order, on one lane (by the first slot's index)."""
-        lane = checks[0].index % CHECK_LANES
+        return self._checker(checks[0].index).submit(
+            reference.verify_landed_batch, states,
+            [(c.index, c.generation, c.blob) for c in checks], timeout)
+
+    def _checker(self, index: int) -> _CheckThread:
+        """The twin's check lane of slot-state ``index`` (started on first use)."""
+        lane = index % CHECK_LANES
         with self._check_lock:
             if lane not in self._checkers:
                 self._checkers[lane] = _CheckThread(f"{self.name}-check-{lane}")
-            checker = self._checkers[lane]
-        return checker.submit(reference.verify_landed_batch, states,
-                              [(c.index, c.generation, c.blob) for c in checks], timeout)
+            return self._checkers[lane]
 
     def enqueue_check(self, entry_address: int, index: int, generation: int, blob: Any,
                       timeout: float, result: Any, stream: Any) -> None:
