@@ -164,18 +164,9 @@ class AcquireHandle:
         A batch acquire calls it once the agent granted the batch: one launch for a layer's
         experts but the last, not one per expert; the last, which lands last and so decides when
         the batch is ready, gets a check of its own, which sums with the whole device."""
-        due = []
         for h in handles:
             h.deferred = False
-            reply = h._reply
-            if h._landed is None or reply is None or h._slot is not None or h._error is not None \
-                    or h._ticket is not None:
-                continue
-            index, mine = int(reply["state_index"]), int(reply["generation"])
-            generation, state = split_word(h._channel.word(index))
-            if generation == mine and state in (abi.SlotState.FILLING, abi.SlotState.LANDED) \
-                    and h._channel.claim_check(index, mine):
-                due.append(h)
+        due = [h for h in handles if h._claims_check()]
         if not due:
             return
         landed = due[-1]._landed
@@ -242,12 +233,25 @@ class AcquireHandle:
         if self._landed is None or self.deferred:
             return
         if self._ticket is None:
-            if self._channel.claim_check(index, mine):
+            if self._claims_check():
                 self._ticket = self._landed.start(reply, self._make_slot(reply), timeout)
         elif state == abi.SlotState.LANDED and self._ticket.done():
             generation, now = split_word(self._channel.word(index))
             if generation == mine and now == abi.SlotState.LANDED:  # still no verdict
                 self._ticket = self._landed.start(reply, self._make_slot(reply), timeout)
+
+    def _claims_check(self) -> bool:
+        """Whether this handle, granted and not settled, with no check started, finds its
+        delivery under way or landed unchecked and claims its check (the first handle of the
+        client to ask does)."""
+        reply = self._reply
+        if self._landed is None or reply is None or self._slot is not None \
+                or self._error is not None or self._ticket is not None:
+            return False
+        index, mine = int(reply["state_index"]), int(reply["generation"])
+        generation, state = split_word(self._channel.word(index))
+        return (generation == mine and state in (abi.SlotState.FILLING, abi.SlotState.LANDED)
+                and self._channel.claim_check(index, mine))
 
     def _verdict_due(self) -> bool:
         """Whether the slot has landed so recently that its check's verdict is moments away
