@@ -120,6 +120,9 @@ def main() -> None:
     ap.add_argument("--agent-bell", default="",
                     help="shared-memory name of the agent's doorbell, rung after completions "
                          "are pushed (without it, the agent polls for them)")
+    ap.add_argument("--poll", action="store_true",
+                    help="poll the work rings without sleeping while a device is attached (a "
+                         "core of its own, as the DMA engine this stands for is hardware)")
     args = ap.parse_args()
     bells = []
     for flag, name in (("--bell", args.bell), ("--agent-bell", args.agent_bell)):
@@ -127,7 +130,7 @@ def main() -> None:
             bells.append(Bell.open(name) if name else None)
         except (SharedBufferError, ValueError) as exc:
             ap.error(f"{flag} {name!r}: {exc}")
-    engine = Engine(*bells)
+    engine = Engine(*bells, polls=args.poll)
     threading.Thread(target=control, args=(engine,), name="control", daemon=True).start()
     sys.stdout.write(json.dumps({"ok": True, "ready": True}) + "\n")
     sys.stdout.flush()

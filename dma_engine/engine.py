@@ -132,7 +132,8 @@ class Engine:
     """Every attached target, served by :meth:`run` on the calling thread; ``lock`` guards the
     target table against the control thread."""
 
-    def __init__(self, bell: Bell | None = None, agent_bell: Bell | None = None) -> None:
+    def __init__(self, bell: Bell | None = None, agent_bell: Bell | None = None,
+                 polls: bool = False) -> None:
         self.targets: dict[int, Target] = {}
         self.lock = threading.Lock()
         self._backends: dict[tuple[str, int], Any] = {}
@@ -141,6 +142,8 @@ class Engine:
         """What :meth:`run` sleeps on with nothing in flight (None: it naps)."""
         self._agent_bell = agent_bell
         """Rung after completions are pushed (the agent's loop may sleep through copies)."""
+        self._polls = polls
+        """Poll without sleeping while any target is attached."""
 
     def backend(self, kind: str, ordinal: int) -> Any:
         key = (kind, ordinal)
@@ -162,8 +165,9 @@ class Engine:
         return taken, busy
 
     def run(self) -> None:
-        """Serve until ``stopping``: spin 2 ms after work, nap 20 us while runs are in flight
-        or without a bell, else sleep on the bell (at most ``DOZE_SECONDS``)."""
+        """Serve until ``stopping``: spin 2 ms after work (always, while a target is attached,
+        when the engine polls), nap 20 us while runs are in flight or without a bell, else
+        sleep on the bell (at most ``DOZE_SECONDS``)."""
         futex.tight_timer_slack()
         last_work = time.monotonic()
         while not self.stopping:
@@ -173,7 +177,7 @@ class Engine:
                 last_work = now
                 if taken:
                     continue
-            if now - last_work < SPIN_SECONDS:
+            if now - last_work < SPIN_SECONDS or (self._polls and self.targets):
                 time.sleep(0)
             elif busy or self._bell is None:
                 time.sleep(NAP_SECONDS)

@@ -58,6 +58,11 @@ class AgentConfig:
     poll_spin_us: int = 200
     """How long the data-plane loop polls after work before it sleeps on its doorbell,
     microseconds (longer: lower wake-up latency, more CPU)."""
+    engine_poll: str = "auto"
+    """How the DMA-engine process waits for work (``ENGINE_POLL``): ``always`` polls its rings
+    without sleeping while it serves a device (a core of its own, as the DMA engine it stands
+    for is hardware), ``doze`` sleeps on its doorbell 2 ms after work, ``auto`` polls where the
+    machine has ``ENGINE_POLL_MIN_CPUS`` CPUs or more."""
     link_concurrency: int = 4
     rebalance_interval_seconds: int = 0
     default_lease_seconds: int = 10
@@ -100,6 +105,13 @@ class AgentConfig:
             self.cluster_peer_fetch, self.cluster_etcd_ca, self.cluster_etcd_cert,
             self.cluster_etcd_key)
 
+    @property
+    def engine_polls(self) -> bool:
+        """Whether the DMA-engine process polls without sleeping (``transfer.engine_poll``)."""
+        if self.engine_poll == "auto":
+            return (os.cpu_count() or 1) >= ENGINE_POLL_MIN_CPUS
+        return self.engine_poll == "always"
+
 
 # (section, key) -> (field, parser description, parser)
 def _size(v: Any) -> int:
@@ -130,6 +142,9 @@ def _str(v: Any) -> str:
 
 MAX_ADMIN_NAMES = 64
 MAX_POLL_SPIN_US = 100_000
+ENGINE_POLL = ("auto", "always", "doze")
+ENGINE_POLL_MIN_CPUS = 8
+"""``transfer.engine_poll = "auto"`` polls on machines with at least this many CPUs."""
 
 
 def _names(v: Any) -> tuple[str, ...]:
@@ -154,6 +169,7 @@ KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
     ("transfer", "timeout_seconds"): ("transfer_timeout_seconds", _int),
     ("transfer", "poll_spin_us"): ("poll_spin_us", _int),
+    ("transfer", "engine_poll"): ("engine_poll", _str),
     ("transfer", "link_concurrency"): ("link_concurrency", _int),
     ("placement", "rebalance_interval_seconds"): ("rebalance_interval_seconds", _int),
     ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
@@ -216,6 +232,9 @@ def _check(cfg: AgentConfig) -> list[str]:
     if not 0 <= cfg.poll_spin_us <= MAX_POLL_SPIN_US:
         problems.append(f"transfer.poll_spin_us: {cfg.poll_spin_us} is not between 0 and "
                         f"{MAX_POLL_SPIN_US}")
+    if cfg.engine_poll not in ENGINE_POLL:
+        problems.append(f"transfer.engine_poll: {cfg.engine_poll!r} is not one of "
+                        f"{', '.join(ENGINE_POLL)}")
     if cfg.transfer_timeout_seconds <= 0:
         problems.append("transfer.timeout_seconds: must be positive")
     if cfg.arena_bytes < max(cfg.chunk_bytes, 2**20):

@@ -99,7 +99,8 @@ class Orchestrator:
         self.plane = DataPlane(self, self.cache, config.chunk_bytes, self._fills,
                                lambda sid: sid in self.sessions, self._devices,
                                (self.arena.name, self.arena.size, ARENA_REGION_ID),
-                               config.transfer_timeout_seconds, config.poll_spin_us / 1e6)
+                               config.transfer_timeout_seconds, config.poll_spin_us / 1e6,
+                               config.engine_polls)
         self.draining = False
         self._device_list: tuple[Device, ...] | None = None
         """Every session's devices, rebuilt only after a registration or a closure (the

@@ -33,7 +33,8 @@ def test_every_problem_is_listed_with_its_key() -> None:
     with pytest.raises(ConfigError) as err:
         from_mapping({"server": {"listen_address": "nohost", "bogus": 1},
                       "arena": {"bytes": "lots"},
-                      "transfer": {"chunk_bytes": 17, "poll_spin_us": 100_001},
+                      "transfer": {"chunk_bytes": 17, "poll_spin_us": 100_001,
+                                   "engine_poll": "sometimes"},
                       "cache": {"policy": "random"}, "weird": 3,
                       "cluster": {"etcd_endpoints": "etcd", "agent_id": "a/b",
                                   "peer_fetch": "sometimes", "lease_seconds": 0}}, env={})
@@ -42,7 +43,8 @@ def test_every_problem_is_listed_with_its_key() -> None:
                    "weird: expected a [weird] table", "cluster.etcd_endpoints: etcd endpoint "
                    "'etcd' is not host:port", "cluster.agent_id", "cluster.peer_fetch",
                    "cluster.lease_seconds: must be positive",
-                   "transfer.poll_spin_us: 100001 is not between 0 and 100000"):
+                   "transfer.poll_spin_us: 100001 is not between 0 and 100000",
+                   "transfer.engine_poll: 'sometimes' is not one of auto, always, doze"):
         assert needle in text, text
 
 

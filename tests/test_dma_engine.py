@@ -171,3 +171,49 @@ def test_a_doorbell_that_does_not_exist_is_refused_at_start() -> None:
     assert res.returncode == 2
     assert "--agent-bell 'dpu-bell-no-such'" in res.stderr and "does not exist" in res.stderr
     assert res.stdout == ""  # never said ready
+
+
+@pytest.mark.parametrize("polls", [False, True])
+def test_a_polling_engine_never_sleeps_while_it_serves_a_device(rig: Rig, polls: bool) -> None:
+    """``--poll`` (``transfer.engine_poll``): with a device attached the engine's loop never
+    sleeps on its doorbell, so work it is not rung for is taken at once, as by the hardware it
+    stands for; without one it sleeps like the dozing engine. The dozing engine sleeps once
+    its 2 ms spin after work has passed, and a push it is not rung for waits for its timeout."""
+    import threading
+    import time
+
+    from dma_engine.engine import Engine
+    from gpu_kernels.bell import Bell
+
+    bell = Bell.create("test-engine-bell")
+    engine = Engine(Bell.open(bell.name), polls=polls)
+
+    def slept_within(seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if bell.asleep:
+                return True
+            time.sleep(0.001)
+        return False
+
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    try:
+        assert slept_within(2.0)  # no device: both sleep on the bell
+        with engine.lock:
+            engine.targets[1] = rig.target
+        bell.ring()
+        time.sleep(0.01)
+        assert slept_within(0.3) is not polls
+        rig.queue.submit(rig.plan(0, 0, 3 * CHUNK, 2, 1).descriptors(7))  # no bell (None)
+        t0 = time.monotonic()
+        while not rig.queue.poll_completions().size:
+            assert time.monotonic() - t0 < 5.0
+            time.sleep(0.0005)
+    finally:
+        engine.stopping = True
+        bell.ring()
+        thread.join(5)
+        with engine.lock:
+            engine.targets.clear()
+        bell.unlink()

@@ -36,8 +36,11 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "dma_engine.engine": ("Target.serve",),
     "dma_engine.plan": ("Planner.plan",),
     "dma_engine.backends": ("CudaLane.submit", "CpuLane.submit"),
-    "host_client.handles": ("AcquireHandle._start_check", "AcquireHandle.wait"),
-    "host_client.requests": ("ClientChannel.post",),
+    "host_client.client": ("AgentClient.acquire_batch", "AgentClient._handles",
+                           "AgentClient.release_batch", "AgentClient.wait_all"),
+    "host_client.handles": ("AcquireHandle._start_check", "AcquireHandle.wait",
+                            "AcquireHandle.start_checks", "AcquireHandle.wait_granted"),
+    "host_client.requests": ("ClientChannel.post", "ClientChannel.sleep"),
     "host_client.cuda_device": ("CudaDevice.start_check", "CudaDevice.start_checks"),
 }
 """Module -> functions (``Class.method`` or ``function``) whose calls are timed."""

@@ -46,12 +46,14 @@ class EngineSupervisor:
     """
 
     def __init__(self, on_death: Callable[[list[int]], dict[int, dict[str, Any]]],
-                 bell: str = "", agent_bell: str = "") -> None:
+                 bell: str = "", agent_bell: str = "", polls: bool = False) -> None:
         self._on_death = on_death
-        self._bells = [*(["--bell", bell] if bell else []),
-                       *(["--agent-bell", agent_bell] if agent_bell else [])]
-        """The doorbells' shared-memory names on the engine's command line: the one it sleeps
-        on when idle, the agent's it rings after completing work."""
+        self._args = [*(["--bell", bell] if bell else []),
+                      *(["--agent-bell", agent_bell] if agent_bell else []),
+                      *(["--poll"] if polls else [])]
+        """The engine's command line: the doorbells' shared-memory names (the one it sleeps on
+        when idle, the agent's it rings after completing work), and ``--poll`` where it polls
+        without sleeping while it serves a device."""
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
         self._targets: dict[int, dict[str, Any]] = {}
@@ -66,7 +68,7 @@ class EngineSupervisor:
     def _start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "dma_engine", *self._bells],
+            [sys.executable, "-m", "dma_engine", *self._args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self._read()  # {"ready": true}
@@ -191,17 +193,19 @@ class EngineDevices:
             queue, so their transfers in flight can be failed.
         agent_bell: the agent's doorbell (shared-memory name), which the engine rings after it
             completes work ("" none: the agent must poll for completions).
+        polls: the engine polls its rings without sleeping while it serves a device.
     """
 
     def __init__(self, arena_name: str, arena_size: int, arena_region: int,
                  devices: Callable[[], tuple[Device, ...]],
-                 on_death: Callable[[set[Device]], None], agent_bell: str = "") -> None:
+                 on_death: Callable[[set[Device]], None], agent_bell: str = "",
+                 polls: bool = False) -> None:
         self._arena = {"name": arena_name, "size": arena_size, "region": arena_region}
         self._devices = devices
         self._on_death = on_death
         self.bell = Bell.create("dpu-engine-bell")
         """Rung after work is pushed to the engine (its loop sleeps on it when idle)."""
-        self.supervisor = EngineSupervisor(self._died, self.bell.name, agent_bell)
+        self.supervisor = EngineSupervisor(self._died, self.bell.name, agent_bell, polls)
 
     @property
     def restarts(self) -> int:

@@ -45,17 +45,20 @@ class DataPlane:
         arena: (shared-memory name, bytes, region id) of the arena the DMA engine maps.
         transfer_timeout: seconds a transfer may go without completing.
         spin: seconds the loop polls after work before it sleeps (``transfer.poll_spin_us``).
+        engine_polls: whether the DMA-engine process polls without sleeping while it serves a
+            device (``transfer.engine_poll``).
     """
 
     def __init__(self, core: RequestCore, cache: WeightCache, chunk_bytes: int, fills: Executor,
                  alive: Callable[[str], bool], devices: Callable[[], tuple[Device, ...]],
                  arena: tuple[str, int, int], transfer_timeout: float,
-                 spin: float = SPIN_SECONDS) -> None:
+                 spin: float = SPIN_SECONDS, engine_polls: bool = False) -> None:
         self.bell = Bell.create("dpu-bell")
         """The doorbell clients ring after posting (its name goes to every session)."""
         self.deliveries = Deliveries(cache, chunk_bytes, fills, alive, self.bell.ring)
         self.requests = RequestServer(core, fills)
-        self.engine = EngineDevices(*arena, devices, self._engine_died, self.bell.name)
+        self.engine = EngineDevices(*arena, devices, self._engine_died, self.bell.name,
+                                    engine_polls)
         """Devices the DMA-engine process serves (it starts when the first registers; it rings
         ``bell`` when it completes work)."""
         self.loop = DataPlaneLoop(self._poll_once, self._doze_limit,
