@@ -214,15 +214,16 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             cycle(keys[half:])  # evicts every GPU slot; arena now holds all experts
             log(f"{name}: arena warm")
             phases.clear()
-            bw, cpu_client, cpu_agent, cpu_engine, nbytes_total = [], 0.0, 0.0, 0.0, 0
+            bw, cpu_client, cpu_engine, nbytes_total = [], 0.0, 0.0, 0
             by_thread: Counter[str] = Counter()
+            agent_threads: Counter[str] = Counter()
             engine = engine_pid(agent.proc.pid)
             rpc.clear()
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
                 # Reading another process's /proc costs this one ~1 ms: outside the client's
                 # interval (it once was inside, and made up half the client's CPU per GB).
-                a0 = proc_cpu_seconds(agent.proc.pid)
+                agent0 = thread_cpu_seconds(agent.proc.pid)
                 e0 = proc_cpu_seconds(engine) if engine else 0.0
                 threads0 = thread_cpu_seconds(os.getpid())
                 c0 = time.process_time()
@@ -230,7 +231,8 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 cpu_client += time.process_time() - c0
                 for name, s in thread_cpu_seconds(os.getpid()).items():
                     by_thread[name] += s - threads0.get(name, 0.0)
-                cpu_agent += proc_cpu_seconds(agent.proc.pid) - a0
+                for name, s in thread_cpu_seconds(agent.proc.pid).items():
+                    agent_threads[name] += s - agent0.get(name, 0.0)
                 cpu_engine += (proc_cpu_seconds(engine) - e0) if engine else 0.0
                 nbytes_total += half * model.expert_bytes
                 bw.append(half * model.expert_bytes / dt / 1e9)
@@ -285,7 +287,10 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                     name: s / (nbytes_total / 1e9) for name, s in by_thread.most_common()
                     if s > 0},
                 "client_cpu_us_per_expert_by_step": step_cpu,
-                "agent_cpu_s_per_gb": cpu_agent / (nbytes_total / 1e9),
+                "agent_cpu_s_per_gb": sum(agent_threads.values()) / (nbytes_total / 1e9),
+                "agent_cpu_s_per_gb_by_thread": {
+                    name: s / (nbytes_total / 1e9) for name, s in agent_threads.most_common()
+                    if s > 0},
                 "engine_cpu_s_per_gb": cpu_engine / (nbytes_total / 1e9),
                 "delivery": delivery,
             }
@@ -433,7 +438,10 @@ def main() -> int:
                       f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB"
                       f" (client threads: " + ", ".join(
                           f"{n} {v:.4f}" for n, v in
-                          list(r["client_cpu_s_per_gb_by_thread"].items())[:4]) + ";"
+                          list(r["client_cpu_s_per_gb_by_thread"].items())[:4]) + "; agent "
+                      "threads: " + ", ".join(
+                          f"{n} {v:.4f}" for n, v in
+                          list(r.get("agent_cpu_s_per_gb_by_thread", {}).items())[:4]) + ";"
                       " the calling thread's CPU per expert: " + ", ".join(
                           f"{n} {v:.0f} us" for n, v in
                           r["client_cpu_us_per_expert_by_step"].items()) + ")",

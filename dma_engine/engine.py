@@ -168,7 +168,7 @@ class Engine:
         """Serve until ``stopping``: spin 2 ms after work (always, while a target is attached,
         when the engine polls), nap 20 us while runs are in flight or without a bell, else
         sleep on the bell (at most ``DOZE_SECONDS``)."""
-        futex.tight_timer_slack()
+        futex.tight_timer_slack("engine")
         last_work = time.monotonic()
         while not self.stopping:
             taken, busy = self._serve_all()

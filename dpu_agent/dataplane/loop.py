@@ -78,7 +78,7 @@ class DataPlaneLoop:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        futex.tight_timer_slack()
+        futex.tight_timer_slack("dataplane")
         last_work = last_sweep = time.monotonic()
         stats = self.stats
         while not self._stop.is_set():
