@@ -83,6 +83,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "architecture": cat.layout.architecture,
         "pattern": cat.layout.pattern,
         "stacked": cat.layout.stacked,
+        "activation": vars(cat.layout.activation),
         "moe_layers": list(cat.layout.moe_layers),
         "experts_per_layer": cat.layout.experts_per_layer,
         "shared_experts_per_layer": cat.layout.shared_experts_per_layer,
@@ -99,6 +100,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     layers = info["moe_layers"]
     print(f"architecture      {info['architecture']}")
     print(f"experts named     {info['pattern']}")
+    act = cat.layout.activation
+    print(f"activation        {act.kind}" + (f" (alpha {act.alpha}, limit {act.limit})"
+                                             if act.kind != "swiglu" else ""))
     print(f"ingest manifest   {'yes: fills are checked against it' if info['manifest'] else 'no'}")
     print(f"MoE layers        {len(layers)} ({layers[0]}..{layers[-1]})")
     print(f"experts / layer   {info['experts_per_layer']} routed, "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -117,8 +118,9 @@ class ExpertWorker:
         self._slots: dict[ExpertKey, Any] = {}
         """Experts this worker holds (one reference each, released on close): serving a
         placed expert costs no RPC."""
-        self._weights: dict[ExpertKey, tuple[Any, Any, Any]] = {}
-        """Each held expert's (gate, up, down) as the FFN takes them (``_keep``)."""
+        self._ffn: dict[ExpertKey, Callable[[Any], Any]] = {}
+        """Each held expert's FFN, rows (bf16 bits ``uint16[rows, hidden]``) -> rows, its
+        weights ready (``_keep``)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="expert-worker", daemon=True)
         self._thread.start()
@@ -157,18 +159,29 @@ class ExpertWorker:
                 raise
 
     def _keep(self, key: ExpertKey, slot: Any) -> Any:
-        """Hold ``slot`` for ``key`` with its SwiGLU weights ready to use: widened to float32
-        on the CPU (NumPy has no BF16 GEMM), C-contiguous on a GPU (a copy only where the
-        checkpoint keeps them transposed). ValueError for an expert the worker cannot
-        compute."""
+        """Hold ``slot`` for ``key`` with its FFN ready to run. SwiGLU: weights widened to
+        float32 on the CPU (NumPy has no BF16 GEMM), C-contiguous on a GPU for the fused
+        kernel (a copy only where the checkpoint keeps them transposed). Clamped SwiGLU
+        (gpt-oss): weights and biases widened to float32 on either (the array formula, cuBLAS
+        on a GPU). ValueError for an expert the worker cannot compute."""
         try:
-            weights = slot.swiglu_weights()
+            if slot.manifest.activation == pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU:
+                w = slot.clamped_swiglu_weights()
+                arrays = [reference.bf16_to_f32(self.xp.ascontiguousarray(a)) for a in
+                          (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias)]
+                self._ffn[key] = lambda x: reference.clamped_swiglu_f32_weights(
+                    x, *arrays, w.alpha, w.limit)
+            else:
+                weights = slot.swiglu_weights()
+                if self.ops is None:
+                    widened = [reference.bf16_to_f32(w) for w in weights]
+                    self._ffn[key] = lambda x: reference.swiglu_f32_weights(x, *widened)
+                else:
+                    kept = [self.xp.ascontiguousarray(w) for w in weights]
+                    self._ffn[key] = lambda x: expert_ffn(x, *kept)
         except ValueError:
             self.client.release(self.dev, key)
             raise
-        self._weights[key] = (tuple(reference.bf16_to_f32(w) for w in weights)
-                              if self.ops is None else
-                              tuple(self.xp.ascontiguousarray(w) for w in weights))
         self._slots[key] = slot
         return slot
 
@@ -210,15 +223,13 @@ class ExpertWorker:
                 PACKET_RETRANSMITS.labels(device).inc()
         if self.client.generation != self._generation:
             self._slots.clear()  # the agent restarted: earlier slots are gone
-            self._weights.clear()
+            self._ffn.clear()
             self._generation = self.client.generation
         slot = self._slots.get(key)
         if slot is None:
             slot = self._keep(key, self.client.acquire(self.dev, key).wait(60))
         x = inputs.view(np.uint16).reshape(rows, row_bytes // 2)
-        weights = self._weights[key]
-        out = (reference.swiglu_f32_weights(x, *weights) if self.ops is None else
-               expert_ffn(x, *weights))
+        out = self._ffn[key](x)
         # Send kernel (or twin): packetize the output into the tx ring; the NIC reads it out.
         flat = out.view(np.uint8).reshape(-1)
         result = np.empty(flat.size, np.uint8)
@@ -244,7 +255,7 @@ class ExpertWorker:
             except Exception:  # noqa: BLE001 - the session may be gone already
                 pass
         self._slots.clear()
-        self._weights.clear()
+        self._ffn.clear()
 
 
 class ActivationSender:

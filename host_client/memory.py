@@ -93,6 +93,23 @@ class SlotPoolSpec:
     slot_count: int
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """A gpt-oss expert's weights (``ExpertSlot.clamped_swiglu_weights``): BF16 bits
+    (``uint16``) gate ``[I, H]``, up ``[I, H]``, down ``[H, I]``, gate_bias ``[I]``,
+    up_bias ``[I]``, down_bias ``[H]``; ``alpha`` and ``limit`` of its activation
+    (``gpu_kernels.reference.clamped_swiglu_f32_weights`` says the formula)."""
+
+    gate: Any
+    up: Any
+    down: Any
+    gate_bias: Any
+    up_bias: Any
+    down_bias: Any
+    alpha: float
+    limit: float
+
+
 class ExpertSlot:
     """An expert's bytes in a device slot, viewed by tensor (shapes and dtypes from the
     manifest).
@@ -138,7 +155,8 @@ class ExpertSlot:
         ``down_proj`` split into halves, gate first: ``[2I, H]`` and ``[H, I]``
         (transformers 5's fused save) as contiguous views, ``[H, 2I]`` and ``[I, H]``
         (Llama-4's orientation) as transposed views. ValueError naming the blob's tensors
-        for any other expert (biases, as gpt-oss's clamped activation has; not BF16)."""
+        for any other expert (biases: gpt-oss's, see :meth:`clamped_swiglu_weights`; not
+        BF16)."""
         names = set(self.names)
         if "gate_proj" in names:
             weights = (self.tensor("gate_proj"), self.tensor("up_proj"),
@@ -158,11 +176,38 @@ class ExpertSlot:
         else:
             raise ValueError(f"{self.key}: not a SwiGLU expert without biases (its tensors: "
                              f"{sorted(names)})")
+        self._check_bf16(names)
+        return weights
+
+    def clamped_swiglu_weights(self) -> ClampedSwiGLU:
+        """gpt-oss's expert (``activation`` CLAMPED_SWIGLU) as BF16 bits, strided views of the
+        blob: ``gate_up_proj`` ``[H, 2I]`` with gate and up interleaved (even columns gate),
+        ``down_proj`` ``[I, H]`` and their biases, as transformers' ``GptOssExperts`` keeps them.
+        ValueError naming what the blob holds for any other expert (MXFP4 ``_blocks`` /
+        ``_scales`` included: dequantise the checkpoint first)."""
+        m = self.manifest
+        names = set(self.names)
+        wanted = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+        if m.activation != pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU or names != wanted:
+            raise ValueError(f"{self.key}: not a clamped-SwiGLU (gpt-oss) expert with "
+                             f"{sorted(wanted)} (its activation "
+                             f"{pb.ExpertActivation.Name(m.activation)}, tensors {sorted(names)})")
+        fused, bias = self.tensor("gate_up_proj"), self.tensor("gate_up_proj_bias")
+        down, down_bias = self.tensor("down_proj"), self.tensor("down_proj_bias")
+        (h, two_i), (i, h2) = fused.shape, down.shape
+        if two_i != 2 * i or h2 != h or bias.shape != (two_i,) or down_bias.shape != (h,):
+            raise ValueError(f"{self.key}: gate_up_proj {list(fused.shape)}, its bias "
+                             f"{list(bias.shape)}, down_proj {list(down.shape)} and its bias "
+                             f"{list(down_bias.shape)} are not [H, 2I], [2I], [I, H], [H]")
+        self._check_bf16(names)
+        return ClampedSwiGLU(fused[:, 0::2].T, fused[:, 1::2].T, down.T, bias[0::2],
+                             bias[1::2], down_bias, float(m.swiglu_alpha), float(m.swiglu_limit))
+
+    def _check_bf16(self, names: set[str]) -> None:
         kinds = {self.layout(n).dtype for n in names if not n.endswith("_scale_inv")}
         if kinds != {"BF16"}:
             raise ValueError(f"{self.key}: the worker computes BF16 experts, this one holds "
                              f"{sorted(kinds)}")
-        return weights
 
     def torch(self, name: str) -> Any:
         """The tensor as a torch tensor of its real dtype, sharing memory through DLPack (on

@@ -16,6 +16,7 @@ import zmq
 
 from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
+from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import (
@@ -358,7 +359,6 @@ def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
 def _slot(tensors: dict[str, tuple[np.ndarray, str]]) -> ExpertSlot:
     """An expert slot over a blob holding ``tensors`` (name -> (array, safetensors dtype)),
     each 256-byte aligned as the agent lays them out."""
-    from dpu_offload.keys import ExpertKey
     from dpu_offload.v1 import agent_pb2 as pb
 
     entries, parts, offset = [], [], 0
@@ -415,3 +415,78 @@ def test_a_fused_checkpoint_is_served(tmp_path: Path) -> None:
         dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
                                model.experts_per_layer, layer, fused,
                                routing(model.experts_per_layer, 8, 2, 5))
+
+
+def test_a_gpt_oss_checkpoint_is_served_as_transformers_computes_it(tmp_path: Path) -> None:
+    """gpt-oss's experts (``gate_up_proj`` ``[E, H, 2I]`` with gate and up interleaved,
+    biases, the clamped activation with the config's ``swiglu_limit``): the manifest names the
+    activation, and the worker's combined output equals transformers' own ``GptOssExperts``
+    forward on the checkpoint's weights within bf16 rounding."""
+    import torch
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from dpu_offload.v1 import agent_pb2 as pb
+    from host_client.checkpoints import CheckpointSpec, make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "gpt-oss", CheckpointSpec(
+        "gpt-oss", layers=2, experts=6, hidden=256, intermediate=192))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["swiglu_limit"] = 1.5  # not the default: the agent must pass the config's on
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    ids = routing(6, 8, 2, 11)
+    rng = np.random.default_rng(4)
+    x = reference.f32_to_bf16(rng.standard_normal((ids.shape[0], 256), dtype=np.float32))
+    w = rng.random(ids.shape, dtype=np.float32)
+    w /= w.sum(1, keepdims=True)
+    with serving(ckpt) as (agent, client, model, _, _):
+        layer = model.moe_layers[1]
+        manifest = client.manifest(ExpertKey("qa", layer, 0))
+        assert manifest.activation == pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
+        assert manifest.swiglu_limit == 1.5 and abs(manifest.swiglu_alpha - 1.702) < 1e-6
+        with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa", 6,
+                              credits=4) as sender:
+            got = reference.bf16_to_f32(sender.dispatch(layer, x, ids, w))
+    truth = checkpoint_bytes(ckpt)
+    experts = GptOssExperts(GptOssConfig(hidden_size=256, intermediate_size=192,
+                                         num_local_experts=6, swiglu_limit=1.5))
+    for name, shape in (("gate_up_proj", (6, 256, 384)), ("gate_up_proj_bias", (6, 384)),
+                        ("down_proj", (6, 192, 256)), ("down_proj_bias", (6, 256))):
+        raw = np.frombuffer(truth[f"model.layers.{layer}.mlp.experts.{name}"], np.uint16)
+        getattr(experts, name).data = torch.from_numpy(
+            reference.bf16_to_f32(raw).reshape(shape).copy())
+    with torch.no_grad():
+        want = experts(torch.from_numpy(reference.bf16_to_f32(x)), torch.from_numpy(ids),
+                       torch.from_numpy(w)).numpy()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+def test_clamped_swiglu_weights_are_gpt_oss_halves_and_refuse_anything_else() -> None:
+    """gpt-oss's ``gate_up_proj`` ``[H, 2I]`` interleaves gate (even columns) and up (odd),
+    and so does its bias; a blob without those tensors (MXFP4 ``_blocks``, a plain SwiGLU
+    expert) is refused by name."""
+    from dpu_offload.v1 import agent_pb2 as pb
+
+    rng = np.random.default_rng(5)
+    hidden, inter = 16, 8
+    fused = rng.integers(0, 1 << 15, (hidden, 2 * inter)).astype(np.uint16)
+    bias = rng.integers(0, 1 << 15, 2 * inter).astype(np.uint16)
+    down = rng.integers(0, 1 << 15, (inter, hidden)).astype(np.uint16)
+    down_bias = rng.integers(0, 1 << 15, hidden).astype(np.uint16)
+    slot = _slot({"gate_up_proj": (fused, "BF16"), "gate_up_proj_bias": (bias, "BF16"),
+                  "down_proj": (down, "BF16"), "down_proj_bias": (down_bias, "BF16")})
+    slot.manifest.activation = pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
+    slot.manifest.swiglu_alpha, slot.manifest.swiglu_limit = 1.5, 3.0
+    w = slot.clamped_swiglu_weights()
+    for got, want in ((w.gate, fused[:, 0::2].T), (w.up, fused[:, 1::2].T), (w.down, down.T),
+                      (w.gate_bias, bias[0::2]), (w.up_bias, bias[1::2]),
+                      (w.down_bias, down_bias)):
+        assert np.array_equal(got, want)
+    assert (w.alpha, w.limit) == (1.5, 3.0)
+    mxfp4 = _slot({"gate_up_proj_blocks": (fused.view(np.uint8), "U8"),
+                   "gate_up_proj_bias": (bias, "BF16")})
+    mxfp4.manifest.activation = pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
+    with pytest.raises(ValueError, match="gate_up_proj_blocks"):
+        mxfp4.clamped_swiglu_weights()
+    with pytest.raises(ValueError, match="EXPERT_ACTIVATION_SWIGLU"):
+        _slot({"gate_proj": (down.T.copy(), "BF16")}).clamped_swiglu_weights()

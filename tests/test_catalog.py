@@ -14,7 +14,7 @@ import pytest
 
 from dpu_agent.weights.catalog import BLOB_ALIGN, MAX_JSON_BYTES, build_catalog
 from dpu_agent.weights.ingest import MANIFEST_FILE, attach_manifest
-from dpu_agent.weights.layouts import LayoutError
+from dpu_agent.weights.layouts import SWIGLU, Activation, LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from tests.conftest import checkpoint_bytes
@@ -46,6 +46,8 @@ def test_layouts_split_into_exact_blobs(tmp_path: Path, spec: CheckpointSpec, mo
     cat = build_catalog(root)
     assert list(cat.layout.moe_layers) == moe
     assert len(cat.experts) == len(moe) * spec.experts
+    assert (cat.layout.activation.kind == "clamped_swiglu") == (spec.arch == "gpt-oss")
+    assert spec.arch == "gpt-oss" or cat.layout.activation == SWIGLU
     truth = checkpoint_bytes(root)
     for entry in cat.experts.values():
         assert len(entry.tensors) == roles and entry.blob_bytes % BLOB_ALIGN == 0
@@ -198,6 +200,7 @@ def test_inspect_deepseek_v3_index_only_small(tmp_path: Path) -> None:
                          capture_output=True, text=True, check=True).stdout
     info = json.loads(out)
     assert info["architecture"] == "deepseek_v3" and not info["stacked"]
+    assert info["activation"] == {"kind": "swiglu", "alpha": 0.0, "limit": 0.0}
     assert info["pattern"] == ("model.layers.{L}.mlp.experts.{E}.{down_proj.weight,"
                                "down_proj.weight_scale_inv,gate_proj.weight,"
                                "gate_proj.weight_scale_inv,up_proj.weight,"
@@ -278,7 +281,15 @@ def test_gpt_oss_as_released_mxfp4_blocks_scales_and_biases(tmp_path: Path) -> N
     safetensors.serialize_file(specs, str(root / "model.safetensors"))
     cat = build_catalog(root)
     assert cat.layout.stacked and cat.layout.moe_layers == (0,) and len(cat.experts) == e
+    # gpt-oss's activation with its config's constants (transformers' defaults when absent)
+    assert cat.layout.activation == Activation("clamped_swiglu", 1.702, 7.0)
+    for bad in ("seven", -1.0, float("inf"), True):
+        (root / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": bad}))
+        with pytest.raises(LayoutError, match="'swiglu_limit' must be a positive number"):
+            build_catalog(root)
+    (root / "config.json").write_text(json.dumps(cfg))
     for entry in cat.experts.values():
+        assert entry.activation == cat.layout.activation
         assert [t.role for t in entry.tensors] == [
             "gate_up_proj_blocks", "down_proj_blocks", "gate_up_proj_scales",
             "down_proj_scales", "gate_up_proj_bias", "down_proj_bias"]

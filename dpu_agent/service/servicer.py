@@ -49,7 +49,12 @@ def _manifest(entry: ExpertEntry, chunk_bytes: int, checksums: tuple[int, ...] =
         key=entry.key.to_proto(), blob_bytes=entry.blob_bytes, chunk_bytes=chunk_bytes,
         tensors=[pb.TensorEntry(name=t.role, dtype=t.dtype, shape=list(t.shape), offset=t.offset,
                                 nbytes=t.nbytes) for t in entry.tensors],
-        chunk_checksums=list(checksums))
+        chunk_checksums=list(checksums), activation=_ACTIVATIONS[entry.activation.kind],
+        swiglu_alpha=entry.activation.alpha, swiglu_limit=entry.activation.limit)
+
+
+_ACTIVATIONS = {"swiglu": pb.EXPERT_ACTIVATION_SWIGLU,
+                "clamped_swiglu": pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU}
 
 
 MAX_DETAILS_CHARS = 1000

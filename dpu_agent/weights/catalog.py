@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.weights.layouts import (
+    SWIGLU,
+    Activation,
     LayoutError,
     ModelLayout,
     TensorSource,
@@ -69,6 +71,8 @@ class ExpertEntry:
     expected: tuple[int, ...] = ()
     """The chunk checksums the ingest manifest recorded (empty without a manifest)."""
     expected_chunk_bytes: int = 0
+    activation: Activation = SWIGLU
+    """How the expert's FFN computes (its model's, ``ModelLayout.activation``)."""
 
 
 @dataclass
@@ -279,7 +283,8 @@ def build_catalog(directory: str | Path, name: str | None = None, *,
                 tensors.append(BlobTensor(src.role, dtype, tuple(shape), offset, nbytes, file,
                                           start, stamps.get(shard)))
                 cursor = offset + nbytes
-            experts[key] = ExpertEntry(key, tuple(tensors), align_up(cursor))
+            experts[key] = ExpertEntry(key, tuple(tensors), align_up(cursor),
+                                       activation=layout.activation)
     if not experts:
         raise LayoutError(f"{root}: config.json describes no MoE layers")
     return ModelCatalog(model, root, layout, experts, bool(headers))

@@ -19,8 +19,9 @@ Roles in an expert blob (docs/LAYOUT.md): ``gate_proj``, ``up_proj``, ``gate_up_
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,26 @@ class TensorSource:
 
 
 @dataclass(frozen=True)
+class Activation:
+    """How an expert's FFN combines its projections (docs/LAYOUT.md, "Activation").
+
+    ``swiglu``: ``down @ (silu(gate @ x) * (up @ x))``. ``clamped_swiglu`` (gpt-oss): gate
+    and up interleaved in ``gate_up_proj`` (even columns gate, odd up), each projection with
+    its bias, gate clamped above at ``limit`` and up to ``[-limit, limit]``, then
+    ``down @ ((up + 1) * gate * sigmoid(alpha * gate)) + down_bias``.
+    """
+
+    kind: str = "swiglu"
+    alpha: float = 0.0
+    limit: float = 0.0
+
+
+SWIGLU = Activation()
+CLAMPED_SWIGLU_DEFAULTS = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+"""gpt-oss's constants, as its transformers config defaults them (config.json may omit them)."""
+
+
+@dataclass(frozen=True)
 class ModelLayout:
     """What the catalog needs to know of one checkpoint's MoE structure."""
 
@@ -67,6 +88,7 @@ class ModelLayout:
     in_out: bool = False
     """Stacked weights stored ``[E, in, out]`` (gpt-oss, Llama-4: ``gate_up_proj`` ``[E, H,
     2I]``) rather than ``[E, out, in]`` like ``nn.Linear`` (transformers 5's fused form)."""
+    activation: Activation = SWIGLU
 
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -127,6 +149,26 @@ def first_int(cfg: Mapping[str, Any], keys: tuple[str, ...], what: str,
     if default is None:
         raise LayoutError(f"config.json gives no {what} (looked for {', '.join(keys)})")
     return default
+
+
+def activation_of(text: Mapping[str, Any], model_type: str, roles: Iterable[str]
+                  ) -> Activation:
+    """The experts' activation: ``clamped_swiglu`` for experts with a ``gate_up_proj_bias``
+    in a gpt-oss config (``model_type`` ``gpt_oss``, or ``swiglu_limit`` given), with its
+    ``swiglu_alpha`` and ``swiglu_limit`` (positive, finite; LayoutError naming the key
+    otherwise); ``swiglu`` for every other expert."""
+    if "gate_up_proj_bias" not in roles or (model_type != "gpt_oss"
+                                            and "swiglu_limit" not in text):
+        return SWIGLU
+    values = []
+    for key, default in CLAMPED_SWIGLU_DEFAULTS.items():
+        value = text.get(key, default)
+        if (not isinstance(value, int | float) or isinstance(value, bool)
+                or not math.isfinite(value) or not 0 < value <= 1e4):
+            raise LayoutError(f"config.json key {key!r} must be a positive number up to "
+                              f"1e4, got {value!r}"[:300])
+        values.append(float(value))
+    return Activation("clamped_swiglu", *values)
 
 
 def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -322,4 +364,5 @@ def discover(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...] | None
         first_int(text, INTERMEDIATE_KEYS, "expert intermediate size", default=0,
                   limit=MAX_SIZE),
         first_int(text, TOP_K_KEYS, "experts per token", default=0), pattern, first.stacked,
-        first.stacked and _in_out(model_type, first, shapes, hidden))
+        first.stacked and _in_out(model_type, first, shapes, hidden),
+        activation_of(text, model_type, first.roles))

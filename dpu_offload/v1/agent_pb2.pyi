@@ -27,6 +27,11 @@ class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REGION_KIND_RX_RING: _ClassVar[RegionKind]
     REGION_KIND_TX_RING: _ClassVar[RegionKind]
 
+class ExpertActivation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EXPERT_ACTIVATION_SWIGLU: _ClassVar[ExpertActivation]
+    EXPERT_ACTIVATION_CLAMPED_SWIGLU: _ClassVar[ExpertActivation]
+
 class SlotState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SLOT_STATE_UNSPECIFIED: _ClassVar[SlotState]
@@ -43,6 +48,8 @@ REGION_KIND_WORK_RING: RegionKind
 REGION_KIND_COMPLETION_RING: RegionKind
 REGION_KIND_RX_RING: RegionKind
 REGION_KIND_TX_RING: RegionKind
+EXPERT_ACTIVATION_SWIGLU: ExpertActivation
+EXPERT_ACTIVATION_CLAMPED_SWIGLU: ExpertActivation
 SLOT_STATE_UNSPECIFIED: SlotState
 SLOT_STATE_FILLING: SlotState
 SLOT_STATE_READY: SlotState
@@ -202,18 +209,24 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class ExpertManifest(_message.Message):
-    __slots__ = ("key", "blob_bytes", "chunk_bytes", "tensors", "chunk_checksums")
+    __slots__ = ("key", "blob_bytes", "chunk_bytes", "tensors", "chunk_checksums", "activation", "swiglu_alpha", "swiglu_limit")
     KEY_FIELD_NUMBER: _ClassVar[int]
     BLOB_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    SWIGLU_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    SWIGLU_LIMIT_FIELD_NUMBER: _ClassVar[int]
     key: ExpertKey
     blob_bytes: int
     chunk_bytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., blob_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., chunk_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    activation: ExpertActivation
+    swiglu_alpha: float
+    swiglu_limit: float
+    def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., blob_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., activation: _Optional[_Union[ExpertActivation, str]] = ..., swiglu_alpha: _Optional[float] = ..., swiglu_limit: _Optional[float] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model", "architecture", "moe_layers", "experts_per_layer", "expert_bytes", "total_expert_bytes", "model_index")
