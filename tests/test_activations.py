@@ -417,11 +417,10 @@ def test_a_fused_checkpoint_is_served(tmp_path: Path) -> None:
                                routing(model.experts_per_layer, 8, 2, 5))
 
 
-def test_a_gpt_oss_checkpoint_is_served_as_transformers_computes_it(tmp_path: Path) -> None:
-    """gpt-oss's experts (``gate_up_proj`` ``[E, H, 2I]`` with gate and up interleaved,
-    biases, the clamped activation with the config's ``swiglu_limit``): the manifest names the
-    activation, and the worker's combined output equals transformers' own ``GptOssExperts``
-    forward on the checkpoint's weights within bf16 rounding."""
+def _gpt_oss_matches_transformers(tmp_path: Path, device: object) -> None:
+    """Serve a gpt-oss checkpoint (``swiglu_limit`` 1.5, not the default: the agent must pass
+    the config's on) from ``device`` and check the manifest's activation and the combined
+    output against transformers' own ``GptOssExperts`` on the checkpoint's weights."""
     import torch
     from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -432,21 +431,29 @@ def test_a_gpt_oss_checkpoint_is_served_as_transformers_computes_it(tmp_path: Pa
     ckpt = make_checkpoint(tmp_path / "gpt-oss", CheckpointSpec(
         "gpt-oss", layers=2, experts=6, hidden=256, intermediate=192))
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["swiglu_limit"] = 1.5  # not the default: the agent must pass the config's on
-    (ckpt / "config.json").write_text(json.dumps(cfg))
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": 1.5}))
     ids = routing(6, 8, 2, 11)
     rng = np.random.default_rng(4)
     x = reference.f32_to_bf16(rng.standard_normal((ids.shape[0], 256), dtype=np.float32))
     w = rng.random(ids.shape, dtype=np.float32)
     w /= w.sum(1, keepdims=True)
-    with serving(ckpt) as (agent, client, model, _, _):
+    with AgentProcess(SETTINGS + "worker_timeout_seconds = 60\n") as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(ckpt), "qa")
+        dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 12)])
+        client.wait_placement(client.apply_placement("qa", [
+            [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers]).placement_id)
         layer = model.moe_layers[1]
         manifest = client.manifest(ExpertKey("qa", layer, 0))
         assert manifest.activation == pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
         assert manifest.swiglu_limit == 1.5 and abs(manifest.swiglu_alpha - 1.702) < 1e-6
-        with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa", 6,
-                              credits=4) as sender:
-            got = reference.bf16_to_f32(sender.dispatch(layer, x, ids, w))
+        worker = ExpertWorker(client, dev)
+        try:
+            with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa", 6,
+                                  credits=4) as sender:
+                got = reference.bf16_to_f32(sender.dispatch(layer, x, ids, w))
+        finally:
+            worker.close()
     truth = checkpoint_bytes(ckpt)
     experts = GptOssExperts(GptOssConfig(hidden_size=256, intermediate_size=192,
                                          num_local_experts=6, swiglu_limit=1.5))
@@ -459,6 +466,22 @@ def test_a_gpt_oss_checkpoint_is_served_as_transformers_computes_it(tmp_path: Pa
         want = experts(torch.from_numpy(reference.bf16_to_f32(x)), torch.from_numpy(ids),
                        torch.from_numpy(w)).numpy()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+def test_a_gpt_oss_checkpoint_is_served_as_transformers_computes_it(tmp_path: Path) -> None:
+    """gpt-oss's experts (``gate_up_proj`` ``[E, H, 2I]`` with gate and up interleaved,
+    biases, the clamped activation with the config's ``swiglu_limit``) on the CPU reference
+    device: equal to transformers' ``GptOssExperts`` within bf16 rounding."""
+    _gpt_oss_matches_transformers(tmp_path, CpuReferenceDevice())
+
+
+@pytest.mark.gpu
+def test_a_gpt_oss_checkpoint_is_served_on_the_gpu(tmp_path: Path) -> None:
+    """The same on a CUDA worker (packet kernels, the clamped FFN in CuPy)."""
+    pytest.importorskip("cupy")
+    from host_client.cuda_device import CudaDevice
+
+    _gpt_oss_matches_transformers(tmp_path, CudaDevice(0, mechanism="copy_engine"))
 
 
 def test_clamped_swiglu_weights_are_gpt_oss_halves_and_refuse_anything_else() -> None:
