@@ -162,12 +162,12 @@ class ExpertWorker:
         """Hold ``slot`` for ``key`` with its FFN ready to run. SwiGLU: weights widened to
         float32 on the CPU (NumPy has no BF16 GEMM), C-contiguous on a GPU for the fused
         kernel (a copy only where the checkpoint keeps them transposed). Clamped SwiGLU
-        (gpt-oss): weights and biases widened to float32 on either (the array formula, cuBLAS
-        on a GPU). ValueError for an expert the worker cannot compute."""
+        (gpt-oss, BF16 or MXFP4): weights and biases widened to float32 on either (the array
+        formula, cuBLAS on a GPU). ValueError for an expert the worker cannot compute."""
         try:
             if slot.manifest.activation == pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU:
                 w = slot.clamped_swiglu_weights()
-                arrays = [reference.bf16_to_f32(self.xp.ascontiguousarray(a)) for a in
+                arrays = [self.xp.ascontiguousarray(a) for a in
                           (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias)]
                 self._ffn[key] = lambda x: reference.clamped_swiglu_f32_weights(
                     x, *arrays, w.alpha, w.limit)

@@ -11,7 +11,7 @@ import numpy as np
 
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi
+from gpu_kernels import abi, reference
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer, session_name, unique_name
 
@@ -95,10 +95,11 @@ class SlotPoolSpec:
 
 @dataclass(frozen=True)
 class ClampedSwiGLU:
-    """A gpt-oss expert's weights (``ExpertSlot.clamped_swiglu_weights``): BF16 bits
-    (``uint16``) gate ``[I, H]``, up ``[I, H]``, down ``[H, I]``, gate_bias ``[I]``,
-    up_bias ``[I]``, down_bias ``[H]``; ``alpha`` and ``limit`` of its activation
-    (``gpu_kernels.reference.clamped_swiglu_f32_weights`` says the formula)."""
+    """A gpt-oss expert's weights (``ExpertSlot.clamped_swiglu_weights``), ``float32``
+    arrays of the slot's kind (NumPy or CuPy): gate ``[I, H]``, up ``[I, H]``, down
+    ``[H, I]``, gate_bias ``[I]``, up_bias ``[I]``, down_bias ``[H]``; ``alpha`` and
+    ``limit`` of its activation (``gpu_kernels.reference.clamped_swiglu_f32_weights`` says the
+    formula)."""
 
     gate: Any
     up: Any
@@ -176,38 +177,51 @@ class ExpertSlot:
         else:
             raise ValueError(f"{self.key}: not a SwiGLU expert without biases (its tensors: "
                              f"{sorted(names)})")
-        self._check_bf16(names)
+        self._check_dtypes(names, {"BF16"})
         return weights
 
     def clamped_swiglu_weights(self) -> ClampedSwiGLU:
-        """gpt-oss's expert (``activation`` CLAMPED_SWIGLU) as BF16 bits, strided views of the
-        blob: ``gate_up_proj`` ``[H, 2I]`` with gate and up interleaved (even columns gate),
-        ``down_proj`` ``[I, H]`` and their biases, as transformers' ``GptOssExperts`` keeps them.
-        ValueError naming what the blob holds for any other expert (MXFP4 ``_blocks`` /
-        ``_scales`` included: dequantise the checkpoint first)."""
+        """gpt-oss's expert (``activation`` CLAMPED_SWIGLU) widened to float32 (a copy): BF16
+        ``gate_up_proj`` ``[H, 2I]`` with gate and up interleaved (even columns gate) and
+        ``down_proj`` ``[I, H]``, as transformers' ``GptOssExperts`` keeps them, or MXFP4 as
+        gpt-oss ships it (``_blocks`` ``[2I, H/32, 16]`` and ``[H, I/32, 16]`` with their
+        ``_scales``: rows interleaved likewise), each with its BF16 bias. ValueError naming
+        what the blob holds for any other expert."""
         m = self.manifest
         names = set(self.names)
-        wanted = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
-        if m.activation != pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU or names != wanted:
+        biases = {"gate_up_proj_bias", "down_proj_bias"}
+        bf16 = {"gate_up_proj", "down_proj"} | biases
+        mxfp4 = {f"{p}_{part}" for p in ("gate_up_proj", "down_proj")
+                 for part in ("blocks", "scales")} | biases
+        if m.activation != pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU or names not in (bf16, mxfp4):
             raise ValueError(f"{self.key}: not a clamped-SwiGLU (gpt-oss) expert with "
-                             f"{sorted(wanted)} (its activation "
+                             f"{sorted(bf16)} or {sorted(mxfp4)} (its activation "
                              f"{pb.ExpertActivation.Name(m.activation)}, tensors {sorted(names)})")
-        fused, bias = self.tensor("gate_up_proj"), self.tensor("gate_up_proj_bias")
-        down, down_bias = self.tensor("down_proj"), self.tensor("down_proj_bias")
-        (h, two_i), (i, h2) = fused.shape, down.shape
+        self._check_dtypes(biases, {"BF16"})
+        bias = reference.bf16_to_f32(self.tensor("gate_up_proj_bias"))
+        down_bias = reference.bf16_to_f32(self.tensor("down_proj_bias"))
+        if names == bf16:
+            self._check_dtypes({"gate_up_proj", "down_proj"}, {"BF16"})
+            fused = reference.bf16_to_f32(self.tensor("gate_up_proj")).T  # [2I, H]
+            down = reference.bf16_to_f32(self.tensor("down_proj")).T  # [H, I]
+        else:
+            self._check_dtypes(mxfp4 - biases, {"U8"})
+            fused, down = (reference.mxfp4_to_f32(self.tensor(f"{p}_blocks"),
+                                                  self.tensor(f"{p}_scales"))
+                           for p in ("gate_up_proj", "down_proj"))
+        (two_i, h), (h2, i) = fused.shape, down.shape
         if two_i != 2 * i or h2 != h or bias.shape != (two_i,) or down_bias.shape != (h,):
-            raise ValueError(f"{self.key}: gate_up_proj {list(fused.shape)}, its bias "
-                             f"{list(bias.shape)}, down_proj {list(down.shape)} and its bias "
-                             f"{list(down_bias.shape)} are not [H, 2I], [2I], [I, H], [H]")
-        self._check_bf16(names)
-        return ClampedSwiGLU(fused[:, 0::2].T, fused[:, 1::2].T, down.T, bias[0::2],
-                             bias[1::2], down_bias, float(m.swiglu_alpha), float(m.swiglu_limit))
+            raise ValueError(f"{self.key}: gate_up {list(fused.shape)}, its bias "
+                             f"{list(bias.shape)}, down {list(down.shape)} and its bias "
+                             f"{list(down_bias.shape)} are not [2I, H], [2I], [H, I], [H]")
+        return ClampedSwiGLU(fused[0::2], fused[1::2], down, bias[0::2], bias[1::2],
+                             down_bias, float(m.swiglu_alpha), float(m.swiglu_limit))
 
-    def _check_bf16(self, names: set[str]) -> None:
+    def _check_dtypes(self, names: set[str], allowed: set[str]) -> None:
         kinds = {self.layout(n).dtype for n in names if not n.endswith("_scale_inv")}
-        if kinds != {"BF16"}:
-            raise ValueError(f"{self.key}: the worker computes BF16 experts, this one holds "
-                             f"{sorted(kinds)}")
+        if not kinds <= allowed:
+            raise ValueError(f"{self.key}: the worker computes {sorted(allowed)} tensors "
+                             f"here, this expert holds {sorted(kinds)}")
 
     def torch(self, name: str) -> Any:
         """The tensor as a torch tensor of its real dtype, sharing memory through DLPack (on

@@ -417,21 +417,63 @@ def test_a_fused_checkpoint_is_served(tmp_path: Path) -> None:
                                routing(model.experts_per_layer, 8, 2, 5))
 
 
-def _gpt_oss_matches_transformers(tmp_path: Path, device: object) -> None:
-    """Serve a gpt-oss checkpoint (``swiglu_limit`` 1.5, not the default: the agent must pass
-    the config's on) from ``device`` and check the manifest's activation and the combined
-    output against transformers' own ``GptOssExperts`` on the checkpoint's weights."""
+def _mxfp4_gpt_oss(root: Path, experts: int, hidden: int, inter: int) -> Path:
+    """A one-layer gpt-oss checkpoint as released: MXFP4 expert weights (``_blocks`` /
+    ``_scales``) with BF16 biases, stacked ``[E, ...]``."""
+    import safetensors
+
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "gpt_oss", "num_hidden_layers": 1, "num_local_experts": experts,
+        "hidden_size": hidden, "intermediate_size": inter, "num_experts_per_tok": 2,
+        "quantization_config": {"quant_method": "mxfp4"}}))
+    rng = np.random.default_rng(2)
+    p = "model.layers.0.mlp.experts"
+
+    def bf16(*shape: int) -> np.ndarray:
+        return reference.f32_to_bf16(rng.standard_normal(shape, dtype=np.float32))
+
+    arrays = {
+        f"{p}.gate_up_proj_blocks": rng.integers(0, 256, (experts, 2 * inter, hidden // 32, 16),
+                                                 np.uint8),
+        f"{p}.gate_up_proj_scales": rng.integers(118, 124, (experts, 2 * inter, hidden // 32),
+                                                 np.uint8),
+        f"{p}.gate_up_proj_bias": bf16(experts, 2 * inter),
+        f"{p}.down_proj_blocks": rng.integers(0, 256, (experts, hidden, inter // 32, 16),
+                                              np.uint8),
+        f"{p}.down_proj_scales": rng.integers(118, 124, (experts, hidden, inter // 32),
+                                              np.uint8),
+        f"{p}.down_proj_bias": bf16(experts, hidden),
+        "model.layers.0.mlp.router.weight": bf16(experts, hidden)}
+    safetensors.serialize_file({
+        n: safetensors.TensorSpec(dtype="uint8" if a.dtype == np.uint8 else "bfloat16",
+                                  shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes)
+        for n, a in arrays.items()}, str(root / "model.safetensors"))
+    return root
+
+
+def _gpt_oss_matches_transformers(tmp_path: Path, device: object, form: str = "bf16") -> None:
+    """Serve a gpt-oss checkpoint (``form`` ``bf16``, as transformers saves it, with
+    ``swiglu_limit`` 1.5, not the default: the agent must pass the config's on; or ``mxfp4``,
+    as gpt-oss ships) from ``device`` and check the manifest's activation and the combined
+    output against transformers' own ``GptOssExperts`` on the checkpoint's weights
+    (dequantised by transformers' ``convert_moe_packed_tensors``)."""
     import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     from dpu_offload.v1 import agent_pb2 as pb
     from host_client.checkpoints import CheckpointSpec, make_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "gpt-oss", CheckpointSpec(
-        "gpt-oss", layers=2, experts=6, hidden=256, intermediate=192))
-    cfg = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": 1.5}))
+    limit = 1.5 if form == "bf16" else 7.0
+    if form == "bf16":
+        ckpt = make_checkpoint(tmp_path / "gpt-oss", CheckpointSpec(
+            "gpt-oss", layers=2, experts=6, hidden=256, intermediate=192))
+        cfg = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": limit}))
+    else:
+        ckpt = _mxfp4_gpt_oss(tmp_path / "gpt-oss-mxfp4", 6, 256, 192)
     ids = routing(6, 8, 2, 11)
     rng = np.random.default_rng(4)
     x = reference.f32_to_bf16(rng.standard_normal((ids.shape[0], 256), dtype=np.float32))
@@ -443,10 +485,10 @@ def _gpt_oss_matches_transformers(tmp_path: Path, device: object) -> None:
         dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 12)])
         client.wait_placement(client.apply_placement("qa", [
             [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers]).placement_id)
-        layer = model.moe_layers[1]
+        layer = model.moe_layers[-1]
         manifest = client.manifest(ExpertKey("qa", layer, 0))
         assert manifest.activation == pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
-        assert manifest.swiglu_limit == 1.5 and abs(manifest.swiglu_alpha - 1.702) < 1e-6
+        assert manifest.swiglu_limit == limit and abs(manifest.swiglu_alpha - 1.702) < 1e-6
         worker = ExpertWorker(client, dev)
         try:
             with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa", 6,
@@ -456,12 +498,24 @@ def _gpt_oss_matches_transformers(tmp_path: Path, device: object) -> None:
             worker.close()
     truth = checkpoint_bytes(ckpt)
     experts = GptOssExperts(GptOssConfig(hidden_size=256, intermediate_size=192,
-                                         num_local_experts=6, swiglu_limit=1.5))
-    for name, shape in (("gate_up_proj", (6, 256, 384)), ("gate_up_proj_bias", (6, 384)),
-                        ("down_proj", (6, 192, 256)), ("down_proj_bias", (6, 256))):
-        raw = np.frombuffer(truth[f"model.layers.{layer}.mlp.experts.{name}"], np.uint16)
+                                         num_local_experts=6, swiglu_limit=limit))
+    p = f"model.layers.{layer}.mlp.experts"
+
+    def raw(name: str, dtype: type, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(truth[f"{p}.{name}"], dtype).reshape(shape).copy())
+
+    for name, shape in (("gate_up_proj_bias", (6, 384)), ("down_proj_bias", (6, 256))):
         getattr(experts, name).data = torch.from_numpy(
-            reference.bf16_to_f32(raw).reshape(shape).copy())
+            reference.bf16_to_f32(raw(name, np.uint16, shape).numpy()))
+    for name, (rows, cols) in (("gate_up_proj", (384, 256)), ("down_proj", (256, 192))):
+        if form == "bf16":
+            value = torch.from_numpy(reference.bf16_to_f32(
+                raw(name, np.uint16, (6, cols, rows)).numpy()))
+        else:
+            value = convert_moe_packed_tensors(
+                raw(f"{name}_blocks", np.uint8, (6, rows, cols // 32, 16)),
+                raw(f"{name}_scales", np.uint8, (6, rows, cols // 32)), dtype=torch.float32)
+        getattr(experts, name).data = value
     with torch.no_grad():
         want = experts(torch.from_numpy(reference.bf16_to_f32(x)), torch.from_numpy(ids),
                        torch.from_numpy(w)).numpy()
@@ -475,6 +529,14 @@ def test_a_gpt_oss_checkpoint_is_served_as_transformers_computes_it(tmp_path: Pa
     _gpt_oss_matches_transformers(tmp_path, CpuReferenceDevice())
 
 
+def test_gpt_oss_as_released_in_mxfp4_is_served_as_transformers_computes_it(
+        tmp_path: Path) -> None:
+    """gpt-oss as published (MXFP4 ``_blocks`` / ``_scales``, BF16 biases): the worker
+    dequantises each held expert once and matches transformers' ``GptOssExperts`` on the
+    weights transformers dequantises."""
+    _gpt_oss_matches_transformers(tmp_path, CpuReferenceDevice(), "mxfp4")
+
+
 @pytest.mark.gpu
 def test_a_gpt_oss_checkpoint_is_served_on_the_gpu(tmp_path: Path) -> None:
     """The same on a CUDA worker (packet kernels, the clamped FFN in CuPy)."""
@@ -486,30 +548,55 @@ def test_a_gpt_oss_checkpoint_is_served_on_the_gpu(tmp_path: Path) -> None:
 
 def test_clamped_swiglu_weights_are_gpt_oss_halves_and_refuse_anything_else() -> None:
     """gpt-oss's ``gate_up_proj`` ``[H, 2I]`` interleaves gate (even columns) and up (odd),
-    and so does its bias; a blob without those tensors (MXFP4 ``_blocks``, a plain SwiGLU
-    expert) is refused by name."""
+    and so does its bias; MXFP4 blocks ``[2I, H/32, 16]`` interleave their rows likewise and
+    dequantise as transformers does (``convert_moe_packed_tensors``); a blob with neither
+    form (half of MXFP4, a plain SwiGLU expert) is refused by name."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
     from dpu_offload.v1 import agent_pb2 as pb
 
     rng = np.random.default_rng(5)
-    hidden, inter = 16, 8
-    fused = rng.integers(0, 1 << 15, (hidden, 2 * inter)).astype(np.uint16)
-    bias = rng.integers(0, 1 << 15, 2 * inter).astype(np.uint16)
-    down = rng.integers(0, 1 << 15, (inter, hidden)).astype(np.uint16)
-    down_bias = rng.integers(0, 1 << 15, hidden).astype(np.uint16)
-    slot = _slot({"gate_up_proj": (fused, "BF16"), "gate_up_proj_bias": (bias, "BF16"),
-                  "down_proj": (down, "BF16"), "down_proj_bias": (down_bias, "BF16")})
-    slot.manifest.activation = pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
-    slot.manifest.swiglu_alpha, slot.manifest.swiglu_limit = 1.5, 3.0
-    w = slot.clamped_swiglu_weights()
-    for got, want in ((w.gate, fused[:, 0::2].T), (w.up, fused[:, 1::2].T), (w.down, down.T),
-                      (w.gate_bias, bias[0::2]), (w.up_bias, bias[1::2]),
-                      (w.down_bias, down_bias)):
+    hidden, inter = 64, 32
+
+    def bf16(*shape: int) -> np.ndarray:
+        return reference.f32_to_bf16(rng.standard_normal(shape, dtype=np.float32))
+
+    fused, bias, down, down_bias = bf16(hidden, 2 * inter), bf16(2 * inter), bf16(inter, hidden), \
+        bf16(hidden)
+    biases = {"gate_up_proj_bias": (bias, "BF16"), "down_proj_bias": (down_bias, "BF16")}
+
+    def clamped(tensors: dict[str, tuple[np.ndarray, str]]) -> ExpertSlot:
+        slot = _slot(tensors)
+        slot.manifest.activation = pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
+        slot.manifest.swiglu_alpha, slot.manifest.swiglu_limit = 1.5, 3.0
+        return slot
+
+    w = clamped({"gate_up_proj": (fused, "BF16"), "down_proj": (down, "BF16"), **biases}
+                ).clamped_swiglu_weights()
+    f32 = reference.bf16_to_f32
+    for got, want in ((w.gate, f32(fused)[:, 0::2].T), (w.up, f32(fused)[:, 1::2].T),
+                      (w.down, f32(down).T), (w.gate_bias, f32(bias)[0::2]),
+                      (w.up_bias, f32(bias)[1::2]), (w.down_bias, f32(down_bias))):
         assert np.array_equal(got, want)
     assert (w.alpha, w.limit) == (1.5, 3.0)
-    mxfp4 = _slot({"gate_up_proj_blocks": (fused.view(np.uint8), "U8"),
-                   "gate_up_proj_bias": (bias, "BF16")})
-    mxfp4.manifest.activation = pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
+
+    blocks = {"gate_up_proj": rng.integers(0, 256, (2 * inter, hidden // 32, 16), np.uint8),
+              "down_proj": rng.integers(0, 256, (hidden, inter // 32, 16), np.uint8)}
+    scales = {n: rng.integers(120, 134, b.shape[:-1], np.uint8) for n, b in blocks.items()}
+    mx = clamped({**{f"{n}_blocks": (b, "U8") for n, b in blocks.items()},
+                  **{f"{n}_scales": (s, "U8") for n, s in scales.items()}, **biases}
+                 ).clamped_swiglu_weights()
+    theirs = {n: convert_moe_packed_tensors(torch.from_numpy(blocks[n][None]),
+                                            torch.from_numpy(scales[n][None]),
+                                            dtype=torch.float32)[0].numpy()
+              for n in blocks}  # [H, 2I] and [I, H], as GptOssExperts keeps them
+    assert np.array_equal(mx.gate, theirs["gate_up_proj"][:, 0::2].T)
+    assert np.array_equal(mx.up, theirs["gate_up_proj"][:, 1::2].T)
+    assert np.array_equal(mx.down, theirs["down_proj"].T)
+
     with pytest.raises(ValueError, match="gate_up_proj_blocks"):
-        mxfp4.clamped_swiglu_weights()
+        clamped({"gate_up_proj_blocks": (blocks["gate_up_proj"], "U8"), **biases}
+                ).clamped_swiglu_weights()
     with pytest.raises(ValueError, match="EXPERT_ACTIVATION_SWIGLU"):
         _slot({"gate_proj": (down.T.copy(), "BF16")}).clamped_swiglu_weights()
