@@ -18,6 +18,7 @@ from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from host_client.checkpoints import ARCHS, CheckpointSpec, make_checkpoint
+from host_client.client import TlsFiles
 
 if TYPE_CHECKING:
     from dpu_agent.cluster.store import ClusterStore
@@ -45,7 +46,7 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with AgentClient(args.agent, client_name="serve-experts") as client:
+    with AgentClient(args.agent, client_name="serve-experts", tls=_tls(args)) as client:
         model = client.load_model(args.checkpoint, args.model)
         if args.device == "cuda":
             from host_client.cuda_device import CudaDevice
@@ -70,7 +71,7 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
 
 
 def _fetch_status(args: argparse.Namespace) -> pb.StatusResponse:
-    with grpc.insecure_channel(args.agent) as channel:
+    with _channel(args) as channel:
         return pb_grpc.DpuAgentStub(channel).GetStatus(pb.StatusRequest(), timeout=args.timeout,
                                                         metadata=_token(args))
 
@@ -149,6 +150,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent_args(p: argparse.ArgumentParser) -> None:
+    """--agent and how to reach it: TLS, or mutual TLS where the agent asks for client
+    certificates (docs/DEPLOY.md); plaintext without --tls-ca."""
+    p.add_argument("--agent", default="127.0.0.1:50051")
+    for flag, what in (("ca", "the CA that signed the agent's certificate"),
+                       ("cert", "this client's certificate (mutual TLS)"),
+                       ("key", "this client's key (mutual TLS)")):
+        env = f"EXPERTCTL_TLS_{flag.upper()}"
+        p.add_argument(f"--tls-{flag}", default=os.environ.get(env, ""),
+                       help=f"PEM file: {what} (default ${env})")
+
+
+def _tls(args: argparse.Namespace) -> TlsFiles | None:
+    """The TLS files the command line names (None: plaintext); ValueError naming the flag
+    for a file that cannot be read or a certificate without its key."""
+    if not args.tls_ca:
+        if args.tls_cert or args.tls_key:
+            raise ValueError("--tls-cert and --tls-key need --tls-ca")
+        return None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("give --tls-cert and --tls-key together (or neither)")
+    for flag in ("ca", "cert", "key"):
+        path = getattr(args, f"tls_{flag}")
+        if path and not os.access(path, os.R_OK):
+            raise ValueError(f"--tls-{flag} {path!r} is not a readable file")
+    return TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to ``--agent``, over TLS where the command line asks for it."""
+    tls = _tls(args)
+    return (grpc.secure_channel(args.agent, tls.credentials()) if tls is not None
+            else grpc.insecure_channel(args.agent))
+
+
 def _session_args(p: argparse.ArgumentParser) -> None:
     """--session and its token: a command acting on a session must present its secret."""
     p.add_argument("--session", required=True, help="session id (expertctl status lists them)")
@@ -166,7 +202,7 @@ def _token(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def cmd_rebalance(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.agent) as channel:
+    with _channel(args) as channel:
         r = pb_grpc.DpuAgentStub(channel).Rebalance(pb.RebalanceRequest(
             session_id=args.session, model=args.model, replicas=args.replicas),
             timeout=args.timeout, metadata=_token(args))
@@ -229,7 +265,7 @@ def _cluster_status(store: ClusterStore) -> None:
 
 
 def cmd_flows(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.agent) as channel:
+    with _channel(args) as channel:
         stub = pb_grpc.DpuAgentStub(channel)
         if args.flows_command == "list":
             r = stub.ListFlows(pb.ListFlowsRequest(), timeout=args.timeout)
@@ -286,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="Qwen3-MoE's expert count as transformers 4 spelled it (num_experts)")
     p.set_defaults(fn=cmd_make_checkpoint)
     p = sub.add_parser("serve-experts", help="an expert worker process serving activations")
-    p.add_argument("--agent", default="127.0.0.1:50051")
+    _agent_args(p)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -294,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for the placement")
     p.set_defaults(fn=cmd_serve_experts)
     p = sub.add_parser("status", help="one screen of the agent's state")
-    p.add_argument("--agent", default="127.0.0.1:50051")
+    _agent_args(p)
     p.add_argument("--timeout", type=float, default=5.0)
     _token_arg(p)
     p.set_defaults(fn=cmd_status)
     p = sub.add_parser("flows", help="list, add or delete flow-steering rules")
-    p.add_argument("--agent", default="127.0.0.1:50051")
+    _agent_args(p)
     p.add_argument("--timeout", type=float, default=5.0)
     fsub = p.add_subparsers(dest="flows_command", required=True)
     fsub.add_parser("list")
@@ -320,14 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     fd.add_argument("rule_ids", type=int, nargs="+")
     p.set_defaults(fn=cmd_flows)
     p = sub.add_parser("top", help="the status screen, refreshed live")
-    p.add_argument("--agent", default="127.0.0.1:50051")
+    _agent_args(p)
     p.add_argument("--timeout", type=float, default=5.0)
     _token_arg(p)
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: never)")
     p.set_defaults(fn=cmd_top)
     p = sub.add_parser("rebalance", help="re-plan a session's model from its reported routing")
-    p.add_argument("--agent", default="127.0.0.1:50051")
+    _agent_args(p)
     _session_args(p)
     p.add_argument("--model", required=True)
     p.add_argument("--replicas", type=int, default=0)

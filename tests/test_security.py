@@ -292,6 +292,47 @@ def test_status_shows_a_caller_its_own_sessions_and_an_administrator_all(pki: Pa
             assert everything.other_sessions == 0
 
 
+def test_expertctl_reaches_an_agent_that_requires_mutual_tls(pki: Path) -> None:
+    """expertctl's status and flows speak TLS with --tls-ca / --tls-cert / --tls-key (or
+    $EXPERTCTL_TLS_*): plaintext is refused by the agent, the client's certificate gets its
+    answer (an administrator's: every session), and a file it cannot read is named."""
+    import os
+    import sys
+
+    settings = (f'[server]\ntls_cert = "{pki}/agent.pem"\ntls_key = "{pki}/agent.key"\n'
+                f'tls_client_ca = "{pki}/ca.pem"\nadmin_names = ["client"]\n')
+
+    def expertctl(*args: str, env: dict[str, str] | None = None
+                  ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "host_client.cli", *args],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **(env or {})})
+
+    files = ["--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "client.pem"),
+             "--tls-key", str(pki / "client.key")]
+    with AgentProcess(settings) as agent:
+        user = TlsFiles(str(pki / "ca.pem"), str(pki / "colleague.pem"),
+                        str(pki / "colleague.key"))
+        with AgentClient(agent.address, tls=user, client_name="bob"):
+            plain = expertctl("status", "--agent", agent.address, "--timeout", "3")
+            assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+            ok = expertctl("status", "--agent", agent.address, *files)
+            assert ok.returncode == 0, ok.stderr
+            assert "bob" in ok.stdout  # an administrator sees every session
+            env = {"EXPERTCTL_TLS_CA": str(pki / "ca.pem"),
+                   "EXPERTCTL_TLS_CERT": str(pki / "client.pem"),
+                   "EXPERTCTL_TLS_KEY": str(pki / "client.key")}
+            flows = expertctl("flows", "--agent", agent.address, "list", env=env)
+            assert flows.returncode == 0 and "flow table v" in flows.stdout, flows.stderr
+        missing = expertctl("status", "--agent", agent.address, "--tls-ca",
+                            str(pki / "none.pem"))
+        assert missing.returncode == 1
+        assert f"--tls-ca '{pki / 'none.pem'}' is not a readable file" in missing.stderr
+        half = expertctl("status", "--agent", agent.address, "--tls-ca", str(pki / "ca.pem"),
+                         "--tls-cert", str(pki / "client.pem"))
+        assert half.returncode == 1 and "--tls-cert and --tls-key together" in half.stderr
+
+
 def test_administrators_need_client_certificates(tmp_path: Path) -> None:
     agent = AgentProcess('[server]\nadmin_names = ["ops"]\n')
     with pytest.raises(RuntimeError, match=r"server\.admin_names: .*tls_client_ca"):
