@@ -32,7 +32,7 @@ from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import reference
+from gpu_kernels import gpt_oss, reference
 from gpu_kernels.ring import Ring
 from gpu_kernels.routing import dispatch_plan
 from host_client.client import AgentClient, AttachedDevice
@@ -169,7 +169,7 @@ class ExpertWorker:
                 w = slot.clamped_swiglu_weights()
                 arrays = [self.xp.ascontiguousarray(a) for a in
                           (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias)]
-                self._ffn[key] = lambda x: reference.clamped_swiglu_f32_weights(
+                self._ffn[key] = lambda x: gpt_oss.clamped_swiglu_f32_weights(
                     x, *arrays, w.alpha, w.limit)
             else:
                 weights = slot.swiglu_weights()

@@ -11,7 +11,7 @@ import numpy as np
 
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi, reference
+from gpu_kernels import abi, gpt_oss, reference
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer, session_name, unique_name
 
@@ -98,7 +98,7 @@ class ClampedSwiGLU:
     """A gpt-oss expert's weights (``ExpertSlot.clamped_swiglu_weights``), ``float32``
     arrays of the slot's kind (NumPy or CuPy): gate ``[I, H]``, up ``[I, H]``, down
     ``[H, I]``, gate_bias ``[I]``, up_bias ``[I]``, down_bias ``[H]``; ``alpha`` and
-    ``limit`` of its activation (``gpu_kernels.reference.clamped_swiglu_f32_weights`` says the
+    ``limit`` of its activation (``gpu_kernels.gpt_oss.clamped_swiglu_f32_weights`` says the
     formula)."""
 
     gate: Any
@@ -206,7 +206,7 @@ class ExpertSlot:
             down = reference.bf16_to_f32(self.tensor("down_proj")).T  # [H, I]
         else:
             self._check_dtypes(mxfp4 - biases, {"U8"})
-            fused, down = (reference.mxfp4_to_f32(self.tensor(f"{p}_blocks"),
+            fused, down = (gpt_oss.mxfp4_to_f32(self.tensor(f"{p}_blocks"),
                                                   self.tensor(f"{p}_scales"))
                            for p in ("gate_up_proj", "down_proj"))
         (two_i, h), (h2, i) = fused.shape, down.shape
