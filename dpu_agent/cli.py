@@ -1,4 +1,5 @@
-"""``dpu-agent``: the daemon (``serve``) and its admin verbs (``inspect``, ``check-config``)."""
+"""``dpu-agent``: the daemon (``serve``) and its admin verbs (``inspect``, ``check-config``,
+``ingest``; ``plan`` and ``cluster`` from ``dpu_agent.admin``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 from dpu_agent import __version__
+from dpu_agent.admin import add_commands
 from dpu_agent.config import DEFAULT_PATH, ConfigError, load
 from dpu_agent.service.state import StateError
 from dpu_agent.weights.catalog import build_catalog
@@ -153,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                    "dpu-manifest.json in the checkpoint, where LoadModel finds it)")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
     p.set_defaults(fn=cmd_ingest)
+    add_commands(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
     except ConfigError as exc:
         print(f"dpu-agent: {exc}", file=sys.stderr)
         return 2
-    except (CheckpointError, LayoutError, StateError, OSError) as exc:
+    except (CheckpointError, LayoutError, StateError, OSError, ValueError) as exc:
         print(f"dpu-agent: {exc}", file=sys.stderr)
         return 1
 

@@ -294,3 +294,32 @@ def test_etcd_over_mutual_tls(tmp_path: Path) -> None:
                              etcd_key=key["intruder"])):
             with pytest.raises(RuntimeError, match="etcd unreachable"):
                 AgentProcess(bad).start()
+
+
+def test_dpu_agent_cluster_commands(etcd: EtcdProcess, store: ClusterStore,
+                                    qwen_ckpt: Path, tmp_path: Path) -> None:
+    """`dpu-agent cluster` (agent-side administration, no agent process of its own): status
+    lists the live members, rebalance plans the checkpoint over them and writes it, apply
+    refuses a placement naming an agent that is not a member and writes nothing."""
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dpu_agent.cli", "cluster", "--etcd",
+                               etcd.endpoint, "--prefix", store.prefix, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    with AgentProcess(settings(etcd.endpoint, "solo", prefix=store.prefix)):
+        until("the agent joined", lambda: "solo" in store.members())
+        status = cli("status")
+        assert status.returncode == 0 and "solo" in status.stdout, status.stderr
+        done = cli("rebalance", "--path", str(qwen_ckpt), "--model", "qc")
+        assert done.returncode == 0 and "placement of qc v" in done.stdout, done.stderr
+        got = store.get_json(store.key("placement", "qc"))
+        assert got is not None and list(got[0]["holders"]) == ["solo"]
+        every = got[0]["holders"]["solo"]
+        (tmp_path / "ghost.json").write_text(json.dumps(ClusterPlacement(
+            "qg", str(qwen_ckpt), 0, {"ghost": every}).to_json()))
+        refused = cli("apply", "--file", str(tmp_path / "ghost.json"))
+        assert refused.returncode == 1 and "'ghost' is not a live member" in refused.stderr
+        assert store.get_json(store.key("placement", "qg")) is None

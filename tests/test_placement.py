@@ -92,7 +92,7 @@ def test_refusals_name_the_constraint(kwargs: dict, msg: str) -> None:
 def test_cli_plan_on_a_load_file(tmp_path: Path) -> None:
     load = np.random.default_rng(2).integers(0, 1000, (3, 16)).astype(np.float64)
     np.save(tmp_path / "load.npy", load)
-    cmd = [sys.executable, "-m", "host_client.cli", "plan", "--load", str(tmp_path / "load.npy"),
+    cmd = [sys.executable, "-m", "dpu_agent.cli", "plan", "--load", str(tmp_path / "load.npy"),
            "--gpus", "4", "--replicas", "2", "--json"]
     out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     assert out["max_load_ratio"] >= 1.0 and len(out["assignment"]) == 3
