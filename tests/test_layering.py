@@ -1,0 +1,54 @@
+"""The packages' dependency rules, read from every import statement (those inside functions
+too): the agent runs on a DPU's Arm cores, so it never imports the host client, CuPy or torch;
+the host client talks to the agent only through the contracts, never by importing it; the DMA
+engine stands for hardware and imports neither side; the kernels and the contracts import
+neither side either."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = {
+    "dpu_agent": {"host_client", "cupy", "torch", "cupyx"},
+    "host_client": {"dpu_agent"},
+    "dma_engine": {"dpu_agent", "host_client", "torch"},
+    "gpu_kernels": {"dpu_agent", "host_client"},
+    "dpu_offload": {"dpu_agent", "host_client", "gpu_kernels", "dma_engine"},
+}
+
+
+def imported(path: Path) -> dict[str, int]:
+    """Top-level package -> the first line importing it, for every absolute import."""
+    out: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            out.setdefault(name.split(".")[0], node.lineno)
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_a_package_imports_nothing_its_rule_forbids(package: str) -> None:
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no Python files under {package}/"
+    broken = [f"{f.relative_to(ROOT)}:{line} imports {name}"
+              for f in files for name, line in imported(f).items() if name in RULES[package]]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_rules_see_a_forbidden_import(tmp_path: Path) -> None:
+    """The scan finds imports in functions and ``from`` forms (so a passing rule means
+    something)."""
+    f = tmp_path / "m.py"
+    f.write_text("import os\n\ndef g():\n    from dpu_agent.config import load\n"
+                 "    import cupy.cuda as c\n")
+    assert imported(f) == {"os": 1, "dpu_agent": 4, "cupy": 5}
