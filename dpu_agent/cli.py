@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dpu_agent import __version__
 from dpu_agent.admin import add_commands
-from dpu_agent.config import DEFAULT_PATH, ConfigError, load
+from dpu_agent.config import DEFAULT_PATH, KEYS, ConfigError, load
 from dpu_agent.service.state import StateError
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.layouts import LayoutError
@@ -71,8 +71,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = load(_config_path(args.file))
-    print(f"configuration OK: {cfg}")
+    """Every problem of the config (exit 2), or the settings in force, section by section."""
+    path = _config_path(args.file)
+    cfg = load(path)
+    print(f"configuration OK: {path or 'no file (defaults and DPU_AGENT_* variables)'}")
+    sections: dict[str, list[str]] = {}
+    for (section, key), (name, _) in KEYS.items():
+        value = getattr(cfg, name)
+        shown = json.dumps(list(value) if isinstance(value, tuple) else value)
+        sections.setdefault(section, []).append(f"  {key} = {shown}")
+    for section, lines in sections.items():
+        print(f"[{section}]", *lines, sep="\n")
     return 0
 
 

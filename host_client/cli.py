@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import select
 import sys
+import time
+from collections.abc import Callable, Iterator
 
 import grpc
 from rich.console import Console, Group
 from rich.table import Table
 
-from dpu_offload.identity import SESSION_TOKEN_METADATA
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
-from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
+from host_client.admin import AgentAdmin
 from host_client.checkpoints import ARCHS, CheckpointSpec, make_checkpoint
 from host_client.client import TlsFiles
 
@@ -64,12 +67,6 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch_status(args: argparse.Namespace) -> pb.StatusResponse:
-    with _channel(args) as channel:
-        return pb_grpc.DpuAgentStub(channel).GetStatus(pb.StatusRequest(), timeout=args.timeout,
-                                                        metadata=_token(args))
-
-
 def render_status(st: pb.StatusResponse) -> Group:
     """One screen of the agent's state as a rich renderable."""
     hit = st.cache_hits / max(1, st.cache_hits + st.cache_misses)
@@ -94,21 +91,62 @@ def render_status(st: pb.StatusResponse) -> Group:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    Console().print(render_status(_fetch_status(args)))
+    with _admin(args) as admin:
+        Console().print(render_status(admin.status()))
     return 0
 
 
-def cmd_top(args: argparse.Namespace) -> int:
-    import time
+@contextlib.contextmanager
+def _keys() -> Iterator[Callable[[float], str]]:
+    """Key presses on stdin while the block runs (one at a time: cbreak mode on a terminal,
+    restored after); the function waits up to ``timeout`` seconds for one and returns it, ""
+    for none (and for good once stdin is at its end)."""
+    stdin = sys.stdin
+    fd = stdin.fileno() if stdin is not None and not stdin.closed else -1
+    saved = None
+    if fd >= 0 and os.isatty(fd):
+        import termios
+        import tty
 
+        saved = termios.tcgetattr(fd)
+        tty.setcbreak(fd)
+    ended = fd < 0
+
+    def pressed(timeout: float) -> str:
+        nonlocal ended
+        if ended:
+            time.sleep(timeout)
+            return ""
+        if not select.select([fd], [], [], timeout)[0]:
+            return ""
+        key = os.read(fd, 1)
+        ended = not key
+        return key.decode(errors="replace")
+
+    try:
+        yield pressed
+    finally:
+        if saved is not None:
+            import termios
+
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """The status screen every ``--interval`` s until ``q`` or Ctrl-C (or ``--iterations``)."""
     from rich.live import Live
 
     n = 0
-    with Live(render_status(_fetch_status(args)), refresh_per_second=4) as live:
-        while args.iterations == 0 or n < args.iterations:
-            time.sleep(args.interval)
-            live.update(render_status(_fetch_status(args)))
-            n += 1
+    with _admin(args) as admin, _keys() as pressed:
+        try:
+            with Live(render_status(admin.status()), refresh_per_second=4) as live:
+                while args.iterations == 0 or n < args.iterations:
+                    if pressed(args.interval).lower() == "q":
+                        break
+                    live.update(render_status(admin.status()))
+                    n += 1
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -140,11 +178,10 @@ def _tls(args: argparse.Namespace) -> TlsFiles | None:
     return TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)
 
 
-def _channel(args: argparse.Namespace) -> grpc.Channel:
-    """A channel to ``--agent``, over TLS where the command line asks for it."""
-    tls = _tls(args)
-    return (grpc.secure_channel(args.agent, tls.credentials()) if tls is not None
-            else grpc.insecure_channel(args.agent))
+def _admin(args: argparse.Namespace) -> AgentAdmin:
+    """Session-less calls to ``--agent``, over TLS where the command line asks for it, with
+    the session token where the command takes one."""
+    return AgentAdmin(args.agent, _tls(args), getattr(args, "session_token", ""), args.timeout)
 
 
 def _session_args(p: argparse.ArgumentParser) -> None:
@@ -159,15 +196,9 @@ def _token_arg(p: argparse.ArgumentParser) -> None:
                    "$DPU_AGENT_SESSION_TOKEN); status shows the sessions it owns")
 
 
-def _token(args: argparse.Namespace) -> list[tuple[str, str]]:
-    return [(SESSION_TOKEN_METADATA, args.session_token)] if args.session_token else []
-
-
 def cmd_rebalance(args: argparse.Namespace) -> int:
-    with _channel(args) as channel:
-        r = pb_grpc.DpuAgentStub(channel).Rebalance(pb.RebalanceRequest(
-            session_id=args.session, model=args.model, replicas=args.replicas),
-            timeout=args.timeout, metadata=_token(args))
+    with _admin(args) as admin:
+        r = admin.rebalance(args.session, args.model, args.replicas)
     print(f"placement {r.placement_id}: max_load_ratio {r.max_load_ratio:.4f}, "
           f"{r.copies_to_add} copies to add, {r.copies_to_drop} to drop, "
           f"{r.bytes_moved} bytes to move (progress on the session's event stream)")
@@ -175,10 +206,9 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
 
 
 def cmd_flows(args: argparse.Namespace) -> int:
-    with _channel(args) as channel:
-        stub = pb_grpc.DpuAgentStub(channel)
+    with _admin(args) as admin:
         if args.flows_command == "list":
-            r = stub.ListFlows(pb.ListFlowsRequest(), timeout=args.timeout)
+            r = admin.list_flows()
             table = Table("id", "prio", "traffic", "model", "layers", "expert", "source",
                           "action", "queues", "origin", "packets", "bytes",
                           title=f"flow table v{r.version} ({r.lookups} lookups, "
@@ -190,18 +220,14 @@ def cmd_flows(args: argparse.Namespace) -> int:
                               layers, "any" if x.expert < 0 else str(x.expert),
                               x.source or "any", x.action, ",".join(map(str, x.queues)) or "-",
                               x.origin, str(x.packets), str(x.bytes))
-            from rich.console import Console
-
             Console().print(table)
             return 0
         rule = pb.FlowRule(traffic=args.traffic, action=args.action, model=args.model,
                            layer_min=args.layer_min, layer_max=args.layer_max,
                            expert=args.expert, source=args.source, queues=args.queue,
                            priority=args.priority) if args.flows_command == "add" else None
-        r = stub.ApplyFlows(pb.ApplyFlowsRequest(
-            session_id=args.session, add=[rule] if rule else [],
-            delete=args.rule_ids if args.flows_command == "delete" else []),
-            timeout=args.timeout, metadata=_token(args))
+        r = admin.apply_flows(args.session, [rule] if rule else [],
+                              args.rule_ids if args.flows_command == "delete" else [])
         print(f"flow table v{r.version}" + (f", added rule {list(r.added)}" if r.added else ""))
     return 0
 

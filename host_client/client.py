@@ -109,6 +109,20 @@ def _nothing() -> None:
     pass
 
 
+def open_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    """A gRPC channel to the agent at ``address`` (``host:port``): TLS (mutual where ``tls``
+    names a client certificate) or, without ``tls``, plaintext."""
+    return (grpc.secure_channel(address, tls.credentials()) if tls is not None
+            else grpc.insecure_channel(address))
+
+
+def typed_stub(channel: grpc.Channel, counts: Counter[str], token: Callable[[], str]
+               ) -> pb_grpc.DpuAgentStub:
+    """A stub whose unary calls send ``token()`` (when not empty), are counted in ``counts``
+    by method and raise their failures as typed errors (``host_client.errors``)."""
+    return pb_grpc.DpuAgentStub(grpc.intercept_channel(channel, _Calls(counts, token)))
+
+
 class _Details(namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
                                          "wait_for_ready", "compression")),
                grpc.ClientCallDetails):
@@ -166,8 +180,7 @@ class AgentClient:
                  rpc_timeout: float = 60.0, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.rpc_timeout = rpc_timeout
-        self.channel = (grpc.secure_channel(address, tls.credentials()) if tls is not None
-                        else grpc.insecure_channel(address))
+        self.channel = open_channel(address, tls)
         ready = grpc.channel_ready_future(self.channel)
         try:
             ready.result(timeout=connect_timeout)
@@ -179,8 +192,7 @@ class AgentClient:
         self.rpc_calls: Counter[str] = Counter()
         """gRPC calls this client made, by method (the data path makes none)."""
         self._token = ""
-        self.stub = pb_grpc.DpuAgentStub(grpc.intercept_channel(
-            self.channel, _Calls(self.rpc_calls, lambda: self._token)))
+        self.stub = typed_stub(self.channel, self.rpc_calls, lambda: self._token)
         self.client_name = client_name
         self._lease_request = lease_seconds
         self._lock = threading.Lock()

@@ -64,7 +64,11 @@ def test_check_config_cli_exit_codes(tmp_path: Path) -> None:
         in res.stderr
     res = subprocess.run([*run, str(tmp_path / "missing.toml")], capture_output=True, text=True)
     assert res.returncode == 2 and "no such file" in res.stderr
-    assert subprocess.run([*run, str(EXAMPLE)], capture_output=True).returncode == 0
+    good = subprocess.run([*run, str(EXAMPLE)], capture_output=True, text=True)
+    assert good.returncode == 0 and good.stdout.startswith(f"configuration OK: {EXAMPLE}")
+    # A readable summary: every key under its section, with the value in force.
+    assert "\n[transfer]\n" in good.stdout and '\n  engine_poll = "auto"\n' in good.stdout
+    assert "\n  bytes = 8589934592\n" in good.stdout and "AgentConfig(" not in good.stdout
 
 
 def test_agent_refuses_to_start_on_a_port_in_use() -> None:

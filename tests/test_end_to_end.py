@@ -4,6 +4,7 @@ reference device -> slots, with bytes checked against the checkpoint files."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -251,6 +252,19 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
                               "--iterations", "2"], capture_output=True, text=True,
                              env={**os.environ, "COLUMNS": "200"})
         assert top.returncode == 0 and "qwen-ctl" in top.stdout
+        # Left running, top quits on q, and on Ctrl-C without a traceback.
+        for stop in ("q", signal.SIGINT):
+            live = subprocess.Popen([*base, "top", "--agent", agent.address, "--interval",
+                                     "0.2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            time.sleep(1.5)
+            if stop == "q":
+                live.stdin.write("q")
+                live.stdin.flush()
+            else:
+                live.send_signal(stop)
+            _, err = live.communicate(timeout=10)
+            assert live.returncode == 0 and "Traceback" not in err, (stop, err)
     down = subprocess.run([*base, "status", "--agent", "127.0.0.1:9", "--timeout", "0.5"],
                           capture_output=True, text=True)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
