@@ -244,6 +244,10 @@ class AgentClient:
 
     # -- models and devices ----------------------------------------------------------------
     def load_model(self, path: str, name: str = "") -> pb.LoadModelResponse:
+        """Have the agent catalogue the checkpoint at ``path`` (a directory on the agent's
+        machine) under ``name`` (default: the directory's name), and learn every expert's
+        tensor layout; reloaded by itself after an agent restart. ``InvalidArgument`` names
+        what the checkpoint lacks (docs/LAYOUT.md)."""
         resp = self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
                                    timeout=self.rpc_timeout)
         self._models[resp.model] = path  # reloaded if the agent restarts
@@ -580,6 +584,8 @@ class AgentClient:
             prefetch_to.device.doorbell.ring()
 
     def status(self) -> pb.StatusResponse:
+        """The agent's state: this session (every session for an administrator's
+        certificate), models, arena and cache counters, transfers in flight."""
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.rpc_timeout)
 
     # -- background ------------------------------------------------------------------------

@@ -130,6 +130,7 @@ class ExpertSlot:
 
     @property
     def names(self) -> list[str]:
+        """The roles of the expert's tensors, in blob order (``gate_proj``, ``down_proj``...)."""
         return [t.name for t in self.manifest.tensors]
 
     def layout(self, name: str) -> TensorLayout:
