@@ -246,8 +246,9 @@ class AgentClient:
     def load_model(self, path: str, name: str = "") -> pb.LoadModelResponse:
         """Have the agent catalogue the checkpoint at ``path`` (a directory on the agent's
         machine) under ``name`` (default: the directory's name), and learn every expert's
-        tensor layout; reloaded by itself after an agent restart. ``InvalidArgument`` names
-        what the checkpoint lacks (docs/LAYOUT.md)."""
+        tensor layout; reloaded by itself after an agent restart. ``NotFound`` for a path that
+        is not a directory, ``InvalidArgument`` naming what the checkpoint lacks
+        (docs/LAYOUT.md)."""
         resp = self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
                                    timeout=self.rpc_timeout)
         self._models[resp.model] = path  # reloaded if the agent restarts
