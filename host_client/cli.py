@@ -7,7 +7,9 @@ import contextlib
 import os
 import select
 import sys
+import termios
 import time
+import tty
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -105,9 +107,6 @@ def _keys() -> Iterator[Callable[[float], str]]:
     fd = stdin.fileno() if stdin is not None and not stdin.closed else -1
     saved = None
     if fd >= 0 and os.isatty(fd):
-        import termios
-        import tty
-
         saved = termios.tcgetattr(fd)
         tty.setcbreak(fd)
     ended = fd < 0
@@ -127,8 +126,6 @@ def _keys() -> Iterator[Callable[[float], str]]:
         yield pressed
     finally:
         if saved is not None:
-            import termios
-
             termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
