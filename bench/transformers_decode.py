@@ -139,7 +139,8 @@ def timed_generate(model: Any, batch: int, prompt: int, new: int,
 
 def run(arch: str, layers: int, device: str, fractions: list[float], batches: list[int],
         prompt: int = 16, new: int = 16, shrink: int = 1,
-        trace: Path | None = None, delivery: str = "engine") -> dict[str, Any]:
+        trace: Path | None = None, delivery: str = "engine", prefetch: bool = False
+        ) -> dict[str, Any]:
     import torch
 
     from host_client import AgentClient, CpuReferenceDevice
@@ -182,7 +183,8 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
                 with AgentClient(agent.address, rpc_timeout=300) as client:
                     made = CpuReferenceDevice() if device == "cpu" else _cuda()
                     off = offload_experts(model, client, path, made, cache=fraction,
-                                          name=f"{arch}-{layers}", delivery=delivery)
+                                          name=f"{arch}-{layers}", delivery=delivery,
+                                          prefetch=prefetch)
                     row: dict[str, Any] = {"fraction": fraction, "tokens_per_s": {},
                                            "slots": sum(p.slot_count for p in
                                                         off.device.pools.values())}
@@ -204,6 +206,9 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
                         row.setdefault("missed_bytes_per_token", {})[b] = per_token
                     row["hit_rate"] = (off.hits - hits0) / max(1, off.experts_acquired
                                                                - acquired0)
+                    # Pre-gated prefetch: the bound above counts only misses (conservative:
+                    # prefetched bytes move too); what prefetch asked for and what was used.
+                    row["prefetched"], row["prefetch_used"] = off.prefetched, off.prefetch_used
                     runs.append(row)
                 del model
         accelerate = _accelerate(path, torch_device, batches, prompt, new, best,
@@ -301,17 +306,22 @@ def main() -> int:
     ap.add_argument("--delivery", choices=["engine", "pull"], default="engine",
                     help="engine: the agent's DMA-engine process fills the slots (no thread of "
                          "this process moves bytes); pull: the device's own consumer")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="pre-gated prefetch: each layer prefetches what the next layer's "
+                         "router would choose for its input (offload_experts(prefetch=True))")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     r = run(args.arch, args.layers, args.device, args.gpu_cache_fraction, args.batch,
-            new=args.new_tokens, shrink=args.shrink, trace=args.trace, delivery=args.delivery)
+            new=args.new_tokens, shrink=args.shrink, trace=args.trace, delivery=args.delivery,
+            prefetch=args.prefetch)
     print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate")}, indent=1,
                      default=str), file=sys.stderr)
     if not args.no_save:
         path = write("transformers-decode", envelope(
             "transformers-decode", r, device=args.device,
             command="python bench/transformers_decode.py " + " ".join(sys.argv[1:])),
-            f"-{args.arch}-{args.device}" + (f"-{args.trace.stem}" if args.trace else ""))
+            f"-{args.arch}-{args.device}" + (f"-{args.trace.stem}" if args.trace else "")
+            + ("-prefetch" if args.prefetch else ""))
         plot(r, path.with_suffix(".png"))
         print(f"wrote {path}")
     if r["outputs_differ"]:

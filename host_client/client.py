@@ -191,6 +191,8 @@ class AgentClient:
                                    f"(waited {connect_timeout} s)") from None
         self.rpc_calls: Counter[str] = Counter()
         """gRPC calls this client made, by method (the data path makes none)."""
+        self.prefetches_refused = 0
+        """Prefetches posted without waiting that the agent refused."""
         self._token = ""
         self.stub = typed_stub(self.channel, self.rpc_calls, lambda: self._token)
         self.client_name = client_name
@@ -483,15 +485,25 @@ class AgentClient:
         if refused is not None:
             raise refused
 
-    def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> int:
-        """Have the agent deliver ``keys`` ahead of use (nothing held); returns how many it
-        queued once it answered (the first refusal is raised)."""
-        positions = dev.channel.post([(abi.RequestOp.PREFETCH, self._index(k.model), k)
-                                      for k in keys])
+    def prefetch(self, dev: AttachedDevice, keys: list[ExpertKey], wait: bool = True) -> int:
+        """Have the agent deliver ``keys`` ahead of use (nothing held); returns how many were
+        asked for. With ``wait`` it returns once the agent answered (the first refusal is
+        raised); without, at once: a refusal (no slot free, say) is only counted in
+        ``prefetches_refused``, as a prefetch is a hint."""
+        entries = [(abi.RequestOp.PREFETCH, self._index(k.model), k) for k in keys]
+        if not wait:
+            dev.channel.post(entries, on_reply=self._prefetch_answered)
+            dev.device.doorbell.ring()
+            return len(keys)
+        positions = dev.channel.post(entries)
         dev.device.doorbell.ring()
         for p in positions:
             self._answer(dev, p)
         return len(keys)
+
+    def _prefetch_answered(self, reply: np.void) -> None:
+        if refusal_of(reply) is not None:
+            self.prefetches_refused += 1
 
     def apply_placement(self, model: str, assignment: list[list[list[int]]]
                         ) -> pb.ApplyPlacementResponse:

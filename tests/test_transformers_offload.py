@@ -94,6 +94,36 @@ def test_a_model_loaded_without_its_experts_is_served(tmp_path, agent: AgentProc
     assert torch.equal(served, want), (served - want).abs().max()
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_pre_gated_prefetch_changes_nothing_but_the_hits(tmp_path, agent: AgentProcess,
+                                                         model_type: str) -> None:
+    """``prefetch=True``: each layer applies the next layer's router to its own input and
+    prefetches what it would choose. ``generate()`` gives the same tokens; more acquires find
+    their expert resident or on its way than without; most predictions were used."""
+    model = _model(model_type).eval()
+    path = tmp_path / model_type
+    model.save_pretrained(path)
+    ids = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 8]])
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    hits = {}
+    for prefetch in (False, True):
+        model = _model(model_type).eval()
+        with AgentClient(agent.address) as client:
+            offload = offload_experts(model, client, path, CpuReferenceDevice(), cache=EXPERTS,
+                                      name=f"pf-{model_type}-{prefetch}", prefetch=prefetch)
+            with torch.no_grad():
+                got = model.generate(ids, max_new_tokens=6, do_sample=False)
+            assert torch.equal(got, want)
+            hits[prefetch] = offload.hits
+            if prefetch:
+                assert offload.prefetched >= offload.prefetch_used > offload.prefetched // 2
+                assert client.prefetches_refused == 0
+            else:
+                assert offload.prefetched == offload.prefetch_used == 0
+    assert hits[True] > hits[False], hits
+
+
 def test_the_dma_engine_can_fill_the_experts(tmp_path, agent: AgentProcess) -> None:
     """``delivery="engine"``: the agent's DMA-engine process fills the pool, this process
     checks each landed slot (the NumPy twin here); logits equal the resident model's."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,18 +212,26 @@ class ExpertOffload:
     forwards: int = 0
     experts_acquired: int = 0
     hits: int = 0
-    """Acquires that started no delivery (the expert was in its slot)."""
+    """Acquires that started no delivery (the expert was in its slot, or on its way there)."""
+    prefetched: int = 0
+    """Experts prefetched for the next MoE layer (``prefetch=True``)."""
+    prefetch_used: int = 0
+    """Of those, the ones the next layer's router then chose."""
 
 
 def _acquire(offload: ExpertOffload, layer: int, routed: list[int], views: _PoolViews,
-             num_experts: int) -> tuple[list[ExpertKey], Any]:
-    """Acquire the ``routed`` experts of ``layer`` in one batch and wait for them; returns the
-    keys (to release) and ``slot_of``, ``int64[num_experts + 1]``: each routed expert's slot
-    number in the pool (``views.slots`` for the others)."""
+             num_experts: int, meanwhile: Callable[[], None] | None = None
+             ) -> tuple[list[ExpertKey], Any]:
+    """Acquire the ``routed`` experts of ``layer`` in one batch and wait for them (running
+    ``meanwhile`` once the batch is granted, before its bytes land); returns the keys (to
+    release) and ``slot_of``, ``int64[num_experts + 1]``: each routed expert's slot number in
+    the pool (``views.slots`` for the others)."""
     import torch
 
     keys = [ExpertKey(offload.model, layer, e) for e in routed]
     handles = offload.client.acquire_batch(offload.device, keys)
+    if meanwhile is not None:
+        meanwhile()
     offload.client.wait_all(handles, 120)
     slot_of = torch.full((num_experts + 1,), views.slots, dtype=torch.long)
     for e, h in zip(routed, handles, strict=True):
@@ -244,21 +252,60 @@ def _synchronize(out: Any) -> None:
         torch.cuda.current_stream(out.device).synchronize()
 
 
+@dataclass
+class _NextRouter:
+    """The router of the MoE layer decode reaches next, for pre-gating: its ``weight``
+    ``[E, H]`` (and ``bias`` ``[E]`` or None) applied to this layer's input predicts the
+    next layer's choice; ``predicted`` holds the last prediction, to count how it did."""
+
+    layer: int
+    weight: Any
+    bias: Any
+    predicted: set[int] = field(default_factory=set)
+
+
 class _Layer:
-    """One MoE layer's forward through the agent (bound to its experts module)."""
+    """One MoE layer's forward through the agent (bound to its experts module); with a
+    ``next_router``, it prefetches the experts that router would choose for this layer's
+    tokens while its own land (pre-gating: the residual stream changes little between
+    layers, so the next layer's router on this layer's input predicts its choice)."""
 
     def __init__(self, offload: ExpertOffload, layer: int, module: Any, views: _PoolViews
                  ) -> None:
         self.offload, self.layer, self.module, self.views = offload, layer, module, views
         self.forward = type(module).forward
         self.num_experts = int(module.num_experts)
+        self.next_router: _NextRouter | None = None
+        self.previous: _NextRouter | None = None
+        """The layer before's prediction of this one (counted when this one routes)."""
+
+    def _prefetch_next(self, hidden_states: Any, top_k: int) -> None:
+        import torch
+
+        nxt = self.next_router
+        assert nxt is not None
+        with torch.no_grad():
+            logits = hidden_states.reshape(-1, nxt.weight.shape[1]) @ nxt.weight.T
+            if nxt.bias is not None:
+                logits = logits + nxt.bias
+            chosen = torch.unique(logits.topk(top_k, dim=-1).indices).tolist()
+        nxt.predicted = {e for e in chosen if 0 <= e < self.num_experts}
+        off = self.offload
+        keys = [ExpertKey(off.model, nxt.layer, e) for e in sorted(nxt.predicted)]
+        off.prefetched += off.client.prefetch(off.device, keys, wait=False)
 
     def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
         import torch
 
         off, module = self.offload, self.module
         routed = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < self.num_experts]
-        keys, slot_of = _acquire(off, self.layer, routed, self.views, self.num_experts)
+        if self.previous is not None:
+            off.prefetch_used += len(self.previous.predicted & set(routed))
+            self.previous.predicted = set()
+        meanwhile = None if self.next_router is None else (
+            lambda: self._prefetch_next(hidden_states, int(top_k_index.shape[-1])))
+        keys, slot_of = _acquire(off, self.layer, routed, self.views, self.num_experts,
+                                 meanwhile)
         try:
             for param, view in self.views.tensors.items():
                 setattr(module, param, view)
@@ -317,7 +364,8 @@ class _ScaledInputBlock:
 
 def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                     device: Device | AttachedDevice, cache: float | int = 0.25,
-                    name: str = "", delivery: str = "pull") -> ExpertOffload:
+                    name: str = "", delivery: str = "pull", prefetch: bool = False
+                    ) -> ExpertOffload:
     """Serve ``model``'s routed experts through the agent.
 
     Args:
@@ -334,6 +382,11 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
         delivery: how a :class:`Device` registered here is filled: ``"pull"`` (its own
             consumer) or ``"engine"`` (the agent's DMA-engine process; see
             :meth:`AgentClient.register_device`).
+        prefetch: pre-gating: each MoE layer, once its own experts are granted, applies the
+            next MoE layer's router to its input and prefetches the experts it would choose
+            (a hint: nothing is held, a refusal is only counted). ``prefetched`` and
+            ``prefetch_used`` of the result say how it did. Layers whose block has no
+            ``gate`` or ``router`` with a ``weight`` ``[E, H]`` prefetch nothing.
 
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
@@ -379,4 +432,34 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
     if missing:
         raise OffloadError(f"the model has no experts module for MoE layers {missing} of "
                            f"checkpoint {checkpoint}")
+    if prefetch:
+        _link_next_routers(model, offload)
     return offload
+
+
+def _router(model: Any, experts_name: str) -> tuple[Any, Any] | None:
+    """(weight ``[E, H]``, bias or None) of the router beside the experts module named
+    ``experts_name`` (its block's ``gate`` or ``router``); None where there is none."""
+    block = model.get_submodule(experts_name.rsplit(".", 1)[0]) if "." in experts_name \
+        else model
+    for attr in ("gate", "router"):
+        router = getattr(block, attr, None)
+        weight = getattr(router, "weight", None)
+        if weight is not None and getattr(weight, "ndim", 0) == 2:
+            bias = getattr(router, "bias", None)
+            return weight, bias if getattr(bias, "ndim", 0) == 1 else None
+    return None
+
+
+def _link_next_routers(model: Any, offload: ExpertOffload) -> None:
+    """Give each offloaded ``_Layer`` the router of the MoE layer after it (the last layer's
+    is the first's: the next token), for pre-gated prefetch."""
+    named = {id(module): name for name, module in model.named_modules()}
+    names = {layer: named[id(module)] for layer, module in offload.layers.items()}
+    order = sorted(names)
+    for i, layer in enumerate(order):
+        here = offload.layers[layer].forward
+        nxt = order[(i + 1) % len(order)]
+        there, router = offload.layers[nxt].forward, _router(model, names[nxt])
+        if isinstance(here, _Layer) and isinstance(there, _Layer) and router is not None:
+            here.next_router = there.previous = _NextRouter(nxt, *router)
