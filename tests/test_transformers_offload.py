@@ -94,7 +94,8 @@ def test_a_model_loaded_without_its_experts_is_served(tmp_path, agent: AgentProc
     assert torch.equal(served, want), (served - want).abs().max()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3",
+                                        "olmoe"])
 def test_pre_gated_prefetch_changes_nothing_but_the_hits(tmp_path, agent: AgentProcess,
                                                          model_type: str) -> None:
     """``prefetch=True``: each layer applies the next layer's router to its own input and
