@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dpu_agent import __version__
 from dpu_agent.admin import add_commands
-from dpu_agent.config import DEFAULT_PATH, KEYS, ConfigError, load
+from dpu_agent.config import DEFAULT_PATH, KEYS, LIVE_SETTINGS, UNITS, ConfigError, load
 from dpu_agent.service.state import StateError
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.layouts import LayoutError
@@ -79,7 +79,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for (section, key), (name, _) in KEYS.items():
         value = getattr(cfg, name)
         shown = json.dumps(list(value) if isinstance(value, tuple) else value)
-        sections.setdefault(section, []).append(f"  {key} = {shown}")
+        notes = [n for n in (UNITS[section, key], "live" if name in LIVE_SETTINGS else "") if n]
+        sections.setdefault(section, []).append(
+            f"  {key} = {shown}" + (f"  # {', '.join(notes)}" if notes else ""))
     for section, lines in sections.items():
         print(f"[{section}]", *lines, sep="\n")
     return 0

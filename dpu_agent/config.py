@@ -8,8 +8,8 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,86 +34,6 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
         self.problems = problems
 
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """Validated settings. Sizes are bytes, durations seconds."""
-
-    listen_address: str = "127.0.0.1:50051"
-    max_message_bytes: int = 16 * 2**20
-    drain_grace_seconds: int = 10
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    admin_names: tuple[str, ...] = ()
-    """Client-certificate common names (mutual TLS) that see every session in GetStatus."""
-    arena_bytes: int = 1 * 2**30
-    cache_policy: str = "reuse"
-    prefetch_traces_dir: str = ""
-    """A folder of recorded routing traces, ``<model name>.jsonl`` (docs/LAYOUT.md): a model
-    loaded under that name starts its routing statistics (the next-layer predictor's, the cache
-    policy's and the planner's) from the trace."""
-    chunk_bytes: int = 1 * 2**20
-    transfer_timeout_seconds: int = 30
-    poll_spin_us: int = 200
-    """How long the data-plane loop polls after work before it sleeps on its doorbell,
-    microseconds (longer: lower wake-up latency, more CPU)."""
-    engine_poll: str = "auto"
-    """How the DMA-engine process waits for work (``ENGINE_POLL``): ``always`` polls its rings
-    without sleeping while it serves a device (a core of its own, as the DMA engine it stands
-    for is hardware), ``doze`` sleeps on its doorbell 2 ms after work, ``auto`` polls where the
-    machine has ``ENGINE_POLL_MIN_CPUS`` CPUs or more."""
-    link_concurrency: int = 4
-    rebalance_interval_seconds: int = 0
-    default_lease_seconds: int = 10
-    max_session_rpcs: int = 64
-    max_lease_seconds: int = 300
-    max_sessions: int = 256
-    max_devices_per_session: int = 16
-    metrics_address: str = ""
-    log_format: str = "auto"
-    state_dir: str = ""
-    activations_address: str = ""
-    activation_credits: int = 64
-    activation_worker_timeout: int = 5
-    curve_server_cert: str = ""
-    curve_clients_dir: str = ""
-    cluster_etcd_endpoints: str = ""
-    cluster_agent_id: str = ""
-    cluster_prefix: str = "/dpu-offload"
-    cluster_lease_seconds: int = 5
-    cluster_join_timeout_seconds: int = 30
-    cluster_resync_seconds: int = 2
-    cluster_peer_address: str = "127.0.0.1:0"
-    cluster_peer_fetch: str = "auto"
-    cluster_etcd_ca: str = ""
-    cluster_etcd_cert: str = ""
-    cluster_etcd_key: str = ""
-
-    @property
-    def cluster(self) -> ClusterSettings | None:
-        """The [cluster] section, or None in single-agent mode (no etcd endpoints)."""
-        from dpu_agent.cluster.agent import ClusterSettings
-
-        if not self.cluster_etcd_endpoints:
-            return None
-        return ClusterSettings(
-            tuple(e.strip() for e in self.cluster_etcd_endpoints.split(",")),
-            self.cluster_agent_id or socket.gethostname(), self.cluster_prefix,
-            self.cluster_lease_seconds, self.cluster_join_timeout_seconds,
-            float(self.cluster_resync_seconds), self.cluster_peer_address,
-            self.cluster_peer_fetch, self.cluster_etcd_ca, self.cluster_etcd_cert,
-            self.cluster_etcd_key)
-
-    @property
-    def engine_polls(self) -> bool:
-        """Whether the DMA-engine process polls without sleeping (``transfer.engine_poll``)."""
-        if self.engine_poll == "auto":
-            return (os.cpu_count() or 1) >= ENGINE_POLL_MIN_CPUS
-        return self.engine_poll == "always"
-
-
-# (section, key) -> (field, parser description, parser)
 def _size(v: Any) -> int:
     if isinstance(v, int) and not isinstance(v, bool):
         return v
@@ -155,41 +75,103 @@ def _names(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _key(section: str, key: str, parse: Callable[[Any], Any], default: Any, *,
+         unit: str = "", live: bool = False) -> Any:
+    """A setting, declared once: ``key`` of the TOML file's ``[section]`` (and the variable
+    ``DPU_AGENT_<SECTION>_<KEY>``), read by ``parse``; ``unit`` of a number (bytes, s, us);
+    ``live``: SIGHUP applies it to a running agent (the others need a restart)."""
+    return field(default=default, metadata={"key": (section, key), "parse": parse,
+                                            "unit": unit, "live": live})
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Validated settings. Sizes are bytes, durations seconds."""
+
+    listen_address: str = _key("server", "listen_address", _str, "127.0.0.1:50051")
+    max_message_bytes: int = _key("server", "max_message_bytes", _size, 16 * 2**20, unit="bytes")
+    drain_grace_seconds: int = _key("server", "drain_grace_seconds", _int, 10, unit="s")
+    tls_cert: str = _key("server", "tls_cert", _str, "")
+    tls_key: str = _key("server", "tls_key", _str, "")
+    tls_client_ca: str = _key("server", "tls_client_ca", _str, "")
+    admin_names: tuple[str, ...] = _key("server", "admin_names", _names, ())
+    """Client-certificate common names (mutual TLS) that see every session in GetStatus."""
+    arena_bytes: int = _key("arena", "bytes", _size, 1 * 2**30, unit="bytes")
+    cache_policy: str = _key("cache", "policy", _str, "reuse")
+    prefetch_traces_dir: str = _key("prefetch", "traces_dir", _str, "")
+    """A folder of recorded routing traces, ``<model name>.jsonl`` (docs/LAYOUT.md): a model
+    loaded under that name starts its routing statistics (the next-layer predictor's, the cache
+    policy's and the planner's) from the trace."""
+    chunk_bytes: int = _key("transfer", "chunk_bytes", _size, 1 * 2**20, unit="bytes")
+    transfer_timeout_seconds: int = _key("transfer", "timeout_seconds", _int, 30,
+                                        unit="s", live=True)
+    poll_spin_us: int = _key("transfer", "poll_spin_us", _int, 200, unit="us")
+    """How long the data-plane loop polls after work before it sleeps on its doorbell,
+    microseconds (longer: lower wake-up latency, more CPU)."""
+    engine_poll: str = _key("transfer", "engine_poll", _str, "auto")
+    """How the DMA-engine process waits for work (``ENGINE_POLL``): ``always`` polls its rings
+    without sleeping while it serves a device (a core of its own, as the DMA engine it stands
+    for is hardware), ``doze`` sleeps on its doorbell 2 ms after work, ``auto`` polls where the
+    machine has ``ENGINE_POLL_MIN_CPUS`` CPUs or more."""
+    link_concurrency: int = _key("transfer", "link_concurrency", _int, 4, live=True)
+    rebalance_interval_seconds: int = _key("placement", "rebalance_interval_seconds", _int, 0,
+                                          unit="s", live=True)
+    default_lease_seconds: int = _key("sessions", "default_lease_seconds", _int, 10,
+                                     unit="s", live=True)
+    max_session_rpcs: int = _key("sessions", "max_concurrent_rpcs", _int, 64, live=True)
+    max_lease_seconds: int = _key("sessions", "max_lease_seconds", _int, 300, unit="s", live=True)
+    max_sessions: int = _key("sessions", "max_sessions", _int, 256)
+    max_devices_per_session: int = _key("sessions", "max_devices", _int, 16)
+    metrics_address: str = _key("metrics", "listen_address", _str, "")
+    log_format: str = _key("logging", "format", _str, "auto")
+    state_dir: str = _key("state", "dir", _str, "")
+    activations_address: str = _key("activations", "listen_address", _str, "")
+    activation_credits: int = _key("activations", "credits_per_sender", _int, 64)
+    activation_worker_timeout: int = _key("activations", "worker_timeout_seconds", _int, 5,
+                                         unit="s")
+    curve_server_cert: str = _key("activations", "curve_server_cert", _str, "")
+    curve_clients_dir: str = _key("activations", "curve_clients_dir", _str, "")
+    cluster_etcd_endpoints: str = _key("cluster", "etcd_endpoints", _str, "")
+    cluster_agent_id: str = _key("cluster", "agent_id", _str, "")
+    cluster_prefix: str = _key("cluster", "prefix", _str, "/dpu-offload")
+    cluster_lease_seconds: int = _key("cluster", "lease_seconds", _int, 5, unit="s")
+    cluster_join_timeout_seconds: int = _key("cluster", "join_timeout_seconds", _int, 30, unit="s")
+    cluster_resync_seconds: int = _key("cluster", "resync_seconds", _int, 2, unit="s")
+    cluster_peer_address: str = _key("cluster", "peer_address", _str, "127.0.0.1:0")
+    cluster_peer_fetch: str = _key("cluster", "peer_fetch", _str, "auto")
+    cluster_etcd_ca: str = _key("cluster", "etcd_ca", _str, "")
+    cluster_etcd_cert: str = _key("cluster", "etcd_cert", _str, "")
+    cluster_etcd_key: str = _key("cluster", "etcd_key", _str, "")
+
+    @property
+    def cluster(self) -> ClusterSettings | None:
+        """The [cluster] section, or None in single-agent mode (no etcd endpoints)."""
+        from dpu_agent.cluster.agent import ClusterSettings
+
+        if not self.cluster_etcd_endpoints:
+            return None
+        return ClusterSettings(
+            tuple(e.strip() for e in self.cluster_etcd_endpoints.split(",")),
+            self.cluster_agent_id or socket.gethostname(), self.cluster_prefix,
+            self.cluster_lease_seconds, self.cluster_join_timeout_seconds,
+            float(self.cluster_resync_seconds), self.cluster_peer_address,
+            self.cluster_peer_fetch, self.cluster_etcd_ca, self.cluster_etcd_cert,
+            self.cluster_etcd_key)
+
+    @property
+    def engine_polls(self) -> bool:
+        """Whether the DMA-engine process polls without sleeping (``transfer.engine_poll``)."""
+        if self.engine_poll == "auto":
+            return (os.cpu_count() or 1) >= ENGINE_POLL_MIN_CPUS
+        return self.engine_poll == "always"
+
+
 KEYS: dict[tuple[str, str], tuple[str, Any]] = {
-    ("server", "listen_address"): ("listen_address", _str),
-    ("server", "max_message_bytes"): ("max_message_bytes", _size),
-    ("server", "drain_grace_seconds"): ("drain_grace_seconds", _int),
-    ("server", "tls_cert"): ("tls_cert", _str),
-    ("server", "tls_key"): ("tls_key", _str),
-    ("server", "tls_client_ca"): ("tls_client_ca", _str),
-    ("server", "admin_names"): ("admin_names", _names),
-    ("arena", "bytes"): ("arena_bytes", _size),
-    ("cache", "policy"): ("cache_policy", _str),
-    ("prefetch", "traces_dir"): ("prefetch_traces_dir", _str),
-    ("transfer", "chunk_bytes"): ("chunk_bytes", _size),
-    ("transfer", "timeout_seconds"): ("transfer_timeout_seconds", _int),
-    ("transfer", "poll_spin_us"): ("poll_spin_us", _int),
-    ("transfer", "engine_poll"): ("engine_poll", _str),
-    ("transfer", "link_concurrency"): ("link_concurrency", _int),
-    ("placement", "rebalance_interval_seconds"): ("rebalance_interval_seconds", _int),
-    ("sessions", "default_lease_seconds"): ("default_lease_seconds", _int),
-    ("sessions", "max_lease_seconds"): ("max_lease_seconds", _int),
-    ("sessions", "max_concurrent_rpcs"): ("max_session_rpcs", _int),
-    ("sessions", "max_sessions"): ("max_sessions", _int),
-    ("sessions", "max_devices"): ("max_devices_per_session", _int),
-    ("metrics", "listen_address"): ("metrics_address", _str),
-    ("logging", "format"): ("log_format", _str),
-    ("state", "dir"): ("state_dir", _str),
-    ("activations", "listen_address"): ("activations_address", _str),
-    ("activations", "credits_per_sender"): ("activation_credits", _int),
-    ("activations", "worker_timeout_seconds"): ("activation_worker_timeout", _int),
-    ("activations", "curve_server_cert"): ("curve_server_cert", _str),
-    ("activations", "curve_clients_dir"): ("curve_clients_dir", _str),
-    **{("cluster", k): (f"cluster_{k}", _int if k.endswith("seconds") else _str)
-       for k in ("etcd_endpoints", "agent_id", "prefix", "lease_seconds",
-                 "join_timeout_seconds", "resync_seconds", "peer_address", "peer_fetch",
-                 "etcd_ca", "etcd_cert", "etcd_key")},
-}
+    f.metadata["key"]: (f.name, f.metadata["parse"]) for f in fields(AgentConfig)}
+"""(section, key) -> (field, parser), from the declarations."""
+LIVE_SETTINGS = tuple(f.name for f in fields(AgentConfig) if f.metadata["live"])
+"""Settings SIGHUP applies to a running agent; the others need a restart."""
+UNITS = {f.metadata["key"]: f.metadata["unit"] for f in fields(AgentConfig)}
 
 
 def _check(cfg: AgentConfig) -> list[str]:
@@ -324,11 +306,11 @@ def from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
                 values[spec[0]] = spec[1](raw)
             except ValueError as exc:
                 problems.append(f"{section}.{key}: {exc}")
-    for (section, key), (field, parse) in KEYS.items():
+    for (section, key), (name, parse) in KEYS.items():
         var = f"DPU_AGENT_{section}_{key}".upper()
         if env is not None and var in env:
             try:
-                values[field] = parse(env[var])
+                values[name] = parse(env[var])
             except ValueError as exc:
                 problems.append(f"{var}: {exc}")
     if env is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +28,13 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     text = EXAMPLE.read_text()
     for section, key in KEYS:
         assert f"[{section}]" in text and f"\n{key} =" in text, f"{section}.{key} undocumented"
+    # Its header names exactly the settings SIGHUP applies (declared live once, in config.py).
+    from dpu_agent.config import LIVE_SETTINGS
+
+    header = text.split("\n\n", 1)[0]
+    live = {f"{s}.{k}" for (s, k), (name, _) in KEYS.items() if name in LIVE_SETTINGS}
+    named = set(re.findall(r"\b([a-z_]+\.[a-z_]+)\b", header.split("every other key")[0]))
+    assert named == live, (named, live)
 
 
 def test_every_problem_is_listed_with_its_key() -> None:
@@ -68,7 +76,9 @@ def test_check_config_cli_exit_codes(tmp_path: Path) -> None:
     assert good.returncode == 0 and good.stdout.startswith(f"configuration OK: {EXAMPLE}")
     # A readable summary: every key under its section, with the value in force.
     assert "\n[transfer]\n" in good.stdout and '\n  engine_poll = "auto"\n' in good.stdout
-    assert "\n  bytes = 8589934592\n" in good.stdout and "AgentConfig(" not in good.stdout
+    assert "\n  bytes = 8589934592  # bytes\n" in good.stdout
+    assert "\n  timeout_seconds = 30  # s, live\n" in good.stdout
+    assert "AgentConfig(" not in good.stdout
 
 
 def test_agent_refuses_to_start_on_a_port_in_use() -> None:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from dpu_agent.cluster.agent import ClusterAgent, ClusterSettings
 from dpu_agent.cluster.store import ClusterUnavailable
-from dpu_agent.config import AgentConfig
+from dpu_agent.config import LIVE_SETTINGS, AgentConfig
 from dpu_agent.dataplane.activations import ActivationRouter
 from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.service.interceptors import (
@@ -34,11 +34,6 @@ from dpu_offload.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("dpu_agent")
 SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["DpuAgent"].full_name
-
-
-LIVE_SETTINGS = ("transfer_timeout_seconds", "link_concurrency", "default_lease_seconds",
-                 "max_lease_seconds", "rebalance_interval_seconds", "max_session_rpcs")
-"""Settings SIGHUP applies to a running agent; the others need a restart."""
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
