@@ -1,5 +1,6 @@
 """The packages' dependency rules, read from every import statement (those inside functions
-too): the agent runs on a DPU's Arm cores, so it never imports the host client, CuPy or torch;
+too; docs/ARCHITECTURE.md): the agent runs on a DPU's Arm cores, so it never imports the host
+client, the DMA engine (it starts it as a process), CuPy or torch;
 the host client talks to the agent only through the contracts, never by importing it; the DMA
 engine stands for hardware and imports neither side; the kernels and the contracts import
 neither side either."""
@@ -13,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = {
-    "dpu_agent": {"host_client", "cupy", "torch", "cupyx"},
+    "dpu_agent": {"host_client", "dma_engine", "cupy", "torch", "cupyx"},
     "host_client": {"dpu_agent"},
     "dma_engine": {"dpu_agent", "host_client", "torch"},
     "gpu_kernels": {"dpu_agent", "host_client"},
@@ -43,6 +44,17 @@ def test_a_package_imports_nothing_its_rule_forbids(package: str) -> None:
     broken = [f"{f.relative_to(ROOT)}:{line} imports {name}"
               for f in files for name, line in imported(f).items() if name in RULES[package]]
     assert not broken, "\n".join(broken)
+
+
+CUPY_IMPORTERS = {"gpu_kernels/launch.py", "gpu_kernels/reference.py",
+                  "host_client/activations.py", "dma_engine/backends.py"}
+"""The only modules that import CuPy themselves (the rest use ``launch.cp``)."""
+
+
+def test_only_the_named_modules_import_cupy() -> None:
+    found = {str(f.relative_to(ROOT)) for package in RULES
+             for f in (ROOT / package).rglob("*.py") if "cupy" in imported(f)}
+    assert found == CUPY_IMPORTERS
 
 
 def test_the_rules_see_a_forbidden_import(tmp_path: Path) -> None:
