@@ -14,7 +14,7 @@ import pytest
 from dpu_agent.routing.traces import generate_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-CLIS = ["activations", "arm64", "cache_policies", "cluster", "decode", "delivery", "load",
+CLIS = ["ab", "activations", "arm64", "cache_policies", "cluster", "decode", "delivery", "load",
         "moe_kernels", "multi_gpu", "placement", "rebalance", "steering",
         "trace_report", "transformers_decode"]
 
@@ -65,3 +65,29 @@ def test_a_traced_delivery_run_times_all_three_processes(tmp_path: Path) -> None
     report = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_report.py"),
                              str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert report.returncode == 0 and "Planner.plan" in report.stdout
+
+
+def test_ab_runs_the_sides_in_turn_and_reports_each_metric(tmp_path: Path) -> None:
+    """bench/ab.py on a stand-in benchmark whose result is the environment it ran in: each
+    side's values, in order, and their medians; a side that fails stops the run, named."""
+    bench = tmp_path / "bench"
+    (bench / "results").mkdir(parents=True)
+    (bench / "fake.py").write_text(
+        "import json, os, sys\n"
+        "if os.environ.get('FAIL'): sys.exit('broken')\n"
+        "v = float(os.environ['V'])\n"
+        "open('bench/results/fake.json', 'w').write(json.dumps("
+        "{'source_hash': 'x', 'results': {'row': {'m': v, 'n': {'deep': 2 * v}}}}))\n")
+    run = [sys.executable, str(ROOT / "bench" / "ab.py"), "run", "--a", str(tmp_path), "--b",
+           str(tmp_path), "--env-a", "V=1", "--env-b", "V=3", "--rounds", "2",
+           "--metric", "m", "--metric", "n.deep", "--", "bench/fake.py"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {tuple(line.split()[:3]): line for line in out.stdout.splitlines()}
+    assert rows["row", "m", "A:"].endswith("median    1.0000")
+    assert rows["row", "m", "B:"].endswith("median    3.0000")
+    assert rows["row", "n.deep", "B:"].split()[3:5] == ["6.0000", "6.0000"]
+    failed = subprocess.run([*run[:9], "--env-b", "FAIL=1", *run[11:]], capture_output=True,
+                            text=True, timeout=120)
+    assert failed.returncode != 0 and "bench/fake.py" in failed.stderr and "broken" in \
+        failed.stderr
