@@ -17,7 +17,11 @@ MXFP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 def mxfp4_to_f32(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """MXFP4 as gpt-oss ships it -> float32: ``blocks`` ``uint8[..., G, 16]`` (two FP4 codes
     a byte, the low nibble first: 32 values a block) and ``scales`` ``uint8[..., G]`` (one
-    power of two a block, biased by 127) -> ``float32[..., G * 32]``; NumPy or CuPy."""
+    power of two a block, biased by 127) -> ``float32[..., G * 32]``; NumPy or CuPy. ValueError
+    for shapes that do not pair (a scale per block, 16 bytes a block)."""
+    if blocks.ndim < 2 or blocks.shape[-1] != 16 or scales.shape != blocks.shape[:-1]:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} "
+                         "are not [..., G, 16] and [..., G]")
     xp = array_module(blocks)
     lut = xp.asarray(MXFP4_VALUES)
     values = xp.empty((*blocks.shape[:-1], 32), np.float32)

@@ -595,6 +595,13 @@ def test_clamped_swiglu_weights_are_gpt_oss_halves_and_refuse_anything_else() ->
     assert np.array_equal(mx.up, theirs["gate_up_proj"][:, 1::2].T)
     assert np.array_equal(mx.down, theirs["down_proj"].T)
 
+    # Scales that do not pair with the blocks (one per row, not per block) would broadcast:
+    # refused by shape.
+    short = {**{f"{n}_blocks": (b, "U8") for n, b in blocks.items()},
+             **{f"{n}_scales": (s[..., :1].copy(), "U8") for n, s in scales.items()},
+             **biases}
+    with pytest.raises(ValueError, match=r"MXFP4 blocks \[64, 2, 16\] and scales \[64, 1\]"):
+        clamped(short).clamped_swiglu_weights()
     with pytest.raises(ValueError, match="gate_up_proj_blocks"):
         clamped({"gate_up_proj_blocks": (blocks["gate_up_proj"], "U8"), **biases}
                 ).clamped_swiglu_weights()
