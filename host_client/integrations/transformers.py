@@ -403,6 +403,8 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                                      delivery=delivery)
     offload = ExpertOffload(client, info.model, dev)
     blocks = dict(scaled_input_blocks(model))
+    routed: dict[int, tuple[_Layer, str]] = {}
+    """MoE layer -> its ``_Layer`` forward and its experts module's name."""
     for qualified, module in [*experts_modules(model),
                               *((name, block.experts) for name, block in blocks.items())]:
         m = _LAYER.search(qualified)
@@ -424,6 +426,7 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                                                           views)
         else:
             module.forward = _Layer(offload, layer, module, views)
+            routed[layer] = (module.forward, qualified)
     if not offload.layers:
         raise OffloadError("the model has no transformers 5 experts module (stacked expert "
                            "parameters and a (hidden_states, top_k_index, top_k_weights) "
@@ -433,7 +436,7 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
         raise OffloadError(f"the model has no experts module for MoE layers {missing} of "
                            f"checkpoint {checkpoint}")
     if prefetch:
-        _link_next_routers(model, offload)
+        _link_next_routers(model, sorted(offload.layers), routed)
     return offload
 
 
@@ -451,15 +454,15 @@ def _router(model: Any, experts_name: str) -> tuple[Any, Any] | None:
     return None
 
 
-def _link_next_routers(model: Any, offload: ExpertOffload) -> None:
-    """Give each offloaded ``_Layer`` the router of the MoE layer after it (the last layer's
-    is the first's: the next token), for pre-gated prefetch."""
-    named = {id(module): name for name, module in model.named_modules()}
-    names = {layer: named[id(module)] for layer, module in offload.layers.items()}
-    order = sorted(names)
+def _link_next_routers(model: Any, order: list[int],
+                       routed: dict[int, tuple[_Layer, str]]) -> None:
+    """Give each ``_Layer`` the router of the MoE layer after it in ``order`` (the last
+    layer's is the first's: the next token), for pre-gated prefetch."""
     for i, layer in enumerate(order):
-        here = offload.layers[layer].forward
         nxt = order[(i + 1) % len(order)]
-        there, router = offload.layers[nxt].forward, _router(model, names[nxt])
-        if isinstance(here, _Layer) and isinstance(there, _Layer) and router is not None:
-            here.next_router = there.previous = _NextRouter(nxt, *router)
+        if layer not in routed or nxt not in routed:
+            continue
+        there, name = routed[nxt]
+        router = _router(model, name)
+        if router is not None:
+            routed[layer][0].next_router = there.previous = _NextRouter(nxt, *router)
