@@ -75,6 +75,10 @@ ROWS: dict[str, Callable[[], str]] = {
         "transformers-decode-olmoe-1b-7b-cuda-olmoe-1b-7b-layer0-gsm8k"),
     "same, Mixtral-8x7B shapes": lambda: transformers(
         "transformers-decode-mixtral-8x7b-cuda-mixtral-8x7b-humaneval-sample"),
+    "same, Qwen3-30B-A3B shapes, pre-gated prefetch": lambda: transformers(
+        "transformers-decode-qwen3-30b-a3b-cuda-prefetch"),
+    "same with pre-gated prefetch, OLMoE-1B-7B shapes": lambda: transformers(
+        "transformers-decode-olmoe-1b-7b-cuda-prefetch"),
     "arena cache hit rate": cache,
     "activation round trip p50 through the agent": lambda: activations("activations-cpu"),
     "same, GPU worker (packet kernels; H200)": lambda: activations("activations-cuda"),
