@@ -271,16 +271,19 @@ generation grows each time the slot is given to a new delivery."""
 
 CHECK_DTYPE = np.dtype(
     {
-        "names": ["entry", "generation", "data", "n16"],
+        "names": ["reply", "seq", "states", "n16"],
         "formats": ["<u8", "<u8", "<u8", "<u8"],
         "offsets": [0, 8, 16, 24],
         "itemsize": 32,
     }
 )
-"""One slot of a batch check (``cuda_ops.verify_landed_batch``), 32 bytes, in host memory the
-device maps: the device address of the slot's slot-state entry (``entry``), the delivery's
-``generation``, the device address of the slot's blob (``data``) and its length in 16-byte
-vectors (``n16``). Written by the client, read only by its own kernels."""
+"""One slot of a batch check (``cuda_ops.verify_granted_batch``), 32 bytes, in host memory the
+device maps, written when the batch's ACQUIREs are posted, before any is answered: the device
+address of the request's reply entry (``reply``) and the ``seq`` that entry reads once answered
+(ring position + 1), the device address of the channel's slot-state table (``states``) and the
+blob's length in 16-byte vectors (``n16``). The check takes the slot from the reply (its
+``region_id`` in the device's region table, ``slot_offset``, ``state_index``, ``generation``),
+bounds-checked there. Written by the client, read only by its own kernels."""
 
 
 PIN_DTYPE = np.dtype(

@@ -169,8 +169,10 @@ def receive_packets(rx: Ring, rx_device_ptr: int, dst: Any, packets: int,
 
 
 WAIT_OUTCOMES = ("READY", "FAILED", "slot moved to a later generation", "timed out",
-                 "LANDED, not checked")
-"""What the result word of ``wait_ready`` and ``verify_landed`` means (ready.cu)."""
+                 "LANDED, not checked", "refused by the agent",
+                 "the grant names no slot of this device that holds the blob")
+"""What the result word of ``wait_ready``, ``verify_landed`` and ``verify_granted_batch`` means
+(ready.cu; the last two only from ``verify_granted_batch``)."""
 
 
 def wait_ready(word_address: int, generation: int, timeout_s: float, result: Any,
@@ -214,18 +216,21 @@ bytes have not landed, so a batch of n slots holds ``n * BATCH_BLOCKS_PER_SLOT``
 a 9.4 MB slot in tens of microseconds."""
 
 
-def verify_landed_batch(checks_address: int, n: int, largest_n16: int, timeout_s: float,
-                        results: Any, scratch: Any, stream: Any) -> None:
-    """Enqueue on ``stream`` the checks of ``n`` DMA-engine deliveries in one launch, each as
-    :func:`verify_landed` does, each as soon as its own bytes land: ``checks_address`` is the
-    device address of ``abi.CHECK_DTYPE[n]`` in mapped host memory (read by the kernel's
-    blocks as they start: keep it unchanged until the launch has ended), ``largest_n16`` the
-    largest ``n16`` among them (it sizes the grid). ``results`` (``uint32[n]``) get each slot's
-    outcome (an index into ``WAIT_OUTCOMES``; no verdict unless every block of the slot saw it
-    land); ``scratch`` (``uint32[4 * n]`` device words, zero, left zero) must not be in use by
-    another launch at the same time. Twin: ``reference.verify_landed_batch``."""
+def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions: Any,
+                         timeout_s: float, results: Any, scratch: Any, stream: Any) -> None:
+    """Enqueue on ``stream`` the checks of ``n`` posted ACQUIREs of a DMA-engine device in one
+    launch, before the agent answered them: each waits for its reply, takes the granted slot
+    from it (bounds-checked against ``regions``, the device's ``abi.REGION_DTYPE`` table in
+    device memory) and then checks it as :func:`verify_landed` does, as soon as its own bytes
+    land. ``checks_address`` is the device address of ``abi.CHECK_DTYPE[n]`` in mapped host
+    memory (read by the kernel's blocks as they start: keep it unchanged until the launch has
+    ended), ``largest_n16`` the largest ``n16`` among them (it sizes the grid). ``results``
+    (``uint32[n]``) get each request's outcome (an index into ``WAIT_OUTCOMES``; no verdict
+    unless every block of the slot saw it land); ``scratch`` (``uint32[4 * n]`` device words,
+    zero, left zero) must not be in use by another launch at the same time. Twin:
+    ``reference.verify_granted_batch``."""
     blocks = max(1, min(BATCH_BLOCKS_PER_SLOT, -(-largest_n16 // (BATCH_THREADS * 64))))
-    launch.kernel("ready", "dpu_verify_landed_batch")(
+    launch.kernel("ready", "dpu_verify_granted_batch")(
         (blocks, n), (BATCH_THREADS,),
-        (np.uint64(checks_address), np.uint64(int(timeout_s * 1e9)),
+        (np.uint64(checks_address), regions, np.uint64(int(timeout_s * 1e9)),
          np.uint32(abi.Status.CHECKSUM_MISMATCH), results, scratch), stream=stream)

@@ -116,44 +116,99 @@ extern "C" __global__ void dpu_verify_landed(dpu_slot_state* entry, uint64_t gen
     *result = dpu_publish_verdict(entry, generation, got, status_mismatch);
 }
 
-#define DPU_CHECK_SCRATCH 4u  // words per slot: sum, blocks that summed, blocks done, wait flag
+#define DPU_CHECK_SCRATCH 4u  // words per slot: sum, blocks that summed, blocks done, outcome
+#define DPU_GRANT_PENDING 0xFFFFFFFFu
+#define DPU_GRANT_REFUSED 5u  // the agent answered the ACQUIRE with an error: nothing to check
+#define DPU_GRANT_BAD 6u      // the reply names no slot of this device that holds the blob
 
-// The checks of a batch of slots in one launch: grid (G, n), blocks (x, y) check slot y of
-// `checks`, each slot as dpu_wait_landed + dpu_verify_landed do, independently of the others
-// (a slot is verified as soon as it lands, whatever the rest do). Block (0, y) polls the slot's
-// word (host memory) and hands the outcome to its G - 1 siblings through scratch (device
-// memory, so one poller per slot crosses PCIe at the poll's rate; a sibling also reads the
-// word itself when it starts and at every 16th look after, ~30 us apart, so it never depends
-// on the poller being resident). Only when all G blocks summed the bytes does the last to
-// finish publish a verdict. results[y]: the slot's outcome (0 READY,
-// 1 FAILED, 2 moved on, 3 timed out). scratch: uint32[DPU_CHECK_SCRATCH * n], zero on entry,
-// left zero.
-extern "C" __global__ void dpu_verify_landed_batch(const dpu_slot_check* checks,
-                                                   uint64_t timeout_ns, uint32_t status_mismatch,
-                                                   uint32_t* results, uint32_t* scratch) {
+// The slot a batch check's reply grants, once the agent answered: DPU_GRANT_PENDING until the
+// reply entry reads `c.seq`; then 0 with the slot's state entry, generation and blob, or
+// DPU_GRANT_REFUSED, or DPU_GRANT_BAD (region unregistered or too small, state index out of
+// the table), or 2 when the entry was reused while it was read (another request's reply).
+__device__ uint32_t dpu_resolve_grant(const dpu_slot_check& c, const dpu_region* regions,
+                                      dpu_slot_state** entry, uint64_t* generation,
+                                      const uint4** data) {
+    const dpu_reply* reply = (const dpu_reply*)c.reply;
+    if (dpu_load_volatile_u64(&reply->seq) != c.seq) return DPU_GRANT_PENDING;
+    __threadfence_system();  // the body was stored before seq: read it after
+    const uint32_t status = dpu_load_volatile_u32(&reply->status);
+    const uint32_t region = dpu_load_volatile_u32(&reply->region_id);
+    const uint32_t index = dpu_load_volatile_u32(&reply->state_index);
+    const uint64_t gen = dpu_load_volatile_u64(&reply->generation);
+    const uint64_t offset = dpu_load_volatile_u64(&reply->slot_offset);
+    __threadfence_system();
+    if (dpu_load_volatile_u64(&reply->seq) != c.seq) return 2u;
+    if (status != 0) return DPU_GRANT_REFUSED;
+    if (region >= DPU_MAX_REGIONS || index >= DPU_MAX_CHANNEL_SLOTS) return DPU_GRANT_BAD;
+    const uint64_t size = regions[region].size, bytes = c.n16 * 16;
+    if (size == 0 || offset > size || bytes > size - offset) return DPU_GRANT_BAD;
+    *entry = (dpu_slot_state*)c.states + index;
+    *generation = gen;
+    *data = (const uint4*)(regions[region].base + offset);
+    return 0u;
+}
+
+// The checks of a batch of ACQUIREs in one launch, started when they were posted: grid (G, n),
+// blocks (x, y) check request y of `checks`, each independently of the others (a slot is
+// verified as soon as it lands, whatever the rest do). Block (0, y) polls the request's reply
+// and then the granted slot's word (host memory) and hands the outcome to its G - 1 siblings
+// through scratch (device memory, so one poller per slot crosses PCIe at the poll's rate); a
+// sibling also reads the reply and the word itself when it starts and at every 16th look after,
+// ~30 us apart, so it never depends on the poller being resident. Only when all G blocks summed
+// the bytes does the last to finish publish a verdict (dpu_publish_verdict). results[y]: 0 READY,
+// 1 FAILED, 2 moved on, 3 timed out, 5 refused, 6 bad grant. regions: the device's region table
+// (device memory). scratch: uint32[DPU_CHECK_SCRATCH * n], zero on entry, left zero.
+extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks,
+                                                    const dpu_region* regions,
+                                                    uint64_t timeout_ns, uint32_t status_mismatch,
+                                                    uint32_t* results, uint32_t* scratch) {
     __shared__ uint32_t partial[32];
     __shared__ uint32_t outcome;
     __shared__ bool last;
+    __shared__ dpu_slot_state* entry;
+    __shared__ uint64_t generation;
+    __shared__ const uint4* data;
     const dpu_slot_check c = checks[blockIdx.y];
     uint32_t* s = scratch + DPU_CHECK_SCRATCH * blockIdx.y;
-    const uint64_t* word = (const uint64_t*)c.entry;
     if (threadIdx.x == 0) {
+        uint64_t start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        uint32_t grant = DPU_GRANT_PENDING;
+        unsigned int backoff = 64;
         if (blockIdx.x == 0) {
-            outcome = dpu_poll_word(word, c.generation, timeout_ns, true);
+            for (;;) {
+                grant = dpu_resolve_grant(c, regions, &entry, &generation, &data);
+                if (grant != DPU_GRANT_PENDING) break;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                if (now - start > timeout_ns) { grant = 3u; break; }
+                __nanosleep(backoff);
+                if (backoff < 2048) backoff <<= 1;
+            }
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            outcome = grant != 0u ? grant
+                : dpu_poll_word(&entry->word, generation,
+                                timeout_ns > now - start ? timeout_ns - (now - start) : 0, true);
             __threadfence();
             *(volatile uint32_t*)(s + 3) = outcome + 1;
         } else {
-            uint64_t start, now;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-            unsigned int backoff = 64;
             for (unsigned int i = 1;; ++i) {
                 const uint32_t handed = dpu_load_volatile_u32(s + 3);
-                if (handed) { outcome = handed - 1; break; }
-                if ((i & 15u) == 1 &&
-                    dpu_load_volatile_u64(word) ==
-                        ((c.generation << DPU_SLOT_STATE_BITS) | DPU_SLOT_LANDED)) {
-                    outcome = DPU_WAIT_CHECK;
+                if (handed) {
+                    outcome = handed - 1;
+                    if (outcome == DPU_WAIT_CHECK && grant != 0u)
+                        grant = dpu_resolve_grant(c, regions, &entry, &generation, &data);
+                    if (outcome == DPU_WAIT_CHECK && grant != 0u) outcome = 2u;  // reused since
                     break;
+                }
+                if ((i & 15u) == 1) {
+                    if (grant == DPU_GRANT_PENDING)
+                        grant = dpu_resolve_grant(c, regions, &entry, &generation, &data);
+                    if (grant == 0u &&
+                        dpu_load_volatile_u64(&entry->word) ==
+                            ((generation << DPU_SLOT_STATE_BITS) | DPU_SLOT_LANDED)) {
+                        outcome = DPU_WAIT_CHECK;
+                        break;
+                    }
                 }
                 asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
                 if (now - start > timeout_ns) { outcome = 3u; break; }
@@ -165,7 +220,7 @@ extern "C" __global__ void dpu_verify_landed_batch(const dpu_slot_check* checks,
     __syncthreads();
     const bool landed = outcome == DPU_WAIT_CHECK;
     const uint32_t total = dpu_block_sum(
-        landed ? dpu_blob_terms((const uint4*)c.data, c.n16,
+        landed ? dpu_blob_terms(data, c.n16,
                                 blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x,
                                 (unsigned long long)gridDim.x * blockDim.x)
                : 0u, partial);
@@ -187,6 +242,5 @@ extern "C" __global__ void dpu_verify_landed_batch(const dpu_slot_check* checks,
         results[blockIdx.y] = landed ? 3u : outcome;
         return;
     }
-    results[blockIdx.y] = dpu_publish_verdict((dpu_slot_state*)c.entry, c.generation, got,
-                                              status_mismatch);
+    results[blockIdx.y] = dpu_publish_verdict(entry, generation, got, status_mismatch);
 }

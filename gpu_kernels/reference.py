@@ -7,12 +7,13 @@ suite in tests/test_kernels.py runs each kernel and its twin on the same inputs 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from gpu_kernels import abi
-from gpu_kernels.channel import state_word
+from gpu_kernels.channel import Channel, state_word
 from gpu_kernels.checksum import chunk_checksum, row_checksums, terms_sum
 from gpu_kernels.ring import Ring, store_fence
 from gpu_kernels.routing import DispatchPlan
@@ -358,9 +359,44 @@ def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndar
     return 0 if ok else 1
 
 
-def verify_landed_batch(states: np.ndarray, checks: list[tuple[int, int, np.ndarray]],
-                        timeout_s: float) -> list[int]:
-    """Twin of ``cuda_ops.verify_landed_batch``: :func:`verify_landed` of each ``(index,
-    generation, blob)``, in order; returns their outcomes."""
-    return [verify_landed(states, index, generation, blob, timeout_s)
-            for index, generation, blob in checks]
+def resolve_grant(reply: np.void, regions: np.ndarray, nbytes: int) -> int:
+    """Twin of ``dpu_resolve_grant`` for a reply that has come (``REPLY_DTYPE``): 0 when it
+    grants a slot of a registered region (``regions``: the device's ``REGION_DTYPE`` table)
+    that holds ``nbytes`` and a slot-state index inside the table, 5 when the agent refused the
+    request, 6 otherwise."""
+    if int(reply["status"]):
+        return 5
+    region, offset = int(reply["region_id"]), int(reply["slot_offset"])
+    if region >= abi.MAX_REGIONS or int(reply["state_index"]) >= abi.MAX_CHANNEL_SLOTS:
+        return 6
+    size = int(regions[region]["size"])
+    return 0 if size and offset <= size and nbytes <= size - offset else 6
+
+
+def verify_granted_batch(channel: Channel, regions: np.ndarray,
+                         blob_of: Callable[[int, int, int], np.ndarray],
+                         checks: list[tuple[int, int]], timeout_s: float) -> list[int]:
+    """Twin of ``cuda_ops.verify_granted_batch``, started when the ACQUIREs were posted: for
+    each ``(ring position, blob bytes)``, in order, wait for the reply on ``channel``, take the
+    slot it grants (:func:`resolve_grant`; ``blob_of(region, offset, nbytes)`` is its bytes) and
+    :func:`verify_landed` it, all within ``timeout_s`` of the call; returns the outcomes (an
+    index into ``cuda_ops.WAIT_OUTCOMES``)."""
+    deadline = time.monotonic() + timeout_s
+    outcomes = []
+    for position, nbytes in checks:
+        pause, reply = 0.0, channel.reply_at(position)
+        while reply is None and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(5e-4, 2 * pause or 1e-5)
+            reply = channel.reply_at(position)
+        if reply is None:
+            outcomes.append(3)
+            continue
+        outcome = resolve_grant(reply, regions, nbytes)
+        if outcome == 0:
+            blob = blob_of(int(reply["region_id"]), int(reply["slot_offset"]), nbytes)
+            outcome = verify_landed(channel.states, int(reply["state_index"]),
+                                    int(reply["generation"]), blob,
+                                    max(0.0, deadline - time.monotonic()))
+        outcomes.append(outcome)
+    return outcomes

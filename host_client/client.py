@@ -422,8 +422,12 @@ class AgentClient:
         agent granted every slot (deliveries may still be in flight); if it refused any, the
         granted ones are released and the first refusal is raised. Each must be released."""
         handles = self._handles(dev, keys)
-        for h in handles:
-            h.deferred = True
+        posted = [h for h in handles if not h.pinned_hit]
+        if posted:
+            # Where the DMA engine delivers, the batch's checks start on the device now, in
+            # one launch: each takes its slot from its reply and is checked as its bytes land.
+            AcquireHandle.check_at_post(posted, [self.manifest(h.key).blob_bytes
+                                                 for h in posted], self.rpc_timeout)
         refused: AgentError | None = None
         granted = []
         # The agent answers in order: asleep until the last reply, one wake-up for the batch.
@@ -435,14 +439,9 @@ class AgentClient:
             else:
                 granted.append(h.key)
         if refused is not None:
-            for h in handles:
-                h.deferred = False
             if granted:
                 self.release_batch(dev, granted)
             raise refused
-        # Where the DMA engine delivers, the checks of the batch start on the device in one
-        # launch; each slot is checked as soon as its bytes land.
-        AcquireHandle.start_checks(handles, self.rpc_timeout)
         return handles
 
     @staticmethod

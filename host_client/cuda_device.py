@@ -11,9 +11,17 @@ import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, cuda_ops, launch
+from gpu_kernels.channel import Channel
 from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
 from gpu_kernels.shm import SharedBuffer
-from host_client.devices import CHECK_LANES, RW, CheckTicket, Device, DeviceFault, SlotCheck
+from host_client.devices import (
+    CHECK_LANES,
+    RW,
+    CheckTicket,
+    Device,
+    DeviceFault,
+    GrantCheck,
+)
 
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
@@ -204,13 +212,16 @@ class CudaDevice(Device):
         return _KernelTicket(ended)
 
 
-    def start_checks(self, states: np.ndarray, checks: list[SlotCheck], timeout: float
-                     ) -> CheckTicket:
-        """One launch per ``MAX_BATCH_CHECKS`` slots (``cuda_ops.verify_landed_batch``) on the
-        lanes' streams in turn, each slot checked as soon as its bytes land; the ticket ends
-        with the last launch."""
+    def start_checks(self, channel: Channel, channel_address: int, checks: list[GrantCheck],
+                     timeout: float) -> CheckTicket:
+        """One launch per ``MAX_BATCH_CHECKS`` requests (``cuda_ops.verify_granted_batch``) on
+        the lanes' streams in turn, each slot checked as soon as its reply came and its bytes
+        landed; the ticket ends with the last launch."""
         if not checks:
             raise ValueError("no slot to check")
+        if any(c.nbytes % 16 for c in checks):
+            raise ValueError("a slot check needs a multiple of 16 bytes")
+        layout = abi.channel_layout(channel.capacity)
         launched = []
         for first in range(0, len(checks), cuda_ops.MAX_BATCH_CHECKS):
             part = checks[first:first + cuda_ops.MAX_BATCH_CHECKS]
@@ -220,17 +231,19 @@ class CudaDevice(Device):
                 if self._batch_ended[block] is not None:
                     self._batch_ended[block].synchronize()  # its launch still reads the block
                 params = self._batch_params[block, :len(part)]
-                params["entry"] = [c.entry_address for c in part]
-                params["generation"] = [c.generation for c in part]
-                params["data"] = [int(c.blob.data.ptr) for c in part]
-                params["n16"] = [int(c.blob.size) // 16 for c in part]
+                params["reply"] = [channel_address + layout.replies
+                                   + c.position % channel.capacity * abi.REPLY_DTYPE.itemsize
+                                   for c in part]
+                params["seq"] = [c.position + 1 for c in part]
+                params["states"] = channel_address + layout.states
+                params["n16"] = [c.nbytes // 16 for c in part]
                 lane = block % CHECK_LANES
                 stream = launch.shared_stream(self.ordinal, f"check-{lane}")
                 words = self._batch_words[lane]
-                cuda_ops.verify_landed_batch(
+                cuda_ops.verify_granted_batch(
                     self._batch_params_at + block * self._batch_params.strides[0], len(part),
-                    int(params["n16"].max()), timeout, words[4 * cuda_ops.MAX_BATCH_CHECKS:],
-                    words, stream)
+                    int(params["n16"].max()), self._table, timeout,
+                    words[4 * cuda_ops.MAX_BATCH_CHECKS:], words, stream)
                 ended = self.cp.cuda.Event(disable_timing=True)
                 ended.record(stream)
                 self._batch_ended[block] = ended

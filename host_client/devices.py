@@ -20,6 +20,7 @@ import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi, reference
+from gpu_kernels.channel import Channel
 from gpu_kernels.reference import ReceiveKernel
 from gpu_kernels.ring import Ring
 from gpu_kernels.shm import SharedBuffer
@@ -113,15 +114,13 @@ class _CheckThread:
                 future.set_exception(exc)
 
 
-class SlotCheck(NamedTuple):
-    """One slot to check (:meth:`Device.start_checks`): its slot-state entry as the device
-    sees it (``entry_address``) and its index, the delivery's ``generation`` and the slot's
-    ``blob`` (``uint8[n]``, n a multiple of 16)."""
+class GrantCheck(NamedTuple):
+    """One posted ACQUIRE whose slot a batch check takes from its reply
+    (:meth:`Device.start_checks`): the request's ring ``position`` on the channel and the
+    expert's blob size in bytes (a multiple of 16)."""
 
-    entry_address: int
-    index: int
-    generation: int
-    blob: Any
+    position: int
+    nbytes: int
 
 
 class CheckTicket(Protocol):
@@ -223,14 +222,16 @@ class Device(ABC):
         return self._checker(index).submit(reference.verify_landed, states, index, generation,
                                            blob, timeout)
 
-    def start_checks(self, states: np.ndarray, checks: list[SlotCheck], timeout: float
-                     ) -> CheckTicket:
-        """Start the checks of several slots at once (a batch's), each as :meth:`start_check`
-        does and each as soon as its own bytes land; one ticket for all. Here the NumPy twin,
-        in order, on one lane (by the first slot's index)."""
-        return self._checker(checks[0].index).submit(
-            reference.verify_landed_batch, states,
-            [(c.index, c.generation, c.blob) for c in checks], timeout)
+    def start_checks(self, channel: Channel, channel_address: int, checks: list[GrantCheck],
+                     timeout: float) -> CheckTicket:
+        """Start the checks of a batch of ACQUIREs just posted on ``channel`` (mapped at
+        ``channel_address`` on the device), before the agent answered: each waits for its reply,
+        takes the granted slot from it (bounds-checked against this device's region table) and
+        is checked as :meth:`start_check` does, as soon as its own bytes land; one ticket for
+        all. Here the NumPy twin, in order, on one lane (by the first request's position)."""
+        return self._checker(checks[0].position).submit(
+            reference.verify_granted_batch, channel, self.regions, self.region_bytes,
+            [(c.position, c.nbytes) for c in checks], timeout)
 
     def _checker(self, index: int) -> _CheckThread:
         """The twin's check lane of slot-state ``index`` (started on first use)."""

@@ -71,16 +71,14 @@ class LandedCheck:
                                        self.channel.word_address(index), index,
                                        int(reply["generation"]), slot.blob, timeout)
 
-    def start_many(self, granted: list[tuple[np.void, ExpertSlot]], timeout: float
-                   ) -> CheckTicket:
-        """Start the checks of several granted slots at once (``Device.start_checks``: one
-        launch for a batch); one ticket for all."""
-        from host_client.devices import SlotCheck
+    def start_posted(self, posted: list[tuple[int, int]], timeout: float) -> CheckTicket:
+        """Start the checks of ACQUIREs just posted, ``(ring position, blob bytes)`` each, in
+        one launch (``Device.start_checks``): each takes its slot from its reply when the
+        agent answers and is checked as soon as its bytes land; one ticket for all."""
+        from host_client.devices import GrantCheck
 
-        checks = [SlotCheck(self.channel.word_address(int(reply["state_index"])),
-                            int(reply["state_index"]), int(reply["generation"]), slot.blob)
-                  for reply, slot in granted]
-        return self.device.start_checks(self.channel.view.states, checks, timeout)
+        return self.device.start_checks(self.channel.view, self.channel.device_address,
+                                        [GrantCheck(p, n) for p, n in posted], timeout)
 
     def enqueue(self, reply: np.void, slot: ExpertSlot, stream: Any, timeout: float,
                 result: Any) -> None:
@@ -121,11 +119,9 @@ class AcquireHandle:
         self._repost = repost
         """Posts the acquire again, returning its ring position (DMA-engine devices)."""
         self._refetches = 0
-        self.deferred = False
-        """Set by a batch acquire: this handle starts no check of its own until
-        :meth:`start_checks` has started the batch's."""
         self._ticket: CheckTicket | None = None
-        """The check this handle started (None: not started, or another handle's)."""
+        """The check this handle started, or its batch's (None: not started, or another
+        handle's)."""
         self._landed_at: float | None = None
         """When the slot's word was first seen LANDED for this handle's generation."""
         self._reply: np.void | None = None
@@ -154,29 +150,24 @@ class AcquireHandle:
             return True
         self._reply = reply
         self._channel.remember(self.key, reply)
+        if self._ticket is not None:  # checked by its batch's launch: no other check is started
+            self._channel.claim_check(int(reply["state_index"]), int(reply["generation"]))
         return False
 
     @staticmethod
-    def start_checks(handles: list[AcquireHandle], timeout: float = 30.0) -> None:
-        """Start the checks of the granted handles (one device's) whose delivery is under way or
-        landed unchecked and that no handle of this client claimed yet, and let every handle start
-        checks of its own again (a check that ends without a verdict is restarted by its handle).
-        A batch acquire calls it once the agent granted the batch: one launch for a layer's
-        experts but the last, not one per expert; the last, which lands last and so decides when
-        the batch is ready, gets a check of its own, which sums with the whole device."""
-        for h in handles:
-            h.deferred = False
-        due = [h for h in handles if h._claims_check()]
-        if not due:
+    def check_at_post(handles: list[AcquireHandle], nbytes: list[int],
+                      timeout: float = 30.0) -> None:
+        """Start, in one launch, the checks of handles whose ACQUIREs were just posted on one
+        DMA-engine device (``nbytes``: each expert's blob size), before the agent answered:
+        the device takes each slot from its reply and checks it as soon as its bytes land, so
+        no wake-up of the client stands between the grants and the checks."""
+        landed = handles[0]._landed
+        if landed is None:
             return
-        landed = due[-1]._landed
-        assert landed is not None
-        last = due.pop()
-        last._ticket = landed.start(last._reply, last._make_slot(last._reply), timeout)
-        if due:
-            ticket = landed.start_many([(h._reply, h._make_slot(h._reply)) for h in due], timeout)
-            for h in due:
-                h._ticket = ticket
+        ticket = landed.start_posted([(h._position, n) for h, n in zip(handles, nbytes,
+                                                                        strict=True)], timeout)
+        for h in handles:
+            h._ticket = ticket
 
     def wait_granted(self, timeout: float, spin: bool = True) -> None:
         """Block until the agent answered the acquire (a slot, or a refusal): polling until
@@ -230,7 +221,7 @@ class AcquireHandle:
         (it gave up before the bytes landed)."""
         if state == abi.SlotState.LANDED and self._landed_at is None:
             self._landed_at = time.monotonic()
-        if self._landed is None or self.deferred:
+        if self._landed is None:
             return
         if self._ticket is None:
             if self._claims_check():

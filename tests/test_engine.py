@@ -19,10 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi
-from gpu_kernels.channel import split_word
+from gpu_kernels.channel import Channel, split_word
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec, TransferFailed
 from host_client.client import AttachedDevice
-from host_client.devices import CheckTicket, SlotCheck
+from host_client.devices import CheckTicket, GrantCheck
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
 
@@ -75,17 +75,17 @@ class _CountingDevice(CpuReferenceDevice):
         self.singles.append(1)
         return super().start_check(*args)
 
-    def start_checks(self, states: np.ndarray, checks: list[SlotCheck], timeout: float
-                     ) -> CheckTicket:
+    def start_checks(self, channel: Channel, channel_address: int, checks: list[GrantCheck],
+                     timeout: float) -> CheckTicket:
         self.batches.append(len(checks))
-        return super().start_checks(states, checks, timeout)
+        return super().start_checks(channel, channel_address, checks, timeout)
 
 
 def test_a_batch_acquire_starts_its_checks_in_one_launch(client: AgentClient,
                                                         qwen_ckpt: Path) -> None:
-    """AcquireBatch through the DMA engine: the slots it was granted are checked by one batch
-    check (one kernel launch on a GPU) but the last, which gets its own; the bytes are the
-    checkpoint's, and a single acquire still starts its own check."""
+    """AcquireBatch through the DMA engine: its slots are checked by one batch check (one kernel
+    launch on a GPU) started when the batch was posted, before the agent answered; the bytes
+    are the checkpoint's, and a single acquire still starts its own check."""
     model = client.load_model(str(qwen_ckpt), "qwen-batch-check")
     device = _CountingDevice(9)
     dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 8)],
@@ -93,13 +93,13 @@ def test_a_batch_acquire_starts_its_checks_in_one_launch(client: AgentClient,
     truth = checkpoint_bytes(qwen_ckpt)
     keys = [ExpertKey("qwen-batch-check", 1, e) for e in range(6)]
     slots = [h.wait(10) for h in client.acquire_batch(dev, keys)]
-    assert device.batches == [5] and device.singles == [1]
+    assert device.batches == [6] and device.singles == []
     for slot in slots:
         name = f"model.layers.1.mlp.experts.{slot.key.expert}.down_proj.weight"
         assert slot.raw("down_proj").tobytes() == truth[name]
     client.release_batch(dev, keys)
     client.acquire(dev, ExpertKey("qwen-batch-check", 2, 0)).wait(10)
-    assert device.singles == [1, 1] and device.batches == [5]
+    assert device.singles == [1] and device.batches == [6]
 
 
 def test_engine_delivers_every_expert_from_its_own_process(

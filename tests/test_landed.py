@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_kernels import abi, reference
-from gpu_kernels.channel import split_word, state_word
+from gpu_kernels.channel import Channel, split_word, state_word
 from gpu_kernels.checksum import blob_checksums, blob_sum, terms_sum
 
 S = abi.SlotState
@@ -91,56 +91,104 @@ def test_cuda_check_matches_the_twin(state: abi.SlotState, generation: int, corr
         cp.cuda.runtime.hostUnregister(states.ctypes.data)
 
 
+GRANT_CASES = [  # requests whose reply grants no slot to check -> outcome
+    ("refused", 5), ("unregistered region", 6), ("slot past its region", 6), ("no reply", 3)]
+
+
+def _posted_batch(nbytes: int) -> tuple[Channel, np.ndarray, np.ndarray, list[tuple[int, int]],
+                                        list[int]]:
+    """A channel whose first requests are a batch of ACQUIREs answered as ``CASES`` (slot i of
+    a pool in region 1, generation 5; one case twice the size) and ``GRANT_CASES`` say; returns
+    (channel, region table, pool bytes, (position, blob bytes) per request, outcomes)."""
+    rng = np.random.default_rng(nbytes)
+    cases = [*CASES, (S.LANDED, 5, False, 0)]
+    sizes = [nbytes] * len(CASES) + [2 * nbytes]
+    pool = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    channel = Channel.format(np.zeros(abi.channel_layout(64).total, np.uint8), 64)
+    regions = np.zeros(abi.MAX_REGIONS, abi.REGION_DTYPE)
+    regions[1] = (0, pool.size, abi.RegionFlags.WRITABLE, 0)
+    for i, ((state, generation, corrupt, _), at, n) in enumerate(
+            zip(cases, offsets, sizes, strict=True)):
+        blob = pool[at:at + n]
+        channel.states[i] = (state_word(generation, state), 0, terms_sum(blob))
+        if corrupt:
+            blob[n // 3] ^= 0x01
+        channel.reply(i, i + 1, abi.RequestStatus.OK, region_id=1, slot_index=i, state_index=i,
+                      generation=5, slot_offset=at)
+    first = len(cases)
+    channel.reply(first, first + 1, abi.RequestStatus.NOT_FOUND, "no such expert")
+    channel.reply(first + 1, first + 2, abi.RequestStatus.OK, region_id=2, state_index=9,
+                  generation=5)
+    channel.reply(first + 2, first + 3, abi.RequestStatus.OK, region_id=1, state_index=9,
+                  generation=5, slot_offset=pool.size - nbytes + 16)
+    checks = [*zip(range(len(cases)), sizes, strict=True),
+              *((first + j, nbytes) for j in range(len(GRANT_CASES)))]
+    return channel, regions, pool, checks, [o for *_, o in cases] + [o for _, o in GRANT_CASES]
+
+
+def test_twin_takes_each_slot_of_a_posted_batch_from_its_reply() -> None:
+    """A batch check started at posting: each request's slot comes from its reply (refused,
+    unregistered or too-small grants checked for nothing), its verdict as a single check's."""
+    channel, regions, pool, checks, want = _posted_batch(4096)
+    before = channel.states.copy()
+    got = reference.verify_granted_batch(channel, regions,
+                                         lambda region, at, n: pool[at:at + n], checks, 0.05)
+    assert got == want
+    for i, (state, generation, corrupt, _) in enumerate([*CASES, (S.LANDED, 5, False, 0)]):
+        if state == S.LANDED and generation == 5:
+            assert split_word(int(channel.states["word"][i])) == (
+                5, S.FAILED if corrupt else S.READY)
+        else:
+            assert channel.states[i].tobytes() == before[i].tobytes()
+    assert channel.states[9].tobytes() == before[9].tobytes()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("nbytes", [16, 4096, 3 << 20])
 def test_cuda_batch_check_matches_the_twin(nbytes: int) -> None:
-    """One launch checks every case of ``CASES`` at once, a slot each (and one slot twice as
-    many times the size): each slot's outcome and slot-state bytes are the twin's; the
-    scratch is left zero."""
+    """One launch, started before the replies are read, checks every request of
+    ``_posted_batch``: each outcome and slot-state byte is the twin's; the scratch is left
+    zero."""
     import cupy as cp
 
     from gpu_kernels import cuda_ops
     from host_client.cuda_device import device_pointer
 
-    rng = np.random.default_rng(nbytes)
-    cases = [*CASES, (S.LANDED, 5, False, 0)]
-    sizes = [nbytes] * len(CASES) + [2 * nbytes]
-    blobs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-    states = np.zeros(len(cases), abi.SLOT_STATE_DTYPE)
-    for i, ((state, generation, _, _), blob) in enumerate(zip(cases, blobs, strict=True)):
-        states[i] = (state_word(generation, state), 0, terms_sum(blob))
-    for (_, _, corrupt, _), blob in zip(cases, blobs, strict=True):
-        if corrupt:
-            blob[blob.size // 3] ^= 0x01
-    twin_states = states.copy()
-    want = reference.verify_landed_batch(  # a timeout a sanitizer's slowness cannot reach
-        twin_states, [(i, 5, blob) for i, blob in enumerate(blobs)], timeout_s=1.0)
-    assert want == [outcome for *_, outcome in cases]
-    checks = np.zeros(len(cases), abi.CHECK_DTYPE)
+    channel, regions, pool, checks, want = _posted_batch(nbytes)
+    twin = Channel(channel.buffer.copy())
+    assert reference.verify_granted_batch(  # a timeout a sanitizer's slowness cannot reach
+        twin, regions, lambda region, at, n: pool[at:at + n], checks, 1.0) == want
+    params = np.zeros(len(checks), abi.CHECK_DTYPE)
     rt = cp.cuda.runtime
-    rt.hostRegister(states.ctypes.data, states.nbytes, 0x1 | 0x2)
-    rt.hostRegister(checks.ctypes.data, checks.nbytes, 0x1 | 0x2)
+    rt.hostRegister(channel.buffer.ctypes.data, channel.buffer.nbytes, 0x1 | 0x2)
+    rt.hostRegister(params.ctypes.data, params.nbytes, 0x1 | 0x2)
     try:
-        on_gpu = [cp.asarray(b) for b in blobs]
-        entries = device_pointer(states.ctypes.data)
-        checks["entry"] = [entries + i * abi.SLOT_STATE_DTYPE.itemsize for i in range(len(cases))]
-        checks["generation"] = 5
-        checks["data"] = [int(b.data.ptr) for b in on_gpu]
-        checks["n16"] = [b.size // 16 for b in on_gpu]
-        results = cp.full(len(cases), 0xFFFFFFFF, cp.uint32)
-        scratch = cp.zeros(4 * len(cases), cp.uint32)
+        on_gpu = cp.asarray(pool)
+        table = regions.copy()
+        table[1]["base"] = int(on_gpu.data.ptr)
+        table_on_gpu = cp.asarray(table.view(np.uint8))
+        at = device_pointer(channel.buffer.ctypes.data)
+        layout = abi.channel_layout(channel.capacity)
+        params["reply"] = [at + layout.replies + p * abi.REPLY_DTYPE.itemsize for p, _ in checks]
+        params["seq"] = [p + 1 for p, _ in checks]
+        params["states"] = at + layout.states
+        params["n16"] = [n // 16 for _, n in checks]
+        results = cp.full(len(checks), 0xFFFFFFFF, cp.uint32)
+        scratch = cp.zeros(4 * len(checks), cp.uint32)
         stream = cp.cuda.Stream(non_blocking=True)
         cp.cuda.Device().synchronize()  # the fills above ran on the null stream, which a
         # non-blocking stream does not wait for (a sanitizer's slowness once showed it)
-        cuda_ops.verify_landed_batch(device_pointer(checks.ctypes.data), len(cases),
-                                     int(checks["n16"].max()), 1.0, results, scratch, stream)
+        cuda_ops.verify_granted_batch(device_pointer(params.ctypes.data), len(checks),
+                                      int(params["n16"].max()), table_on_gpu, 1.0, results,
+                                      scratch, stream)
         stream.synchronize()
         assert results.get().tolist() == want
-        assert states.tobytes() == twin_states.tobytes()
+        assert channel.states.tobytes() == twin.states.tobytes()
         assert not scratch.get().any(), "the scratch words are left zero for the next batch"
     finally:
-        rt.hostUnregister(checks.ctypes.data)
-        rt.hostUnregister(states.ctypes.data)
+        rt.hostUnregister(params.ctypes.data)
+        rt.hostUnregister(channel.buffer.ctypes.data)
 
 
 def test_twin_publishes_nothing_when_the_slot_moved_on_while_summed(

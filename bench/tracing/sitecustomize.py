@@ -39,7 +39,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "host_client.client": ("AgentClient.acquire_batch", "AgentClient._handles",
                            "AgentClient.release_batch", "AgentClient.wait_all"),
     "host_client.handles": ("AcquireHandle._start_check", "AcquireHandle.wait",
-                            "AcquireHandle.start_checks", "AcquireHandle.wait_granted"),
+                            "AcquireHandle.check_at_post", "AcquireHandle.wait_granted"),
     "host_client.requests": ("ClientChannel.post", "ClientChannel.sleep"),
     "host_client.cuda_device": ("CudaDevice.start_check", "CudaDevice.start_checks"),
 }

@@ -165,12 +165,13 @@ typedef struct {
     uint32_t expected;
 } dpu_slot_state;
 
-// One slot of a batch check (dpu_verify_landed_batch), in host memory the device maps; the
-// client writes it, only its own kernels read it.
+// One slot of a batch check (dpu_verify_granted_batch), in host memory the device maps,
+// written when the ACQUIREs are posted: the reply entry to wait for and its seq once answered,
+// the slot-state table, the blob's 16-byte vectors. The client writes it, only its kernels read it.
 typedef struct {
-    uint64_t entry;
-    uint64_t generation;
-    uint64_t data;
+    uint64_t reply;
+    uint64_t seq;
+    uint64_t states;
     uint64_t n16;
 } dpu_slot_check;
 
