@@ -11,7 +11,10 @@ one run, tokens per second of ``generate()`` at batch 1 and 8 for:
   untimed, so the arena holds the experts (the timed runs measure GPU-pool misses served from
   host DRAM, not first reads of the checkpoint);
 - ``accelerate``: the expert modules left on the CPU through ``device_map`` (accelerate moves
-  them for each forward), where accelerate is installed;
+  them for each forward), where accelerate is installed: from pageable memory, as
+  ``from_pretrained(device_map=...)`` leaves them, and from pinned memory
+  (``accelerate_pinned``: the expert parameters pinned, then ``dispatch_model``), the faster of
+  the two and the one issue 20's target compares with;
 - ``bound``: the serial bound 1 / (1/resident + missed bytes per token / pinned host-to-device
   rate), the pinned rate measured in the same run.
 
@@ -212,13 +215,16 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
                     runs.append(row)
                 del model
         accelerate = _accelerate(path, torch_device, batches, prompt, new, best,
-                                 outputs[best], trace)
+                                 outputs[best], trace, pinned=False)
+        accelerate_pinned = _accelerate(path, torch_device, batches, prompt, new, best,
+                                        outputs[best], trace, pinned=True)
     mismatched = [(r["fraction"], b) for r in runs for b, ok in r["outputs_equal"].items()
                   if not ok]
     return {"arch": arch, "layers": layers, "device": device, "shrink": shrink,
             "expert_bytes": expert_bytes, "pinned_rate_bytes_per_s": rate,
             "resident": resident, "resident_implementation": best, "offload": runs,
-            "accelerate": accelerate, "prompt_tokens": prompt, "new_tokens": new,
+            "accelerate": accelerate, "accelerate_pinned": accelerate_pinned,
+            "prompt_tokens": prompt, "new_tokens": new,
             "outputs_differ": mismatched, "routing": trace.stem if trace else "router",
             "delivery": delivery}
 
@@ -240,27 +246,35 @@ def _cuda() -> Any:
 
 
 def _accelerate(path: Path, device: str, batches: list[int], prompt: int, new: int,
-                implementation: str, outputs: dict[int, Any],
-                trace: Path | None) -> dict[str, Any]:
-    """accelerate's offload of the expert modules (left on the CPU by ``device_map``), with
-    the resident run's experts ``implementation`` (and its ``outputs`` to compare with)."""
+                implementation: str, outputs: dict[int, Any], trace: Path | None,
+                pinned: bool) -> dict[str, Any]:
+    """accelerate's offload of the expert modules (left on the CPU, every other module on GPU
+    0), with the resident run's experts ``implementation`` (and its ``outputs`` to compare
+    with): from pageable memory as ``from_pretrained(device_map=...)`` leaves them, or with
+    ``pinned`` from page-locked copies (the model loaded on the CPU, its expert parameters
+    pinned, then ``accelerate.dispatch_model``: the offloaded weights it copies for each
+    forward are the pinned ones)."""
     try:
-        import accelerate  # noqa: F401
+        import accelerate
         import torch
         import transformers
     except ImportError as exc:
         return {"unavailable": f"accelerate is not installed ({exc})"}
     if device != "cuda":
         return {"unavailable": "needs a GPU (the modules are offloaded to the CPU)"}
-    probe = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                              device_map="meta")
-    device_map = {n: ("cpu" if n.endswith(".experts") else 0)
-                  for n, _ in probe.named_modules() if n.count(".") == 4 or n.endswith(
-                      ".experts")}
+    auto = transformers.AutoModelForCausalLM
+    probe = auto.from_pretrained(path, dtype=torch.bfloat16, device_map="meta")
+    offloaded = {n: "cpu" for n, _ in probe.named_modules() if n.endswith(".experts")}
     del probe
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, device_map={"": 0, **{k: v for k, v in device_map.items()
-                                                          if v == "cpu"}})
+    if pinned:
+        model = auto.from_pretrained(path, dtype=torch.bfloat16)
+        for name in offloaded:
+            for param in model.get_submodule(name).parameters():
+                param.data = param.data.pin_memory()
+        model = accelerate.dispatch_model(model, device_map={"": 0, **offloaded})
+    else:
+        model = auto.from_pretrained(path, dtype=torch.bfloat16,
+                                     device_map={"": 0, **offloaded})
     model.set_experts_implementation(implementation)
     replay = TraceReplay(model, trace) if trace else None
     out, equal = {}, {}
@@ -280,9 +294,11 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.plot(x, [row["bound_tokens_per_s"][b] for row in r["offload"]], "k:", label="bound")
         ax.axhline(r["resident"][r["resident_implementation"]][b], color="g", ls="-.",
                    label=f"resident ({r['resident_implementation']})")
-        acc = r["accelerate"].get("tokens_per_s", {}).get(b)
-        if acc:
-            ax.axhline(acc, color="r", ls="--", label="accelerate offload")
+        for key, style, label in (("accelerate", "--", "accelerate offload"),
+                                  ("accelerate_pinned", "-.", "accelerate offload, pinned")):
+            acc = r.get(key, {}).get("tokens_per_s", {}).get(b)
+            if acc:
+                ax.axhline(acc, color="r", ls=style, label=label)
         ax.set(yscale="log", xlabel="GPU expert cache (%)", ylabel="tokens/s",
                title=f"{r['arch']}, {r['layers']} layers, batch {b}, routing "
                      f"{r.get('routing', 'router')}")
@@ -314,7 +330,8 @@ def main() -> int:
     r = run(args.arch, args.layers, args.device, args.gpu_cache_fraction, args.batch,
             new=args.new_tokens, shrink=args.shrink, trace=args.trace, delivery=args.delivery,
             prefetch=args.prefetch)
-    print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate")}, indent=1,
+    print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate",
+                                        "accelerate_pinned")}, indent=1,
                      default=str), file=sys.stderr)
     if not args.no_save:
         path = write("transformers-decode", envelope(
