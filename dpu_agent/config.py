@@ -11,10 +11,9 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from dpu_agent.cluster.agent import ClusterSettings
+from dpu_agent.cluster.settings import ClusterSettings, parse_endpoint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,8 +145,6 @@ class AgentConfig:
     @property
     def cluster(self) -> ClusterSettings | None:
         """The [cluster] section, or None in single-agent mode (no etcd endpoints)."""
-        from dpu_agent.cluster.agent import ClusterSettings
-
         if not self.cluster_etcd_endpoints:
             return None
         return ClusterSettings(
@@ -249,14 +246,6 @@ def _check(cfg: AgentConfig) -> list[str]:
     if cfg.max_message_bytes < 2**16:
         problems.append("server.max_message_bytes: must be at least 64 KiB")
     return problems
-
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port); ValueError names what is wrong."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"etcd endpoint {text!r} is not host:port")
-    return host, int(port)
 
 
 def _check_cluster(cfg: AgentConfig) -> list[str]:

@@ -64,3 +64,59 @@ def test_the_rules_see_a_forbidden_import(tmp_path: Path) -> None:
     f.write_text("import os\n\ndef g():\n    from dpu_agent.config import load\n"
                  "    import cupy.cuda as c\n")
     assert imported(f) == {"os": 1, "dpu_agent": 4, "cupy": 5}
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports (any form, anywhere in it; ``from P import m``
+    counts module ``P.m`` where that is one)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        out.update(n for n in names if n in modules)
+    return out
+
+
+def test_no_import_cycle() -> None:
+    """No module reaches itself through imports (TYPE_CHECKING and function-level ones
+    included): collaborators take narrow protocols instead of importing the core."""
+    files = {_module_of(f): f for package in RULES for f in (ROOT / package).rglob("*.py")
+             if "v1" not in f.parts}
+    graph = {m: _imports_of(f, set(files)) - {m} for m, f in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in graph[m]:
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                n = stack.pop()
+                component.append(n)
+                if n == m:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    assert not cycles, cycles

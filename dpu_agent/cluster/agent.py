@@ -15,11 +15,11 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dpu_agent.cluster import peer
 from dpu_agent.cluster.placement import ClusterPlacement, PlacementError, check, plan_cluster
+from dpu_agent.cluster.settings import ClusterSettings
 from dpu_agent.cluster.store import ClusterStore, ClusterUnavailable, Member
 from dpu_agent.errors import AgentError
 from dpu_agent.weights.cache import CacheFullError
@@ -28,36 +28,28 @@ from dpu_offload.keys import ExpertKey
 if TYPE_CHECKING:
     from etcd3gw.lease import Lease
 
-    from dpu_agent.orchestrator import Orchestrator
+    from dpu_agent.weights.arena import Arena
+    from dpu_agent.weights.cache import WeightCache
+    from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
 
 log = logging.getLogger("dpu_agent.cluster")
 
 
-@dataclass(frozen=True)
-class ClusterSettings:
-    """The ``[cluster]`` config section (durations in seconds; defaults and meanings in
-    dpu_agent/config.py and deploy/agent.toml)."""
+class ClusterCore(Protocol):
+    """What the cluster agent needs of the agent's core (the Orchestrator)."""
 
-    etcd_endpoints: tuple[str, ...]
-    agent_id: str
-    prefix: str
-    lease_seconds: int
-    join_timeout_seconds: int
-    resync_seconds: float
-    peer_address: str
-    peer_fetch: str
-    etcd_ca: str = ""
-    """CA bundle verifying etcd's certificate; set: https to etcd."""
-    etcd_cert: str = ""
-    """Client certificate and key for etcd's client-cert-auth."""
-    etcd_key: str = ""
+    arena: Arena
+    cache: WeightCache
+
+    def load_model(self, path: str, name: str = "", persist: bool = True) -> ModelCatalog: ...
+    def expert(self, key: ExpertKey) -> ExpertEntry: ...
 
 
 class ClusterAgent:
     """Joins the cluster on :meth:`start` (blocking until registered) and reconciles in a
     thread until :meth:`close`."""
 
-    def __init__(self, core: Orchestrator, settings: ClusterSettings, grpc_address: str,
+    def __init__(self, core: ClusterCore, settings: ClusterSettings, grpc_address: str,
                  activations_address: str = "") -> None:
         self.core = core
         self.settings = settings

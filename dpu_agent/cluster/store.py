@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dpu_agent.config import parse_endpoint
+from dpu_agent.cluster.settings import parse_endpoint
 
 if TYPE_CHECKING:
     import requests

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dpu_agent.dataplane.steering import placement_origin, placement_rules
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
@@ -29,7 +29,12 @@ from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 
 if TYPE_CHECKING:
-    from dpu_agent.orchestrator import Orchestrator
+    from dpu_agent.dataplane.grants import SlotGrants
+    from dpu_agent.dataplane.steering import FlowTable
+    from dpu_agent.planning.scheduler import Scheduler
+    from dpu_agent.routing.stats import RoutingStats
+    from dpu_agent.service.registry import Device
+    from dpu_agent.weights.catalog import ModelCatalog
 
 Copy = tuple[int, ExpertKey]
 """(device id, expert)."""
@@ -55,10 +60,24 @@ class PlacementState:
     dropped: int = 0
 
 
-class PlacementExecutor:
-    """Turns placements into scheduled moves for an :class:`Orchestrator`."""
+class PlacementCore(Protocol):
+    """What applying placements needs of the agent's core (the Orchestrator)."""
 
-    def __init__(self, core: Orchestrator) -> None:
+    models: dict[str, ModelCatalog]
+    sessions: dict[str, Session]
+    grants: SlotGrants
+    flows: FlowTable
+    routing: RoutingStats
+    scheduler: Scheduler
+
+    def device(self, session: Session, device_id: int) -> Device: ...
+    def persist(self) -> None: ...
+
+
+class PlacementExecutor:
+    """Turns placements into scheduled moves for the agent's core."""
+
+    def __init__(self, core: PlacementCore) -> None:
         self.core = core
         self._ids = itertools.count(1)
         self._lock = threading.Lock()

@@ -17,7 +17,8 @@ from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha
 from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import CollectorRegistry, start_http_server
 
-from dpu_agent.cluster.agent import ClusterAgent, ClusterSettings
+from dpu_agent.cluster.agent import ClusterAgent
+from dpu_agent.cluster.settings import ClusterSettings
 from dpu_agent.cluster.store import ClusterUnavailable
 from dpu_agent.config import LIVE_SETTINGS, AgentConfig
 from dpu_agent.dataplane.activations import ActivationRouter
