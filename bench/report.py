@@ -248,7 +248,8 @@ def transformers_decode(d: dict[str, Any]) -> list[Row]:
     serial bound and accelerate's offload (issue 20's targets)."""
     r = d["results"]
     best = r["resident_implementation"]
-    acc = r["accelerate"].get("tokens_per_s", {})
+    pageable = r["accelerate"].get("tokens_per_s", {})
+    pinned = r.get("accelerate_pinned", {}).get("tokens_per_s", {})
     rows: list[Row] = [(f"resident, experts implementation {impl}, batch {b}",
                         f"{tps:.1f} tok/s", "", "", "", None)
                        for impl, by_batch in r["resident"].items() if "unavailable" not in by_batch
@@ -262,12 +263,16 @@ def transformers_decode(d: dict[str, Any]) -> list[Row]:
             rows.append((f"offload_experts tok/s, {tag}", f"{tps:.1f}",
                          f"bound {bound:.1f} (resident {best} {r['resident'][best][b]:.1f})",
                          f"{tps / bound:.2f}x", ">= 0.8x bound", tps / bound >= 0.8))
-            if b in acc:
-                at_target = run["fraction"] == 0.25
-                rows.append((f"vs accelerate's expert offload, {tag}", f"{tps:.1f}",
-                             f"accelerate {acc[b]:.2f}", f"{tps / acc[b]:.1f}x",
-                             ">= 10x at 25%" if at_target else "",
-                             tps / acc[b] >= 10 if at_target else None))
+            # The target compares with accelerate from pinned memory (results before it was
+            # measured have the pageable run only: shown, judged by no target).
+            for acc, memory in ((pinned, "pinned"), (pageable, "pageable")):
+                if b not in acc:
+                    continue
+                judged = run["fraction"] == 0.25 and memory == "pinned"
+                rows.append((f"vs accelerate's expert offload ({memory} memory), {tag}",
+                             f"{tps:.1f}", f"accelerate {acc[b]:.2f}", f"{tps / acc[b]:.1f}x",
+                             ">= 10x at 25%" if judged else "",
+                             tps / acc[b] >= 10 if judged else None))
             rows.append((f"outputs equal the resident run's, {tag}",
                          str(run["outputs_equal"][b]), "", "", "equal",
                          bool(run["outputs_equal"][b])))
