@@ -14,7 +14,7 @@ from pathlib import Path
 from dpu_agent import __version__
 from dpu_agent.admin import add_commands
 from dpu_agent.config import DEFAULT_PATH, KEYS, LIVE_SETTINGS, UNITS, ConfigError, load
-from dpu_agent.service.state import StateError
+from dpu_agent.state import StateError
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError

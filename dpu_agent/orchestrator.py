@@ -7,7 +7,6 @@ worker threads; the data-plane loop (dataplane/loop.py) is its own thread.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import secrets
 import threading
@@ -17,11 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.config import AgentConfig
-from dpu_agent.dataplane.channels import DeviceChannel
-from dpu_agent.dataplane.engine import EngineError
 from dpu_agent.dataplane.grants import SlotGrant, SlotGrants
 from dpu_agent.dataplane.plane import DataPlane
-from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.dataplane.requests import unknown_model
 from dpu_agent.dataplane.steering import FlowTable, owned_by
 from dpu_agent.errors import (
@@ -35,16 +31,15 @@ from dpu_agent.identity import Binding, current_caller
 from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.scheduler import Priority, Scheduler
-from dpu_agent.routing.stats import RoutingStats
-from dpu_agent.routing.traces import read_trace
-from dpu_agent.service.registry import (
+from dpu_agent.regions import Registrations
+from dpu_agent.registry import (
     ARENA_REGION_ID,
     Device,
     Session,
-    SlotPool,
-    SlotState,
 )
-from dpu_agent.service.state import StateStore
+from dpu_agent.routing.stats import RoutingStats
+from dpu_agent.routing.traces import read_trace
+from dpu_agent.state import StateStore
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog, path_problem
@@ -53,10 +48,8 @@ from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.policies import make_policy
 from dpu_agent.weights.safetensors_file import CheckpointError
 from dpu_offload.keys import ExpertKey, model_name_problem
-from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
-from gpu_kernels.ring import RingError
-from gpu_kernels.shm import SharedBufferError, bound_to, sweep_stale
+from gpu_kernels.shm import sweep_stale
 
 log = logging.getLogger("dpu_agent")
 
@@ -94,7 +87,6 @@ class Orchestrator:
         self._events_dropped_closed = 0
         """Events closed sessions' sinks dropped (their clients did not read them)."""
         self._lock = threading.RLock()
-        self._device_ids = itertools.count()
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
         self.plane = DataPlane(self, self.cache, config.chunk_bytes, self._fills,
                                lambda sid: sid in self.sessions, self._devices,
@@ -109,6 +101,7 @@ class Orchestrator:
         self.grants = SlotGrants(self, self.plane.deliveries, self.scheduler, self._fills,
                                  config.transfer_timeout_seconds)
         self.placements = PlacementExecutor(self)
+        self.registrations = Registrations(self, config.max_devices_per_session)
         self.predictor = NextLayerPredictor(self.routing)
         self.flows = FlowTable()
         self.activations: Any = None
@@ -335,175 +328,6 @@ class Orchestrator:
                 pass
         return expired
 
-    # -- registration ----------------------------------------------------------------------
-    def register_device(self, session: Session, kind: int, ordinal: int, name: str,
-                        delivery: int = pb.DELIVERY_DEVICE_PULL) -> Device:
-        if kind not in (pb.DEVICE_KIND_CUDA, pb.DEVICE_KIND_CPU_REFERENCE):
-            raise invalid(f"device kind {kind} is not CUDA or CPU_REFERENCE")
-        if delivery not in (pb.DELIVERY_DEVICE_PULL, pb.DELIVERY_DMA_ENGINE):
-            raise invalid(f"delivery {delivery} is not DEVICE_PULL or DMA_ENGINE")
-        with session.lock:
-            if len(session.devices) >= self.config.max_devices_per_session:
-                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                                 f"session has {len(session.devices)} devices, the most one "
-                                 "may register (sessions.max_devices)")
-            for dev in session.devices.values():
-                if dev.kind == kind and dev.ordinal == ordinal:
-                    raise AgentError(ErrorKind.ALREADY_EXISTS,
-                                     f"device ordinal {ordinal} is already registered as "
-                                     f"device {dev.device_id}")
-            dev = Device(next(self._device_ids), kind, ordinal, name[:128], delivery=delivery)
-            dev.channel = DeviceChannel((session.session_id, dev.device_id))
-            if delivery == pb.DELIVERY_DMA_ENGINE:
-                try:
-                    dev.queue = self.plane.engine.attach(dev)
-                except EngineError as exc:
-                    dev.channel.close()
-                    raise AgentError(ErrorKind.UNAVAILABLE,
-                                     f"the DMA engine cannot take device: {exc}") from exc
-            session.devices[dev.device_id] = dev
-        with self._lock:
-            self._device_list = None
-        return dev
-
-    def register_region(self, session: Session, req: pb.RegisterRegionRequest) -> int:
-        dev = self.device(session, req.device_id)
-        kind = req.kind
-        with session.lock:
-            if session.next_region_id >= abi.MAX_REGIONS:
-                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                                 f"session holds the maximum of {abi.MAX_REGIONS} regions")
-            if kind == pb.REGION_KIND_SLOT_POOL:
-                if req.cuda_ipc_handle and len(req.cuda_ipc_handle) != 64:
-                    raise invalid(f"cuda_ipc_handle must be 64 bytes (cudaIpcMemHandle_t), got "
-                                  f"{len(req.cuda_ipc_handle)}")
-                if req.slot_bytes == 0 or req.slot_bytes % 256 or req.slot_count == 0:
-                    raise invalid(f"slot pool needs slot_bytes a positive multiple of 256 and "
-                                  f"slot_count > 0 (got {req.slot_bytes}, {req.slot_count})")
-                if req.size_bytes < req.slot_bytes * req.slot_count:
-                    raise invalid(f"slot pool of {req.slot_count} x {req.slot_bytes} bytes does "
-                                  f"not fit in size_bytes {req.size_bytes}")
-                rid = session.next_region_id
-                pool = SlotPool(rid, req.slot_bytes, req.slot_count,
-                                ipc_handle=bytes(req.cuda_ipc_handle), shm_name=req.shm_name,
-                                channel=dev.channel,
-                                state_base=self._state_range(dev, req.slot_count))
-                if dev.delivery == pb.DELIVERY_DMA_ENGINE:
-                    self._check_own(session, "slot pool", req.shm_name, bytes(req.cuda_ipc_handle))
-                    self.plane.engine.add_pool(dev, pool)
-                dev.pools[rid] = pool
-            elif kind in (pb.REGION_KIND_WORK_RING, pb.REGION_KIND_COMPLETION_RING):
-                if dev.delivery == pb.DELIVERY_DMA_ENGINE:
-                    raise precondition(f"device {dev.device_id} is served by the DMA engine: "
-                                       "it has no work or completion ring of its own")
-                if not req.shm_name:
-                    raise invalid("a ring region needs shm_name (its export handle)")
-                if dev.queue is not None:
-                    raise AgentError(ErrorKind.ALREADY_EXISTS,
-                                     f"device {dev.device_id} already has its rings")
-                ring_kind = (abi.RingKind.WORK if kind == pb.REGION_KIND_WORK_RING
-                             else abi.RingKind.COMPLETION)
-                self._check_own(session, f"{ring_kind.name.lower()} ring", req.shm_name, b"")
-                try:
-                    check_ring(req.shm_name, ring_kind)
-                except (SharedBufferError, RingError) as exc:
-                    raise invalid(f"{ring_kind.name.lower()} ring {req.shm_name!r}: {exc}"
-                                  ) from exc
-                if kind == pb.REGION_KIND_WORK_RING:
-                    if dev.work_shm:
-                        raise AgentError(ErrorKind.ALREADY_EXISTS, "work ring already registered")
-                    dev.work_shm = req.shm_name
-                else:
-                    if dev.completion_shm:
-                        raise AgentError(ErrorKind.ALREADY_EXISTS,
-                                         "completion ring already registered")
-                    dev.completion_shm = req.shm_name
-                if dev.work_shm and dev.completion_shm:
-                    try:
-                        dev.queue = DeviceQueue(dev.work_shm, dev.completion_shm)
-                        with self._lock:  # after the queue exists: the poller rebuilds
-                            self._device_list = None
-                    except (SharedBufferError, ValueError) as exc:
-                        if kind == pb.REGION_KIND_WORK_RING:
-                            dev.work_shm = ""
-                        else:
-                            dev.completion_shm = ""
-                        raise invalid(f"cannot open device {dev.device_id} rings: {exc}") from exc
-                rid = session.next_region_id
-            elif kind in (pb.REGION_KIND_RX_RING, pb.REGION_KIND_TX_RING):
-                ring_kind = (abi.RingKind.RX_PACKET if kind == pb.REGION_KIND_RX_RING
-                             else abi.RingKind.TX_PACKET)
-                if kind in dev.regions.values():
-                    raise AgentError(ErrorKind.ALREADY_EXISTS,
-                                     f"device {dev.device_id} already has its "
-                                     f"{ring_kind.name.lower()} ring")
-                self._check_own(session, f"{ring_kind.name.lower()} ring", req.shm_name, b"")
-                try:
-                    check_ring(req.shm_name, ring_kind)
-                except (SharedBufferError, RingError) as exc:
-                    raise invalid(f"{ring_kind.name.lower()} ring {req.shm_name!r}: {exc}"
-                                  ) from exc
-                dev.packet_rings[ring_kind] = req.shm_name
-                rid = session.next_region_id
-            else:
-                raise invalid(f"region kind {kind} is not supported by this agent")
-            session.next_region_id += 1
-            dev.regions[rid] = kind
-            return rid
-
-    def _check_own(self, session: Session, region: str, shm_name: str, ipc_handle: bytes
-                   ) -> None:
-        """A region is one session's own: refuse shared memory whose name is not bound to the
-        session's token (``shm.session_name``: only a holder of the token could have created
-        it; names are listed in /dev/shm), and memory the agent already knows by that name or
-        handle (the arena, any session's channel, rings or pools). The DMA engine writes a
-        pool it is handed, and the agent writes work into a ring and reads completions from
-        it. PERMISSION_DENIED names which."""
-        if shm_name and session.binding is not None and not bound_to(shm_name,
-                                                                     session.binding.digest):
-            raise AgentError(ErrorKind.PERMISSION_DENIED,
-                             f"{region}: shared memory {shm_name!r} was not created for this "
-                             "session (its name is not bound to the session's token: "
-                             "host_client names segments with shm.session_name)")
-        with self._lock:
-            taken = {self.arena.name}.union(*(d.exports() for d in self._devices_locked()))
-        for handle, what in ((shm_name, f"shared memory {shm_name!r}"),
-                             (ipc_handle, "that CUDA IPC handle")):
-            if handle and handle in taken:
-                raise AgentError(ErrorKind.PERMISSION_DENIED,
-                                 f"{region}: {what} is already the agent's or a registered "
-                                 "region's; a region must be memory of its own")
-
-    @staticmethod
-    def _state_range(dev: Device, count: int) -> int:
-        """The lowest index of ``count`` free entries in the device's slot-state table."""
-        base = 0
-        for pool in sorted(dev.pools.values(), key=lambda p: p.state_base):
-            if pool.state_base - base >= count:
-                break
-            base = max(base, pool.state_base + pool.slot_count)
-        if base + count > abi.MAX_CHANNEL_SLOTS:
-            raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                             f"device {dev.device_id}'s pools would hold more than "
-                             f"{abi.MAX_CHANNEL_SLOTS} slots (the channel's slot-state table)")
-        return base
-
-    def deregister_region(self, session: Session, region_id: int) -> None:
-        with session.lock:
-            for dev in session.devices.values():
-                pool = dev.pools.get(region_id)
-                if pool is not None:
-                    if any(s == SlotState.FILLING for s in pool.state):
-                        raise precondition(f"region {region_id} has transfers in flight")
-                    self.plane.deliveries.forget(pool)
-                    del dev.pools[region_id]
-                    del dev.regions[region_id]
-                    return
-                if region_id in dev.regions:
-                    raise precondition(f"region {region_id} is a ring; close the session to "
-                                       "remove it")
-        raise not_found(f"region {region_id} is not registered in this session")
-
     # -- acquire / release (slots are granted by dataplane/grants.py) ---------------------
     def prefetch(self, session: Session, device_id: int, keys: list[ExpertKey]) -> int:
         """Queue deliveries of ``keys`` at prefetch priority, holding no reference."""
@@ -531,21 +355,6 @@ class Orchestrator:
 
     def prefetch_for(self, owner: tuple[str, int], key: ExpertKey) -> None:
         self.prefetch(self._owner(owner), owner[1], [key])
-
-    def link_peers(self, session: Session, device_id: int, sources: list[int]) -> None:
-        """Record that ``device_id``'s consumer can read the slot pools of ``sources``. A
-        DMA-engine device has no consumer of its own: the engine reads the arena only."""
-        dev = self.device(session, device_id)
-        if dev.delivery == pb.DELIVERY_DMA_ENGINE and sources:
-            raise precondition(f"LinkPeers: device {device_id} is served by the DMA engine, "
-                               "which copies from the arena, not from other devices' pools")
-        for sid in sources:
-            if sid == device_id:
-                raise invalid(f"LinkPeers: device {device_id} cannot be its own source")
-            self.device(session, sid)
-        if len(set(sources)) != len(sources):
-            raise invalid(f"LinkPeers: sources {sources} name a device twice")
-        dev.peer_sources = tuple(sources)
 
     def release(self, session: Session, device_id: int, key: ExpertKey) -> None:
         self.device(session, device_id)
@@ -580,6 +389,17 @@ class Orchestrator:
         return self.prefetch(session, device_id, [ExpertKey(model, nxt, e) for e in experts])
 
     # -- data plane ------------------------------------------------------------------------
+    def exports(self) -> set[str | bytes]:
+        """Every shared-memory name and CUDA IPC handle the agent knows memory by: the arena
+        and each registered device's channel, rings and pools."""
+        with self._lock:
+            return {self.arena.name}.union(*(d.exports() for d in self._devices_locked()))
+
+    def devices_changed(self) -> None:
+        """A device or its queue came or went: the data-plane loop's list is rebuilt."""
+        with self._lock:
+            self._device_list = None
+
     def _devices(self) -> tuple[Device, ...]:
         with self._lock:
             return self._devices_locked()

@@ -175,7 +175,7 @@ def test_file_modes_state_dir_private_checkpoint_readable(tmp_path: Path) -> Non
     import os
     import stat
 
-    from dpu_agent.service.state import StateStore
+    from dpu_agent.state import StateStore
     from host_client.checkpoints import CheckpointSpec, make_checkpoint
 
     loose = tmp_path / "state"

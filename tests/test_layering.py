@@ -120,3 +120,15 @@ def test_no_import_cycle() -> None:
         if m not in index:
             visit(m)
     assert not cycles, cycles
+
+
+def test_the_agent_core_does_not_import_its_service_layer() -> None:
+    """``dpu_agent/service`` (gRPC, protobuf translation) sits above the core: only the entry
+    point (``cli.py``) and the service layer itself import it."""
+    service = {"dpu_agent.service"} | {_module_of(f) for f in
+                                       (ROOT / "dpu_agent" / "service").glob("*.py")}
+    core = [f for f in (ROOT / "dpu_agent").rglob("*.py")
+            if f.relative_to(ROOT / "dpu_agent").parts[0] not in ("service", "cli.py")]
+    broken = {str(f.relative_to(ROOT)): sorted(found) for f in core
+              if (found := _imports_of(f, service))}
+    assert not broken, broken

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.service.state import StateStore
+from dpu_agent.state import StateStore
 from host_client import AgentClient
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess

@@ -19,7 +19,7 @@ from concurrent.futures import Executor
 
 from dpu_agent.dataplane.transfers import Signal, Transfer, TransferPlan, TransferTracker
 from dpu_agent.errors import AgentError, ErrorKind
-from dpu_agent.service.registry import ARENA_REGION_ID, Device, Session, SlotPool
+from dpu_agent.registry import ARENA_REGION_ID, Delivery, Device, Session, SlotPool
 from dpu_agent.weights.cache import CacheFullError, WeightCache
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.safetensors_file import ShardChanged
@@ -125,7 +125,7 @@ class Deliveries:
                                  ) from exc
             checksums = cached.checksums
             signal = None
-            if dev.delivery == pb.DELIVERY_DMA_ENGINE:
+            if dev.delivery == Delivery.DMA_ENGINE:
                 with session.lock:
                     pool.expect(idx, cached.expected)
                 signal = Signal((pool.state_base + idx) * abi.SLOT_STATE_DTYPE.itemsize,
@@ -145,7 +145,7 @@ class Deliveries:
             self._delivered(session, dev, pool, idx, entry, t, attempt)
 
         transfer = self.tracker.start(plan, done, owner=dev,
-                                      rung=dev.delivery == pb.DELIVERY_DMA_ENGINE)
+                                      rung=dev.delivery == Delivery.DMA_ENGINE)
         with session.lock:
             pool.transfer[idx] = transfer.transfer_id
             pool.checksums[idx] = plan.checksums

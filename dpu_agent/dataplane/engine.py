@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.errors import invalid
-from dpu_offload.v1 import agent_pb2 as pb
+from dpu_agent.registry import DeviceKind
 from gpu_kernels.bell import Bell
 
 if TYPE_CHECKING:
-    from dpu_agent.service.registry import Device, SlotPool
+    from dpu_agent.registry import Device, SlotPool
 
 log = logging.getLogger("dpu_agent.engine")
 
@@ -217,7 +217,7 @@ class EngineDevices:
         self.bell.unlink()
 
     def _command(self, dev: Device, rings: EngineRings) -> dict[str, Any]:
-        return {"kind": "cuda" if dev.kind == pb.DEVICE_KIND_CUDA else "cpu",
+        return {"kind": "cuda" if dev.kind == DeviceKind.CUDA else "cpu",
                 "ordinal": dev.ordinal, "work": rings.work, "completions": rings.completions,
                 "arena": self._arena, "channel": {"name": dev.channel.name,
                                                   "size": dev.channel.size}}
@@ -243,7 +243,7 @@ class EngineDevices:
 
     @staticmethod
     def _spec(dev: Device, pool: SlotPool) -> dict[str, Any]:
-        if dev.kind == pb.DEVICE_KIND_CUDA:
+        if dev.kind == DeviceKind.CUDA:
             if not pool.ipc_handle:
                 raise invalid("a DMA-engine CUDA device's slot pool needs cuda_ipc_handle")
             return {"size": pool.slot_bytes * pool.slot_count, "ipc": pool.ipc_handle.hex()}

@@ -18,11 +18,11 @@ from dpu_agent.dataplane.engine import EngineDevices
 from dpu_agent.dataplane.loop import DOZE_SECONDS, SPIN_SECONDS, DataPlaneLoop
 from dpu_agent.dataplane.requests import RequestCore, RequestServer
 from dpu_agent.dataplane.transfers import Transfer
-from dpu_offload.v1 import agent_pb2 as pb
+from dpu_agent.registry import Delivery
 from gpu_kernels.bell import Bell
 
 if TYPE_CHECKING:
-    from dpu_agent.service.registry import Device
+    from dpu_agent.registry import Device
     from dpu_agent.weights.cache import WeightCache
 
 log = logging.getLogger("dpu_agent.dataplane")
@@ -103,7 +103,7 @@ class DataPlane:
             return now - t.started > limit
 
         def engine_held(t: Transfer) -> bool:
-            return getattr(t.owner, "delivery", None) == pb.DELIVERY_DMA_ENGINE
+            return getattr(t.owner, "delivery", None) == Delivery.DMA_ENGINE
 
         held = [t for t in self.deliveries.tracker.live() if stuck(t) and engine_held(t)]
         if held:

@@ -24,7 +24,7 @@ from dpu_agent.dataplane.steering import placement_origin, placement_rules
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.planning.placement import PlacementError, plan
 from dpu_agent.planning.scheduler import Priority
-from dpu_agent.service.registry import Session
+from dpu_agent.registry import Session
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from dpu_agent.dataplane.grants import SlotGrants
     from dpu_agent.dataplane.steering import FlowTable
     from dpu_agent.planning.scheduler import Scheduler
+    from dpu_agent.registry import Device
     from dpu_agent.routing.stats import RoutingStats
-    from dpu_agent.service.registry import Device
     from dpu_agent.weights.catalog import ModelCatalog
 
 Copy = tuple[int, ExpertKey]

@@ -25,7 +25,8 @@ from dpu_agent.dataplane.steering import (
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.identity import current_caller
 from dpu_agent.orchestrator import Orchestrator
-from dpu_agent.service.registry import ARENA_REGION_ID
+from dpu_agent.regions import RegionSpec
+from dpu_agent.registry import ARENA_REGION_ID, Delivery, DeviceKind, RegionKind
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
@@ -35,6 +36,16 @@ from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 T = TypeVar("T")
 
 _CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
+_DEVICE_KINDS = {pb.DEVICE_KIND_CUDA: DeviceKind.CUDA,
+                 pb.DEVICE_KIND_CPU_REFERENCE: DeviceKind.CPU_REFERENCE}
+_DELIVERIES = {pb.DELIVERY_DEVICE_PULL: Delivery.DEVICE_PULL,
+               pb.DELIVERY_DMA_ENGINE: Delivery.DMA_ENGINE}
+_REGION_KINDS = {pb.REGION_KIND_SLOT_POOL: RegionKind.SLOT_POOL,
+                 pb.REGION_KIND_WORK_RING: RegionKind.WORK_RING,
+                 pb.REGION_KIND_COMPLETION_RING: RegionKind.COMPLETION_RING,
+                 pb.REGION_KIND_RX_RING: RegionKind.RX_RING,
+                 pb.REGION_KIND_TX_RING: RegionKind.TX_RING}
+"""The protocol's enums as the core's (the core speaks no protobuf)."""
 
 
 def _key(msg: pb.ExpertKey, what: str = "key") -> ExpertKey:
@@ -135,8 +146,14 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                              context: grpc.aio.ServicerContext) -> pb.RegisterDeviceResponse:
         def call() -> pb.RegisterDeviceResponse:
             s = self.core.session(request.session_id)
-            dev = self.core.register_device(s, request.kind, request.ordinal, request.name,
-                                            request.delivery)
+            kind = _DEVICE_KINDS.get(request.kind)
+            if kind is None:
+                raise invalid(f"device kind {request.kind} is not CUDA or CPU_REFERENCE")
+            delivery = _DELIVERIES.get(request.delivery)
+            if delivery is None:
+                raise invalid(f"delivery {request.delivery} is not DEVICE_PULL or DMA_ENGINE")
+            dev = self.core.registrations.register_device(s, kind, request.ordinal,
+                                                          request.name, delivery)
             assert dev.channel is not None
             return pb.RegisterDeviceResponse(device_id=dev.device_id, channel=pb.ChannelInfo(
                 shm_name=dev.channel.name, size_bytes=dev.channel.size,
@@ -146,22 +163,28 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     async def RegisterRegion(self, request: pb.RegisterRegionRequest,
                              context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
         def call() -> int:
-            return self.core.register_region(self.core.session(request.session_id), request)
+            session = self.core.session(request.session_id)
+            kind = _REGION_KINDS.get(request.kind)
+            if kind is None:
+                raise invalid(f"region kind {request.kind} is not supported by this agent")
+            return self.core.registrations.register_region(session, RegionSpec(
+                request.device_id, kind, request.size_bytes, request.shm_name,
+                bytes(request.cuda_ipc_handle), request.slot_bytes, request.slot_count))
         return pb.RegisterRegionResponse(region_id=await self._run(context, call))
 
     async def LinkPeers(self, request: pb.LinkPeersRequest, context: grpc.aio.ServicerContext
                         ) -> pb.Empty:
         def call() -> None:
-            self.core.link_peers(self.core.session(request.session_id), request.device_id,
-                                 list(request.sources))
+            self.core.registrations.link_peers(self.core.session(request.session_id),
+                                               request.device_id, list(request.sources))
         await self._run(context, call)
         return pb.Empty()
 
     async def DeregisterRegion(self, request: pb.RegionRef, context: grpc.aio.ServicerContext
                                ) -> pb.Empty:
         def call() -> None:
-            self.core.deregister_region(self.core.session(request.session_id),
-                                        request.region_id)
+            self.core.registrations.deregister_region(
+                self.core.session(request.session_id), request.region_id)
         await self._run(context, call)
         return pb.Empty()
 

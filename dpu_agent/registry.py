@@ -7,6 +7,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from dpu_agent.dataplane.channels import DeviceChannel
@@ -16,6 +17,32 @@ from dpu_offload.keys import ExpertKey
 from gpu_kernels.abi import SlotState
 from gpu_kernels.channel import split_word, state_word
 from gpu_kernels.ring import RingError
+
+
+class DeviceKind(Enum):
+    """What a registered device is."""
+
+    CUDA = "cuda"
+    CPU_REFERENCE = "cpu reference"
+
+
+class Delivery(Enum):
+    """Who moves a device's expert bytes: its own consumer pulls them from the arena through
+    the work ring, or the DMA engine pushes them into its slot pools."""
+
+    DEVICE_PULL = "device pull"
+    DMA_ENGINE = "DMA engine"
+
+
+class RegionKind(Enum):
+    """What a registered region of a device is."""
+
+    SLOT_POOL = "slot pool"
+    WORK_RING = "work ring"
+    COMPLETION_RING = "completion ring"
+    RX_RING = "rx ring"
+    TX_RING = "tx ring"
+
 
 _SETTLED = (SlotState.READY, SlotState.LANDED)
 """States in which a slot nobody holds may be evicted."""
@@ -220,23 +247,22 @@ class Device:
     """A GPU (or CPU reference device) registered by a session (compared by identity)."""
 
     device_id: int
-    kind: int
+    kind: DeviceKind
     ordinal: int
     name: str
     queue: DeviceQueue | None = None
     work_shm: str = ""
     completion_shm: str = ""
     pools: dict[int, SlotPool] = field(default_factory=dict)
-    regions: dict[int, int] = field(default_factory=dict)
-    """region id -> RegionKind of every region registered on this device."""
+    regions: dict[int, RegionKind] = field(default_factory=dict)
+    """region id -> kind of every region registered on this device."""
     packet_rings: dict[int, str] = field(default_factory=dict)
     """RingKind (RX_PACKET / TX_PACKET) -> export handle; the activation path's rings."""
     peer_sources: tuple[int, ...] = ()
     """Devices of the session whose slot pools this device's consumer can read (LinkPeers)."""
     channel: DeviceChannel | None = None
     """The device's data-plane channel (requests, replies, slot states), made by the agent."""
-    delivery: int = 0
-    """``pb.Delivery``: the device's consumer pulls (0), or the DMA engine pushes (1)."""
+    delivery: Delivery = Delivery.DEVICE_PULL
     engine_rings: EngineRings | None = None
     """The agent-owned rings to the DMA engine (DMA-engine devices, once attached)."""
 
