@@ -127,20 +127,37 @@ class SlotPool:
                 and time.monotonic() - self.landed_at[idx] < CHECK_GRACE_SECONDS
                 and self.verdict(idx) is None)
 
-    def make_idle(self, idx: int) -> None:
-        """Queue slot ``idx`` (settled, nobody holds it through the agent) for eviction."""
-        self.idle[idx] = self._touches(idx)
+    # The reference rule, in one place: a slot someone holds through the agent is never an
+    # eviction candidate; one nobody holds is, once its delivery settled (READY or LANDED).
+    def hold(self, idx: int, refs: int = 1) -> None:
+        """Take ``refs`` references on slot ``idx``; a held slot leaves the eviction queue."""
+        self.refs[idx] += refs
+        if self.refs[idx]:
+            self.idle.pop(idx, None)
+
+    def let_go(self, idx: int) -> bool:
+        """Drop one reference on slot ``idx`` (queued for eviction if that was the last and its
+        delivery settled); False when nobody held it."""
+        if self.refs[idx] <= 0:
+            return False
+        self.refs[idx] -= 1
+        self._idle_if_unheld(idx)
+        return True
+
+    def _idle_if_unheld(self, idx: int) -> None:
+        if self.refs[idx] == 0 and self.state[idx] in _SETTLED:
+            self.idle[idx] = self._touches(idx)
 
     def _touches(self, idx: int) -> int:
         return 0 if self.channel is None else self.channel.touches(self.state_base + idx)
 
-    def allocate(self, key: ExpertKey) -> int | None:
-        """A slot for ``key`` in FILLING state with one reference; None when every slot is
-        held or pinned. Free slots first, then idle ones, least recently used first: an idle
+    def allocate(self, key: ExpertKey, refs: int = 1) -> int | None:
+        """A slot for ``key`` in FILLING state with ``refs`` references; None when every slot
+        is held or pinned. Free slots first, then idle ones, least recently used first: an idle
         slot the client hit (pinned) since it was queued goes to the back once."""
         start = 0
         while (idx := self._next_free(start)) is not None:
-            if self._claim(idx, key):
+            if self._claim(idx, key, refs):
                 return idx
             start = idx + 1
         for _ in range(2 * len(self.idle)):
@@ -148,7 +165,7 @@ class SlotPool:
             touches = self._touches(idx)
             if touches == seen and not self.checking(idx):
                 old = self.keys[idx]
-                if self._claim(idx, key):
+                if self._claim(idx, key, refs):
                     del self.by_key[old]  # type: ignore[arg-type]
                     return idx
             self.idle[idx] = touches
@@ -160,9 +177,9 @@ class SlotPool:
         except ValueError:
             return None
 
-    def _claim(self, idx: int, key: ExpertKey) -> bool:
-        """Give slot ``idx`` to a delivery of ``key`` (FILLING, the next generation, one
-        reference) unless the client has it pinned. EVICTING is stored before the pins are read
+    def _claim(self, idx: int, key: ExpertKey, refs: int) -> bool:
+        """Give slot ``idx`` to a delivery of ``key`` (FILLING, the next generation, ``refs``
+        references) unless the client has it pinned. EVICTING is stored before the pins are read
         (the client's mirror image: ``Channel.try_pin``); a pinned slot gets its old word back
         and keeps its expert (a waiter on that word sees EVICTING come and go, no new
         generation)."""
@@ -176,7 +193,7 @@ class SlotPool:
                 return False
         self.state[idx] = SlotState.FILLING
         self.keys[idx] = key
-        self.refs[idx] = 1
+        self.refs[idx] = refs
         self.by_key[key] = idx
         self.generation[idx] += 1
         self.granted[idx] = False
@@ -187,8 +204,7 @@ class SlotPool:
         """Every chunk of the slot's delivery was verified: READY (idle if nobody holds it)."""
         self.state[idx] = SlotState.READY
         self._publish(idx)
-        if self.refs[idx] == 0:
-            self.make_idle(idx)
+        self._idle_if_unheld(idx)
 
     def mark_landed(self, idx: int) -> None:
         """Every chunk was copied, unchecked (a DMA-engine device), and the engine published
@@ -197,8 +213,7 @@ class SlotPool:
         consumer may have written its verdict already."""
         self.state[idx] = SlotState.LANDED
         self.landed_at[idx] = time.monotonic()
-        if self.refs[idx] == 0:
-            self.make_idle(idx)
+        self._idle_if_unheld(idx)
 
     def verdict(self, idx: int) -> SlotState | None:
         """What the consumer published for a LANDED slot's generation: READY, FAILED, or None
@@ -357,10 +372,7 @@ class Session:
         with self.lock:
             for pool in dev.pools.values():
                 idx = pool.by_key.get(key)
-                if idx is not None and pool.refs[idx] > 0:
-                    pool.refs[idx] -= 1
-                    if pool.refs[idx] == 0 and pool.state[idx] in _SETTLED:
-                        pool.make_idle(idx)
+                if idx is not None and pool.let_go(idx):
                     return True
         return False
 

@@ -32,9 +32,8 @@ def pool() -> Iterator[SlotPool]:
 
 
 def _fill(pool: SlotPool, key: ExpertKey) -> int:
-    idx = pool.allocate(key)
+    idx = pool.allocate(key, refs=0)
     assert idx is not None
-    pool.refs[idx] = 0
     pool.mark_ready(idx)
     return idx
 
@@ -69,19 +68,19 @@ def test_a_granted_landed_slot_waits_for_its_verdict_before_reuse(pool: SlotPool
     assert ia is not None and ib is not None
     pool.granted[ia] = True  # SlotGrants.acquire granted a; b was a prefetch
     for i in (ia, ib):
-        pool.refs[i] = 0
+        assert pool.let_go(i)
         pool.mark_landed(i)
     assert pool.checking(ia) and not pool.checking(ib)
     assert pool.unheld_landing() == 1
     assert pool.allocate(c) == ib  # a is older but may be under its check
-    pool.refs[ib] = 0
+    assert pool.let_go(ib)
     pool.mark_landed(ib)
     assert pool.allocate(ExpertKey("m", 0, 3)) == ib  # ib again, never granted; a still not
     view.store_word(ia, state_word(pool.generation[ia], READY))  # the client's verdict
     assert not pool.checking(ia)
     assert pool.allocate(ExpertKey("m", 0, 4)) == ia
     pool.granted[ia] = True
-    pool.refs[ia] = 0
+    assert pool.let_go(ia)
     pool.mark_landed(ia)
     pool.landed_at[ia] -= CHECK_GRACE_SECONDS  # no verdict, but long landed: no check runs
     assert not pool.checking(ia) and pool.unheld_landing() == 0
@@ -94,7 +93,7 @@ def test_a_slot_hit_by_a_pin_since_it_went_idle_is_evicted_last(pool: SlotPool) 
     assert view.try_pin(ia, state_word(pool.generation[ia], READY))
     view.unpin(ia)  # used since: a second chance
     assert pool.allocate(ExpertKey("m", 0, 2)) == ib
-    pool.refs[ib] = 0
+    assert pool.let_go(ib)
     pool.mark_ready(ib)
     assert pool.allocate(ExpertKey("m", 0, 3)) == ia  # its chance was used
 
@@ -214,3 +213,21 @@ def test_a_pin_table_full_of_garbage_costs_only_its_own_session(agent: AgentProc
         assert good.acquire(gdev, key).wait(10).raw("down_proj").tobytes() == truth[name]
         pins["pins"] = 0
         assert bad.acquire(dev, key).wait(10).raw("down_proj").tobytes() == truth[name]
+
+
+def test_references_decide_eviction(pool: SlotPool) -> None:
+    """The reference rule (``SlotPool.hold`` / ``let_go``): a held slot is never an eviction
+    candidate; the last reference dropped on a settled slot queues it, on one still filling
+    does not (it is queued when it lands)."""
+    a, b = ExpertKey("m", 0, 0), ExpertKey("m", 0, 1)
+    ia = _fill(pool, a)
+    assert ia in pool.idle
+    pool.hold(ia, 2)
+    assert ia not in pool.idle and pool.refs[ia] == 2
+    assert pool.let_go(ia) and ia not in pool.idle
+    assert pool.let_go(ia) and ia in pool.idle
+    assert not pool.let_go(ia), "nobody holds it: nothing to drop"
+    ib = pool.allocate(b)
+    assert ib is not None and pool.let_go(ib) and ib not in pool.idle  # still FILLING
+    pool.mark_ready(ib)
+    assert ib in pool.idle

@@ -90,8 +90,7 @@ class Deliveries:
                 for p in src.pools.values() if src is not None else ():
                     i = p.by_key.get(key)
                     if i is not None and p.state[i] == SlotState.READY and p.checksums[i]:
-                        p.refs[i] += 1
-                        p.idle.pop(i, None)
+                        p.hold(i)
                         return sid, p, i
         return None
 

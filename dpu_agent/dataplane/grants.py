@@ -125,14 +125,11 @@ class SlotGrants:
                     self.deliveries.settle_landed(session, pool, idx)
                     idx = pool.by_key.get(key)
                 if idx is not None:
-                    pool.refs[idx] += refs
-                    if pool.refs[idx]:
-                        pool.idle.pop(idx, None)
+                    pool.hold(idx, refs)
                     return dev, pool, idx, entry, False
             for pool in fitting:
-                idx = pool.allocate(key)
+                idx = pool.allocate(key, refs)
                 if idx is not None:
-                    pool.refs[idx] = refs
                     return dev, pool, idx, entry, True
             landing = sum(pool.unheld_landing() for pool in fitting)
         if landing:
