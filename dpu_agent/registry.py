@@ -8,7 +8,6 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
@@ -294,6 +293,31 @@ class Device:
         return names - {"", b""}
 
 
+@dataclass(frozen=True)
+class ErrorEvent:
+    """Something went wrong off the session's request path (a background delivery, a
+    refetch): what, in words."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class PlacementProgressEvent:
+    """How far an applied placement got, in copies: ``total`` new ones to make, ``done``
+    verified, ``failed``, and ``dropped`` old ones released after their replacements."""
+
+    placement_id: int
+    model: str
+    done: int
+    failed: int
+    total: int
+    dropped: int
+
+
+SessionEvent = ErrorEvent | PlacementProgressEvent
+"""What a session's event stream carries (the service layer turns each into a ``pb.Event``)."""
+
+
 class EventSink:
     """Events of one session, delivered in order to the (at most one) Events stream. At most
     ``capacity`` wait, attached or not: a client that does not read its stream (or has none)
@@ -302,12 +326,12 @@ class EventSink:
 
     def __init__(self, capacity: int = 4096) -> None:
         self._lock = threading.Lock()
-        self._buffer: deque[Any] = deque(maxlen=capacity)
-        self._queue: asyncio.Queue[Any] | None = None
+        self._buffer: deque[SessionEvent | None] = deque(maxlen=capacity)
+        self._queue: asyncio.Queue[SessionEvent | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dropped = 0
 
-    def emit(self, event: Any) -> None:
+    def emit(self, event: SessionEvent | None) -> None:
         with self._lock:
             if self._queue is not None and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._put, self._queue, event)
@@ -316,7 +340,7 @@ class EventSink:
                 self.dropped += 1
             self._buffer.append(event)
 
-    def _put(self, q: asyncio.Queue[Any], event: Any) -> None:
+    def _put(self, q: asyncio.Queue[SessionEvent | None], event: SessionEvent | None) -> None:
         """On the stream's loop: queue ``event``, dropping the oldest when full."""
         if q.full():
             q.get_nowait()
@@ -324,15 +348,15 @@ class EventSink:
                 self.dropped += 1
         q.put_nowait(event)
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Any]:
+    def attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[SessionEvent | None]:
         with self._lock:
-            q: asyncio.Queue[Any] = asyncio.Queue(self._buffer.maxlen or 0)
+            q: asyncio.Queue[SessionEvent | None] = asyncio.Queue(self._buffer.maxlen or 0)
             while self._buffer:
                 q.put_nowait(self._buffer.popleft())
             self._queue, self._loop = q, loop
             return q
 
-    def detach(self, q: asyncio.Queue[Any]) -> None:
+    def detach(self, q: asyncio.Queue[SessionEvent | None]) -> None:
         with self._lock:
             if self._queue is q:
                 self._queue, self._loop = None, None

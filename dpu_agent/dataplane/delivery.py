@@ -19,12 +19,18 @@ from concurrent.futures import Executor
 
 from dpu_agent.dataplane.transfers import Signal, Transfer, TransferPlan, TransferTracker
 from dpu_agent.errors import AgentError, ErrorKind
-from dpu_agent.registry import ARENA_REGION_ID, Delivery, Device, Session, SlotPool
+from dpu_agent.registry import (
+    ARENA_REGION_ID,
+    Delivery,
+    Device,
+    ErrorEvent,
+    Session,
+    SlotPool,
+)
 from dpu_agent.weights.cache import CacheFullError, WeightCache
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.safetensors_file import ShardChanged
 from dpu_offload.keys import ExpertKey
-from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 from gpu_kernels.abi import SlotState
 from gpu_kernels.channel import state_word
@@ -231,4 +237,4 @@ class Deliveries:
             with session.lock:
                 pool.fail(idx, abi.Status.CANCELLED)
             self.fail(dev, entry.key)
-            session.events.emit(pb.Event(error=f"refetch of {entry.key} failed: {exc.message}"))
+            session.events.emit(ErrorEvent(f"refetch of {entry.key} failed: {exc.message}"))

@@ -15,11 +15,10 @@ from typing import Any, Protocol
 from dpu_agent.dataplane.delivery import Deliveries
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.errors import AgentError, ErrorKind, SlotsLanding, precondition
-from dpu_agent.registry import Device, Session, SlotPool, SlotState
+from dpu_agent.registry import Device, ErrorEvent, Session, SlotPool, SlotState
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_offload.keys import ExpertKey
-from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import abi
 
 LANDING_POLL_SECONDS = 0.001
@@ -161,7 +160,7 @@ class SlotGrants:
             try:
                 dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs)
             except AgentError as exc:
-                session.events.emit(pb.Event(error=f"background delivery of {key}: "
+                session.events.emit(ErrorEvent(f"background delivery of {key}: "
                                                    f"{exc.message}"))
                 if on_ready:
                     on_ready(False)
@@ -181,7 +180,7 @@ class SlotGrants:
                 self._deliver_fresh(session, dev, pool, idx, entry)
             except AgentError as exc:
                 self.deliveries.fail(dev, key)
-                session.events.emit(pb.Event(error=f"background delivery of {key}: "
+                session.events.emit(ErrorEvent(f"background delivery of {key}: "
                                                    f"{exc.message}"))
             return True
 

@@ -24,9 +24,8 @@ from dpu_agent.dataplane.steering import placement_origin, placement_rules
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.planning.placement import PlacementError, plan
 from dpu_agent.planning.scheduler import Priority
-from dpu_agent.registry import Session
+from dpu_agent.registry import PlacementProgressEvent, Session
 from dpu_offload.keys import ExpertKey
-from dpu_offload.v1 import agent_pb2 as pb
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.grants import SlotGrants
@@ -224,9 +223,9 @@ class PlacementExecutor:
         # Snapshot and emit under the lock: events leave in the order the counts grew (two
         # copies finishing at once could otherwise emit done=N after done=N+1).
         with self._lock:
-            session.events.emit(pb.Event(placement_progress=pb.PlacementProgress(
-                placement_id=state.placement_id, model=state.model, done=state.done,
-                failed=state.failed, total=state.total, dropped=state.dropped)))
+            session.events.emit(PlacementProgressEvent(
+                state.placement_id, state.model, state.done, state.failed, state.total,
+                state.dropped))
 
     # -- rebalance -------------------------------------------------------------------------
     def rebalance(self, session: Session, model: str, replicas: int

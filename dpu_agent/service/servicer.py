@@ -26,7 +26,14 @@ from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.identity import current_caller
 from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.regions import RegionSpec
-from dpu_agent.registry import ARENA_REGION_ID, Delivery, DeviceKind, RegionKind
+from dpu_agent.registry import (
+    ARENA_REGION_ID,
+    Delivery,
+    DeviceKind,
+    ErrorEvent,
+    RegionKind,
+    SessionEvent,
+)
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
@@ -46,6 +53,14 @@ _REGION_KINDS = {pb.REGION_KIND_SLOT_POOL: RegionKind.SLOT_POOL,
                  pb.REGION_KIND_RX_RING: RegionKind.RX_RING,
                  pb.REGION_KIND_TX_RING: RegionKind.TX_RING}
 """The protocol's enums as the core's (the core speaks no protobuf)."""
+
+
+def _event(event: SessionEvent) -> pb.Event:
+    if isinstance(event, ErrorEvent):
+        return pb.Event(error=event.message)
+    return pb.Event(placement_progress=pb.PlacementProgress(
+        placement_id=event.placement_id, model=event.model, done=event.done,
+        failed=event.failed, total=event.total, dropped=event.dropped))
 
 
 def _key(msg: pb.ExpertKey, what: str = "key") -> ExpertKey:
@@ -357,7 +372,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 event = await queue.get()
                 if event is None:
                     return
-                yield event
+                yield _event(event)
         finally:
             session.events.detach(queue)
 
