@@ -12,13 +12,11 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.grants import SlotGrant, SlotGrants
 from dpu_agent.dataplane.plane import DataPlane
-from dpu_agent.dataplane.requests import unknown_model
 from dpu_agent.dataplane.steering import FlowTable, owned_by
 from dpu_agent.errors import (
     AgentError,
@@ -28,6 +26,7 @@ from dpu_agent.errors import (
     precondition,
 )
 from dpu_agent.identity import Binding, current_caller
+from dpu_agent.models import Models
 from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.scheduler import Priority, Scheduler
@@ -38,16 +37,12 @@ from dpu_agent.registry import (
     Session,
 )
 from dpu_agent.routing.stats import RoutingStats
-from dpu_agent.routing.traces import read_trace
 from dpu_agent.state import StateStore
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
-from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, build_catalog, path_problem
-from dpu_agent.weights.ingest import attach_manifest
-from dpu_agent.weights.layouts import LayoutError
+from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
 from dpu_agent.weights.policies import make_policy
-from dpu_agent.weights.safetensors_file import CheckpointError
-from dpu_offload.keys import ExpertKey, model_name_problem
+from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi
 from gpu_kernels.shm import sweep_stale
 
@@ -58,8 +53,6 @@ STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool", "dpu-bell", "dpu
                     for kind in abi.RingKind))
 """Names of the segments agents and host clients create (``unique_name``): swept at start
 when their creator is dead."""
-MAX_TRACE_BYTES = 256 * 2**20
-"""A recorded routing trace larger than this is not read (``prefetch.traces_dir``)."""
 
 
 class Orchestrator:
@@ -80,9 +73,9 @@ class Orchestrator:
         placement planner read it)."""
         self.cache = WeightCache(self.arena, config.chunk_bytes,
                                  make_policy(config.cache_policy, self.routing))
-        self.models: dict[str, ModelCatalog] = {}
-        self.model_names: list[str] = []
-        """Model index (request-ring entries name models by it) -> name, in load order."""
+        self.catalog = Models(self.cache, self.routing, config.prefetch_traces_dir)
+        self.models = self.catalog.catalogs
+        """Name -> catalog of every loaded model (``Models.catalogs``)."""
         self.sessions: dict[str, Session] = {}
         self._events_dropped_closed = 0
         """Events closed sessions' sinks dropped (their clients did not read them)."""
@@ -137,104 +130,20 @@ class Orchestrator:
 
     # -- models ----------------------------------------------------------------------------
     def load_model(self, path: str, name: str = "", persist: bool = True) -> ModelCatalog:
-        problem = path_problem(path)
-        if problem:
-            raise invalid(f"LoadModel: {problem}")
-        model_name = name or Path(path).name
-        problem = model_name_problem(model_name)
-        if problem:
-            raise invalid(f"LoadModel: {problem}")
-        with self._lock:
-            existing = self.models.get(model_name)
-        if existing is not None:
-            if existing.path != Path(path):
-                raise AgentError(ErrorKind.ALREADY_EXISTS,
-                                 f"model {model_name!r} is already loaded from {existing.path}")
-            if model_name not in self.cache.degraded:
-                return existing
-            return self._reload(existing)
-        try:
-            catalog = attach_manifest(build_catalog(path, model_name))
-        except (CheckpointError, LayoutError) as exc:
-            kind = ErrorKind.NOT_FOUND if not Path(path).is_dir() else ErrorKind.INVALID_ARGUMENT
-            raise AgentError(kind, f"LoadModel: {exc}") from exc
-        largest = catalog.expert_bytes
-        if largest > self.arena.size:
-            raise precondition(f"model {model_name!r}: an expert of {largest} bytes exceeds "
-                               f"the arena (config arena.bytes = {self.arena.size}); the cache "
-                               "budget must hold at least one expert")
-        with self._lock:
-            if model_name not in self.models:
-                self.models[model_name] = catalog
-                self.model_names.append(model_name)
-        self.routing.declare(model_name, catalog.layout.moe_layers,
-                             catalog.layout.experts_per_layer)
-        self._learn_routing(catalog)
-        if persist:
+        """LoadModel (``Models.load``), remembered in the state directory when new."""
+        catalog, new = self.catalog.load(path, name)
+        if new and persist:
             self.persist()
-        return self.models[model_name]
-
-    def _learn_routing(self, catalog: ModelCatalog) -> None:
-        """Fold the model's recorded trace into its routing statistics (what the next-layer
-        predictor, the cache policy and the planner start from), if the config names a folder
-        holding ``<model name>.jsonl``; a trace that cannot be used is logged and skipped (the
-        model loads all the same)."""
-        folder = self.config.prefetch_traces_dir
-        path = Path(folder) / f"{catalog.name}.jsonl" if folder else None
-        if path is None or not path.is_file():
-            return
-        try:
-            if path.stat().st_size > MAX_TRACE_BYTES:
-                raise ValueError(f"larger than {MAX_TRACE_BYTES} bytes")
-            steps = read_trace(path)
-        except (OSError, ValueError) as exc:
-            log.warning("routing trace %s not used for %r: %s", path, catalog.name, exc)
-            return
-        used = self.routing.learn(catalog.name, steps, catalog.layout.experts_per_layer)
-        log.info("routing statistics of %r learned %d of %d steps of %s", catalog.name,
-                 used, len(steps), path)
-
-    def _reload(self, old: ModelCatalog) -> ModelCatalog:
-        """A degraded model (a shard changed under the agent) loaded again: a fresh catalog of
-        the same shape replaces the old one and its arena copies are dropped, so every expert
-        is read from the files as they are now."""
-        try:
-            catalog = attach_manifest(build_catalog(old.path, old.name))
-        except (CheckpointError, LayoutError) as exc:
-            raise precondition(f"LoadModel: {old.name!r} is degraded and its checkpoint cannot "
-                               f"be read again: {exc}") from exc
-        shape = {k: e.blob_bytes for k, e in catalog.experts.items()}
-        if shape != {k: e.blob_bytes for k, e in old.experts.items()}:
-            raise precondition(f"LoadModel: the checkpoint of {old.name!r} now holds experts of "
-                               "other sizes; load it under a new name")
-        with self._lock:
-            self.models[old.name] = catalog
-        for key in catalog.experts:
-            self.cache.invalidate(key)
-        self.cache.degraded.pop(old.name, None)
-        log.info("model %r loaded again from %s after a shard changed", old.name, old.path)
         return catalog
 
     def model_index(self, name: str) -> int:
-        """The index request-ring entries name a loaded model by."""
-        return self.model_names.index(name)
+        return self.catalog.index(name)
 
     def model_name(self, index: int) -> str:
-        names = self.model_names
-        if index >= len(names):
-            raise unknown_model(index, len(names))
-        return names[index]
+        return self.catalog.name(index)
 
     def expert(self, key: ExpertKey) -> ExpertEntry:
-        model = self.models.get(key.model)
-        if model is None:
-            raise not_found(f"model {key.model!r} is not loaded")
-        entry = model.experts.get(key)
-        if entry is None:
-            raise not_found(f"expert {key} is not in model {key.model!r} "
-                            f"(MoE layers {list(model.layout.moe_layers)[:4]}..., "
-                            f"{model.layout.experts_per_layer} experts per layer)")
-        return entry
+        return self.catalog.expert(key)
 
     # -- sessions --------------------------------------------------------------------------
     def create_session(self, client_name: str, lease_seconds: int) -> tuple[Session, str]:
