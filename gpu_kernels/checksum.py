@@ -12,6 +12,8 @@ GPU block can reduce it in any order. It is an integrity check, not a cryptograp
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 _GOLDEN = np.uint32(0x9E3779B1)
@@ -26,6 +28,15 @@ def _fmix32(h: np.ndarray) -> np.ndarray:
     h *= _M2
     h ^= h >> np.uint32(16)
     return h
+
+
+def finish(terms: Any, nbytes: Any) -> Any:
+    """The checksum of ``nbytes`` bytes from their sum of terms: the sum xor the word count,
+    mod 2**32 (the same step takes a checksum back to its sum). Ints, or NumPy arrays
+    elementwise (``uint32``). ``dpu_checksum_finish`` in ring.cuh is its twin."""
+    if isinstance(terms, np.ndarray) or isinstance(nbytes, np.ndarray):
+        return np.asarray(terms).astype(np.uint32) ^ (np.asarray(nbytes) // 4).astype(np.uint32)
+    return (int(terms) ^ (int(nbytes) // 4)) & 0xFFFFFFFF
 
 
 def chunk_checksum(data: np.ndarray | memoryview | bytes, offset: int) -> int:
@@ -48,7 +59,7 @@ def chunk_checksum(data: np.ndarray | memoryview | bytes, offset: int) -> int:
     with np.errstate(over="ignore"):
         terms = _fmix32(words ^ (index * _GOLDEN))
         total = int(terms.sum(dtype=np.uint64)) & 0xFFFFFFFF
-    return total ^ (n & 0xFFFFFFFF)
+    return finish(total, 4 * n)
 
 
 def blob_checksums(blob: np.ndarray, chunk_bytes: int) -> list[int]:
@@ -70,7 +81,7 @@ def row_checksums(rows: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         terms = _fmix32(words ^ (index * _GOLDEN))
         total = (terms.sum(axis=1, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    return total ^ np.uint32((m // 4) & 0xFFFFFFFF)
+    return finish(total, np.full(n, m))
 
 
 def blob_sum(checksums: tuple[int, ...] | list[int], nbytes: int, chunk_bytes: int) -> int:
@@ -80,12 +91,11 @@ def blob_sum(checksums: tuple[int, ...] | list[int], nbytes: int, chunk_bytes: i
     :func:`terms_sum` of the blob's bytes, so one pass over the slot checks it."""
     total = 0
     for c, checksum in enumerate(checksums):
-        words = (min(chunk_bytes, nbytes - c * chunk_bytes) // 4) & 0xFFFFFFFF
-        total += int(checksum) ^ words
+        total += finish(checksum, min(chunk_bytes, nbytes - c * chunk_bytes))
     return total & 0xFFFFFFFF
 
 
 def terms_sum(blob: np.ndarray | memoryview | bytes) -> int:
     """Sum of terms over a whole blob's bytes (placed at offset 0), mod 2**32."""
     raw = np.frombuffer(blob, np.uint8) if not isinstance(blob, np.ndarray) else blob
-    return chunk_checksum(raw, 0) ^ ((raw.size // 4) & 0xFFFFFFFF)
+    return finish(chunk_checksum(raw, 0), raw.size)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from gpu_kernels import abi, launch
+from gpu_kernels.checksum import finish
 from gpu_kernels.ring import Ring
 from gpu_kernels.routing import DispatchPlan
 
@@ -110,9 +111,8 @@ def chunk_checksums(data: Any, position: int, chunk_bytes: int) -> list[int]:
     chunks = -(-raw.size // chunk_bytes)
     out = cp.zeros(chunks, cp.uint32)
     launch_checksums(raw.data.ptr, raw.size, chunk_bytes, position, out.data.ptr)
-    words = [(min(chunk_bytes, raw.size - c * chunk_bytes) // 4) & 0xFFFFFFFF
-             for c in range(chunks)]
-    return [int(s) ^ w for s, w in zip(out.get().tolist(), words, strict=True)]
+    return [finish(s, min(chunk_bytes, raw.size - c * chunk_bytes))
+            for c, s in enumerate(out.get().tolist())]
 
 
 def launch_checksums(address: int, nbytes: int, chunk_bytes: int, position: int, out: int,

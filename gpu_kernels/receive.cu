@@ -130,7 +130,7 @@ extern "C" __global__ void dpu_receive(dpu_ring_header* work_hdr, dpu_descriptor
             const uint32_t total = dpu_block_sum(part, scratch);
             nbytes = d.length;
             if (threadIdx.x == 0 && verify &&
-                (total ^ (uint32_t)(d.length / 4)) != d.checksum)
+                dpu_checksum_finish(total, d.length) != d.checksum)
                 status = DPU_STATUS_CHECKSUM_MISMATCH;
             // Make the slot bytes visible device- and system-wide before the completion.
             __threadfence_system();

@@ -62,7 +62,7 @@ extern "C" __global__ void dpu_receive_packets(const dpu_ring_header* rx_hdr,
             sum += dpu_vec_terms(src[i], first_word + 4 * i);
         const uint32_t total = dpu_block_sum(sum, scratch);
         if (threadIdx.x == 0) {
-            good = sane && (total ^ (uint32_t)(length / 4)) == checksum;
+            good = sane && dpu_checksum_finish(total, length) == checksum;
             if (good) atomicAdd(&out[0], length);
             else atomicAdd(&out[1], 1ull);
             if (flags & DPU_PACKET_LAST) out[2] = message_id;

@@ -42,7 +42,7 @@ extern "C" __global__ void dpu_send(dpu_ring_header* tx_hdr, unsigned char* tx_e
             h->offset = offset;
             h->length = (uint32_t)len;
             h->flags = (offset + len == nbytes) ? DPU_PACKET_LAST : 0u;
-            h->checksum = total ^ (uint32_t)(len / 4);
+            h->checksum = dpu_checksum_finish(total, len);
             h->layer = (uint16_t)layer;
             h->expert = (uint16_t)expert;
             h->model = model;

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi, cuda_ops, launch
+from gpu_kernels import abi, checksum, cuda_ops, launch
 from gpu_kernels.channel import Channel
 from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
 from gpu_kernels.shm import SharedBuffer
@@ -345,7 +345,7 @@ class CudaDevice(Device):
                                                   run.position, sums.data.ptr + 4 * run.first,
                                                   stream=self.stream)
                 self.stream.synchronize()
-                got = sums[:batch.size].get() ^ (batch["length"] // 4).astype(np.uint32)
+                got = checksum.finish(sums[:batch.size].get(), batch["length"])
                 status[verify & (got != batch["checksum"])] = abi.Status.CHECKSUM_MISMATCH
                 out = completions(batch, status, copy)
                 sent = 0

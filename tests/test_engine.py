@@ -102,6 +102,30 @@ def test_a_batch_acquire_starts_its_checks_in_one_launch(client: AgentClient,
     assert device.singles == [1] and device.batches == [6]
 
 
+def test_a_refused_batch_ends_its_posted_checks_and_the_next_batch_lands(
+        client: AgentClient, qwen_ckpt: Path) -> None:
+    """A batch whose last ACQUIRE the agent refuses (two slots, three experts: every slot
+    held) raises the refusal and releases the granted two; the checks started at posting end
+    (the refused one at once, outcome 5), so the next batch on the same device lands and
+    checks its bytes."""
+    from host_client import ResourceExhausted
+
+    model = client.load_model(str(qwen_ckpt), "qwen-refused-batch")
+    device = _CountingDevice(11)
+    dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 2)],
+                                 delivery="engine")
+    truth = checkpoint_bytes(qwen_ckpt)
+    keys = [ExpertKey("qwen-refused-batch", 1, e) for e in range(3)]
+    with pytest.raises(ResourceExhausted, match="held"):
+        client.acquire_batch(dev, keys)
+    assert device.batches == [3]
+    slots = [h.wait(10) for h in client.acquire_batch(dev, keys[1:])]
+    for slot in slots:
+        name = f"model.layers.1.mlp.experts.{slot.key.expert}.down_proj.weight"
+        assert slot.raw("down_proj").tobytes() == truth[name]
+    client.release_batch(dev, keys[1:])
+
+
 def test_engine_delivers_every_expert_from_its_own_process(
         agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice,
         qwen_ckpt: Path) -> None:

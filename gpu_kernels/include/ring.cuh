@@ -198,6 +198,12 @@ __device__ __forceinline__ uint32_t dpu_word_term(uint32_t w, uint64_t global_wo
     return dpu_fmix32(w ^ ((uint32_t)global_word * 0x9E3779B1u));
 }
 
+// The checksum of `bytes` bytes from their sum of terms (the word count xored in; the same
+// step takes a checksum back to its sum). checksum.finish is its twin.
+__device__ __forceinline__ uint32_t dpu_checksum_finish(uint32_t terms, uint64_t bytes) {
+    return terms ^ (uint32_t)(bytes / 4);
+}
+
 __device__ __forceinline__ uint32_t dpu_vec_terms(uint4 v, uint64_t global_word) {
     return dpu_word_term(v.x, global_word) + dpu_word_term(v.y, global_word + 1) +
            dpu_word_term(v.z, global_word + 2) + dpu_word_term(v.w, global_word + 3);
