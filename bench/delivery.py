@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -42,6 +41,7 @@ from bench.common import (
     pct,
     save_figure,
     scrape,
+    thread_cpu_seconds,
     write,
 )
 from dpu_offload.keys import ExpertKey
@@ -74,23 +74,6 @@ def engine_pid(agent_pid: int) -> int:
         if int(stat.rsplit(")", 1)[1].split()[1]) == agent_pid and b"dma_engine" in cmd:
             return int(pid)
     return 0
-
-
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds so far of the threads of ``pid``, summed by thread name (this process's
-    Python threads by their ``threading`` name, others by their kernel name), at nanosecond
-    resolution (schedstat; /proc/PID/stat counts 10 ms ticks, too coarse for a few hundred
-    MB)."""
-    names = {t.native_id: t.name for t in threading.enumerate()} if pid == os.getpid() else {}
-    out: Counter[str] = Counter()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            ns = int((task / "schedstat").read_text().split()[0])
-            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
-        except (OSError, IndexError, ValueError):
-            continue  # the thread ended meanwhile
-        out[name] += ns / 1e9
-    return dict(out)
 
 
 def proc_cpu_seconds(pid: int) -> float:

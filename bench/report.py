@@ -301,8 +301,25 @@ def arm64(d: dict[str, Any]) -> list[Row]:
              f"{r['cpu_per_gb_ratio']:.1f}x", "", None)]
 
 
+def agent_requests(d: dict[str, Any]) -> list[Row]:
+    """The agent's data-plane CPU per ACQUIRE, copies out of the way (bench/agent_requests.py)."""
+    r = d["results"]
+    again = ("a pinned hit: the agent never sees it" if r["delivery"] == "engine"
+             else "its delivery under way: the agent answers from its slot table")
+    return [(f"agent CPU per ACQUIRE, a miss ({r['delivery']} delivery)",
+             f"{r['miss_agent_us']:.1f} us", "", "", "", None),
+            (f"agent CPU per ACQUIRE, again ({again})", f"{r['again_agent_us']:.1f} us", "", "",
+             "", None),
+            (f"batch of {r['batch']}, post to last grant, misses", f"{r['miss_batch_ms']:.3f} ms",
+             "", "", "", None)]
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Delivery, arena to GPU (H200)", "delivery-cuda", delivery, "delivery-cuda.png"),
+    ("The agent's CPU per request, DMA-engine delivery (copies out of the way)",
+     "agent-requests-cpu-engine", agent_requests, ""),
+    ("The agent's CPU per request, device-pull delivery (a consumer that never runs)",
+     "agent-requests-cpu-pull", agent_requests, ""),
     ("Dispatch / combine kernels (H200)", "moe_kernels-cuda", moe_kernels, ""),
     ("Cache policies, Mixtral trace", "cache-mixtral-8x7b-humaneval-sample", cache,
      "cache-mixtral-8x7b-humaneval-sample.png"),

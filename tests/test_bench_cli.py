@@ -14,7 +14,7 @@ import pytest
 from dpu_agent.routing.traces import generate_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-CLIS = ["ab", "activations", "arm64", "cache_policies", "cluster", "decode", "delivery", "load",
+CLIS = ["ab", "activations", "agent_requests", "arm64", "cache_policies", "cluster", "decode", "delivery", "load",
         "moe_kernels", "multi_gpu", "placement", "rebalance", "steering",
         "trace_report", "transformers_decode"]
 
@@ -25,6 +25,21 @@ def test_each_benchmark_parses_its_arguments(bench: str) -> None:
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout
+
+
+def test_the_agent_request_benchmark_measures_the_agents_thread() -> None:
+    """``bench/agent_requests.py`` on a small checkpoint: every ACQUIRE granted, and the
+    agent's data-plane thread seen spending CPU on the misses (a run that read no thread would
+    report 0)."""
+    import json
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "agent_requests.py"),
+                          "--experts", "64", "--rounds", "1", "--no-save"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["experts"] == 64 and r["delivery"] == "engine"
+    assert r["miss_agent_us"] > 1.0 and r["miss_batch_ms"] > 0
 
 
 def test_transformers_benchmark_replays_a_trace_on_the_cpu(tmp_path: Path) -> None:
