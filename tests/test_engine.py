@@ -81,22 +81,32 @@ class _CountingDevice(CpuReferenceDevice):
         return super().start_checks(channel, channel_address, checks, timeout)
 
 
+def _counting_engine_device(client: AgentClient, ckpt: Path, name: str, ordinal: int,
+                            slots: int) -> tuple[_CountingDevice, AttachedDevice]:
+    """The checkpoint loaded as ``name`` and a counting device the DMA engine fills, with a
+    pool of ``slots``."""
+    model = client.load_model(str(ckpt), name)
+    device = _CountingDevice(ordinal)
+    return device, client.register_device(device, [SlotPoolSpec(model.expert_bytes, slots)],
+                                          delivery="engine")
+
+
+def _assert_checkpoint_bytes(ckpt: Path, slots: list[Any]) -> None:
+    truth = checkpoint_bytes(ckpt)
+    for slot in slots:
+        name = f"model.layers.1.mlp.experts.{slot.key.expert}.down_proj.weight"
+        assert slot.raw("down_proj").tobytes() == truth[name]
+
+
 def test_a_batch_acquire_starts_its_checks_in_one_launch(client: AgentClient,
                                                         qwen_ckpt: Path) -> None:
     """AcquireBatch through the DMA engine: its slots are checked by one batch check (one kernel
     launch on a GPU) started when the batch was posted, before the agent answered; the bytes
     are the checkpoint's, and a single acquire still starts its own check."""
-    model = client.load_model(str(qwen_ckpt), "qwen-batch-check")
-    device = _CountingDevice(9)
-    dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 8)],
-                                 delivery="engine")
-    truth = checkpoint_bytes(qwen_ckpt)
+    device, dev = _counting_engine_device(client, qwen_ckpt, "qwen-batch-check", 9, 8)
     keys = [ExpertKey("qwen-batch-check", 1, e) for e in range(6)]
-    slots = [h.wait(10) for h in client.acquire_batch(dev, keys)]
+    _assert_checkpoint_bytes(qwen_ckpt, [h.wait(10) for h in client.acquire_batch(dev, keys)])
     assert device.batches == [6] and device.singles == []
-    for slot in slots:
-        name = f"model.layers.1.mlp.experts.{slot.key.expert}.down_proj.weight"
-        assert slot.raw("down_proj").tobytes() == truth[name]
     client.release_batch(dev, keys)
     client.acquire(dev, ExpertKey("qwen-batch-check", 2, 0)).wait(10)
     assert device.singles == [1] and device.batches == [6]
@@ -110,19 +120,13 @@ def test_a_refused_batch_ends_its_posted_checks_and_the_next_batch_lands(
     checks its bytes."""
     from host_client import ResourceExhausted
 
-    model = client.load_model(str(qwen_ckpt), "qwen-refused-batch")
-    device = _CountingDevice(11)
-    dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 2)],
-                                 delivery="engine")
-    truth = checkpoint_bytes(qwen_ckpt)
+    device, dev = _counting_engine_device(client, qwen_ckpt, "qwen-refused-batch", 11, 2)
     keys = [ExpertKey("qwen-refused-batch", 1, e) for e in range(3)]
     with pytest.raises(ResourceExhausted, match="held"):
         client.acquire_batch(dev, keys)
     assert device.batches == [3]
-    slots = [h.wait(10) for h in client.acquire_batch(dev, keys[1:])]
-    for slot in slots:
-        name = f"model.layers.1.mlp.experts.{slot.key.expert}.down_proj.weight"
-        assert slot.raw("down_proj").tobytes() == truth[name]
+    _assert_checkpoint_bytes(qwen_ckpt,
+                             [h.wait(10) for h in client.acquire_batch(dev, keys[1:])])
     client.release_batch(dev, keys[1:])
 
 
