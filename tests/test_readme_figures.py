@@ -65,6 +65,9 @@ ROWS: dict[str, Callable[[], str]] = {
         engine("ready_hit_p50_us"), 0) + " us",
     "inference-process CPU per GB": lambda: joined(engine("client_cpu_s_per_gb"), 3) + " s",
     "agent CPU per GB": lambda: joined(engine("agent_cpu_s_per_gb")[:2], 3) + " s",
+    "agent CPU per ACQUIRE": lambda: joined(
+        (results(f"agent-requests-cpu-{d}")["miss_agent_us"] for d in ("engine", "pull")), 1)
+        + " us per miss",
     "decode, Qwen3-30B-A3B experts, 2 layers x 16": lambda: decode(
         "decode-qwen3-30b-a3b-cuda-engine"),
     "same, 128 experts per layer": lambda: decode("decode-qwen3-30b-a3b-cuda-engine-128experts"),
