@@ -123,6 +123,12 @@ class SlotGrants:
                     # A verdict may have come since the loop last looked: a mismatch frees it.
                     self.deliveries.settle_landed(session, pool, idx)
                     idx = pool.by_key.get(key)
+                if idx is not None and pool.state[idx] == SlotState.FILLING \
+                        and pool.verdict(idx) == SlotState.FAILED:
+                    # The consumer failed the landed bytes before the loop took up the copy's
+                    # completion: granting this generation again would hand back the same
+                    # failure. Once taken up, the slot is freed and its arena copy dropped.
+                    raise SlotsLanding(f"{key}: its failed delivery is still being taken up")
                 if idx is not None:
                     pool.hold(idx, refs)
                     return dev, pool, idx, entry, False
