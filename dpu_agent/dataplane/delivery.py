@@ -171,7 +171,10 @@ class Deliveries:
                 self.retries.submit(self._retry, session, dev, pool, idx, entry, attempt + 1)
                 return
         with session.lock:
-            if pool.keys[idx] == entry.key and pool.state[idx] == SlotState.FILLING:
+            # The slot's current delivery only: a completion that comes after its slot was
+            # freed and given to a new delivery of the same expert leaves that one alone.
+            if (pool.keys[idx] == entry.key and pool.state[idx] == SlotState.FILLING
+                    and pool.transfer[idx] == t.transfer_id):
                 if status != abi.Status.OK:
                     pool.fail(idx, status)
                 elif t.plan.verify:
