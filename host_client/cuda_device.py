@@ -212,7 +212,7 @@ class CudaDevice(Device):
         return _KernelTicket(ended)
 
 
-    def start_checks(self, channel: Channel, channel_address: int, checks: list[GrantCheck],
+    def start_checks(self, channel: Channel, states_address: int, checks: list[GrantCheck],
                      timeout: float) -> CheckTicket:
         """One launch per ``MAX_BATCH_CHECKS`` requests (``cuda_ops.verify_granted_batch``) on
         the lanes' streams in turn, each slot checked as soon as its reply came and its bytes
@@ -221,7 +221,6 @@ class CudaDevice(Device):
             raise ValueError("no slot to check")
         if any(c.nbytes % 16 for c in checks):
             raise ValueError("a slot check needs a multiple of 16 bytes")
-        layout = abi.channel_layout(channel.capacity)
         launched = []
         for first in range(0, len(checks), cuda_ops.MAX_BATCH_CHECKS):
             part = checks[first:first + cuda_ops.MAX_BATCH_CHECKS]
@@ -231,11 +230,9 @@ class CudaDevice(Device):
                 if self._batch_ended[block] is not None:
                     self._batch_ended[block].synchronize()  # its launch still reads the block
                 params = self._batch_params[block, :len(part)]
-                params["reply"] = [channel_address + layout.replies
-                                   + c.position % channel.capacity * abi.REPLY_DTYPE.itemsize
-                                   for c in part]
+                params["reply"] = [c.reply_address for c in part]
                 params["seq"] = [c.position + 1 for c in part]
-                params["states"] = channel_address + layout.states
+                params["states"] = states_address
                 params["n16"] = [c.nbytes // 16 for c in part]
                 lane = block % CHECK_LANES
                 stream = launch.shared_stream(self.ordinal, f"check-{lane}")

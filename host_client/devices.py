@@ -116,10 +116,12 @@ class _CheckThread:
 
 class GrantCheck(NamedTuple):
     """One posted ACQUIRE whose slot a batch check takes from its reply
-    (:meth:`Device.start_checks`): the request's ring ``position`` on the channel and the
-    expert's blob size in bytes (a multiple of 16)."""
+    (:meth:`Device.start_checks`): the request's ring ``position`` on the channel, its reply
+    entry as the device sees it (``reply_address``) and the expert's blob size in bytes (a
+    multiple of 16)."""
 
     position: int
+    reply_address: int
     nbytes: int
 
 
@@ -222,13 +224,14 @@ class Device(ABC):
         return self._checker(index).submit(reference.verify_landed, states, index, generation,
                                            blob, timeout)
 
-    def start_checks(self, channel: Channel, channel_address: int, checks: list[GrantCheck],
+    def start_checks(self, channel: Channel, states_address: int, checks: list[GrantCheck],
                      timeout: float) -> CheckTicket:
-        """Start the checks of a batch of ACQUIREs just posted on ``channel`` (mapped at
-        ``channel_address`` on the device), before the agent answered: each waits for its reply,
-        takes the granted slot from it (bounds-checked against this device's region table) and
-        is checked as :meth:`start_check` does, as soon as its own bytes land; one ticket for
-        all. Here the NumPy twin, in order, on one lane (by the first request's position)."""
+        """Start the checks of a batch of ACQUIREs just posted on ``channel`` (its slot-state
+        table at ``states_address`` on the device), before the agent answered: each waits for
+        its reply, takes the granted slot from it (bounds-checked against this device's region
+        table) and is checked as :meth:`start_check` does, as soon as its own bytes land; one
+        ticket for all. Here the NumPy twin, in order, on one lane (by the first request's
+        position)."""
         return self._checker(checks[0].position).submit(
             reference.verify_granted_batch, channel, self.regions, self.region_bytes,
             [(c.position, c.nbytes) for c in checks], timeout)

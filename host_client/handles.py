@@ -77,8 +77,10 @@ class LandedCheck:
         agent answers and is checked as soon as its bytes land; one ticket for all."""
         from host_client.devices import GrantCheck
 
-        return self.device.start_checks(self.channel.view, self.channel.device_address,
-                                        [GrantCheck(p, n) for p, n in posted], timeout)
+        channel = self.channel
+        return self.device.start_checks(
+            channel.view, channel.states_address,
+            [GrantCheck(p, channel.reply_address(p), n) for p, n in posted], timeout)
 
     def enqueue(self, reply: np.void, slot: ExpertSlot, stream: Any, timeout: float,
                 result: Any) -> None:

@@ -247,10 +247,20 @@ class ClientChannel:
                                  f"the agent stopped serving this channel: "
                                  f"{abi.Status(fault).name} (its header was overwritten)")
 
+    @property
+    def states_address(self) -> int:
+        """Device address of the slot-state table (after the device registered us)."""
+        return self.device_address + abi.channel_layout(self.capacity).states
+
     def word_address(self, index: int) -> int:
         """Device address of slot-state word ``index`` (after the device registered us)."""
-        states_at = abi.channel_layout(self.capacity).states
-        return self.device_address + states_at + index * abi.SLOT_STATE_DTYPE.itemsize
+        return self.states_address + index * abi.SLOT_STATE_DTYPE.itemsize
+
+    def reply_address(self, position: int) -> int:
+        """Device address of the reply entry of ring ``position`` (after the device registered
+        us)."""
+        return (self.device_address + abi.channel_layout(self.capacity).replies
+                + position % self.capacity * abi.REPLY_DTYPE.itemsize)
 
     def word(self, index: int) -> int:
         return int(self.view.words[index])

@@ -75,10 +75,10 @@ class _CountingDevice(CpuReferenceDevice):
         self.singles.append(1)
         return super().start_check(*args)
 
-    def start_checks(self, channel: Channel, channel_address: int, checks: list[GrantCheck],
+    def start_checks(self, channel: Channel, states_address: int, checks: list[GrantCheck],
                      timeout: float) -> CheckTicket:
         self.batches.append(len(checks))
-        return super().start_checks(channel, channel_address, checks, timeout)
+        return super().start_checks(channel, states_address, checks, timeout)
 
 
 def _counting_engine_device(client: AgentClient, ckpt: Path, name: str, ordinal: int,

@@ -167,7 +167,7 @@ class SlotGrants:
                 dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs)
             except AgentError as exc:
                 session.events.emit(ErrorEvent(f"background delivery of {key}: "
-                                                   f"{exc.message}"))
+                                               f"{exc.message}"))
                 if on_ready:
                     on_ready(False)
                 return False
@@ -187,7 +187,7 @@ class SlotGrants:
             except AgentError as exc:
                 self.deliveries.fail(dev, key)
                 session.events.emit(ErrorEvent(f"background delivery of {key}: "
-                                                   f"{exc.message}"))
+                                               f"{exc.message}"))
             return True
 
         self.queue.submit(link, priority, start, order=order, tag=tag)
