@@ -223,6 +223,39 @@ def test_batch_calls_bound_their_keys_before_any_work(agent: AgentProcess,
         assert mine.slots_held == 0 and mine.slots_ready == 0
 
 
+def test_unknown_device_and_region_kinds_are_refused_by_name(agent: AgentProcess) -> None:
+    """RegisterDevice with a device kind or delivery the protocol does not define, and
+    RegisterRegion with an unknown region kind, are INVALID_ARGUMENT naming the value (the
+    service layer's translation into the core's types), and register nothing."""
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+
+    with AgentClient(agent.address) as client:
+        for request, named in (
+                (pb.RegisterDeviceRequest(session_id=client.session_id, kind=99, ordinal=5),
+                 "device kind 99"),
+                (pb.RegisterDeviceRequest(session_id=client.session_id,
+                                          kind=pb.DEVICE_KIND_CPU_REFERENCE, ordinal=5,
+                                          delivery=7), "delivery 7")):
+            with pytest.raises(grpc.RpcError) as err:
+                client.stub.RegisterDevice(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert named in err.value.details()
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(1 << 16, 1)])
+
+        def mine() -> pb.SessionStatus:
+            return next(s for s in client.status().sessions
+                        if s.session_id == client.session_id)
+
+        regions = mine().regions
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.RegisterRegion(pb.RegisterRegionRequest(
+                session_id=client.session_id, device_id=dev.device_id, kind=42,
+                size_bytes=1 << 16, slot_bytes=1 << 16, slot_count=1), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "region kind 42" in err.value.details()
+        assert mine().devices == 1 and mine().regions == regions
+
+
 def test_a_huge_name_is_refused_for_what_it_is_not_for_its_size(agent: AgentProcess) -> None:
     """A 1 MB model name or session id: the refusal names what is wrong (NOT_FOUND), its
     message cut short, instead of RESOURCE_EXHAUSTED from details over gRPC's limit."""
