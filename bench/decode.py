@@ -9,7 +9,9 @@ through the agent, and each expert's SwiGLU FFN computed for real (CuPy on the G
 ``h <- h + 0.5 * tanh(h)``, so the figure isolates the MoE path; the gate weights are 1/k.
 
 Paths in the same run and routing: ``offload`` (this project: each layer's experts asked for
-in one AcquireBatch, so the misses' transfers overlap and are waited for in order),
+in one AcquireBatch, so the misses' transfers overlap and are waited for in order; on the GPU
+each wait is enqueued on the compute stream ahead of the expert's FFN, ``--wait host`` blocks
+the calling thread instead; a wait on the stream counts as waiting, from CUDA events),
 ``resident`` (every expert in a slot: the upper bound), ``pageable`` (a synchronous copy from
 host memory on each miss) and ``http`` (Expert Kit style: 1 MiB HTTP chunks into a host
 buffer, then a copy). Reported per
@@ -30,7 +32,7 @@ tokens per second show what prediction is worth against the bandwidth its misses
 Usage: python bench/decode.py [--device cpu|cuda] [--arch qwen3-30b-a3b]
                               [--gpu-cache-fraction 0.1 0.25 0.5] [--trace FILE] [--tokens N]
                               [--layers L] [--experts E] [--prefetch K] [--json]
-                              [--profile FILE]
+                              [--wait stream|host] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -114,14 +116,13 @@ class Decoder:
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
 
-    def _mark(self) -> tuple[Any, Any] | None:
-        """On the GPU, a (start, end) pair of CUDA events around one expert's FFN, the start
-        recorded now: the kernels' own time, apart from the host's launch and sync."""
+    def _event(self) -> Any:
+        """On the GPU, a CUDA event recorded now on the current stream (None on the CPU)."""
         if self.xp is np:
             return None
-        start, end = self.xp.cuda.Event(), self.xp.cuda.Event()
-        start.record()
-        return start, end
+        event = self.xp.cuda.Event()
+        event.record()
+        return event
 
     def run(self, fetch: Any, release: Any, tokens: int, begin: Any = None
             ) -> dict[str, Any]:
@@ -131,7 +132,7 @@ class Decoder:
         xp = self.xp
         x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
         compute = wait = 0.0
-        spans: list[tuple[Any, Any]] = []
+        marks: list[tuple[Any, Any, Any]] = []  # per expert: before fetch, after it, after FFN
         outputs = []
         t_start = time.perf_counter()
         for t in range(tokens):
@@ -147,24 +148,30 @@ class Decoder:
                     wait += time.perf_counter() - t0
                 for e in experts:
                     t0 = time.perf_counter()
+                    before = self._event()
                     w = fetch(layer, e)
                     t1 = time.perf_counter()
-                    marks = self._mark()
+                    fetched = self._event()
                     acc += reference.bf16_to_f32(expert_ffn(hb, *w)) / len(experts)
-                    if marks is not None:
-                        marks[1].record()
-                        spans.append(marks)
+                    if fetched is not None:
+                        marks.append((before, fetched, self._event()))
                     self.sync()
-                    compute += time.perf_counter() - t1
-                    wait += t1 - t0
+                    t2 = time.perf_counter()
+                    # The stream is idle at ``before`` (synced after each expert), so on the GPU
+                    # the wait is ``before`` -> ``fetched``: the host's wait in ``fetch`` or a
+                    # wait it enqueued on the stream, which ends inside the sync above.
+                    waited = (t1 - t0 if fetched is None
+                              else xp.cuda.get_elapsed_time(before, fetched) / 1e3)
+                    wait += waited
+                    compute += t2 - t0 - waited
                     release(layer, e)
                 h = h + acc
             outputs.append(reference.f32_to_bf16(h))
             x = reference.f32_to_bf16(xp.tanh(h))  # next token's input
         self.sync()
         total = time.perf_counter() - t_start
-        gpu = (sum(self.xp.cuda.get_elapsed_time(a, b) for a, b in spans) / 1e3 / tokens
-               if spans else None)
+        gpu = (sum(xp.cuda.get_elapsed_time(b, c) for _, b, c in marks) / 1e3 / tokens
+               if marks else None)
         return {"tokens_per_s": tokens / total, "compute_s_per_token": compute / tokens,
                 "gpu_compute_s_per_token": gpu,
                 "wait_s_per_token": wait / tokens,
@@ -208,6 +215,9 @@ def main() -> int:
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
     ap.add_argument("--delivery", choices=["pull", "engine"], default="pull",
                     help="engine: the agent's DMA-engine process writes the slots")
+    ap.add_argument("--wait", choices=["stream", "host"], default="stream",
+                    help="on the GPU: wait for each expert on the compute stream (stream) or "
+                         "in the calling thread (host)")
     ap.add_argument("--prefetch", type=int, default=0, metavar="K",
                     help="after each layer, have the agent prefetch K predicted experts of the "
                          "next one (ReportRouting)")
@@ -221,7 +231,7 @@ def main() -> int:
         return 0
     result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
                  args.experts, device=args.device, profile=args.profile,
-                 delivery=args.delivery, prefetch=args.prefetch)
+                 delivery=args.delivery, prefetch=args.prefetch, wait=args.wait)
     print_table(result)
     if args.no_save:
         return 0
@@ -231,7 +241,8 @@ def main() -> int:
                  + ("-engine" if args.delivery == "engine" else "")
                  + (f"-{args.experts}experts" if args.experts != 16 else "")
                  + (f"-{args.trace.stem}" if args.trace else "")
-                 + (f"-prefetch{args.prefetch}" if args.prefetch else ""))
+                 + (f"-prefetch{args.prefetch}" if args.prefetch else "")
+                 + ("-hostwait" if args.device == "cuda" and args.wait == "host" else ""))
     plot(result, path.with_suffix(".png"))
     print(json.dumps(result) if args.json else f"wrote {path}")
     return 0
@@ -239,16 +250,20 @@ def main() -> int:
 
 def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, layers: int,
         experts: int, shrink: int = 1, device: str = "cpu", profile: Path | None = None,
-        delivery: str = "pull", prefetch: int = 0) -> dict[str, Any]:
+        delivery: str = "pull", prefetch: int = 0, wait: str = "stream") -> dict[str, Any]:
     """``shrink`` divides hidden and intermediate sizes (tests only; 1 keeps the real ones).
     ``profile``: a text file that each fraction's offload loop appends its cProfile to.
     ``delivery``: "pull" (the device's consumer copies) or "engine" (the DMA engine does).
-    ``prefetch``: experts of the next layer the agent prefetches after each layer (0: none)."""
+    ``prefetch``: experts of the next layer the agent prefetches after each layer (0: none).
+    ``wait``: on the GPU, "stream" enqueues each expert's wait for READY on the compute stream
+    ahead of its FFN (``AcquireHandle.enqueue_wait``: the host never blocks on a slot), "host"
+    blocks in ``AcquireHandle.wait`` first; the CPU device always waits on the host."""
     xp: Any = np
     if device == "cuda":
         import cupy as xp
 
         from host_client.cuda_device import CudaDevice
+    stream_wait = device == "cuda" and wait == "stream"
     layout, hidden, inter, top_k = ARCHS[arch]
     hidden, inter = hidden // shrink, inter // shrink
     top_k = min(top_k, experts)
@@ -280,6 +295,7 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
         decoder.run(lambda la, e: resident[la, e], lambda *_: None, min(tokens, 2))  # warm-up
         reference_out = decoder.run(lambda la, e: resident[la, e], lambda *_: None, tokens)
         results: dict[str, Any] = {"arch": arch, "delivery": delivery, "prefetch": prefetch,
+                                   "wait": "stream" if stream_wait else "host",
                                    "hidden": hidden,
                                    "intermediate": inter,
                                    "top_k": top_k, "layers": layers, "experts": experts,
@@ -324,13 +340,22 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                         session.report_routing("m", [(layer, dict.fromkeys(experts, 1))],
                                                prefetch_to=dev, prefetch_top_k=prefetch)
 
-                def fetch(layer: int, e: int, handles=handles, stats=stats
+                waits: dict[int, Any] = {}
+
+                def fetch(layer: int, e: int, handles=handles, stats=stats, waits=waits
                           ) -> tuple[np.ndarray, ...]:
-                    slot = handles[e].wait(120)
+                    if stream_wait:
+                        waits[e] = handles[e].enqueue_wait(xp.cuda.get_current_stream(), 120)
+                        slot = waits[e].slot
+                    else:
+                        slot = handles[e].wait(120)
                     stats["hits" if handles[e].resident else "misses"] += 1
                     return tuple(slot.tensor(r) for r in ROLES)
 
-                def release(layer: int, e: int, dev=dev, session=session) -> None:
+                def release(layer: int, e: int, dev=dev, session=session, waits=waits
+                            ) -> None:
+                    if stream_wait:
+                        waits.pop(e).check()  # the FFN read verified bytes
                     session.release(dev, ExpertKey("m", layer, e), wait=False)
 
                 prof = cProfile.Profile() if profile else None

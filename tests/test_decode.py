@@ -1,7 +1,10 @@
 """The decode benchmark on the CPU reference device: a few tokens, offloaded experts through
-the agent, outputs equal to the dense reference of the same layers (asserted inside run)."""
+the agent, outputs equal to the dense reference of the same layers (asserted inside run); the
+GPU tests run it through the DMA engine with either wait."""
 
 from __future__ import annotations
+
+import pytest
 
 from bench.decode import run
 
@@ -27,3 +30,18 @@ def test_with_prefetch_every_moved_byte_is_counted() -> None:
     assert a["bytes_moved_per_token"] >= a["bytes_fetched_per_token"]
     assert p["offload"]["grpc_calls_per_token"] == 0
     assert a["offload"]["grpc_calls_per_token"] == 2  # one ReportRouting per layer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wait", ["stream", "host"])
+def test_gpu_decode_through_the_dma_engine_equals_the_dense_reference(wait: str) -> None:
+    """On the GPU, each expert waited for on the compute stream (its FFN enqueued behind the
+    wait) or on the host: the outputs equal the resident run's (asserted inside run) and the
+    waits are counted apart from the expert compute."""
+    pytest.importorskip("cupy")
+    r = run("qwen3-30b-a3b", [0.25], None, tokens=3, layers=2, experts=8, shrink=8,
+            device="cuda", delivery="engine", wait=wait)
+    (run_,) = r["runs"]
+    assert r["wait"] == wait
+    assert run_["hit_rate"] < 1 and run_["offload"]["wait_s_per_token"] > 0
+    assert run_["offload"]["gpu_compute_s_per_token"] > 0
