@@ -34,7 +34,12 @@ from dpu_offload.frames import Kind
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationSender, ExpertWorker
-from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
+from host_client.checkpoints import (
+    CheckpointSpec,
+    expert_tensor_names,
+    make_checkpoint,
+    read_tensor_bytes,
+)
 from host_client.launcher import AgentProcess
 
 SIZES = {"8KiB": 8 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20}
@@ -43,9 +48,8 @@ METHOD = "/bench.Expert/Run"
 
 def _weights(truth: dict[str, bytes], layer: int, e: int, hidden: int) -> list[np.ndarray]:
     out = []
-    for role in ("gate_proj", "up_proj", "down_proj"):
-        raw = np.frombuffer(truth[f"model.layers.{layer}.mlp.experts.{e}.{role}.weight"],
-                            np.uint16)
+    for role, name in expert_tensor_names("qwen3-moe", layer, e).items():
+        raw = np.frombuffer(truth[name], np.uint16)
         out.append(raw.reshape(hidden, -1) if role == "down_proj" else raw.reshape(-1, hidden))
     return out
 

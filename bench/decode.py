@@ -68,7 +68,13 @@ from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import expert_ffn
-from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
+from host_client.checkpoints import (
+    SWIGLU_ROLES,
+    CheckpointSpec,
+    expert_tensor_names,
+    make_checkpoint,
+    read_tensor_bytes,
+)
 from host_client.launcher import AgentProcess
 
 ARCHS = {  # arch: (checkpoint layout, hidden, moe intermediate, top-k)
@@ -76,7 +82,6 @@ ARCHS = {  # arch: (checkpoint layout, hidden, moe intermediate, top-k)
     "deepseek-v3-lite": ("qwen3-moe", 7168, 2048, 8),  # DeepSeek-V3 expert shapes, BF16
     "mixtral-8x7b": ("mixtral", 4096, 14336, 2),
 }
-ROLES = ("gate_proj", "up_proj", "down_proj")
 
 
 def routing(trace: Path | None, layers: int, experts: int, top_k: int, tokens: int
@@ -272,16 +277,12 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
             layout, layers=layers, experts=experts, hidden=hidden, intermediate=inter,
             top_k=top_k), layers_per_shard=1)
         truth = read_tensor_bytes(root)
-        prefix = ("model.layers.{l}.block_sparse_moe.experts.{e}" if layout == "mixtral"
-                  else "model.layers.{l}.mlp.experts.{e}")
-        names = dict(zip(ROLES, ("w1", "w3", "w2") if layout == "mixtral" else ROLES,
-                         strict=True))
 
         def host_weights(layer: int, e: int) -> tuple[np.ndarray, ...]:
-            p = prefix.format(l=layer, e=e)
+            names = expert_tensor_names(layout, layer, e)
             shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
-            return tuple(np.frombuffer(truth[f"{p}.{names[r]}.weight"], np.uint16).reshape(s)
-                         for r, s in zip(ROLES, shapes, strict=True))
+            return tuple(np.frombuffer(truth[names[r]], np.uint16).reshape(s)
+                         for r, s in zip(SWIGLU_ROLES, shapes, strict=True))
 
         def to_device(w: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
             return w if xp is np else tuple(xp.asarray(a) for a in w)
@@ -350,7 +351,7 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     else:
                         slot = handles[e].wait(120)
                     stats["hits" if handles[e].resident else "misses"] += 1
-                    return tuple(slot.tensor(r) for r in ROLES)
+                    return tuple(slot.tensor(r) for r in SWIGLU_ROLES)
 
                 def release(layer: int, e: int, dev=dev, session=session, waits=waits
                             ) -> None:

@@ -10,15 +10,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dpu_offload.cli_args import positive
+
 if TYPE_CHECKING:  # the commands import what they use: `dpu-agent serve` starts without them
     from dpu_agent.cluster.store import ClusterStore
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -127,9 +122,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_cluster)
     p = sub.add_parser("plan", help="plan a placement from a [layers, experts] load array")
     p.add_argument("--load", required=True, help=".npy file, shape [layers, experts]")
-    p.add_argument("--gpus", required=True, type=_positive)
+    p.add_argument("--gpus", required=True, type=positive)
     p.add_argument("--replicas", type=int, default=0)
     p.add_argument("--current", help="JSON placement in force ([layers][experts] -> GPUs)")
-    p.add_argument("--expert-bytes", type=_positive, default=None)
+    p.add_argument("--expert-bytes", type=positive, default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)

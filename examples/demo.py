@@ -17,7 +17,12 @@ import numpy as np
 
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, Device, SlotPoolSpec
-from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
+from host_client.checkpoints import (
+    CheckpointSpec,
+    expert_tensor_names,
+    make_checkpoint,
+    read_tensor_bytes,
+)
 from host_client.launcher import AgentProcess
 
 
@@ -34,16 +39,6 @@ def pick_device(kind: str) -> Device:
             if kind == "cuda":
                 raise SystemExit(f"demo: --device cuda but CUDA is not usable: {exc}") from exc
     return CpuReferenceDevice()
-
-
-def expert_tensor_names(arch: str, key: ExpertKey) -> dict[str, str]:
-    prefix = f"model.layers.{key.layer}"
-    if arch == "mixtral":
-        q = f"{prefix}.block_sparse_moe.experts.{key.expert}"
-        return {"gate_proj": f"{q}.w1.weight", "up_proj": f"{q}.w3.weight",
-                "down_proj": f"{q}.w2.weight"}
-    q = f"{prefix}.mlp.experts.{key.expert}"
-    return {r: f"{q}.{r}.weight" for r in ("gate_proj", "up_proj", "down_proj")}
 
 
 def main() -> int:
@@ -80,7 +75,7 @@ def main() -> int:
                 elapsed = time.perf_counter() - start
                 bad = 0
                 for slot in slots:
-                    names = expert_tensor_names(args.arch, slot.key)
+                    names = expert_tensor_names(args.arch, slot.key.layer, slot.key.expert)
                     for role, name in names.items():
                         got = slot.raw(role)
                         got = got.get() if hasattr(got, "get") else got

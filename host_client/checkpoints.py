@@ -98,6 +98,27 @@ def _config(spec: CheckpointSpec) -> dict:
     raise ValueError(f"unknown architecture {spec.arch!r}; choose from {', '.join(ARCHS)}")
 
 
+SWIGLU_ROLES = ("gate_proj", "up_proj", "down_proj")
+"""The roles of a SwiGLU expert's tensors in its blob (docs/LAYOUT.md), gate first."""
+
+
+def expert_tensor_names(arch: str, layer: int, expert: int) -> dict[str, str]:
+    """Role (``SWIGLU_ROLES``) -> the checkpoint tensor that holds it, for one expert of a
+    per-expert layout as :func:`make_checkpoint` (and transformers' ``save_pretrained``)
+    writes it: ``model.layers.{L}.block_sparse_moe.experts.{E}.w1/w3/w2.weight`` for Mixtral,
+    ``model.layers.{L}.mlp.experts.{E}.{role}.weight`` for the others. ValueError for the
+    architectures whose experts are stacked (gpt-oss)."""
+    if arch not in ARCHS or arch == "gpt-oss":
+        raise ValueError(f"{arch!r} has no per-expert tensors; per-expert architectures: "
+                         f"{', '.join(a for a in ARCHS if a != 'gpt-oss')}")
+    if arch == "mixtral":
+        q = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
+        return dict(zip(SWIGLU_ROLES, (f"{q}.w1.weight", f"{q}.w3.weight", f"{q}.w2.weight"),
+                        strict=True))
+    q = f"model.layers.{layer}.mlp.experts.{expert}"
+    return {role: f"{q}.{role}.weight" for role in SWIGLU_ROLES}
+
+
 def _layer_tensors(spec: CheckpointSpec, layer: int, rng: np.random.Generator
                    ) -> Iterator[tuple[str, str, np.ndarray]]:
     h, i, e = spec.hidden, spec.intermediate, spec.experts
@@ -121,24 +142,17 @@ def _layer_tensors(spec: CheckpointSpec, layer: int, rng: np.random.Generator
         yield f"{p}.mlp.gate.weight", *_weights(rng, (e, h), "bf16")
         yield f"{p}.mlp.experts.gate_up_proj", *_weights(rng, (e, 2 * i, h), spec.dtype)
         yield f"{p}.mlp.experts.down_proj", *_weights(rng, (e, h, i), spec.dtype)
-        names = ()
-        q = ""
-    elif spec.arch == "mixtral":
-        yield f"{p}.block_sparse_moe.gate.weight", *_weights(rng, (e, h), "bf16")
-        names = (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i)))
-        q = f"{p}.block_sparse_moe.experts"
     else:
-        yield f"{p}.mlp.gate.weight", *_weights(rng, (e, h), "bf16")
-        names = (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))
-        q = f"{p}.mlp.experts"
-    wdtype = spec.dtype
-    for x in range(e) if names else ():
-        for name, shape in names:
-            yield f"{q}.{x}.{name}.weight", *_weights(rng, shape, wdtype)
-            if spec.dtype == "fp8":
-                scale = (-(-shape[0] // 128), -(-shape[1] // 128))
-                yield (f"{q}.{x}.{name}.weight_scale_inv", "F32",
-                       rng.uniform(0.5, 2.0, size=scale).astype(np.float32))
+        block = "block_sparse_moe" if spec.arch == "mixtral" else "mlp"
+        yield f"{p}.{block}.gate.weight", *_weights(rng, (e, h), "bf16")
+        shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        for x in range(e):
+            for role, name in expert_tensor_names(spec.arch, layer, x).items():
+                yield name, *_weights(rng, shapes[role], spec.dtype)
+                if spec.dtype == "fp8":
+                    scale = (-(-shapes[role][0] // 128), -(-shapes[role][1] // 128))
+                    yield (name.replace(".weight", ".weight_scale_inv"), "F32",
+                           rng.uniform(0.5, 2.0, size=scale).astype(np.float32))
     if spec.arch == "qwen2-moe":
         for name, shape in (("gate_proj", (2 * i, h)), ("up_proj", (2 * i, h)),
                             ("down_proj", (h, 2 * i))):

@@ -16,6 +16,7 @@ import grpc
 from rich.console import Console, Group
 from rich.table import Table
 
+from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.admin import AgentAdmin
@@ -229,24 +230,17 @@ def cmd_flows(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="expertctl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("make-checkpoint", help="write a small checkpoint in a real HF layout")
     p.add_argument("dir")
     p.add_argument("--arch", required=True, choices=ARCHS)
-    p.add_argument("--layers", type=_positive, default=4)
-    p.add_argument("--experts", type=_positive, default=8)
-    p.add_argument("--hidden", type=_positive, default=256)
-    p.add_argument("--intermediate", type=_positive, default=128)
-    p.add_argument("--top-k", type=_positive, default=2)
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--experts", type=positive, default=8)
+    p.add_argument("--hidden", type=positive, default=256)
+    p.add_argument("--intermediate", type=positive, default=128)
+    p.add_argument("--top-k", type=positive, default=2)
     p.add_argument("--dtype", choices=("bf16", "fp8", "f32"), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fused", action="store_true",

@@ -312,6 +312,13 @@ def test_make_checkpoint_cli(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "host_client.cli", "make-checkpoint",
                           str(tmp_path / "x"), "--arch", "bert"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    for layers, msg in (("0", "must be positive, got 0"),
+                        ("four", "must be a positive integer, got 'four'")):
+        bad = subprocess.run([sys.executable, "-m", "host_client.cli", "make-checkpoint",
+                              str(tmp_path / "y"), "--arch", "mixtral", "--layers", layers],
+                             capture_output=True, text=True)
+        assert bad.returncode == 2 and f"--layers: {msg}" in bad.stderr
+        assert not (tmp_path / "y").exists()
 
 
 @pytest.mark.parametrize("edit,msg", [
