@@ -2,7 +2,8 @@
 running the receive kernels the agent drives, and acquiring experts as arrays. Errors:
 ``host_client.errors`` (every refusal a typed ``AgentError`` with its status code)."""
 
-from host_client.client import AcquireHandle, AgentClient, TlsFiles
+from host_client.client import AgentClient
+from host_client.connection import TlsFiles
 from host_client.devices import CpuReferenceDevice, Device, DeviceFault
 from host_client.errors import (
     AgentError,
@@ -15,6 +16,7 @@ from host_client.errors import (
     ResourceExhausted,
     TransferFailed,
 )
+from host_client.handles import AcquireHandle
 from host_client.memory import ExpertSlot, SlotPoolSpec
 
 __all__ = ["AcquireHandle", "AgentClient", "AgentError", "AgentUnavailable", "AlreadyExists",

@@ -35,7 +35,8 @@ from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import gpt_oss, reference
 from gpu_kernels.ring import Ring
 from gpu_kernels.routing import dispatch_plan
-from host_client.client import AgentClient, AttachedDevice
+from host_client.client import AgentClient
+from host_client.registration import AttachedDevice
 
 
 def curve_socket(kind: int, curve: tuple[str, str] | None) -> zmq.Socket:

@@ -8,7 +8,7 @@ from collections import Counter
 from types import TracebackType
 
 from dpu_offload.v1 import agent_pb2 as pb
-from host_client.client import TlsFiles, open_channel, typed_stub
+from host_client.connection import TlsFiles, open_channel, typed_stub
 
 
 class AgentAdmin:

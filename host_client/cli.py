@@ -21,7 +21,7 @@ from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.admin import AgentAdmin
 from host_client.checkpoints import ARCHS, CheckpointSpec, make_checkpoint
-from host_client.client import TlsFiles
+from host_client.connection import TlsFiles
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:

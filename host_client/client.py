@@ -12,159 +12,48 @@ Shape of the API (register -> acquire -> wait -> release)::
 
 Acquire, release and prefetch go through the device's data-plane channel in shared memory
 (``host_client/requests.py``): no gRPC call, no thread hop. gRPC carries the control plane
-(sessions, registration, models, placement, status); a background thread keeps the session's
-lease alive and another reads the event stream (placement progress, errors, the agent's death).
+(sessions, registration, models, placement, status); the session's upkeep (lease, event
+stream, recovery after the agent's death) is ``host_client.session``'s.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import Counter, namedtuple
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
 import numpy as np
 
-from dpu_offload.identity import SESSION_TOKEN_METADATA
 from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
-from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from gpu_kernels import abi
-from gpu_kernels.bell import Bell
-from gpu_kernels.shm import session_name
+from host_client.connection import TlsFiles
 from host_client.devices import Device
 from host_client.errors import (
     AgentError,
-    AgentUnavailable,
-    TransferFailed,
-    from_rpc,
     refusal,
     refusal_of,
 )
 from host_client.handles import AcquireHandle, LandedCheck
-from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
-from host_client.requests import ClientChannel
+from host_client.memory import ExpertSlot, SlotPoolSpec
+from host_client.registration import (
+    DELIVERIES,
+    AttachedDevice,
+    SessionContext,
+    attach,
+    detach,
+)
+from host_client.session import AgentSession
 
-__all__ = ["AcquireHandle", "AgentClient", "AgentUnavailable", "AttachedDevice", "TlsFiles",
-           "TransferFailed"]
+__all__ = ["AgentClient"]
 
 log = logging.getLogger("host_client")
-
-DELIVERIES = {"pull": pb.DELIVERY_DEVICE_PULL, "engine": pb.DELIVERY_DMA_ENGINE}
-"""``register_device``'s ``delivery`` names -> ``pb.Delivery``."""
-RECOVER_FIRST_PAUSE, RECOVER_MAX_PAUSE = 0.2, 1.6
-"""While the agent is away the client looks for it after 0.2 s, then twice as long each time
-up to 1.6 s (seconds): a restart is found within ~2 s, and waiting costs next to no CPU."""
-
-PACKET_RING_CAPACITY = 256
-PACKET_ENTRY_BYTES = 64 + 4096
-"""Packet rings (rx / tx, the activation path): 256 entries of a 64-byte header + 4 KiB."""
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """PEM files for a TLS connection to the agent: the CA that signed the agent's certificate,
-    and this client's certificate and key when the agent requires mutual TLS."""
-
-    ca: str
-    cert: str = ""
-    key: str = ""
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        def read(path: str) -> bytes | None:
-            return open(path, "rb").read() if path else None
-        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
-
-
-@dataclass
-class AttachedDevice:
-    """A device registered with the agent: its id there, its rings and pools."""
-
-    device_id: int
-    device: Device
-    channel: ClientChannel
-    work: SharedRing | None
-    """The device consumer's rings (None where the DMA engine delivers)."""
-    completion: SharedRing | None
-    rx: SharedRing
-    tx: SharedRing
-    pools: dict[int, SlotPoolSpec] = field(default_factory=dict)
-    specs: list[SlotPoolSpec] = field(default_factory=list)
-    ring_capacity: int = 1024
-    delivery: str = "pull"
-    """"pull" (the device's consumer copies) or "engine" (the agent's DMA engine does)."""
-    slots: dict[tuple[int, int], ExpertSlot] = field(default_factory=dict)
-    """(region id, slot offset) -> the views of the expert last granted there (views cost
-    tens of microseconds to build; a slot holds the same expert across many acquires)."""
-    rx_device_ptr: int = 0
-    """Device address of the rx / tx packet rings (CUDA devices; 0 on the CPU device)."""
-    tx_device_ptr: int = 0
-
 
 def _nothing() -> None:
     pass
 
 
-def open_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
-    """A gRPC channel to the agent at ``address`` (``host:port``): TLS (mutual where ``tls``
-    names a client certificate) or, without ``tls``, plaintext."""
-    return (grpc.secure_channel(address, tls.credentials()) if tls is not None
-            else grpc.insecure_channel(address))
-
-
-def typed_stub(channel: grpc.Channel, counts: Counter[str], token: Callable[[], str]
-               ) -> pb_grpc.DpuAgentStub:
-    """A stub whose unary calls send ``token()`` (when not empty), are counted in ``counts``
-    by method and raise their failures as typed errors (``host_client.errors``)."""
-    return pb_grpc.DpuAgentStub(grpc.intercept_channel(channel, _Calls(counts, token)))
-
-
-class _Details(namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
-                                         "wait_for_ready", "compression")),
-               grpc.ClientCallDetails):
-    pass
-
-
-class _Calls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Counts the client's gRPC calls by method name, sends the session token with each (the
-    agent refuses a call naming the session without it) and raises a unary call's failure as
-    the typed error of its status code."""
-
-    def __init__(self, counts: Counter[str], token: Callable[[], str]) -> None:
-        self.counts = counts
-        self.token = token
-
-    def _prepare(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        method = details.method
-        name = method.decode() if isinstance(method, bytes) else str(method)
-        self.counts[name.rsplit("/", 1)[-1]] += 1
-        token = self.token()
-        if not token:
-            return details
-        return _Details(details.method, details.timeout,
-                        [*(details.metadata or ()), (SESSION_TOKEN_METADATA, token)],
-                        details.credentials, details.wait_for_ready, details.compression)
-
-    def intercept_unary_unary(self, continuation: Callable[..., Any],
-                              details: grpc.ClientCallDetails, request: Any) -> Any:
-        """The call, or its failure as a typed :class:`AgentError` (``host_client.errors``)."""
-        call = continuation(self._prepare(details), request)
-        failure = call.exception()
-        if failure is not None:
-            raise from_rpc(failure) from None
-        return call
-
-    def intercept_unary_stream(self, continuation: Callable[..., Any],
-                               details: grpc.ClientCallDetails, request: Any) -> Any:
-        return continuation(self._prepare(details), request)
-
-
-class AgentClient:
-    """A session with one agent.
+class AgentClient(AgentSession):
+    """A session with one agent, and what it is for: models, devices, experts, placement.
 
     Args:
         address: the agent's ``host:port``.
@@ -178,71 +67,18 @@ class AgentClient:
     def __init__(self, address: str, *, client_name: str = "host-client",
                  lease_seconds: int = 0, connect_timeout: float = 5.0,
                  rpc_timeout: float = 60.0, tls: TlsFiles | None = None) -> None:
-        self.address = address
-        self.rpc_timeout = rpc_timeout
-        self.channel = open_channel(address, tls)
-        ready = grpc.channel_ready_future(self.channel)
-        try:
-            ready.result(timeout=connect_timeout)
-        except grpc.FutureTimeoutError:
-            ready.cancel()
-            self.channel.close()
-            raise AgentUnavailable(f"no agent answers at {address} "
-                                   f"(waited {connect_timeout} s)") from None
-        self.rpc_calls: Counter[str] = Counter()
-        """gRPC calls this client made, by method (the data path makes none)."""
         self.prefetches_refused = 0
         """Prefetches posted without waiting that the agent refused."""
-        self._token = ""
-        self.stub = typed_stub(self.channel, self.rpc_calls, lambda: self._token)
-        self.client_name = client_name
-        self._lease_request = lease_seconds
-        self._lock = threading.Lock()
         self._placements: dict[int, pb.PlacementProgress] = {}
         self._models: dict[str, str] = {}
         self._model_index: dict[str, int] = {}
         """Model name -> the index request-ring entries name it by (from LoadModel)."""
         self._manifests: dict[ExpertKey, pb.ExpertManifest] = {}
-        self._epoch = 0
-        """Bumped when the agent goes away and when it is back; a handle of an older epoch
-        fails."""
-        self._down = False
-        """Between the agent going away and the recovery: requests fail at once."""
-        self._outage: BaseException = AgentUnavailable("the agent went away")
-        self._closed = threading.Event()
-        self.reconnected = threading.Event()
-        """Set each time the client has re-created its session after the agent came back."""
-        self.generation = 0
-        """Sessions this client has had minus one (0 until the first reconnect)."""
         self._linked = False
         """Whether link_peers was called (it is redone after a reconnect)."""
         self.devices: dict[int, AttachedDevice] = {}
-        self._open_session()
-        self._event_thread = threading.Thread(target=self._event_loop, name="agent-events",
-                                              daemon=True)
-        self._event_thread.start()
-        self._keepalive = threading.Thread(target=self._keepalive_loop, name="agent-lease",
-                                           daemon=True)
-        self._keepalive.start()
-
-    @property
-    def session_token(self) -> str:
-        """The session's secret (a tool acting on this session, such as ``expertctl flows``,
-        needs it; the agent refuses calls naming the session without it)."""
-        return self._token
-
-    def _open_session(self) -> None:
-        resp = self.stub.CreateSession(pb.CreateSessionRequest(
-            client_name=self.client_name, lease_seconds=self._lease_request),
-            timeout=self.rpc_timeout)
-        self.session_id = resp.session_id
-        self._token = resp.session_token
-        self.lease_seconds = resp.lease_seconds
-        self.arena = resp.arena
-        self.activations_port = resp.activations_port
-        self._bell = Bell.open(resp.bell_shm_name) if resp.bell_shm_name else None
-        self._ref = pb.SessionRef(session_id=self.session_id)
-        self._events = self.stub.Events(self._ref)
+        super().__init__(address, client_name=client_name, lease_seconds=lease_seconds,
+                         connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, tls=tls)
 
     # -- models and devices ----------------------------------------------------------------
     def load_model(self, path: str, name: str = "") -> pb.LoadModelResponse:
@@ -271,73 +107,16 @@ class AgentClient:
             raise ValueError("register_device needs at least one slot pool")
         if delivery not in DELIVERIES:
             raise ValueError(f"delivery must be one of {sorted(DELIVERIES)}, got {delivery!r}")
-        attached = self._attach(device, list(pools), ring_capacity, delivery=delivery)
+        attached = self._attach_device(device, list(pools), ring_capacity, delivery=delivery)
         self.devices[attached.device_id] = attached
         return attached
 
-    def _attach(self, device: Device, specs: list[SlotPoolSpec], ring_capacity: int,
-                into: AttachedDevice | None = None, delivery: str = "pull") -> AttachedDevice:
-        """Register ``device`` in the current session with fresh rings and pools; with
-        ``into``, refill that record (a re-registration after the agent restarted)."""
-        resp = self.stub.RegisterDevice(pb.RegisterDeviceRequest(
-            session_id=self.session_id, kind=device.kind, ordinal=device.ordinal,
-            name=device.name, memory_bytes=device.memory_bytes,
-            delivery=DELIVERIES[delivery]), timeout=self.rpc_timeout)
-        # A DMA-engine device has no consumer here: the agent's engine process moves and
-        # checks the bytes; this process only polls slot-state words.
-        engine = delivery == "engine"
-        # Segment names are bound to the session's token: the agent registers them for it only.
-        token = self._token
-        work = None if engine else SharedRing(abi.RingKind.WORK, ring_capacity, token=token)
-        completion = None if engine else SharedRing(abi.RingKind.COMPLETION, ring_capacity,
-                                                    token=token)
-        rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
-        tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
-        channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes, self._bell)
-        channel.device_address = device.register_host_ring(channel.view.buffer)
-        attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx,
-                                          tx, specs=specs, ring_capacity=ring_capacity,
-                                          delivery=delivery)
-        attached.device_id, attached.channel = resp.device_id, channel
-        attached.work, attached.completion, attached.rx, attached.tx = work, completion, rx, tx
-        attached.pools = {}
-        attached.slots = {}
-        if work is not None and completion is not None:
-            device.attach(self.arena.shm_name, self.arena.size_bytes, self.arena.region_id,
-                          work.ring, completion.ring)
-        for spec in specs:
-            nbytes = spec.slot_bytes * spec.slot_count
-            memory = device.allocate(nbytes, session_name("dpu-pool", token) if engine else "")
-            rid = self.stub.RegisterRegion(pb.RegisterRegionRequest(
-                session_id=self.session_id, device_id=resp.device_id,
-                kind=pb.REGION_KIND_SLOT_POOL, size_bytes=nbytes,
-                slot_bytes=spec.slot_bytes, slot_count=spec.slot_count,
-                cuda_ipc_handle=device.export_handle(memory),
-                shm_name=device.export_shm(memory)),
-                timeout=self.rpc_timeout).region_id
-            device.bind(rid, memory)
-            attached.pools[rid] = spec
-        rings = [(rx, pb.REGION_KIND_RX_RING), (tx, pb.REGION_KIND_TX_RING)]
-        if work is not None and completion is not None:
-            device.start()
-            rings += [(work, pb.REGION_KIND_WORK_RING),
-                      (completion, pb.REGION_KIND_COMPLETION_RING)]
-        attached.rx_device_ptr, attached.tx_device_ptr = (
-            device.register_host_ring(ring.buffer.array) for ring in (rx, tx))
-        for ring, kind in rings:
-            self.stub.RegisterRegion(pb.RegisterRegionRequest(
-                session_id=self.session_id, device_id=resp.device_id, kind=kind,
-                size_bytes=ring.size, shm_name=ring.name), timeout=self.rpc_timeout)
-        return attached
-
-    @staticmethod
-    def _detach(dev: AttachedDevice) -> None:
-        dev.device.stop()
-        dev.device.close()
-        for ring in (dev.work, dev.completion, dev.rx, dev.tx):
-            if ring is not None:
-                ring.close()
-        dev.channel.close()
+    def _attach_device(self, device: Device, specs: list[SlotPoolSpec], ring_capacity: int,
+                       into: AttachedDevice | None = None, delivery: str = "pull"
+                       ) -> AttachedDevice:
+        return attach(SessionContext(self.stub, self.session_id, self._token, self._bell,
+                                     self.arena, self.rpc_timeout),
+                      device, specs, ring_capacity, into, delivery)
 
     # -- experts (the data-plane channel) ---------------------------------------------------
     def _index(self, model: str) -> int:
@@ -600,20 +379,7 @@ class AgentClient:
         certificate), models, arena and cache counters, transfers in flight."""
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.rpc_timeout)
 
-    # -- background ------------------------------------------------------------------------
-    def _event_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                for event in self._events:
-                    self._on_event(event)
-                why = "closed by the agent"  # a graceful shutdown ends the stream with OK
-            except grpc.RpcError as exc:
-                why = exc.code().name
-            if self._closed.is_set():
-                return
-            self._fail_all(AgentUnavailable(f"agent event stream ended: {why}"))
-            self._recover()
-
+    # -- the session's hooks -----------------------------------------------------------------
     def _on_event(self, event: pb.Event) -> None:
         if event.HasField("placement_progress"):
             p = event.placement_progress
@@ -623,78 +389,24 @@ class AgentClient:
                         seen.done + seen.failed + seen.dropped:
                     self._placements[p.placement_id] = p
 
-    def _recover(self) -> None:
-        """The agent went away: wait for it, open a new session, reload the models this
-        client loaded and re-register every device with fresh rings and pools. Slots held
-        before are gone (their acquires failed with AgentUnavailable)."""
-        self.reconnected.clear()
-        pause = RECOVER_FIRST_PAUSE
-        while not self._closed.is_set():
-            ready = grpc.channel_ready_future(self.channel)
-            try:
-                ready.result(timeout=pause)
-                self._open_session()
-                for name, path in list(self._models.items()):
-                    self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
-                                        timeout=self.rpc_timeout)
-                old, self.devices = list(self.devices.values()), {}
-                for dev in old:
-                    self._detach(dev)
-                    self._attach(dev.device, dev.specs, dev.ring_capacity, into=dev,
-                                 delivery=dev.delivery)
-                    self.devices[dev.device_id] = dev
-                if self._linked:
-                    self.link_peers()
-                self.generation += 1
-                self._epoch += 1  # a handle posted on a dead channel before this never resolves
-                self._down = False
-                self.reconnected.set()
-                return
-            except (grpc.FutureTimeoutError, grpc.RpcError):
-                ready.cancel()
-                self._closed.wait(pause)
-                pause = min(2 * pause, RECOVER_MAX_PAUSE)  # bounded back-off while it is down
-            except ValueError:  # the channel was closed: the client is closing
-                ready.cancel()
-                return
+    def _restore(self) -> None:
+        """Reload the models this client loaded and re-register every device with fresh rings
+        and pools."""
+        for name, path in list(self._models.items()):
+            self.stub.LoadModel(pb.LoadModelRequest(path=path, name=name),
+                                timeout=self.rpc_timeout)
+        old, self.devices = list(self.devices.values()), {}
+        for dev in old:
+            detach(dev)
+            self._attach_device(dev.device, dev.specs, dev.ring_capacity, into=dev,
+                                delivery=dev.delivery)
+            self.devices[dev.device_id] = dev
+        if self._linked:
+            self.link_peers()
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """Every handle posted so far fails with ``exc`` (its wait raises it)."""
-        self._outage = exc
-        self._down = True
-        self._epoch += 1
-
-    def _keepalive_loop(self) -> None:
-        interval = max(0.2, self.lease_seconds / 3)
-        while not self._closed.wait(interval):
-            try:
-                self.stub.KeepAlive(self._ref, timeout=interval)
-            except grpc.RpcError:
-                pass  # the event stream reports the outage
-            except ValueError:
-                return  # the channel was closed under us: the client is closing
-
-    def close(self) -> None:
-        """Stop devices, end the session, release every shared resource of this client."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            self.stub.CloseSession(self._ref, timeout=5)
-        except grpc.RpcError:
-            pass
-        self._events.cancel()
+    def _release(self) -> None:
         for dev in self.devices.values():
-            self._detach(dev)
-        self._fail_all(AgentUnavailable("client closed"))
-        # A recovery in progress polls the channel for up to a second; let it see the close
-        # before the channel goes away under its polling thread.
-        if self._event_thread is not threading.current_thread():
-            self._event_thread.join(2.0)
-        self.channel.close()
+            detach(dev)
 
     def __enter__(self) -> AgentClient:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

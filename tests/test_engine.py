@@ -21,9 +21,9 @@ from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi
 from gpu_kernels.channel import Channel, split_word
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec, TransferFailed
-from host_client.client import AttachedDevice
 from host_client.devices import CheckTicket, GrantCheck
 from host_client.launcher import AgentProcess
+from host_client.registration import AttachedDevice
 from tests.conftest import checkpoint_bytes
 
 

@@ -34,9 +34,10 @@ from typing import Any
 
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
-from host_client.client import AgentClient, AttachedDevice
+from host_client.client import AgentClient
 from host_client.devices import Device
 from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
+from host_client.registration import AttachedDevice
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")

@@ -1,0 +1,131 @@
+"""Registering a device with the agent in a session: its data-plane channel (from the agent),
+its rings (work and completion where this process's consumer copies; the rx / tx packet rings
+of the activation path) and slot pools, each region registered by name; the device's consumer
+is started where it has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpu_offload.v1 import agent_pb2 as pb
+from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
+from gpu_kernels import abi
+from gpu_kernels.bell import Bell
+from gpu_kernels.shm import session_name
+from host_client.devices import Device
+from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
+from host_client.requests import ClientChannel
+
+DELIVERIES = {"pull": pb.DELIVERY_DEVICE_PULL, "engine": pb.DELIVERY_DMA_ENGINE}
+"""``register_device``'s ``delivery`` names -> ``pb.Delivery``."""
+PACKET_RING_CAPACITY = 256
+PACKET_ENTRY_BYTES = 64 + 4096
+"""Packet rings (rx / tx, the activation path): 256 entries of a 64-byte header + 4 KiB."""
+
+
+@dataclass
+class AttachedDevice:
+    """A device registered with the agent: its id there, its rings and pools."""
+
+    device_id: int
+    device: Device
+    channel: ClientChannel
+    work: SharedRing | None
+    """The device consumer's rings (None where the DMA engine delivers)."""
+    completion: SharedRing | None
+    rx: SharedRing
+    tx: SharedRing
+    pools: dict[int, SlotPoolSpec] = field(default_factory=dict)
+    specs: list[SlotPoolSpec] = field(default_factory=list)
+    ring_capacity: int = 1024
+    delivery: str = "pull"
+    """"pull" (the device's consumer copies) or "engine" (the agent's DMA engine does)."""
+    slots: dict[tuple[int, int], ExpertSlot] = field(default_factory=dict)
+    """(region id, slot offset) -> the views of the expert last granted there (views cost
+    tens of microseconds to build; a slot holds the same expert across many acquires)."""
+    rx_device_ptr: int = 0
+    """Device address of the rx / tx packet rings (CUDA devices; 0 on the CPU device)."""
+    tx_device_ptr: int = 0
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What registering a device needs of the client's session."""
+
+    stub: pb_grpc.DpuAgentStub
+    session_id: int
+    token: str
+    """The session's secret: shared-memory segment names are bound to it."""
+    bell: Bell | None
+    """The agent's doorbell (None: the agent has none)."""
+    arena: Any
+    """``pb.SharedRegion`` of the agent's weight arena."""
+    rpc_timeout: float
+
+
+def attach(ctx: SessionContext, device: Device, specs: list[SlotPoolSpec], ring_capacity: int,
+           into: AttachedDevice | None = None, delivery: str = "pull") -> AttachedDevice:
+    """Register ``device`` in the session with fresh rings and pools; with ``into``, refill
+    that record (a re-registration after the agent restarted)."""
+    resp = ctx.stub.RegisterDevice(pb.RegisterDeviceRequest(
+        session_id=ctx.session_id, kind=device.kind, ordinal=device.ordinal,
+        name=device.name, memory_bytes=device.memory_bytes,
+        delivery=DELIVERIES[delivery]), timeout=ctx.rpc_timeout)
+    # A DMA-engine device has no consumer here: the agent's engine process moves and
+    # checks the bytes; this process only polls slot-state words.
+    engine = delivery == "engine"
+    # Segment names are bound to the session's token: the agent registers them for it only.
+    token = ctx.token
+    work = None if engine else SharedRing(abi.RingKind.WORK, ring_capacity, token=token)
+    completion = None if engine else SharedRing(abi.RingKind.COMPLETION, ring_capacity,
+                                                token=token)
+    rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
+    tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
+    channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes, ctx.bell)
+    channel.device_address = device.register_host_ring(channel.view.buffer)
+    attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx, tx,
+                                      specs=specs, ring_capacity=ring_capacity,
+                                      delivery=delivery)
+    attached.device_id, attached.channel = resp.device_id, channel
+    attached.work, attached.completion, attached.rx, attached.tx = work, completion, rx, tx
+    attached.pools = {}
+    attached.slots = {}
+    if work is not None and completion is not None:
+        device.attach(ctx.arena.shm_name, ctx.arena.size_bytes, ctx.arena.region_id,
+                      work.ring, completion.ring)
+    for spec in specs:
+        nbytes = spec.slot_bytes * spec.slot_count
+        memory = device.allocate(nbytes, session_name("dpu-pool", token) if engine else "")
+        rid = ctx.stub.RegisterRegion(pb.RegisterRegionRequest(
+            session_id=ctx.session_id, device_id=resp.device_id,
+            kind=pb.REGION_KIND_SLOT_POOL, size_bytes=nbytes,
+            slot_bytes=spec.slot_bytes, slot_count=spec.slot_count,
+            cuda_ipc_handle=device.export_handle(memory),
+            shm_name=device.export_shm(memory)),
+            timeout=ctx.rpc_timeout).region_id
+        device.bind(rid, memory)
+        attached.pools[rid] = spec
+    rings = [(rx, pb.REGION_KIND_RX_RING), (tx, pb.REGION_KIND_TX_RING)]
+    if work is not None and completion is not None:
+        device.start()
+        rings += [(work, pb.REGION_KIND_WORK_RING),
+                  (completion, pb.REGION_KIND_COMPLETION_RING)]
+    attached.rx_device_ptr, attached.tx_device_ptr = (
+        device.register_host_ring(ring.buffer.array) for ring in (rx, tx))
+    for ring, kind in rings:
+        ctx.stub.RegisterRegion(pb.RegisterRegionRequest(
+            session_id=ctx.session_id, device_id=resp.device_id, kind=kind,
+            size_bytes=ring.size, shm_name=ring.name), timeout=ctx.rpc_timeout)
+    return attached
+
+
+def detach(dev: AttachedDevice) -> None:
+    """Stop the device's consumer, close it, its rings and its channel."""
+    dev.device.stop()
+    dev.device.close()
+    for ring in (dev.work, dev.completion, dev.rx, dev.tx):
+        if ring is not None:
+            ring.close()
+    dev.channel.close()
