@@ -1,4 +1,5 @@
-"""The v1 gRPC service: request validation and translation between protobuf and the core.
+"""The v1 gRPC service: request validation, and the calls of the core (translated to and from
+protobuf by :mod:`dpu_agent.service.translate`).
 
 Every refusal carries a specific status code and a message naming what was wrong; the core
 (:mod:`dpu_agent.orchestrator`) guarantees that a refused request changed nothing.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -28,77 +29,13 @@ from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.regions import RegionSpec
 from dpu_agent.registry import (
     ARENA_REGION_ID,
-    Delivery,
-    DeviceKind,
-    ErrorEvent,
-    RegionKind,
-    SessionEvent,
 )
+from dpu_agent.service import translate
 from dpu_agent.weights.cache import WouldBlock
-from dpu_agent.weights.catalog import ExpertEntry
-from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
-
-_CODES = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
-_DEVICE_KINDS = {pb.DEVICE_KIND_CUDA: DeviceKind.CUDA,
-                 pb.DEVICE_KIND_CPU_REFERENCE: DeviceKind.CPU_REFERENCE}
-_DELIVERIES = {pb.DELIVERY_DEVICE_PULL: Delivery.DEVICE_PULL,
-               pb.DELIVERY_DMA_ENGINE: Delivery.DMA_ENGINE}
-_REGION_KINDS = {pb.REGION_KIND_SLOT_POOL: RegionKind.SLOT_POOL,
-                 pb.REGION_KIND_WORK_RING: RegionKind.WORK_RING,
-                 pb.REGION_KIND_COMPLETION_RING: RegionKind.COMPLETION_RING,
-                 pb.REGION_KIND_RX_RING: RegionKind.RX_RING,
-                 pb.REGION_KIND_TX_RING: RegionKind.TX_RING}
-"""The protocol's enums as the core's (the core speaks no protobuf)."""
-
-
-def _event(event: SessionEvent) -> pb.Event:
-    if isinstance(event, ErrorEvent):
-        return pb.Event(error=event.message)
-    return pb.Event(placement_progress=pb.PlacementProgress(
-        placement_id=event.placement_id, model=event.model, done=event.done,
-        failed=event.failed, total=event.total, dropped=event.dropped))
-
-
-def _key(msg: pb.ExpertKey, what: str = "key") -> ExpertKey:
-    if not msg.model:
-        raise invalid(f"{what}.model is empty")
-    return ExpertKey.from_proto(msg)
-
-
-def _manifest(entry: ExpertEntry, chunk_bytes: int, checksums: tuple[int, ...] = ()
-              ) -> pb.ExpertManifest:
-    return pb.ExpertManifest(
-        key=entry.key.to_proto(), blob_bytes=entry.blob_bytes, chunk_bytes=chunk_bytes,
-        tensors=[pb.TensorEntry(name=t.role, dtype=t.dtype, shape=list(t.shape), offset=t.offset,
-                                nbytes=t.nbytes) for t in entry.tensors],
-        chunk_checksums=list(checksums), activation=_ACTIVATIONS[entry.activation.kind],
-        swiglu_alpha=entry.activation.alpha, swiglu_limit=entry.activation.limit)
-
-
-_ACTIVATIONS = {"swiglu": pb.EXPERT_ACTIVATION_SWIGLU,
-                "clamped_swiglu": pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU}
-
-
-MAX_DETAILS_CHARS = 1000
-"""A refusal's message is cut to this many characters: messages quote the input, and details
-beyond gRPC's metadata limit turn the answer into RESOURCE_EXHAUSTED."""
-
-
-def _shown(message: str) -> str:
-    if len(message) <= MAX_DETAILS_CHARS:
-        return message
-    return f"{message[:MAX_DETAILS_CHARS]}... ({len(message)} characters)"
-
-
-def _bounded(keys: Sequence[pb.ExpertKey]) -> None:
-    """INVALID_ARGUMENT before any work when a call names more than MAX_KEYS_PER_CALL keys."""
-    if len(keys) > MAX_KEYS_PER_CALL:
-        raise invalid(f"{len(keys)} keys in one call; at most {MAX_KEYS_PER_CALL}")
-
 
 class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     """Implements ``dpu_offload.v1.DpuAgent`` over an :class:`Orchestrator`."""
@@ -123,7 +60,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 return await asyncio.to_thread(fn, *args)
             return fn(*args)
         except AgentError as exc:
-            await context.abort(_CODES[exc.kind], _shown(exc.message))
+            await context.abort(translate.CODES[exc.kind], translate.shown(exc.message))
             raise  # unreachable: abort raises
         finally:
             if session_id:
@@ -161,10 +98,10 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                              context: grpc.aio.ServicerContext) -> pb.RegisterDeviceResponse:
         def call() -> pb.RegisterDeviceResponse:
             s = self.core.session(request.session_id)
-            kind = _DEVICE_KINDS.get(request.kind)
+            kind = translate.DEVICE_KINDS.get(request.kind)
             if kind is None:
                 raise invalid(f"device kind {request.kind} is not CUDA or CPU_REFERENCE")
-            delivery = _DELIVERIES.get(request.delivery)
+            delivery = translate.DELIVERIES.get(request.delivery)
             if delivery is None:
                 raise invalid(f"delivery {request.delivery} is not DEVICE_PULL or DMA_ENGINE")
             dev = self.core.registrations.register_device(s, kind, request.ordinal,
@@ -179,7 +116,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                              context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
         def call() -> int:
             session = self.core.session(request.session_id)
-            kind = _REGION_KINDS.get(request.kind)
+            kind = translate.REGION_KINDS.get(request.kind)
             if kind is None:
                 raise invalid(f"region kind {request.kind} is not supported by this agent")
             return self.core.registrations.register_region(session, RegionSpec(
@@ -218,22 +155,23 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                               context: grpc.aio.ServicerContext) -> pb.DescribeExpertsResponse:
         def call() -> pb.DescribeExpertsResponse:
             self.core.session(request.session_id)
-            _bounded(request.keys)
+            translate.bounded(request.keys)
             chunk = self.core.config.chunk_bytes
             return pb.DescribeExpertsResponse(manifests=[
-                _manifest(self.core.expert(_key(k, "keys[]")), chunk) for k in request.keys])
+                translate.manifest(self.core.expert(translate.key(k, "keys[]")), chunk)
+                for k in request.keys])
         return await self._run(context, call)
 
     def _acquire(self, session_id: str, device_id: int, key: pb.ExpertKey, wait: bool = True
                  ) -> pb.AcquireResponse:
         s = self.core.session(session_id)
-        grant = self.core.grants.acquire(s, device_id, _key(key), wait)
+        grant = self.core.grants.acquire(s, device_id, translate.key(key), wait)
         return pb.AcquireResponse(
             transfer_id=grant.transfer_id, region_id=grant.region_id,
             slot_index=grant.slot_index, slot_offset=grant.slot_offset,
             state=pb.SLOT_STATE_READY if grant.ready else pb.SLOT_STATE_FILLING,
             state_index=grant.state_index, generation=grant.generation,
-            manifest=_manifest(grant.entry, self.core.config.chunk_bytes, grant.checksums))
+            manifest=translate.manifest(grant.entry, self.core.config.chunk_bytes, grant.checksums))
 
     def _acquire_all(self, session_id: str, device_id: int, keys: list[pb.ExpertKey],
                      done: list[pb.AcquireResponse], wait: bool) -> None:
@@ -255,7 +193,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         with contextlib.suppress(AgentError):
             s = self.core.session(session_id)
             for k in keys:
-                self.core.release(s, device_id, _key(k))
+                self.core.release(s, device_id, translate.key(k))
 
     async def _acquire_keys(self, context: grpc.aio.ServicerContext, session_id: str,
                             device_id: int, keys: list[pb.ExpertKey]
@@ -292,9 +230,9 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                            context: grpc.aio.ServicerContext) -> pb.AcquireBatchResponse:
         def check() -> None:  # every key names a loaded expert, before any is acquired
             self.core.session(request.session_id)
-            _bounded(request.keys)
+            translate.bounded(request.keys)
             for k in request.keys:
-                self.core.expert(_key(k, "keys[]"))
+                self.core.expert(translate.key(k, "keys[]"))
 
         await self._run(context, check)
         return pb.AcquireBatchResponse(slots=await self._acquire_keys(
@@ -304,8 +242,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                        ) -> pb.PrefetchResponse:
         def call() -> pb.PrefetchResponse:
             self.core.session(request.session_id)
-            _bounded(request.keys)
-            keys = [_key(k, "keys[]") for k in request.keys]
+            translate.bounded(request.keys)
+            keys = [translate.key(k, "keys[]") for k in request.keys]
             n = self.core.prefetch(self.core.session(request.session_id), request.device_id,
                                    keys)
             return pb.PrefetchResponse(scheduled=n)
@@ -339,7 +277,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                       ) -> pb.Empty:
         def call() -> None:
             self.core.release(self.core.session(request.session_id), request.device_id,
-                              _key(request.key))
+                              translate.key(request.key))
         await self._run(context, call)
         return pb.Empty()
 
@@ -372,7 +310,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 event = await queue.get()
                 if event is None:
                     return
-                yield _event(event)
+                yield translate.event(event)
         finally:
             session.events.detach(queue)
 
