@@ -17,7 +17,8 @@ from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.engine import EngineError
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
-from dpu_agent.registry import Delivery, Device, DeviceKind, RegionKind, Session, SlotPool
+from dpu_agent.registry import Delivery, Device, DeviceKind, RegionKind, Session
+from dpu_agent.slots import SlotPool
 from dpu_agent.weights.catalog import BLOB_ALIGN
 from gpu_kernels import abi
 from gpu_kernels.abi import SlotState

@@ -1,21 +1,20 @@
-"""Sessions, their devices, regions and expert slots: who owns what, and for how long."""
+"""Sessions, their devices and regions (the slots are ``dpu_agent.slots``'): who owns what, and
+for how long."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.identity import Binding
+from dpu_agent.slots import SlotPool
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.abi import SlotState
-from gpu_kernels.channel import split_word, state_word
-from gpu_kernels.ring import RingError
 
 
 class DeviceKind(Enum):
@@ -43,217 +42,8 @@ class RegionKind(Enum):
     TX_RING = "tx ring"
 
 
-_SETTLED = (SlotState.READY, SlotState.LANDED)
-"""States in which a slot nobody holds may be evicted."""
-
 ARENA_REGION_ID = 0
 """Every session's region table holds the agent's arena at id 0."""
-CHECK_GRACE_SECONDS = 0.1
-"""A LANDED slot whose generation a client was granted is not given to another delivery for
-this long after it landed unless its verdict came: the client's check may be summing it, and
-a check that saw LANDED publishes within microseconds of the bytes (docs/ABI.md)."""
-
-
-@dataclass
-class SlotPool:
-    """A registered pool of equal-size expert slots on one device (one size class)."""
-
-    region_id: int
-    slot_bytes: int
-    slot_count: int
-    ipc_handle: bytes = b""
-    """CUDA IPC handle of the pool's device memory, for a process that must open it."""
-    shm_name: str = ""
-    """Shared-memory name of a CPU reference pool a DMA engine writes."""
-    state: list[SlotState] = field(default_factory=list)
-    keys: list[ExpertKey | None] = field(default_factory=list)
-    refs: list[int] = field(default_factory=list)
-    transfer: list[int] = field(default_factory=list)
-    checksums: list[tuple[int, ...]] = field(default_factory=list)
-    """Per slot, the chunk checksums of the blob it holds (to verify copies made from it)."""
-    by_key: dict[ExpertKey, int] = field(default_factory=dict)
-    idle: OrderedDict[int, int] = field(default_factory=OrderedDict)
-    """READY or LANDED slots nobody holds through the agent, least recently released first:
-    eviction candidates, each with the client's ``touches`` count of the slot when it was
-    queued (a slot the client hit since, by a pin, gets a second chance)."""
-    generation: list[int] = field(default_factory=list)
-    """Per slot, how many deliveries it was given (the slot-state table's generation)."""
-    granted: list[bool] = field(default_factory=list)
-    """Per slot, whether a client was granted its current generation (so may check it)."""
-    landed_at: list[float] = field(default_factory=list)
-    """Per slot, when the agent saw its delivery land (monotonic seconds)."""
-    channel: DeviceChannel | None = None
-    """The device's data-plane channel, whose slot-state table mirrors ``state``."""
-    state_base: int = 0
-    """Index of slot 0 in the channel's slot-state table."""
-
-    def __post_init__(self) -> None:
-        n = self.slot_count
-        self.state = [SlotState.FREE] * n
-        self.keys = [None] * n
-        self.refs = [0] * n
-        self.transfer = [0] * n
-        self.checksums = [()] * n
-        self.generation = [0] * n
-        self.granted = [False] * n
-        self.landed_at = [0.0] * n
-
-    def _publish(self, idx: int, status: int = 0) -> None:
-        if self.channel is not None:
-            self.channel.publish_state(self.state_base + idx, self.generation[idx],
-                                       self.state[idx], status)
-
-    def expect(self, idx: int, expected: int) -> None:
-        """Write the blob sum the FILLING slot's delivery must land beside its word (a
-        DMA-engine device: the engine publishes LANDED, the consumer checks against this);
-        the word, already FILLING, is not published again."""
-        if self.channel is not None:
-            self.channel.store_expected(self.state_base + idx, expected)
-
-    def unheld_landing(self) -> int:
-        """Slots nobody holds whose delivery is still in flight (a prefetch, or an acquire
-        released before the agent saw its copy complete), or whose check may still be
-        running (:meth:`checking`): evictable in a moment."""
-        return sum(1 for i, r in enumerate(self.refs)
-                   if r == 0 and (self.state[i] == SlotState.FILLING or self.checking(i)))
-
-    def checking(self, idx: int) -> bool:
-        """Whether the slot is LANDED, granted to a client, without a verdict yet and landed
-        less than ``CHECK_GRACE_SECONDS`` ago: a check of the client's may be summing its
-        bytes, and would publish the old generation's verdict over the next delivery's word
-        (the GPU cannot compare-and-swap host memory)."""
-        return (self.state[idx] == SlotState.LANDED and self.granted[idx]
-                and time.monotonic() - self.landed_at[idx] < CHECK_GRACE_SECONDS
-                and self.verdict(idx) is None)
-
-    # The reference rule, in one place: a slot someone holds through the agent is never an
-    # eviction candidate; one nobody holds is, once its delivery settled (READY or LANDED).
-    def hold(self, idx: int, refs: int = 1) -> None:
-        """Take ``refs`` references on slot ``idx``; a held slot leaves the eviction queue."""
-        self.refs[idx] += refs
-        if self.refs[idx]:
-            self.idle.pop(idx, None)
-
-    def let_go(self, idx: int) -> bool:
-        """Drop one reference on slot ``idx`` (queued for eviction if that was the last and its
-        delivery settled); False when nobody held it."""
-        if self.refs[idx] <= 0:
-            return False
-        self.refs[idx] -= 1
-        self._idle_if_unheld(idx)
-        return True
-
-    def _idle_if_unheld(self, idx: int) -> None:
-        if self.refs[idx] == 0 and self.state[idx] in _SETTLED:
-            self.idle[idx] = self._touches(idx)
-
-    def _touches(self, idx: int) -> int:
-        return 0 if self.channel is None else self.channel.touches(self.state_base + idx)
-
-    def allocate(self, key: ExpertKey, refs: int = 1) -> int | None:
-        """A slot for ``key`` in FILLING state with ``refs`` references; None when every slot
-        is held or pinned. Free slots first, then idle ones, least recently used first: an idle
-        slot the client hit (pinned) since it was queued goes to the back once."""
-        start = 0
-        while (idx := self._next_free(start)) is not None:
-            if self._claim(idx, key, refs):
-                return idx
-            start = idx + 1
-        for _ in range(2 * len(self.idle)):
-            idx, seen = self.idle.popitem(last=False)
-            touches = self._touches(idx)
-            if touches == seen and not self.checking(idx):
-                old = self.keys[idx]
-                if self._claim(idx, key, refs):
-                    del self.by_key[old]  # type: ignore[arg-type]
-                    return idx
-            self.idle[idx] = touches
-        return None
-
-    def _next_free(self, start: int) -> int | None:
-        try:
-            return self.state.index(SlotState.FREE, start)
-        except ValueError:
-            return None
-
-    def _claim(self, idx: int, key: ExpertKey, refs: int) -> bool:
-        """Give slot ``idx`` to a delivery of ``key`` (FILLING, the next generation, ``refs``
-        references) unless the client has it pinned. EVICTING is stored before the pins are read
-        (the client's mirror image: ``Channel.try_pin``); a pinned slot gets its old word back
-        and keeps its expert (a waiter on that word sees EVICTING come and go, no new
-        generation)."""
-        channel, index = self.channel, self.state_base + idx
-        if channel is not None:
-            old_word = int(channel.view.words[index])
-            channel.store_word(index, state_word(self.generation[idx], SlotState.EVICTING))
-            if channel.pins_after(index)[0]:
-                channel.store_word(index, old_word)
-                channel.wake_state(index)
-                return False
-        self.state[idx] = SlotState.FILLING
-        self.keys[idx] = key
-        self.refs[idx] = refs
-        self.by_key[key] = idx
-        self.generation[idx] += 1
-        self.granted[idx] = False
-        self._publish(idx)
-        return True
-
-    def mark_ready(self, idx: int) -> None:
-        """Every chunk of the slot's delivery was verified: READY (idle if nobody holds it)."""
-        self.state[idx] = SlotState.READY
-        self._publish(idx)
-        self._idle_if_unheld(idx)
-
-    def mark_landed(self, idx: int) -> None:
-        """Every chunk was copied, unchecked (a DMA-engine device), and the engine published
-        LANDED (a SIGNAL; the expected sum was published with :meth:`expect`): the slot waits
-        for its consumer's verdict (idle if nobody holds it). Nothing is published here: the
-        consumer may have written its verdict already."""
-        self.state[idx] = SlotState.LANDED
-        self.landed_at[idx] = time.monotonic()
-        self._idle_if_unheld(idx)
-
-    def verdict(self, idx: int) -> SlotState | None:
-        """What the consumer published for a LANDED slot's generation: READY, FAILED, or None
-        while unchecked (any other word, which only the session's own process could have
-        written, counts as unchecked)."""
-        if self.channel is None:
-            return None
-        try:
-            generation, state = split_word(int(self.channel.view.words[self.state_base + idx]))
-        except RingError:  # no state at all
-            return None
-        if generation != self.generation[idx]:
-            return None
-        return state if state in (SlotState.READY, SlotState.FAILED) else None
-
-    def fail(self, idx: int, status: int) -> None:
-        """The slot's delivery failed for good with ``status`` (an ``abi.Status``): watchers
-        see FAILED for this generation, and the slot is free again."""
-        self.state[idx] = SlotState.FAILED
-        self._publish(idx, status)
-        self.free(idx)
-
-    def free(self, idx: int) -> None:
-        """Forget the slot's expert. The slot-state word keeps its last value (a FAILED stays
-        visible) until the next :meth:`allocate` bumps the generation."""
-        key = self.keys[idx]
-        if key is not None and self.by_key.get(key) == idx:
-            del self.by_key[key]
-        self.idle.pop(idx, None)
-        self.state[idx] = SlotState.FREE
-        self.keys[idx] = None
-        self.refs[idx] = 0
-        self.transfer[idx] = 0
-        self.checksums[idx] = ()
-
-    def ready_count(self) -> int:
-        return sum(1 for s in self.state if s == SlotState.READY)
-
-    def held_count(self) -> int:
-        """Slots someone holds a reference on."""
-        return sum(1 for r in self.refs if r > 0)
 
 
 @dataclass(eq=False)

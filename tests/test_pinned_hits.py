@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dpu_agent.dataplane.channels import DeviceChannel
-from dpu_agent.registry import CHECK_GRACE_SECONDS, SlotPool
+from dpu_agent.slots import CHECK_GRACE_SECONDS, SlotPool
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import abi
 from gpu_kernels.channel import Channel, state_word

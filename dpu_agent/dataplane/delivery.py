@@ -25,8 +25,8 @@ from dpu_agent.registry import (
     Device,
     ErrorEvent,
     Session,
-    SlotPool,
 )
+from dpu_agent.slots import SlotPool
 from dpu_agent.weights.cache import CacheFullError, WeightCache
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.safetensors_file import ShardChanged

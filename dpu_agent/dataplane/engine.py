@@ -23,7 +23,8 @@ from dpu_agent.registry import DeviceKind
 from gpu_kernels.bell import Bell
 
 if TYPE_CHECKING:
-    from dpu_agent.registry import Device, SlotPool
+    from dpu_agent.registry import Device
+    from dpu_agent.slots import SlotPool
 
 log = logging.getLogger("dpu_agent.engine")
 

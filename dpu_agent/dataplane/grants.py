@@ -15,7 +15,8 @@ from typing import Any, Protocol
 from dpu_agent.dataplane.delivery import Deliveries
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.errors import AgentError, ErrorKind, SlotsLanding, precondition
-from dpu_agent.registry import Device, ErrorEvent, Session, SlotPool, SlotState
+from dpu_agent.registry import Device, ErrorEvent, Session
+from dpu_agent.slots import SlotPool, SlotState
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_offload.keys import ExpertKey
