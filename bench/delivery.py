@@ -44,9 +44,9 @@ from bench.common import (
     thread_cpu_seconds,
     write,
 )
+from dpu_offload import abi
+from dpu_offload.channel import split_word
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
-from gpu_kernels.channel import split_word
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess

@@ -18,10 +18,10 @@ from typing import Any
 
 from dma_engine.engine import Engine, Target
 from dma_engine.signals import SlotStates
-from gpu_kernels import abi
-from gpu_kernels.bell import Bell
-from gpu_kernels.ring import Ring, RingError
-from gpu_kernels.shm import SharedBuffer, SharedBufferError
+from dpu_offload import abi
+from dpu_offload.bell import Bell
+from dpu_offload.ring import Ring, RingError
+from dpu_offload.shm import SharedBuffer, SharedBufferError
 
 log = logging.getLogger("dma_engine")
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from dma_engine.signals import SignalWrite, SlotStates
-from gpu_kernels import abi
+from dpu_offload import abi
+from dpu_offload.shm import SharedBuffer
 from gpu_kernels.copy_runs import CopyRun
-from gpu_kernels.shm import SharedBuffer
 
 Op = CopyRun | SignalWrite
 ENTRY_BYTES = abi.SLOT_STATE_DTYPE.itemsize

@@ -14,11 +14,11 @@ import numpy as np
 from dma_engine.backends import CpuBackend, CudaBackend
 from dma_engine.plan import Planner
 from dma_engine.signals import SignalWrite, SlotStates
-from gpu_kernels import abi, futex
-from gpu_kernels.bell import Bell
+from dpu_offload import abi, futex
+from dpu_offload.bell import Bell
+from dpu_offload.ring import Ring
+from dpu_offload.shm import SharedBuffer
 from gpu_kernels.copy_runs import completions
-from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer
 
 SPIN_SECONDS = 0.002
 """After work the loop only yields for this long."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dma_engine.signals import SignalWrite, check_signal
-from gpu_kernels import abi
+from dpu_offload import abi
 from gpu_kernels.copy_runs import CopyRun
 from gpu_kernels.reference import check_copy
 

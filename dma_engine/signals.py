@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_kernels import abi
-from gpu_kernels.channel import Channel
-from gpu_kernels.shm import SharedBuffer
+from dpu_offload import abi
+from dpu_offload.channel import Channel
+from dpu_offload.shm import SharedBuffer
 
 _ENTRY = abi.SLOT_STATE_DTYPE.itemsize
 TABLE_BYTES = abi.MAX_CHANNEL_SLOTS * _ENTRY

@@ -9,7 +9,7 @@ import secrets
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from gpu_kernels.shm import token_digest
+from dpu_offload.shm import token_digest
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
 from dpu_agent.weights.policies import make_policy
+from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
-from gpu_kernels.shm import sweep_stale
+from dpu_offload.shm import sweep_stale
 
 log = logging.getLogger("dpu_agent")
 

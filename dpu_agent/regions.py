@@ -20,10 +20,10 @@ from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondi
 from dpu_agent.registry import Delivery, Device, DeviceKind, RegionKind, Session
 from dpu_agent.slots import SlotPool
 from dpu_agent.weights.catalog import BLOB_ALIGN
-from gpu_kernels import abi
-from gpu_kernels.abi import SlotState
-from gpu_kernels.ring import RingError
-from gpu_kernels.shm import SharedBufferError, bound_to
+from dpu_offload import abi
+from dpu_offload.abi import SlotState
+from dpu_offload.ring import RingError
+from dpu_offload.shm import SharedBufferError, bound_to
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.plane import DataPlane

@@ -9,10 +9,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_offload.abi import SlotState
+from dpu_offload.channel import split_word, state_word
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.abi import SlotState
-from gpu_kernels.channel import split_word, state_word
-from gpu_kernels.ring import RingError
+from dpu_offload.ring import RingError
 
 _SETTLED = (SlotState.READY, SlotState.LANDED)
 """States in which a slot nobody holds may be evicted."""

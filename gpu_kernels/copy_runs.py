@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_kernels import abi
+from dpu_offload import abi
 from gpu_kernels.reference import check_descriptors
 
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from gpu_kernels import abi, launch
-from gpu_kernels.checksum import finish
-from gpu_kernels.ring import Ring
+from dpu_offload import abi
+from dpu_offload.checksum import finish
+from dpu_offload.ring import Ring
+from gpu_kernels import launch
 from gpu_kernels.routing import DispatchPlan
 
 cp = launch.cp

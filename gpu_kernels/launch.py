@@ -25,8 +25,11 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import cupy as cp
 
+import dpu_offload
+
 KERNEL_DIR = Path(__file__).resolve().parent
-INCLUDE_DIR = KERNEL_DIR / "include"
+INCLUDE_DIR = Path(dpu_offload.__file__).resolve().parent / "include"
+"""Where the ring ABI's C header (``ring.cuh``, a contract) lives."""
 
 
 def arch_option(device: cp.cuda.Device | None = None) -> str:

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from gpu_kernels import abi
-from gpu_kernels.channel import Channel, state_word
-from gpu_kernels.checksum import chunk_checksum, row_checksums, terms_sum
-from gpu_kernels.ring import Ring, store_fence
+from dpu_offload import abi
+from dpu_offload.channel import Channel, state_word
+from dpu_offload.checksum import chunk_checksum, row_checksums, terms_sum
+from dpu_offload.ring import Ring, store_fence
 from gpu_kernels.routing import DispatchPlan
 
 

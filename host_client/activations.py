@@ -31,9 +31,9 @@ from prometheus_client import Counter
 from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
+from dpu_offload.ring import Ring
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import gpt_oss, reference
-from gpu_kernels.ring import Ring
 from gpu_kernels.routing import dispatch_plan
 from host_client.client import AgentClient
 from host_client.registration import AttachedDevice

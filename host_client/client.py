@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
+from dpu_offload import abi
 from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi
 from host_client.connection import TlsFiles
 from host_client.devices import Device
 from host_client.errors import (

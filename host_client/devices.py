@@ -18,12 +18,13 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from dpu_offload import abi
+from dpu_offload.channel import Channel
+from dpu_offload.ring import Ring
+from dpu_offload.shm import SharedBuffer
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi, reference
-from gpu_kernels.channel import Channel
+from gpu_kernels import reference
 from gpu_kernels.reference import ReceiveKernel
-from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer
 
 RW = abi.RegionFlags.READABLE | abi.RegionFlags.WRITABLE
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from gpu_kernels import abi
+from dpu_offload import abi
 
 
 class AgentError(grpc.RpcError):

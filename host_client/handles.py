@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dpu_offload import abi
+from dpu_offload.channel import split_word
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
-from gpu_kernels.channel import split_word
 from host_client.errors import AgentError, TransferFailed, refusal_of
 from host_client.requests import CHECK_SECONDS, NAP_SECONDS, SPIN_SECONDS, ClientChannel
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
+from dpu_offload.ring import Ring
+from dpu_offload.shm import SharedBuffer, session_name, unique_name
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi, gpt_oss, reference
-from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer, session_name, unique_name
+from gpu_kernels import gpt_oss, reference
 
 NUMPY_DTYPES: dict[str, Any] = {
     "BF16": np.uint16,  # raw bits; NumPy has no bfloat16 (torch views get the real dtype)

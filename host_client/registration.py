@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpu_offload import abi
+from dpu_offload.bell import Bell
+from dpu_offload.shm import session_name
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
-from gpu_kernels import abi
-from gpu_kernels.bell import Bell
-from gpu_kernels.shm import session_name
 from host_client.devices import Device
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
 from host_client.requests import ClientChannel

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dpu_offload import abi, futex
+from dpu_offload.bell import Bell
+from dpu_offload.channel import Channel, state_word
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi, futex
-from gpu_kernels.bell import Bell
-from gpu_kernels.channel import Channel, state_word
-from gpu_kernels.shm import SharedBuffer
+from dpu_offload.shm import SharedBuffer
 from host_client.errors import AgentUnavailable, refusal
 
 log = logging.getLogger("host_client")

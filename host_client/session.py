@@ -12,8 +12,8 @@ from collections import Counter
 
 import grpc
 
+from dpu_offload.bell import Bell
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels.bell import Bell
 from host_client.connection import TlsFiles, open_channel, typed_stub
 from host_client.errors import AgentUnavailable
 

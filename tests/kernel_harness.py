@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from gpu_kernels import abi
-from gpu_kernels.shm import SharedBuffer, unique_name
+from dpu_offload import abi
+from dpu_offload.shm import SharedBuffer, unique_name
 from host_client.devices import CpuReferenceDevice, Device
 from host_client.memory import SharedRing
 

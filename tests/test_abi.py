@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_kernels import abi
+from dpu_offload import abi
 
 HEADER = Path(abi.__file__).parent / "include" / "ring.cuh"
 STRUCTS = {

@@ -1,4 +1,4 @@
-"""The agent's doorbell (gpu_kernels/bell.py, docs/ABI.md "The agent's doorbell"): a loop
+"""The agent's doorbell (dpu_offload/bell.py, docs/ABI.md "The agent's doorbell"): a loop
 that dozes on it is woken by every ring that follows work it had not seen, across processes,
 and an idle agent's data-plane loop sleeps on it instead of polling."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu_kernels.bell import Bell
-from gpu_kernels.shm import SharedBuffer, unique_name
+from dpu_offload.bell import Bell
+from dpu_offload.shm import SharedBuffer, unique_name
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
 

@@ -18,7 +18,7 @@ from dpu_agent.weights.arena import ARENA_ALIGN, Arena
 from dpu_agent.weights.cache import CacheFullError, WeightCache, WouldBlock
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, make_policy
-from gpu_kernels.checksum import blob_checksums, terms_sum
+from dpu_offload.checksum import blob_checksums, terms_sum
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 
 

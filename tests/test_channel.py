@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_kernels import abi, futex, reference
-from gpu_kernels.channel import Channel, split_word, state_word
-from gpu_kernels.ring import RingError
+from dpu_offload import abi, futex
+from dpu_offload.channel import Channel, split_word, state_word
+from dpu_offload.ring import RingError
+from gpu_kernels import reference
 
 
 def make_channel(capacity: int = 8) -> Channel:

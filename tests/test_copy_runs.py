@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dpu_agent.dataplane.transfers import TransferPlan
-from gpu_kernels import abi
-from gpu_kernels.checksum import chunk_checksum
+from dpu_offload import abi
+from dpu_offload.checksum import chunk_checksum
 from gpu_kernels.copy_runs import plan_runs
 from gpu_kernels.reference import check_descriptor, check_descriptors
 

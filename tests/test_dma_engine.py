@@ -15,11 +15,11 @@ from dma_engine.signals import TABLE_BYTES, SlotStates
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.dataplane.transfers import Signal, TransferPlan
-from gpu_kernels import abi
-from gpu_kernels.channel import split_word, state_word
-from gpu_kernels.checksum import blob_checksums, blob_sum
-from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer, unique_name
+from dpu_offload import abi
+from dpu_offload.channel import split_word, state_word
+from dpu_offload.checksum import blob_checksums, blob_sum
+from dpu_offload.ring import Ring
+from dpu_offload.shm import SharedBuffer, unique_name
 
 CHUNK = 4096
 ARENA, POOL = 0, 1
@@ -140,7 +140,7 @@ def test_completions_ring_the_agents_bell_when_it_sleeps(rig: Rig) -> None:
     """The engine rings the agent's doorbell after it pushed completions, so the agent's loop
     may sleep through copies; a pass that completes nothing rings nothing."""
     from dma_engine.engine import Engine
-    from gpu_kernels.bell import Bell
+    from dpu_offload.bell import Bell
 
     agent_bell = Bell.create("test-agent-bell")
     engine = Engine(agent_bell=Bell.open(agent_bell.name))
@@ -183,7 +183,7 @@ def test_a_polling_engine_never_sleeps_while_it_serves_a_device(rig: Rig, polls:
     import time
 
     from dma_engine.engine import Engine
-    from gpu_kernels.bell import Bell
+    from dpu_offload.bell import Bell
 
     bell = Bell.create("test-engine-bell")
     engine = Engine(Bell.open(bell.name), polls=polls)

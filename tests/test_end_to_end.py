@@ -12,10 +12,10 @@ import grpc
 import numpy as np
 import pytest
 
+from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
+from dpu_offload.shm import session_name
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi
-from gpu_kernels.shm import session_name
 from host_client import AgentClient, AgentUnavailable, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes

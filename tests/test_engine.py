@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dpu_offload import abi
+from dpu_offload.channel import Channel, split_word
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
-from gpu_kernels.channel import Channel, split_word
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec, TransferFailed
 from host_client.devices import CheckTicket, GrantCheck
 from host_client.launcher import AgentProcess

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from dma_engine.plan import Planner
 from dma_engine.signals import TABLE_BYTES, SignalWrite, check_signal
-from gpu_kernels import abi
-from gpu_kernels.channel import state_word
+from dpu_offload import abi
+from dpu_offload.channel import state_word
 from gpu_kernels.reference import check_descriptor
 
 ALIGN = abi.COPY_ALIGN_BYTES

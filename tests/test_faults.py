@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.shm import SharedBuffer
+from dpu_offload.shm import SharedBuffer
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
@@ -451,7 +451,7 @@ def test_a_dead_processs_segments_are_swept_at_start_a_live_ones_kept(tmp_path: 
     client's rings) are removed when an agent starts; a live process's are kept."""
     import os
 
-    from gpu_kernels.shm import SHM_DIR, unique_name
+    from dpu_offload.shm import SHM_DIR, unique_name
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_kernels import abi
-from gpu_kernels.checksum import chunk_checksum
+from dpu_offload import abi
+from dpu_offload.checksum import chunk_checksum
 from tests.kernel_harness import GUARD, GUARD_BYTE, Harness
 
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu),

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_kernels import abi, reference
-from gpu_kernels.channel import Channel, split_word, state_word
-from gpu_kernels.checksum import blob_checksums, blob_sum, terms_sum
+from dpu_offload import abi
+from dpu_offload.channel import Channel, split_word, state_word
+from dpu_offload.checksum import blob_checksums, blob_sum, terms_sum
+from gpu_kernels import reference
 
 S = abi.SlotState
 

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu_kernels import abi, reference
-from gpu_kernels.checksum import chunk_checksum
-from gpu_kernels.ring import Ring
+from dpu_offload import abi
+from dpu_offload.checksum import chunk_checksum
+from dpu_offload.ring import Ring
+from gpu_kernels import reference
 from gpu_kernels.routing import dispatch_plan
 
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -172,7 +173,7 @@ class PacketRing:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_receive_packets_verifies_and_bounds(backend: str) -> None:
-    from gpu_kernels.checksum import row_checksums
+    from dpu_offload.checksum import row_checksums
 
     b = _backend(backend)
     rng = np.random.default_rng(9)

@@ -13,10 +13,10 @@ import pytest
 
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.slots import CHECK_GRACE_SECONDS, SlotPool
+from dpu_offload import abi
+from dpu_offload.channel import Channel, state_word
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
-from gpu_kernels.channel import Channel, state_word
-from gpu_kernels.shm import SharedBuffer
+from dpu_offload.shm import SharedBuffer
 from host_client import AgentClient, AgentError, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes

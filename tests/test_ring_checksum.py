@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_kernels import abi
-from gpu_kernels.checksum import blob_checksums, chunk_checksum
-from gpu_kernels.ring import Ring, RingError
+from dpu_offload import abi
+from dpu_offload.checksum import blob_checksums, chunk_checksum
+from dpu_offload.ring import Ring, RingError
 
 
 def _ring(kind: abi.RingKind = abi.RingKind.WORK, capacity: int = 8) -> Ring:

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dpu_offload import abi
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi
 from host_client import AgentClient, AgentUnavailable, CpuReferenceDevice, SlotPoolSpec, TlsFiles
 from host_client.launcher import AgentProcess
 
@@ -383,7 +383,7 @@ def test_a_session_name_is_bound_to_its_token_only(mine: str, theirs: str) -> No
     import os
     import re
 
-    from gpu_kernels.shm import bound_to, session_name, token_digest
+    from dpu_offload.shm import bound_to, session_name, token_digest
 
     name = session_name("dpu-ring-work", mine)
     assert bound_to(name, token_digest(mine))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpu_agent.dataplane.transfers import Signal, TransferPlan, TransferTracker
-from gpu_kernels import abi
+from dpu_offload import abi
 
 
 def _fold(chunks: list[int], bad: set[tuple[int, int]], step: int

@@ -20,8 +20,8 @@ import numpy as np
 import zmq
 
 from dpu_agent.weights.cache import WeightCache
+from dpu_offload.checksum import chunk_checksum
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.checksum import chunk_checksum
 
 log = logging.getLogger("dpu_agent.cluster")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_kernels import abi
-from gpu_kernels.channel import Channel
-from gpu_kernels.shm import SharedBuffer, unique_name
+from dpu_offload import abi
+from dpu_offload.channel import Channel
+from dpu_offload.shm import SharedBuffer, unique_name
 
 _HEADER_CHECKED = abi.HEADER_DTYPE.fields["exit_flag"][1]
 """The header's first bytes (magic, version, kind, entry size, capacity) never change."""

@@ -30,10 +30,10 @@ from dpu_agent.slots import SlotPool
 from dpu_agent.weights.cache import CacheFullError, WeightCache
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.safetensors_file import ShardChanged
+from dpu_offload import abi
+from dpu_offload.abi import SlotState
+from dpu_offload.channel import state_word
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
-from gpu_kernels.abi import SlotState
-from gpu_kernels.channel import state_word
 
 log = logging.getLogger("dpu_agent")
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.errors import invalid
 from dpu_agent.registry import DeviceKind
-from gpu_kernels.bell import Bell
+from dpu_offload.bell import Bell
 
 if TYPE_CHECKING:
     from dpu_agent.registry import Device

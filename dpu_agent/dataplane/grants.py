@@ -19,8 +19,8 @@ from dpu_agent.registry import Device, ErrorEvent, Session
 from dpu_agent.slots import SlotPool, SlotState
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
+from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
 
 LANDING_POLL_SECONDS = 0.001
 """An acquire that waits for an unheld slot to land looks again this often."""

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gpu_kernels import futex
-from gpu_kernels.bell import Bell
+from dpu_offload import futex
+from dpu_offload.bell import Bell
 
 log = logging.getLogger("dpu_agent.dataplane")
 
@@ -23,7 +23,7 @@ NAP_SECONDS = 20e-6
 """Nap between polls while something it waits for closely comes without a bell (a device
 consumer's completions)."""
 DOZE_SECONDS = 0.05
-"""Otherwise the loop sleeps on the doorbell (``gpu_kernels.bell``) for at most this long (or
+"""Otherwise the loop sleeps on the doorbell (``dpu_offload.bell``) for at most this long (or
 less, as ``doze_limit`` says): a client's post, the DMA engine's completions or the agent's
 own delivery wake it sooner; sweeps wait at most this."""
 SWEEP_SECONDS = 0.5

@@ -19,7 +19,7 @@ from dpu_agent.dataplane.loop import DOZE_SECONDS, SPIN_SECONDS, DataPlaneLoop
 from dpu_agent.dataplane.requests import RequestCore, RequestServer
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.registry import Delivery
-from gpu_kernels.bell import Bell
+from dpu_offload.bell import Bell
 
 if TYPE_CHECKING:
     from dpu_agent.registry import Device

@@ -10,10 +10,10 @@ from collections import deque
 
 import numpy as np
 
-from gpu_kernels import abi
-from gpu_kernels.bell import Bell
-from gpu_kernels.ring import Ring
-from gpu_kernels.shm import SharedBuffer, unique_name
+from dpu_offload import abi
+from dpu_offload.bell import Bell
+from dpu_offload.ring import Ring
+from dpu_offload.shm import SharedBuffer, unique_name
 
 
 def check_ring(shm_name: str, kind: abi.RingKind) -> None:

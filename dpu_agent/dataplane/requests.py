@@ -14,8 +14,8 @@ from typing import Protocol
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.errors import AgentError, ErrorKind, not_found
 from dpu_agent.weights.cache import WouldBlock
+from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import abi
 
 log = logging.getLogger("dpu_agent.dataplane")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpu_kernels import abi
+from dpu_offload import abi
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from gpu_kernels.shm import SharedBuffer, unique_name
+from dpu_offload.shm import SharedBuffer, unique_name
 
 ARENA_ALIGN = 256
 

@@ -22,8 +22,8 @@ from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.policies import EvictionPolicy
 from dpu_agent.weights.safetensors_file import ShardChanged, ShardReader
+from dpu_offload.checksum import blob_checksums, blob_sum
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.checksum import blob_checksums, blob_sum
 
 log = logging.getLogger("dpu_agent")
 

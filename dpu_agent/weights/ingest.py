@@ -18,8 +18,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog, read_json
 from dpu_agent.weights.safetensors_file import CheckpointError, ShardReader
+from dpu_offload.checksum import blob_checksums
 from dpu_offload.keys import ExpertKey
-from gpu_kernels.checksum import blob_checksums
 
 
 def ingest(catalog: ModelCatalog, chunk_bytes: int, *, show_progress: bool = True

@@ -23,12 +23,13 @@ from hypothesis import strategies as st
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError, read_header
+from dpu_offload import abi
+from dpu_offload.channel import split_word
 from dpu_offload.keys import ExpertKey
+from dpu_offload.ring import Ring
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import abi, reference
-from gpu_kernels.channel import split_word
+from gpu_kernels import reference
 from gpu_kernels.reference import ReceiveKernel
-from gpu_kernels.ring import Ring
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
 from tests.fuzz import FUZZ

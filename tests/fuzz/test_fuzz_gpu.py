@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_kernels import abi
-from gpu_kernels.checksum import chunk_checksum
+from dpu_offload import abi
+from dpu_offload.checksum import chunk_checksum
 from tests.fuzz import FUZZ
 from tests.kernel_harness import GUARD, Harness
 from tests.test_kernels import DST, SRC, _desc

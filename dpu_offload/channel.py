@@ -19,8 +19,8 @@ import struct
 
 import numpy as np
 
-from gpu_kernels import abi, futex
-from gpu_kernels.ring import Ring, RingError, store_fence
+from dpu_offload import abi, futex
+from dpu_offload.ring import Ring, RingError, store_fence
 
 _STATE_MASK = (1 << abi.SLOT_STATE_BITS) - 1
 _REPLY = abi.packer(abi.REPLY_DTYPE)

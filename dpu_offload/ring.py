@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from gpu_kernels import abi
+from dpu_offload import abi
 
 _FENCE = threading.Lock()
 _PROBE = 16
@@ -39,7 +39,7 @@ class RingError(ValueError):
 
 
 class Ring:
-    """A ring laid out per :mod:`gpu_kernels.abi` in ``buffer`` (uint8 array of
+    """A ring laid out per :mod:`dpu_offload.abi` in ``buffer`` (uint8 array of
     ``ring_bytes(capacity, entry_size)`` bytes).
 
     Attributes:

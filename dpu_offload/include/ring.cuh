@@ -1,4 +1,4 @@
-// The ring ABI, C view. The Python view is gpu_kernels/abi.py; tests/test_abi.py compiles this
+// The ring ABI, C view. The Python view is dpu_offload/abi.py; tests/test_abi.py compiles this
 // header with a host C compiler and proves every size, offset and constant identical.
 // Plain C structs so that both nvcc/NVRTC and a host compiler accept it.
 #ifndef DPU_OFFLOAD_RING_CUH

@@ -12,9 +12,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from gpu_kernels import abi, futex
-from gpu_kernels.ring import store_fence
-from gpu_kernels.shm import SharedBuffer, unique_name
+from dpu_offload import abi, futex
+from dpu_offload.ring import store_fence
+from dpu_offload.shm import SharedBuffer, unique_name
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """The ring ABI: the one memory contract between the agent, the host client and the kernels.
 
 Everything here is plain NumPy so that the agent (aarch64, no CUDA) can import it. The C view of
-the same layout is ``gpu_kernels/include/ring.cuh``; ``tests/test_abi.py`` compiles that header
+the same layout is ``dpu_offload/include/ring.cuh``; ``tests/test_abi.py`` compiles that header
 and proves every size, offset and constant identical to what this module declares.
 
 A ring is one contiguous buffer: a 256-byte :data:`HEADER_DTYPE` followed by ``capacity``
