@@ -64,12 +64,12 @@ from bench.common import (
     write,
 )
 from dpu_agent.routing.traces import generate_trace, read_trace
+from dpu_offload.blob import SWIGLU_ROLES
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import expert_ffn
 from host_client.checkpoints import (
-    SWIGLU_ROLES,
     CheckpointSpec,
     expert_tensor_names,
     make_checkpoint,

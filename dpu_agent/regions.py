@@ -19,9 +19,9 @@ from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.registry import Delivery, Device, DeviceKind, RegionKind, Session
 from dpu_agent.slots import SlotPool
-from dpu_agent.weights.catalog import BLOB_ALIGN
 from dpu_offload import abi
 from dpu_offload.abi import SlotState
+from dpu_offload.blob import BLOB_ALIGN
 from dpu_offload.ring import RingError
 from dpu_offload.shm import SharedBufferError, bound_to
 

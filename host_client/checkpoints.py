@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import safetensors
 
+from dpu_offload.blob import SWIGLU_ROLES
+
 ARCHS = ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v3", "olmoe", "gpt-oss")
 
 
@@ -96,10 +98,6 @@ def _config(spec: CheckpointSpec) -> dict:
         return {**common, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
                 "num_local_experts": spec.experts, "intermediate_size": spec.intermediate}
     raise ValueError(f"unknown architecture {spec.arch!r}; choose from {', '.join(ARCHS)}")
-
-
-SWIGLU_ROLES = ("gate_proj", "up_proj", "down_proj")
-"""The roles of a SwiGLU expert's tensors in its blob (docs/LAYOUT.md), gate first."""
 
 
 def expert_tensor_names(arch: str, layer: int, expert: int) -> dict[str, str]:

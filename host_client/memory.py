@@ -90,7 +90,7 @@ class SlotPoolSpec:
     """One size class of expert slots on a device."""
 
     slot_bytes: int
-    """Bytes per slot, a multiple of 256 (the expert blob alignment)."""
+    """Bytes per slot, a multiple of 256 (``dpu_offload.blob.BLOB_ALIGN``)."""
     slot_count: int
 
 

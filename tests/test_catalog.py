@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.weights.catalog import BLOB_ALIGN, MAX_JSON_BYTES, build_catalog
+from dpu_agent.weights.catalog import MAX_JSON_BYTES, build_catalog
 from dpu_agent.weights.ingest import MANIFEST_FILE, attach_manifest
 from dpu_agent.weights.layouts import SWIGLU, Activation, LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError
+from dpu_offload.blob import BLOB_ALIGN
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from tests.conftest import checkpoint_bytes
 

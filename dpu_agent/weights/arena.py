@@ -11,9 +11,11 @@ import threading
 
 import numpy as np
 
+from dpu_offload.blob import BLOB_ALIGN
 from dpu_offload.shm import SharedBuffer, unique_name
 
-ARENA_ALIGN = 256
+ARENA_ALIGN = BLOB_ALIGN
+"""Arena blocks hold expert blobs: their alignment."""
 
 
 class Arena:

@@ -31,16 +31,11 @@ from dpu_agent.weights.safetensors_file import (
     read_header,
     stamp_of,
 )
+from dpu_offload.blob import align_up
 from dpu_offload.keys import ExpertKey
 
-BLOB_ALIGN = 256
-"""Every tensor of a blob starts on, and every blob is padded to, this many bytes."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-def align_up(n: int, a: int = BLOB_ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass(frozen=True, slots=True)

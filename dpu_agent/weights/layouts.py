@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpu_offload.blob import ROLE_BASES, role_order
+
 
 class LayoutError(ValueError):
     """The checkpoint's experts or config cannot be read as a MoE layout; says what was seen
@@ -107,8 +109,6 @@ _PART = {"weight": "", ".weight": "", "": "", "weight_scale_inv": "_scale_inv",
          ".weight_scale_inv": "_scale_inv", "_scale_inv": "_scale_inv",
          "weight_scale": "_scale", "bias": "_bias", ".bias": "_bias", "_bias": "_bias",
          "_blocks": "_blocks", "_scales": "_scales"}
-_BASES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
-_SUFFIXES = ("", "_blocks", "_scales", "_scale_inv", "_scale", "_bias")
 
 _STACKED_PROJ = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 _STACKED_SUFFIX = ("", "_bias", "_blocks", "_scales", "_scale_inv")
@@ -116,16 +116,6 @@ _PER_EXPERT_PART = ("weight", "weight_scale_inv", "weight_scale", "bias")
 _PARALLEL = ("input_linear", "output_linear")
 """GraniteMoE's stacked experts (``block_sparse_moe.input_linear.weight`` ``[E, 2I, H]``)."""
 _SHARED = re.compile(r"\.shared_experts?\.")
-
-
-def role_order(role: str) -> tuple[int, int]:
-    """Sort key of a blob role: weights of every projection first, then each suffix."""
-    if role in _BASES:
-        return 0, _BASES.index(role)
-    for s, suffix in enumerate(_SUFFIXES[1:], 1):
-        if role.endswith(suffix) and role[:-len(suffix)] in _BASES:
-            return s, _BASES.index(role[:-len(suffix)])
-    return len(_SUFFIXES), 0
 
 
 MAX_INDEX = 1 << 16
@@ -307,7 +297,7 @@ def _expert_count(cfg: Mapping[str, Any], layers: dict[int, _Layer],
 def _check_experts(layers: dict[int, _Layer], experts: int) -> None:
     for layer, got in sorted(layers.items()):
         roles = set(got.roles)
-        bases = {_BASES[role_order(r)[1]] for r in roles}  # gate_up_proj_blocks: gate_up_proj
+        bases = {ROLE_BASES[role_order(r)[1]] for r in roles}  # gate_up_proj_blocks: gate_up_proj
         if not ({"down_proj"} <= bases and ({"gate_proj", "up_proj"} <= bases
                                             or "gate_up_proj" in bases)):
             raise LayoutError(f"layer {layer}: expert tensors {sorted(roles)} lack a down "
