@@ -32,7 +32,7 @@ from dpu_agent.weights.policies import POLICIES, make_policy
 from dpu_offload.keys import ExpertKey
 
 MODEL = "trace"
-DEFAULT_POLICY = AgentConfig().cache_policy
+DEFAULT_POLICY = AgentConfig().cache.policy
 
 
 def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int = 0

@@ -34,7 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load(path)
     from dpu_agent.service.logs import configure
 
-    configure(cfg.log_format)
+    configure(cfg.logging.format)
     notifier = Notifier()
 
     async def run() -> None:
@@ -76,10 +76,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = load(path)
     print(f"configuration OK: {path or 'no file (defaults and DPU_AGENT_* variables)'}")
     sections: dict[str, list[str]] = {}
-    for (section, key), (name, _) in KEYS.items():
-        value = getattr(cfg, name)
+    for section, key in KEYS:
+        value = cfg.value(section, key)
         shown = json.dumps(list(value) if isinstance(value, tuple) else value)
-        notes = [n for n in (UNITS[section, key], "live" if name in LIVE_SETTINGS else "") if n]
+        notes = [n for n in (UNITS[section, key], "live" if (section, key) in LIVE_SETTINGS
+                             else "") if n]
         sections.setdefault(section, []).append(
             f"  {key} = {shown}" + (f"  # {', '.join(notes)}" if notes else ""))
     for section, lines in sections.items():

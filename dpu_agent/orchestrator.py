@@ -61,19 +61,19 @@ class Orchestrator:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.started = time.time()
-        self.state = StateStore(config.state_dir) if config.state_dir else None
+        self.state = StateStore(config.state.dir) if config.state.dir else None
         self.saved_placements: dict[str, Any] = {}
         stale = sweep_stale(STALE_SEGMENTS)
         if stale:
             log.warning("removed %d shared-memory segments left by dead processes: %s",
                         len(stale), ", ".join(sorted(stale)[:8]))
-        self.arena = Arena(config.arena_bytes)
+        self.arena = Arena(config.arena.bytes)
         self.routing = RoutingStats()
         """The one store of routing statistics (the cache policy, the predictor and the
         placement planner read it)."""
-        self.cache = WeightCache(self.arena, config.chunk_bytes,
-                                 make_policy(config.cache_policy, self.routing))
-        self.catalog = Models(self.cache, self.routing, config.prefetch_traces_dir)
+        self.cache = WeightCache(self.arena, config.transfer.chunk_bytes,
+                                 make_policy(config.cache.policy, self.routing))
+        self.catalog = Models(self.cache, self.routing, config.prefetch.traces_dir)
         self.models = self.catalog.catalogs
         """Name -> catalog of every loaded model (``Models.catalogs``)."""
         self.sessions: dict[str, Session] = {}
@@ -81,20 +81,20 @@ class Orchestrator:
         """Events closed sessions' sinks dropped (their clients did not read them)."""
         self._lock = threading.RLock()
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
-        self.plane = DataPlane(self, self.cache, config.chunk_bytes, self._fills,
+        self.plane = DataPlane(self, self.cache, config.transfer.chunk_bytes, self._fills,
                                lambda sid: sid in self.sessions, self._devices,
                                (self.arena.name, self.arena.size, ARENA_REGION_ID),
-                               config.transfer_timeout_seconds, config.poll_spin_us / 1e6,
-                               config.engine_polls)
+                               config.transfer.timeout_seconds, config.transfer.poll_spin_us / 1e6,
+                               config.transfer.engine_polls)
         self.draining = False
         self._device_list: tuple[Device, ...] | None = None
         """Every session's devices, rebuilt only after a registration or a closure (the
         data-plane loop reads it on every pass)."""
-        self.scheduler = Scheduler(config.link_concurrency)
+        self.scheduler = Scheduler(config.transfer.link_concurrency)
         self.grants = SlotGrants(self, self.plane.deliveries, self.scheduler, self._fills,
-                                 config.transfer_timeout_seconds)
+                                 config.transfer.timeout_seconds)
         self.placements = PlacementExecutor(self)
-        self.registrations = Registrations(self, config.max_devices_per_session)
+        self.registrations = Registrations(self, config.sessions.max_devices)
         self.predictor = NextLayerPredictor(self.routing)
         self.flows = FlowTable()
         self.activations: Any = None
@@ -151,16 +151,16 @@ class Orchestrator:
         later call naming the session must present it)."""
         if len(client_name) > 64:
             raise invalid("client_name is longer than 64 characters")
-        lease = lease_seconds or self.config.default_lease_seconds
-        if lease > self.config.max_lease_seconds:
+        lease = lease_seconds or self.config.sessions.default_lease_seconds
+        if lease > self.config.sessions.max_lease_seconds:
             raise invalid(f"lease_seconds {lease} exceeds the maximum "
-                          f"{self.config.max_lease_seconds}")
+                          f"{self.config.sessions.max_lease_seconds}")
         sid = secrets.token_hex(8)
         binding, token = Binding.issue(current_caller().identity)
         session = Session(sid, client_name, float(lease), time.monotonic() + lease,
                           binding=binding)
         with self._lock:
-            if len(self.sessions) >= self.config.max_sessions:
+            if len(self.sessions) >= self.config.sessions.max_sessions:
                 raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
                                  f"{len(self.sessions)} sessions are open, the most this agent "
                                  "takes (sessions.max_sessions); close one or wait for a lease "

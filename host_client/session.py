@@ -26,15 +26,8 @@ class AgentSession:
     """A session with one agent. Subclasses set up their own state before calling this
     constructor (the background threads may call their hooks from its end on): ``_on_event``
     (an event of the stream), ``_restore`` (after a new session was opened in a recovery) and
-    ``_release`` (at close, before the session's channel goes).
-
-    Args:
-        address: the agent's ``host:port``.
-        client_name: shown on the agent's status screens.
-        lease_seconds: session lease (0: the agent's default); renewed every third of it.
-        connect_timeout: seconds to wait for the agent before AgentUnavailable.
-        rpc_timeout: deadline of every unary call, seconds.
-        tls: TLS (or mutual TLS) files; None for plaintext.
+    ``_release`` (at close, before the session's channel goes). The arguments are
+    :class:`~host_client.client.AgentClient`'s, documented there.
     """
 
     def __init__(self, address: str, *, client_name: str = "host-client",

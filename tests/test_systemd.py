@@ -95,7 +95,7 @@ def test_notify_sequence_ready_watchdog_reload_stopping(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     out = proc.stdout.read().decode()
-    assert "transfer_timeout_seconds: 30 -> 5" in out, out
+    assert "transfer.timeout_seconds: 30 -> 5" in out, out
 
 
 def test_bad_config_never_sends_ready(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from dpu_agent.cluster.agent import ClusterAgent
 from dpu_agent.cluster.settings import ClusterSettings
 from dpu_agent.cluster.store import ClusterUnavailable
-from dpu_agent.config import LIVE_SETTINGS, AgentConfig
+from dpu_agent.config import KEYS, LIVE_SETTINGS, AgentConfig
 from dpu_agent.dataplane.activations import ActivationRouter
 from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.service.interceptors import (
@@ -77,8 +77,8 @@ class AgentServer:
     async def start(self) -> None:
         """Bind every listener and report SERVING; raises (nothing left running) on failure."""
         self.core = Orchestrator(self.config)  # restores persisted state
-        opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
-                ("grpc.max_send_message_length", self.config.max_message_bytes),
+        opts = [("grpc.max_receive_message_length", self.config.server.max_message_bytes),
+                ("grpc.max_send_message_length", self.config.server.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
         self.registry = CollectorRegistry()
         self.registry.register(AgentCollector(self.core))
@@ -91,56 +91,58 @@ class AgentServer:
                                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                    reflection.SERVICE_NAME))
         try:
-            if self.config.tls_cert:
+            if self.config.server.tls_cert:
                 creds = grpc.ssl_server_credentials(
-                    [(Path(self.config.tls_key).read_bytes(),
-                      Path(self.config.tls_cert).read_bytes())],
-                    root_certificates=(Path(self.config.tls_client_ca).read_bytes()
-                                       if self.config.tls_client_ca else None),
-                    require_client_auth=bool(self.config.tls_client_ca))
-                self.port = server.add_secure_port(self.config.listen_address, creds)
+                    [(Path(self.config.server.tls_key).read_bytes(),
+                      Path(self.config.server.tls_cert).read_bytes())],
+                    root_certificates=(Path(self.config.server.tls_client_ca).read_bytes()
+                                       if self.config.server.tls_client_ca else None),
+                    require_client_auth=bool(self.config.server.tls_client_ca))
+                self.port = server.add_secure_port(self.config.server.listen_address, creds)
             else:
-                self.port = server.add_insecure_port(self.config.listen_address)
+                self.port = server.add_insecure_port(self.config.server.listen_address)
         except RuntimeError as exc:
             self.core.shutdown()
-            raise OSError(f"server.listen_address {self.config.listen_address}: cannot bind "
+            raise OSError(f"server.listen_address {self.config.server.listen_address}: cannot bind "
                           f"({exc})") from exc
         await server.start()
         self.server = server
-        if self.config.metrics_address:
+        if self.config.metrics.listen_address:
             try:
                 self._start_metrics()
             except OSError:
                 await server.stop(None)
                 self.core.shutdown()
                 raise
-        if self.config.activations_address:
+        activations = self.config.activations
+        if activations.listen_address:
             try:
-                self.router = ActivationRouter(self.core, self.config.activations_address,
-                                               self.config.activation_credits,
-                                               self.config.activation_worker_timeout,
-                                               self.config.curve_server_cert,
-                                               self.config.curve_clients_dir)
+                self.router = ActivationRouter(self.core, activations.listen_address,
+                                               activations.credits_per_sender,
+                                               activations.worker_timeout_seconds,
+                                               activations.curve_server_cert,
+                                               activations.curve_clients_dir)
             except (zmq.ZMQError, OSError, ValueError) as exc:
                 await server.stop(None)
                 self.core.shutdown()
-                raise OSError(f"activations.listen_address {self.config.activations_address}: "
+                raise OSError(f"activations.listen_address {activations.listen_address}: "
                               f"cannot bind ({exc})") from exc
             self.core.activations = self.router
-        if self.config.cluster is not None:
-            await self._join_cluster(self.config.cluster)
+        cluster = self.config.cluster.settings
+        if cluster is not None:
+            await self._join_cluster(cluster)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
         if self.notifier.watchdog_seconds:
             self._watchdog = asyncio.create_task(self._watch(self.notifier.watchdog_seconds))
-        log.info("agent serving on %s (port %d)", self.config.listen_address, self.port)
+        log.info("agent serving on %s (port %d)", self.config.server.listen_address, self.port)
         self.notifier.ready(self.status_line())
 
     async def _join_cluster(self, settings: ClusterSettings) -> None:
         """READY only once joined: etcd is retried with backoff up to the join timeout."""
         assert self.core is not None and self.server is not None
-        host = self.config.listen_address.rsplit(":", 1)[0]
+        host = self.config.server.listen_address.rsplit(":", 1)[0]
         activations = (f"{host}:{self.router.port}" if self.router is not None else "")
         self.cluster = ClusterAgent(self.core, settings, f"{host}:{self.port}", activations)
         try:
@@ -181,14 +183,18 @@ class AgentServer:
     def reload(self, new: AgentConfig) -> list[str]:
         """Apply the settings that can change live; returns 'key: old -> new' for each."""
         assert self.core is not None
-        changes = {k: getattr(new, k) for k in LIVE_SETTINGS
-                   if getattr(new, k) != getattr(self.config, k)}
-        applied = [f"{k}: {getattr(self.config, k)} -> {v}" for k, v in changes.items()]
-        self.config = replace(self.config, **changes)
+        differ = [(section, key) for section, key in KEYS
+                  if new.value(section, key) != self.config.value(section, key)]
+        changes = [k for k in differ if k in LIVE_SETTINGS]
+        applied = [f"{s}.{k}: {self.config.value(s, k)} -> {new.value(s, k)}"
+                   for s, k in changes]
+        sections = {s for s, _ in changes}
+        self.config = replace(self.config, **{
+            s: replace(getattr(self.config, s), **{k: new.value(s, k) for t, k in changes
+                                                    if t == s}) for s in sections})
         self.core.config = self.config
-        self.core.scheduler.link_concurrency = self.config.link_concurrency
-        ignored = [f.name for f in fields(new) if f.name not in LIVE_SETTINGS
-                   and getattr(new, f.name) != getattr(self.config, f.name)]
+        self.core.scheduler.link_concurrency = self.config.transfer.link_concurrency
+        ignored = [f"{s}.{k}" for s, k in differ if (s, k) not in LIVE_SETTINGS]
         if ignored:
             log.warning("SIGHUP: %s need a restart to change", ", ".join(ignored))
         log.info("SIGHUP: applied %s", "; ".join(applied) or "nothing (no live setting changed)")
@@ -196,18 +202,19 @@ class AgentServer:
 
     def _start_metrics(self) -> None:
         assert self.core is not None
-        host, port = self.config.metrics_address.rsplit(":", 1)
+        address = self.config.metrics.listen_address
+        host, port = address.rsplit(":", 1)
         try:
             self._metrics_server, _ = start_http_server(int(port), host.strip("[]"),
                                                         registry=self.registry)
         except OSError as exc:
-            raise OSError(f"metrics.listen_address {self.config.metrics_address}: cannot bind "
+            raise OSError(f"metrics.listen_address {address}: cannot bind "
                           f"({exc.strerror})") from exc
         self.metrics_port = self._metrics_server.server_port
 
     async def _reap(self) -> None:
         assert self.core is not None
-        interval = self.config.rebalance_interval_seconds
+        interval = self.config.placement.rebalance_interval_seconds
         loop = asyncio.get_running_loop()
         next_rebalance = loop.time() + interval
         while True:
@@ -228,7 +235,7 @@ class AgentServer:
         if self.server is None:
             return
         assert self.core is not None
-        grace = self.config.drain_grace_seconds if grace is None else grace
+        grace = self.config.server.drain_grace_seconds if grace is None else grace
         self.notifier.stopping(f"draining {self.core.plane.deliveries.tracker.in_flight} transfers")
         self.core.draining = True
         for name in ("", SERVICE_NAME):

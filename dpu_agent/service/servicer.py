@@ -48,7 +48,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                    *args: Any, blocking: bool = False, session_id: str = "") -> T:
         if self.core.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the agent is stopping")
-        limit = self.core.config.max_session_rpcs
+        limit = self.core.config.sessions.max_concurrent_rpcs
         if session_id:
             if self._active.get(session_id, 0) >= limit:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -156,7 +156,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         def call() -> pb.DescribeExpertsResponse:
             self.core.session(request.session_id)
             translate.bounded(request.keys)
-            chunk = self.core.config.chunk_bytes
+            chunk = self.core.config.transfer.chunk_bytes
             return pb.DescribeExpertsResponse(manifests=[
                 translate.manifest(self.core.expert(translate.key(k, "keys[]")), chunk)
                 for k in request.keys])
@@ -171,7 +171,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             slot_index=grant.slot_index, slot_offset=grant.slot_offset,
             state=pb.SLOT_STATE_READY if grant.ready else pb.SLOT_STATE_FILLING,
             state_index=grant.state_index, generation=grant.generation,
-            manifest=translate.manifest(grant.entry, self.core.config.chunk_bytes, grant.checksums))
+            manifest=translate.manifest(grant.entry, self.core.config.transfer.chunk_bytes,
+                                        grant.checksums))
 
     def _acquire_all(self, session_id: str, device_id: int, keys: list[pb.ExpertKey],
                      done: list[pb.AcquireResponse], wait: bool) -> None:
@@ -367,7 +368,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         core = self.core
         who = current_caller()
         everyone = list(core.sessions.values())
-        admin = bool(who.name) and who.name in core.config.admin_names
+        admin = bool(who.name) and who.name in core.config.server.admin_names
         sessions = [s for s in everyone if admin or (s.binding is not None
                                                      and s.binding.admits(who))]
         return pb.StatusResponse(
