@@ -1,7 +1,9 @@
 """The expert blob (docs/LAYOUT.md): an expert's tensors one after another in role order, each
 starting on a ``BLOB_ALIGN``-byte boundary, the blob padded to it. The agent lays blobs out
 this way (its catalog), slot pools and the arena hold them at this alignment, and the host
-client reads the tensors back by role."""
+client reads the tensors back by role. Also how Hugging Face checkpoints name the tensors a
+role comes from (the naming table): the agent's layout discovery reads names by it, the host
+client's checkpoint writer writes them by it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,26 @@ ROLE_SUFFIXES = ("", "_blocks", "_scales", "_scale_inv", "_scale", "_bias")
 order: every projection's weights first, then each suffix."""
 SWIGLU_ROLES = ("gate_proj", "up_proj", "down_proj")
 """The roles of a SwiGLU expert with per-expert tensors, gate first."""
+
+W_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+"""Role -> its projection's name in Mixtral-style checkpoints (Mixtral, PhiMoE, MiniMax:
+``block_sparse_moe.experts.{E}.w1.weight``)."""
+PROJECTION_NAMES = {**{role: role for role in ROLE_BASES},
+                    **{name: role for role, name in W_NAMES.items()},
+                    "input_linear": "gate_up_proj", "output_linear": "down_proj"}
+"""A projection's name in a checkpoint -> its role base."""
+PARALLEL_PROJECTIONS = ("input_linear", "output_linear")
+"""GraniteMoE's stacked experts (``block_sparse_moe.input_linear.weight`` ``[E, 2I, H]``)."""
+PART_SUFFIXES = {"weight": "", ".weight": "", "": "", "weight_scale_inv": "_scale_inv",
+                 ".weight_scale_inv": "_scale_inv", "_scale_inv": "_scale_inv",
+                 "weight_scale": "_scale", "bias": "_bias", ".bias": "_bias", "_bias": "_bias",
+                 "_blocks": "_blocks", "_scales": "_scales"}
+"""The part of a tensor's name after its projection -> the role's suffix."""
+PER_EXPERT_PARTS = ("weight", "weight_scale_inv", "weight_scale", "bias")
+"""Parts of a per-expert tensor (``...experts.{E}.<proj>.<part>``)."""
+STACKED_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+STACKED_SUFFIXES = ("", "_bias", "_blocks", "_scales", "_scale_inv")
+"""A stacked tensor is ``...experts.<projection><suffix>``, experts in dimension 0."""
 
 
 def align_up(n: int, a: int = BLOB_ALIGN) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import safetensors
 
-from dpu_offload.blob import SWIGLU_ROLES
+from dpu_offload.blob import SWIGLU_ROLES, W_NAMES
 
 ARCHS = ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v3", "olmoe", "gpt-oss")
 
@@ -111,8 +111,7 @@ def expert_tensor_names(arch: str, layer: int, expert: int) -> dict[str, str]:
                          f"{', '.join(a for a in ARCHS if a != 'gpt-oss')}")
     if arch == "mixtral":
         q = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
-        return dict(zip(SWIGLU_ROLES, (f"{q}.w1.weight", f"{q}.w3.weight", f"{q}.w2.weight"),
-                        strict=True))
+        return {role: f"{q}.{W_NAMES[role]}.weight" for role in SWIGLU_ROLES}
     q = f"model.layers.{layer}.mlp.experts.{expert}"
     return {role: f"{q}.{role}.weight" for role in SWIGLU_ROLES}
 

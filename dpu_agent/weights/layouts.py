@@ -25,7 +25,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpu_offload.blob import ROLE_BASES, role_order
+from dpu_offload.blob import (
+    PARALLEL_PROJECTIONS,
+    PART_SUFFIXES,
+    PER_EXPERT_PARTS,
+    PROJECTION_NAMES,
+    ROLE_BASES,
+    STACKED_PROJECTIONS,
+    STACKED_SUFFIXES,
+    role_order,
+)
 
 
 class LayoutError(ValueError):
@@ -102,19 +111,6 @@ IN_OUT_TYPES = frozenset({"gpt_oss", "llama4", "llama4_text"})
 """Families whose stacked weights are ``[E, in, out]``; used only where the shapes cannot tell
 (a square ``gate_up_proj``)."""
 
-_PROJ = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj", "w3": "up_proj",
-         "down_proj": "down_proj", "w2": "down_proj", "gate_up_proj": "gate_up_proj",
-         "input_linear": "gate_up_proj", "output_linear": "down_proj"}
-_PART = {"weight": "", ".weight": "", "": "", "weight_scale_inv": "_scale_inv",
-         ".weight_scale_inv": "_scale_inv", "_scale_inv": "_scale_inv",
-         "weight_scale": "_scale", "bias": "_bias", ".bias": "_bias", "_bias": "_bias",
-         "_blocks": "_blocks", "_scales": "_scales"}
-
-_STACKED_PROJ = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
-_STACKED_SUFFIX = ("", "_bias", "_blocks", "_scales", "_scale_inv")
-_PER_EXPERT_PART = ("weight", "weight_scale_inv", "weight_scale", "bias")
-_PARALLEL = ("input_linear", "output_linear")
-"""GraniteMoE's stacked experts (``block_sparse_moe.input_linear.weight`` ``[E, 2I, H]``)."""
 _SHARED = re.compile(r"\.shared_experts?\.")
 
 
@@ -185,7 +181,7 @@ def _parse(name: str) -> tuple[str, int, int | None, str, str] | None:
     except ValueError:
         at = -1
     tail = parts[at + 1:] if at >= 0 else []
-    if len(tail) == 3 and tail[0].isdigit() and tail[2] in _PER_EXPERT_PART:
+    if len(tail) == 3 and tail[0].isdigit() and tail[2] in PER_EXPERT_PARTS:
         expert, proj, part = int(tail[0]), tail[1], tail[2]
         if expert >= MAX_INDEX:
             raise LayoutError(f"expert tensor {name[:200]!r}: expert index {expert} is not below "
@@ -196,14 +192,14 @@ def _parse(name: str) -> tuple[str, int, int | None, str, str] | None:
         if part not in ("", ".weight", ".bias", ".weight_scale_inv"):
             return None
         if not part:
-            base = next((p for p in _STACKED_PROJ if proj.startswith(p)
-                         and proj[len(p):] in _STACKED_SUFFIX), None)
+            base = next((p for p in STACKED_PROJECTIONS if proj.startswith(p)
+                         and proj[len(p):] in STACKED_SUFFIXES), None)
             if base is None:
                 return None
             proj, part = base, proj[len(base):]
-        elif proj not in _STACKED_PROJ:
+        elif proj not in STACKED_PROJECTIONS:
             return None
-    elif len(parts) >= 2 and parts[-2] in _PARALLEL and parts[-1] == "weight":
+    elif len(parts) >= 2 and parts[-2] in PARALLEL_PROJECTIONS and parts[-1] == "weight":
         at, expert, proj, part = len(parts) - 3, None, parts[-2], ".weight"
     else:
         return None
@@ -218,11 +214,11 @@ def _parse(name: str) -> tuple[str, int, int | None, str, str] | None:
 
 
 def _role(name: str, proj: str, part: str) -> str:
-    base = _PROJ.get(proj)
+    base = PROJECTION_NAMES.get(proj)
     if base is None:
         raise LayoutError(f"expert tensor {name!r}: projection {proj!r} is none of "
-                          f"{', '.join(sorted(_PROJ))}")
-    return base + _PART[part]
+                          f"{', '.join(sorted(PROJECTION_NAMES))}")
+    return base + PART_SUFFIXES[part]
 
 
 def _scan(names: list[str]) -> dict[int, _Layer]:
