@@ -8,7 +8,6 @@ worker threads; the data-plane loop (dataplane/loop.py) is its own thread.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,6 @@ from dpu_agent.errors import (
     not_found,
     precondition,
 )
-from dpu_agent.identity import Binding, current_caller
 from dpu_agent.models import Models
 from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.prediction import NextLayerPredictor
@@ -37,6 +35,7 @@ from dpu_agent.registry import (
     Session,
 )
 from dpu_agent.routing.stats import RoutingStats
+from dpu_agent.sessions import SessionTable
 from dpu_agent.state import StateStore
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
@@ -76,10 +75,11 @@ class Orchestrator:
         self.catalog = Models(self.cache, self.routing, config.prefetch.traces_dir)
         self.models = self.catalog.catalogs
         """Name -> catalog of every loaded model (``Models.catalogs``)."""
-        self.sessions: dict[str, Session] = {}
-        self._events_dropped_closed = 0
-        """Events closed sessions' sinks dropped (their clients did not read them)."""
         self._lock = threading.RLock()
+        self.leases = SessionTable(lambda: self.config.sessions, self._session_closed,
+                                   self._lock)
+        self.sessions = self.leases.open
+        """Session id -> every open session (``SessionTable``)."""
         self._fills = ThreadPoolExecutor(max_workers=4, thread_name_prefix="retry")
         self.plane = DataPlane(self, self.cache, config.transfer.chunk_bytes, self._fills,
                                lambda sid: sid in self.sessions, self._devices,
@@ -145,65 +145,35 @@ class Orchestrator:
     def expert(self, key: ExpertKey) -> ExpertEntry:
         return self.catalog.expert(key)
 
-    # -- sessions --------------------------------------------------------------------------
+    # -- sessions (dpu_agent/sessions.py) --------------------------------------------------
     def create_session(self, client_name: str, lease_seconds: int) -> tuple[Session, str]:
-        """A new session bound to the calling identity, and its token (handed out once: every
-        later call naming the session must present it)."""
-        if len(client_name) > 64:
-            raise invalid("client_name is longer than 64 characters")
-        lease = lease_seconds or self.config.sessions.default_lease_seconds
-        if lease > self.config.sessions.max_lease_seconds:
-            raise invalid(f"lease_seconds {lease} exceeds the maximum "
-                          f"{self.config.sessions.max_lease_seconds}")
-        sid = secrets.token_hex(8)
-        binding, token = Binding.issue(current_caller().identity)
-        session = Session(sid, client_name, float(lease), time.monotonic() + lease,
-                          binding=binding)
-        with self._lock:
-            if len(self.sessions) >= self.config.sessions.max_sessions:
-                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                                 f"{len(self.sessions)} sessions are open, the most this agent "
-                                 "takes (sessions.max_sessions); close one or wait for a lease "
-                                 "to expire")
-            self.sessions[sid] = session
-        log.info("session %s opened by %r", sid, client_name,
-                 extra={"session": sid, "client": client_name})
-        return session, token
+        return self.leases.create(client_name, lease_seconds)
 
     def session(self, session_id: str) -> Session:
-        with self._lock:
-            s = self.sessions.get(session_id)
-        if s is None:
-            raise not_found(f"session {session_id[:40]!r} does not exist (expired or closed)")
-        if s.binding is not None and not s.binding.admits(current_caller()):
-            raise AgentError(ErrorKind.PERMISSION_DENIED,
-                             f"session {session_id!r} belongs to another caller (the call "
-                             "lacks its token, or comes from another identity)")
-        s.touch()
-        return s
+        return self.leases.get(session_id)
 
     def device(self, session: Session, device_id: int) -> Device:
-        dev = session.devices.get(device_id)
-        if dev is None:
-            with self._lock:
-                owned = any(device_id in s.devices for s in self.sessions.values())
-            if owned:
-                raise AgentError(ErrorKind.PERMISSION_DENIED,
-                                 f"device {device_id} belongs to another session")
-            raise precondition(f"device {device_id} is not registered in session "
-                               f"{session.session_id}")
-        return dev
+        return self.leases.device(session, device_id)
 
     def close_session(self, session_id: str, reason: str = "closed") -> None:
+        self.leases.close(session_id, reason)
+
+    def events_dropped(self) -> int:
+        return self.leases.events_dropped()
+
+    def expire_sessions(self) -> list[str]:
+        return self.leases.expire()
+
+    def _session_closed(self, session: Session) -> None:
+        """What a closed session owned goes: queued deliveries, placements, flows, its
+        devices' deliveries in flight, queues, channels and engine rings."""
         with self._lock:
-            session = self.sessions.pop(session_id, None)
             self._device_list = None
-        if session is None:
-            raise not_found(f"session {session_id!r} does not exist")
         devices = set(session.devices.values())
-        self.scheduler.cancel(lambda job: job.link[0] == session_id)
-        self.placements.forget_session(session_id)
-        gone = [r.rule_id for r in self.flows.rules() if owned_by(r, session_id)]
+        sid = session.session_id
+        self.scheduler.cancel(lambda job: job.link[0] == sid)
+        self.placements.forget_session(sid)
+        gone = [r.rule_id for r in self.flows.rules() if owned_by(r, sid)]
         if gone:
             self.flows.update(delete=gone)  # its devices' queues are gone with it
         self.plane.deliveries.tracker.cancel(lambda t: t.owner in devices)
@@ -214,28 +184,6 @@ class Orchestrator:
                 dev.channel.close()
             if dev.engine_rings is not None:
                 self.plane.engine.detach(dev)
-        session.events.close()
-        with self._lock:
-            self._events_dropped_closed += session.events.dropped
-        log.info("session %s", reason, extra={"session": session_id})
-
-    def events_dropped(self) -> int:
-        """Session events dropped so far, open and closed sessions together (a counter)."""
-        with self._lock:
-            return self._events_dropped_closed + sum(s.events.dropped
-                                                     for s in self.sessions.values())
-
-    def expire_sessions(self) -> list[str]:
-        """Close every session whose lease ran out; returns their ids."""
-        now = time.monotonic()
-        with self._lock:
-            expired = [sid for sid, s in self.sessions.items() if s.expires_at < now]
-        for sid in expired:
-            try:
-                self.close_session(sid, reason="lease expired")
-            except AgentError:
-                pass
-        return expired
 
     # -- acquire / release (slots are granted by dataplane/grants.py) ---------------------
     def prefetch(self, session: Session, device_id: int, keys: list[ExpertKey]) -> int:
