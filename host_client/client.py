@@ -41,6 +41,7 @@ from host_client.registration import (
     SessionContext,
     attach,
     detach,
+    link_peers,
 )
 from host_client.session import AgentSession
 
@@ -114,9 +115,11 @@ class AgentClient(AgentSession):
     def _attach_device(self, device: Device, specs: list[SlotPoolSpec], ring_capacity: int,
                        into: AttachedDevice | None = None, delivery: str = "pull"
                        ) -> AttachedDevice:
-        return attach(SessionContext(self.stub, self.session_id, self._token, self._bell,
-                                     self.arena, self.rpc_timeout),
-                      device, specs, ring_capacity, into, delivery)
+        return attach(self._context(), device, specs, ring_capacity, into, delivery)
+
+    def _context(self) -> SessionContext:
+        return SessionContext(self.stub, self.session_id, self._token, self._bell, self.arena,
+                              self.rpc_timeout)
 
     # -- experts (the data-plane channel) ---------------------------------------------------
     def _index(self, model: str) -> int:
@@ -242,18 +245,7 @@ class AgentClient(AgentSession):
         not mapped); redone on its own after an agent restart. A device the DMA engine serves
         reads no peer (the engine copies from the arena), though pull devices may read its
         pools. Returns device id -> the ids of the devices it can read."""
-        links: dict[int, list[int]] = {}
-        for dst in self.devices.values():
-            sources = [src for src in self.devices.values() if src is not dst and
-                       dst.delivery == "pull" and dst.device.can_read(src.device)]
-            for src in sources:
-                for rid, spec in src.pools.items():
-                    dst.device.map_peer(rid, src.device.region_bytes(
-                        rid, 0, spec.slot_bytes * spec.slot_count), src.device)
-            links[dst.device_id] = [src.device_id for src in sources]
-            self.stub.LinkPeers(pb.LinkPeersRequest(
-                session_id=self.session_id, device_id=dst.device_id,
-                sources=links[dst.device_id]), timeout=self.rpc_timeout)
+        links = link_peers(self._context(), list(self.devices.values()))
         self._linked = True
         return links
 

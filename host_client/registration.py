@@ -1,7 +1,7 @@
 """Registering a device with the agent in a session: its data-plane channel (from the agent),
 its rings (work and completion where this process's consumer copies; the rx / tx packet rings
 of the activation path) and slot pools, each region registered by name; the device's consumer
-is started where it has one.
+is started where it has one. Linking devices that read each other's pools (``link_peers``).
 """
 
 from __future__ import annotations
@@ -129,3 +129,21 @@ def detach(dev: AttachedDevice) -> None:
         if ring is not None:
             ring.close()
     dev.channel.close()
+
+
+def link_peers(ctx: SessionContext, devices: list[AttachedDevice]) -> dict[int, list[int]]:
+    """Map into each pull device the slot pools of every other device it can read, and tell
+    the agent (``LinkPeers``); returns device id -> the ids of the devices it can read."""
+    links: dict[int, list[int]] = {}
+    for dst in devices:
+        sources = [src for src in devices if src is not dst and
+                   dst.delivery == "pull" and dst.device.can_read(src.device)]
+        for src in sources:
+            for rid, spec in src.pools.items():
+                dst.device.map_peer(rid, src.device.region_bytes(
+                    rid, 0, spec.slot_bytes * spec.slot_count), src.device)
+        links[dst.device_id] = [src.device_id for src in sources]
+        ctx.stub.LinkPeers(pb.LinkPeersRequest(
+            session_id=ctx.session_id, device_id=dst.device_id,
+            sources=links[dst.device_id]), timeout=ctx.rpc_timeout)
+    return links
