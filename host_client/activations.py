@@ -301,7 +301,18 @@ class ActivationSender:
 
     def dispatch(self, layer: int, hidden: np.ndarray, topk_ids: np.ndarray,
                  topk_weights: np.ndarray) -> np.ndarray:
-        """One MoE layer through the offloaded experts; returns combined bf16 rows."""
+        """One MoE layer through the offloaded experts: each row sent to the experts it chose
+        (wherever placement serves them), the answers combined by the routing weights.
+
+        Args:
+            layer: the MoE layer's number in the checkpoint.
+            hidden: ``uint16[tokens, hidden_size]``, the rows as bf16 bits.
+            topk_ids: ``int[tokens, k]``, each row's experts (below the model's expert count).
+            topk_weights: ``float32[tokens, k]``, their weights.
+
+        Returns:
+            ``uint16[tokens, hidden_size]``: the combined outputs as bf16 bits.
+        """
         plan = dispatch_plan(np, np.asarray(topk_ids), self.experts)
         packed = reference.dispatch(hidden, plan)
         offsets = plan.offsets
