@@ -10,6 +10,8 @@ from dpu_offload.v1 import agent_pb2 as pb
 MAX_KEYS_PER_CALL = 4096
 """Keys one DescribeExperts, AcquireBatch or Prefetch call may name (the agent refuses more
 before any work; the client sends DescribeExperts in batches)."""
+MAX_STEPS_PER_REPORT = 4096
+"""Routing steps one ReportRouting call may carry (the agent refuses more before any work)."""
 
 MAX_MODEL_NAME_CHARS = 128
 """Longest model name the agent accepts (names are part of every expert key and persisted)."""

@@ -94,6 +94,38 @@ def test_a_model_loaded_without_its_experts_is_served(tmp_path, agent: AgentProc
     assert torch.equal(served, want), (served - want).abs().max()
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama4_text"])
+def test_generate_reports_its_routing_to_the_agent(tmp_path, agent: AgentProcess,
+                                                   model_type: str) -> None:
+    """``report_routing=True``: each forward's routing (every MoE layer's experts and their
+    tokens) reaches the agent's routing statistics from a background thread, one visit per
+    layer and forward (the agent's own counter), and the tokens are unchanged."""
+    from bench.common import scrape
+
+    model = _model(model_type).eval()
+    path = tmp_path / model_type
+    model.save_pretrained(path)
+    ids = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 8]])
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    name = f"rr-{model_type}"
+    with AgentClient(agent.address) as client:
+        offload = offload_experts(model, client, path, CpuReferenceDevice(), cache=EXPERTS,
+                                  name=name, report_routing=True)
+        before = scrape(agent).get(f"dpu_agent_routing_visits_total/{name}", 0.0)
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=4, do_sample=False)
+        offload.close()
+        reporter = offload.reporter
+        assert reporter is not None and reporter.failed == reporter.dropped == 0
+        visits = len(forwards) * len(offload.layers)
+        assert reporter.visits_sent == visits and 1 <= reporter.reports_sent <= len(forwards)
+        assert scrape(agent)[f"dpu_agent_routing_visits_total/{name}"] - before == visits
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3",
                                         "olmoe"])
 def test_pre_gated_prefetch_changes_nothing_but_the_hits(tmp_path, agent: AgentProcess,

@@ -253,6 +253,12 @@ class RoutingStats:
                 used += 1
         return used
 
+    def visits(self, model: str) -> int:
+        """Layer visits of ``model`` folded in so far (0 for a model never observed)."""
+        with self._lock:
+            stats = self._models.get(model)
+            return 0 if stats is None else sum(s.visits for s in stats.layers.values())
+
     def load(self, model: str) -> np.ndarray | None:
         """``float64[moe layers, experts]``: decayed tokens per expert, layers in decode order;
         None before any visit of the model was observed."""

@@ -101,9 +101,15 @@ class AgentCollector(Collector):
                                      "1 for a model some of whose experts cannot be read (a "
                                      "shard changed under the agent) until it is loaded again.",
                                      labels=["model"])
+        visits = CounterMetricFamily("dpu_agent_routing_visits",
+                                     "MoE layer visits folded into the routing statistics "
+                                     "(ReportRouting, and traces learned at load), by model.",
+                                     labels=["model"])
         for name in list(core.models):
             degraded.add_metric([name], float(name in core.cache.degraded))
+            visits.add_metric([name], float(core.routing.visits(name)))
         yield degraded
+        yield visits
         states = list(core.placements.states.values())
         copies = GaugeMetricFamily("dpu_agent_placement_copies",
                                    "New expert copies of the placements in force, by state.",

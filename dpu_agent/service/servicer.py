@@ -32,6 +32,7 @@ from dpu_agent.registry import (
 )
 from dpu_agent.service import translate
 from dpu_agent.weights.cache import WouldBlock
+from dpu_offload.keys import MAX_STEPS_PER_REPORT
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 
@@ -286,8 +287,9 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                             context: grpc.aio.ServicerContext) -> pb.Empty:
         def call() -> None:
             self.core.session(request.session_id)
-            if len(request.steps) > 4096:
-                raise invalid(f"{len(request.steps)} steps in one call; at most 4096")
+            if len(request.steps) > MAX_STEPS_PER_REPORT:
+                raise invalid(f"{len(request.steps)} steps in one call; at most "
+                              f"{MAX_STEPS_PER_REPORT}")
             steps = []
             for i, step in enumerate(request.steps):
                 if len(step.experts) != len(step.tokens):

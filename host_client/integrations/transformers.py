@@ -46,6 +46,7 @@ from host_client.integrations.moe_modules import (
 )
 from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
 from host_client.registration import AttachedDevice
+from host_client.routing_reports import RoutingReporter
 
 __all__ = ["EXPERT_PARAMETERS", "ExpertOffload", "OffloadError", "expert_parameters",
            "experts_modules", "load_without_experts", "offload_experts", "scaled_input_blocks"]
@@ -121,6 +122,30 @@ class ExpertOffload:
     """Experts prefetched for the next MoE layer (``prefetch=True``)."""
     prefetch_used: int = 0
     """Of those, the ones the next layer's router then chose."""
+    reporter: RoutingReporter | None = None
+    """Sends each forward's routing to the agent (``report_routing=True``)."""
+    _hook: Any = None
+
+    def close(self) -> None:
+        """Send the routing not yet reported and stop reporting (before the client closes)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.reporter is not None:
+            self.reporter.close()
+
+
+def _routed(offload: ExpertOffload, layer: int, indices: Any, num_experts: int) -> list[int]:
+    """The distinct experts of ``indices`` (a layer's routing, any shape), recorded with how
+    many tokens chose each for the routing report when there is one."""
+    import torch
+
+    experts, tokens = torch.unique(indices, return_counts=True)
+    counts = {e: n for e, n in zip(experts.tolist(), tokens.tolist(), strict=True)
+              if 0 <= e < num_experts}
+    if offload.reporter is not None:
+        offload.reporter.record(layer, counts)
+    return list(counts)
 
 
 def _acquire(offload: ExpertOffload, layer: int, routed: list[int], views: _PoolViews,
@@ -199,10 +224,9 @@ class _Layer:
         off.prefetched += off.client.prefetch(off.device, keys, wait=False)
 
     def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-        import torch
 
         off, module = self.offload, self.module
-        routed = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < self.num_experts]
+        routed = _routed(off, self.layer, top_k_index, self.num_experts)
         if self.previous is not None:
             off.prefetch_used += len(self.previous.predicted & set(routed))
             self.previous.predicted = set()
@@ -244,7 +268,8 @@ class _ScaledInputBlock:
         block, experts = self.block, self.experts
         tokens = hidden_states.reshape(-1, block.hidden_dim)
         scores, logits = block.router(tokens)  # [T, E]; 0 outside each token's top k
-        routed = sorted(torch.topk(logits, block.top_k, dim=1).indices.unique().tolist())
+        routed = _routed(self.offload, self.layer, torch.topk(logits, block.top_k, dim=1).indices,
+                         self.num_experts)
         keys, slot_of = _acquire(self.offload, self.layer, routed, self.views,
                                  self.num_experts)
         try:
@@ -268,8 +293,8 @@ class _ScaledInputBlock:
 
 def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                     device: Device | AttachedDevice, cache: float | int = 0.25,
-                    name: str = "", delivery: str = "pull", prefetch: bool = False
-                    ) -> ExpertOffload:
+                    name: str = "", delivery: str = "pull", prefetch: bool = False,
+                    report_routing: bool = False) -> ExpertOffload:
     """Serve ``model``'s routed experts through the agent.
 
     Args:
@@ -291,6 +316,11 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             (a hint: nothing is held, a refusal is only counted). ``prefetched`` and
             ``prefetch_used`` of the result say how it did. Layers whose block has no
             ``gate`` or ``router`` with a ``weight`` ``[E, H]`` prefetch nothing.
+        report_routing: after each forward of ``model``, send what its MoE layers chose
+            (experts and tokens per layer) to the agent from a background thread
+            (:class:`~host_client.routing_reports.RoutingReporter`): the agent's routing
+            statistics, which its arena cache policy and predictor learn from. Call
+            ``close()`` on the result before closing the client.
 
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
@@ -341,6 +371,10 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                            f"checkpoint {checkpoint}")
     if prefetch:
         _link_next_routers(model, sorted(offload.layers), routed)
+    if report_routing:
+        offload.reporter = RoutingReporter(client, info.model)
+        offload._hook = model.register_forward_hook(
+            lambda *_: offload.reporter.flush() if offload.reporter else None)
     return offload
 
 
