@@ -4,6 +4,7 @@ holds goes idle, an eviction candidate) and of the slot-state table's mirror (th
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -58,6 +59,10 @@ class SlotPool:
 
     def __post_init__(self) -> None:
         n = self.slot_count
+        self._free = list(range(n))
+        """Min-heap of the slots made FREE (entries whose slot was taken since are skipped):
+        the lowest free slot in O(log n), where a scan of ``state`` costs the whole pool on
+        every miss once it is full."""
         self.state = [SlotState.FREE] * n
         self.keys = [None] * n
         self.refs = [0] * n
@@ -123,11 +128,18 @@ class SlotPool:
         """A slot for ``key`` in FILLING state with ``refs`` references; None when every slot
         is held or pinned. Free slots first, then idle ones, least recently used first: an idle
         slot the client hit (pinned) since it was queued goes to the back once."""
-        start = 0
-        while (idx := self._next_free(start)) is not None:
-            if self._claim(idx, key, refs):
-                return idx
-            start = idx + 1
+        pinned = []
+        try:
+            while self._free:
+                idx = heapq.heappop(self._free)
+                if self.state[idx] != SlotState.FREE:
+                    continue
+                if self._claim(idx, key, refs):
+                    return idx
+                pinned.append(idx)
+        finally:
+            for idx in pinned:
+                heapq.heappush(self._free, idx)
         for _ in range(2 * len(self.idle)):
             idx, seen = self.idle.popitem(last=False)
             touches = self._touches(idx)
@@ -138,12 +150,6 @@ class SlotPool:
                     return idx
             self.idle[idx] = touches
         return None
-
-    def _next_free(self, start: int) -> int | None:
-        try:
-            return self.state.index(SlotState.FREE, start)
-        except ValueError:
-            return None
 
     def _claim(self, idx: int, key: ExpertKey, refs: int) -> bool:
         """Give slot ``idx`` to a delivery of ``key`` (FILLING, the next generation, ``refs``
@@ -211,6 +217,8 @@ class SlotPool:
         if key is not None and self.by_key.get(key) == idx:
             del self.by_key[key]
         self.idle.pop(idx, None)
+        if self.state[idx] != SlotState.FREE:
+            heapq.heappush(self._free, idx)
         self.state[idx] = SlotState.FREE
         self.keys[idx] = None
         self.refs[idx] = 0

@@ -56,6 +56,25 @@ def test_a_pinned_slot_is_not_given_to_another_delivery(pool: SlotPool) -> None:
     assert int(view.pins["pins"][ia]) == 0
 
 
+def test_free_slots_go_lowest_first_and_a_pinned_one_stays_free(pool: SlotPool) -> None:
+    """``allocate`` takes the lowest free slot (a heap of the slots freed, not a scan of the
+    pool); a free slot the client still has pinned is passed over (the idle one is evicted
+    instead) and stays free for the next allocate once unpinned."""
+    a, b, c, d = (ExpertKey("m", 0, e) for e in range(4))
+    ia, ib = _fill(pool, a), _fill(pool, b)
+    assert (ia, ib) == (0, 1)
+    pool.free(ib)
+    pool.free(ia)
+    assert _fill(pool, a) == 0  # the lowest of the two freed
+    view = pool.channel.view
+    assert view.try_pin(0, state_word(pool.generation[0], READY))
+    pool.free(0)  # freed while the client still pins it
+    assert pool.allocate(c) == 1  # slot 0 passed over: pinned
+    assert pool.state[0] == abi.SlotState.FREE and pool.keys[0] is None
+    view.unpin(0)
+    assert pool.allocate(d) == 0
+
+
 def test_a_granted_landed_slot_waits_for_its_verdict_before_reuse(pool: SlotPool) -> None:
     """An unheld LANDED slot whose generation a client was granted may be under its check:
     it goes to another delivery only once the verdict came (or the grace passed), so the old
