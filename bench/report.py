@@ -314,12 +314,20 @@ def agent_requests(d: dict[str, Any]) -> list[Row]:
              "", "", "", None)]
 
 
+def slot_pool(d: dict[str, Any]) -> list[Row]:
+    """The agent's cost of finding a slot, by pool size (bench/slot_pool.py)."""
+    return [(f"allocate in a pool of {n} slots, filling / evicting",
+             f"{r['fill_us']:.1f} / {r['evict_us']:.1f} us", f"a lookup {r['lookup_us']:.2f} us",
+             "", "", None) for n, r in d["results"].items()]
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Delivery, arena to GPU (H200)", "delivery-cuda", delivery, "delivery-cuda.png"),
     ("The agent's CPU per request, DMA-engine delivery (copies out of the way)",
      "agent-requests-cpu-engine", agent_requests, ""),
     ("The agent's CPU per request, device-pull delivery (a consumer that never runs)",
      "agent-requests-cpu-pull", agent_requests, ""),
+    ("The agent's cost of finding a slot for a delivery", "slot-pool-cpu", slot_pool, ""),
     ("Dispatch / combine kernels (H200)", "moe_kernels-cuda", moe_kernels, ""),
     ("Cache policies, Mixtral trace", "cache-mixtral-8x7b-humaneval-sample", cache,
      "cache-mixtral-8x7b-humaneval-sample.png"),

@@ -28,6 +28,7 @@ CPU = [
     ("placement (58 x 256, 8-64 GPUs)", ["placement.py"]),
     ("rebalance and prefetch (CPU device)", ["rebalance.py"]),
     ("steering lookups", ["steering.py"]),
+    ("finding a slot for a delivery (64-4,096 slots)", ["slot_pool.py"]),
     ("cluster rebalance (etcd, 4 agents)", ["cluster.py"]),
     ("several devices (CPU reference devices)", ["multi_gpu.py", "--device", "cpu",
                                                  "--devices", "3", "--hidden", "1024"]),

@@ -66,7 +66,9 @@ def main() -> int:
         print(f"{n:>5} slots: fill {r['fill_us']:5.1f} us, evict {r['evict_us']:5.1f} us per "
               f"allocate (a lookup {r['lookup_us']:.2f} us)")
     if not args.no_save:
-        print(f"wrote {write('slot-pool', envelope('slot_pool', results), '-cpu')}")
+        data = envelope("slot_pool", results,
+                        command="python bench/slot_pool.py " + " ".join(sys.argv[1:]))
+        print(f"wrote {write('slot-pool', data, '-cpu')}")
     return 0
 
 
