@@ -223,6 +223,33 @@ def test_batch_calls_bound_their_keys_before_any_work(agent: AgentProcess,
         assert mine.slots_held == 0 and mine.slots_ready == 0
 
 
+def test_a_routing_report_is_bounded_before_any_work(agent: AgentProcess,
+                                                    qwen_ckpt: Path) -> None:
+    """ReportRouting carries at most MAX_STEPS_PER_REPORT steps: one more is INVALID_ARGUMENT
+    naming the bound and folds nothing into the routing statistics; exactly the bound is
+    taken whole (the agent's own visit counter)."""
+    from bench.common import scrape
+    from dpu_offload.keys import MAX_STEPS_PER_REPORT
+    from host_client import AgentClient
+
+    with AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "reported")
+        step = pb.RoutingStep(layer=model.moe_layers[0], experts=[0], tokens=[1])
+        metric = "dpu_agent_routing_visits_total/reported"
+        before = scrape(agent).get(metric, 0.0)
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.ReportRouting(pb.ReportRoutingRequest(
+                session_id=client.session_id, model="reported",
+                steps=[step] * (MAX_STEPS_PER_REPORT + 1)), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"at most {MAX_STEPS_PER_REPORT}" in err.value.details()
+        assert scrape(agent).get(metric, 0.0) == before
+        client.stub.ReportRouting(pb.ReportRoutingRequest(
+            session_id=client.session_id, model="reported",
+            steps=[step] * MAX_STEPS_PER_REPORT), timeout=30)
+        assert scrape(agent)[metric] - before == MAX_STEPS_PER_REPORT
+
+
 def test_unknown_device_and_region_kinds_are_refused_by_name(agent: AgentProcess) -> None:
     """RegisterDevice with a device kind or delivery the protocol does not define, and
     RegisterRegion with an unknown region kind, are INVALID_ARGUMENT naming the value (the
