@@ -246,18 +246,17 @@ class AgentConfig:
         return getattr(getattr(self, section), key)
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(AgentConfig)}  # type: ignore[misc]
+SECTIONS: dict[str, type] = {f.name: f.default_factory  # type: ignore[misc]
+                             for f in fields(AgentConfig)}
 """Section -> its dataclass."""
-KEYS: dict[tuple[str, str], Callable[[Any], Any]] = {
-    (section, f.name): f.metadata["parse"] for section, cls in SECTIONS.items()
-    for f in fields(cls)}
+_DECLARED = [((section, f.name), f.metadata) for section, cls in SECTIONS.items()
+             for f in fields(cls)]
+KEYS: dict[tuple[str, str], Callable[[Any], Any]] = {k: m["parse"] for k, m in _DECLARED}
 """(section, key) -> its parser, from the declarations."""
-LIVE_SETTINGS = frozenset((section, f.name) for section, cls in SECTIONS.items()
-                          for f in fields(cls) if f.metadata["live"])
+LIVE_SETTINGS = frozenset(k for k, m in _DECLARED if m["live"])
 """(section, key) of the settings SIGHUP applies to a running agent; the others need a
 restart."""
-UNITS = {(section, f.name): f.metadata["unit"] for section, cls in SECTIONS.items()
-         for f in fields(cls)}
+UNITS = {k: m["unit"] for k, m in _DECLARED}
 
 
 POSITIVE = (("activations", "worker_timeout_seconds"), ("activations", "credits_per_sender"),

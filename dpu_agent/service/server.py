@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import zmq
@@ -188,10 +189,11 @@ class AgentServer:
         changes = [k for k in differ if k in LIVE_SETTINGS]
         applied = [f"{s}.{k}: {self.config.value(s, k)} -> {new.value(s, k)}"
                    for s, k in changes]
-        sections = {s for s, _ in changes}
+        by_section: dict[str, dict[str, Any]] = {}
+        for s, k in changes:
+            by_section.setdefault(s, {})[k] = new.value(s, k)
         self.config = replace(self.config, **{
-            s: replace(getattr(self.config, s), **{k: new.value(s, k) for t, k in changes
-                                                    if t == s}) for s in sections})
+            s: replace(getattr(self.config, s), **given) for s, given in by_section.items()})
         self.core.config = self.config
         self.core.scheduler.link_concurrency = self.config.transfer.link_concurrency
         ignored = [f"{s}.{k}" for s, k in differ if (s, k) not in LIVE_SETTINGS]

@@ -124,7 +124,8 @@ class ExpertOffload:
     """Of those, the ones the next layer's router then chose."""
     reporter: RoutingReporter | None = None
     """Sends each forward's routing to the agent (``report_routing=True``)."""
-    _hook: Any = None
+    _hook: Any = field(default=None, init=False, repr=False)
+    """The model's forward hook that ends each forward's report."""
 
     def close(self) -> None:
         """Send the routing not yet reported and stop reporting (before the client closes)."""
@@ -224,7 +225,6 @@ class _Layer:
         off.prefetched += off.client.prefetch(off.device, keys, wait=False)
 
     def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-
         off, module = self.offload, self.module
         routed = _routed(off, self.layer, top_k_index, self.num_experts)
         if self.previous is not None:
@@ -372,9 +372,8 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
     if prefetch:
         _link_next_routers(model, sorted(offload.layers), routed)
     if report_routing:
-        offload.reporter = RoutingReporter(client, info.model)
-        offload._hook = model.register_forward_hook(
-            lambda *_: offload.reporter.flush() if offload.reporter else None)
+        reporter = offload.reporter = RoutingReporter(client, info.model)
+        offload._hook = model.register_forward_hook(lambda *_: reporter.flush())
     return offload
 
 
