@@ -12,7 +12,9 @@ Paths in the same run and routing: ``offload`` (this project: each layer's exper
 in one AcquireBatch, so the misses' transfers overlap and are waited for in order; on the GPU
 each wait is enqueued on the compute stream ahead of the expert's FFN, ``--wait host`` blocks
 the calling thread instead; a wait on the stream counts as waiting, from CUDA events),
-``resident`` (every expert in a slot: the upper bound), ``pageable`` (a synchronous copy from
+``resident`` (every expert in a slot: the upper bound; measured again in each offload run
+with that run's agent and DMA engine up, as ``resident_beside_agent``, since here they share
+the host's cores with the inference process), ``pageable`` (a synchronous copy from
 host memory on each miss) and ``http`` (Expert Kit style: 1 MiB HTTP chunks into a host
 buffer, then a copy). Reported per
 path and cache fraction: tokens/s, time per token split into expert compute, waiting for
@@ -367,6 +369,11 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                         waits.pop(e).check()  # the FFN read verified bytes
                     session.release(dev, ExpertKey("m", layer, e), wait=False)
 
+                # The same resident kernels with this run's agent and DMA engine up and its
+                # device attached: what sharing the host's cores with them costs the compute
+                # (on a BlueField they run on the DPU's own cores).
+                beside = decoder.run(lambda la, e: resident[la, e], lambda *_: None, tokens)
+                beside.pop("outputs")
                 prof = cProfile.Profile() if profile else None
                 calls = sum(session.rpc_calls.values()) - session.rpc_calls["KeepAlive"]
                 delivered = delivered_bytes(agent)
@@ -376,6 +383,7 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 # The bytes the agent moved: the misses' and, with prefetch, every prefetch's
                 # (used or wasted); the bound charges them all.
                 moved = delivered_bytes(agent) - delivered
+                off["resident_beside_agent"] = beside
                 off["grpc_calls_per_token"] = (sum(session.rpc_calls.values()) - calls
                                                - session.rpc_calls["KeepAlive"]) / tokens
                 if prof is not None and profile is not None:
@@ -456,14 +464,24 @@ def gpu_ratio(run: dict[str, Any], resident_gpu: float | None) -> str:
     return f"{gpu / resident_gpu:.2f}" if gpu and resident_gpu else "-"
 
 
+def beside_ratio(run: dict[str, Any], resident: float, resident_gpu: float | None) -> str:
+    """The resident kernels' compute (GPU) time with the run's agent and engine up, over the
+    resident run's before the agent started ("-" for results without it)."""
+    beside = run.get("resident_beside_agent")
+    if beside is None:
+        return "-"
+    return (f"{beside['compute_s_per_token'] / resident:.2f} "
+            f"({gpu_ratio(beside, resident_gpu)})")
+
+
 def print_table(r: dict[str, Any]) -> None:
     print(f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, top-{r['top_k']}, "
           f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s"
           + (f"; next-layer prefetch of {r['prefetch']}" if r.get("prefetch") else ""),
           file=sys.stderr)
     print(" cache  hit rate  offload tok/s  (wait ms/tok)  compute x resident  (GPU x res.)  "
-          "gRPC/tok  MB/tok missed (moved)  bound  pageable  http  x bound  x http",
-          file=sys.stderr)
+          "(resident beside agent)  gRPC/tok  MB/tok missed (moved)  bound  pageable  http  "
+          "x bound  x http", file=sys.stderr)
     resident = r["resident"]["compute_s_per_token"]
     resident_gpu = r["resident"].get("gpu_compute_s_per_token")
     for run in r["runs"]:
@@ -472,6 +490,7 @@ def print_table(r: dict[str, Any]) -> None:
               f"({o['wait_s_per_token'] * 1e3:11.1f})  "
               f"{o['compute_s_per_token'] / resident:18.2f}  "
               f"({gpu_ratio(o, resident_gpu):>11})  "
+              f"({beside_ratio(o, resident, resident_gpu):>21})  "
               f"{o.get('grpc_calls_per_token', float('nan')):8.2f}  "
               f"{run['bytes_fetched_per_token'] / 1e6:9.1f} "
               f"({run.get('bytes_moved_per_token', float('nan')) / 1e6:7.1f})  "
