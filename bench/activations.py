@@ -1,11 +1,15 @@
-"""Activation round trips through the agent against an Expert Kit-style baseline measured in
-the same run: one gRPC unary call per expert carrying the rows as protobuf bytes, through one
-forwarding hop (client -> forwarder -> expert server), the same SwiGLU computed at the end.
+"""Activation round trips through the NIC stand-in against an Expert Kit-style baseline
+measured in the same run: one gRPC unary call per expert carrying the rows as protobuf bytes,
+through one forwarding hop (client -> forwarder -> expert server), the same SwiGLU computed at
+the end.
 
-Reports p50 / p99 round trip for 8 KiB, 256 KiB and 4 MiB messages and messages per second,
-then one MoE layer with DeepSeek-V3 widths (hidden 7168, top-8, 128 tokens; 16 experts with a
-256-wide FFN so that it fits a CPU) checked against a dense float64 reference.
-Targets (issue 6): 8 KiB p50 <= 200 us on loopback; >= 5x lower p50 than the baseline at 4 MiB.
+Reports p50 / p99 round trip for 8 KiB, 256 KiB and 4 MiB messages, messages per second, the
+CPU the agent and the NIC process spent per message (the agent's target: 0; it only programs
+the NIC), the transport alone (a worker that echoes), then one MoE layer with DeepSeek-V3
+widths (hidden 7168, top-8, 128 tokens; 16 experts with a 256-wide FFN so that it fits a CPU)
+checked against a dense float64 reference. Targets (issue 23): 8 KiB p50 <= 200 us on an
+H200 worker (<= 500 us on the CPU reference device); >= 5x lower p50 than the baseline at
+4 MiB.
 
 Usage: python bench/activations.py [--repeats N] [--json]
 """
@@ -16,21 +20,26 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 import numpy as np
-import zmq
 from google.protobuf import wrappers_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, figure, median, pct, save_figure, write
-from dpu_offload import frames
-from dpu_offload.frames import Kind
+from bench.common import (
+    child_pid,
+    envelope,
+    figure,
+    median,
+    pct,
+    proc_cpu_seconds,
+    save_figure,
+    write,
+)
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationSender, ExpertWorker
@@ -89,8 +98,10 @@ def grpc_baseline(weights: list[np.ndarray], hidden: int) -> tuple[grpc.Server, 
 
 
 def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str,
-                repeats: int) -> dict[str, dict[str, float]]:
-    """Round trips of one expert's rows (model "r", rows of ``hidden`` bf16 values)."""
+                repeats: int, agent_pid: int) -> dict[str, dict[str, float]]:
+    """Round trips of one expert's rows (model "r", rows of ``hidden`` bf16 values), with the
+    CPU the agent and the NIC stand-in spent per message on this path."""
+    nic_pid = child_pid(agent_pid, "nic")
     rng = np.random.default_rng(0)
     expert, forwarder, channel = grpc_baseline(weights, hidden)
     call = channel.unary_unary(METHOD,
@@ -102,16 +113,20 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
             rows = reference.f32_to_bf16(rng.standard_normal((nbytes // (2 * hidden), hidden),
                                                              dtype=np.float32))
             agent_t, grpc_t = [], []
-            for i in range(repeats + 2):
+            for _ in range(2):  # warm-up
+                sender.request(layer, 0, rows)
+                sender.receive()
+            cpu0 = (proc_cpu_seconds(agent_pid), proc_cpu_seconds(nic_pid))
+            for _ in range(repeats):
                 t0 = time.perf_counter()
                 sender.request(layer, 0, rows)
                 _, got = sender.receive()
+                agent_t.append(time.perf_counter() - t0)
+            cpu = (proc_cpu_seconds(agent_pid) - cpu0[0], proc_cpu_seconds(nic_pid) - cpu0[1])
+            for _ in range(repeats):
                 t1 = time.perf_counter()
                 resp = call(wrappers_pb2.BytesValue(value=rows.tobytes()))
-                t2 = time.perf_counter()
-                if i >= 2:
-                    agent_t.append(t1 - t0)
-                    grpc_t.append(t2 - t1)
+                grpc_t.append(time.perf_counter() - t1)
             # The same FFN on the same bytes: bit-equal on the CPU device; on the GPU the
             # fp32 matmul rounds differently, so within bf16 rounding of the NumPy result.
             base = reference.bf16_to_f32(np.frombuffer(resp.value, np.uint16))
@@ -123,11 +138,14 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
                          "grpc_p50_us": median(grpc_t) * 1e6,
                          "grpc_p99_us": pct(grpc_t, 99) * 1e6,
                          "speedup_p50": median(grpc_t) / median(agent_t),
-                         "agent_messages_per_s": 1 / median(agent_t)}
-            print(f"{name:>7}: agent p50 {out[name]['agent_p50_us']:9.0f} us p99 "
+                         "agent_messages_per_s": 1 / median(agent_t),
+                         "agent_cpu_us_per_message": cpu[0] / repeats * 1e6,
+                         "nic_cpu_us_per_message": cpu[1] / repeats * 1e6}
+            print(f"{name:>7}: NIC path p50 {out[name]['agent_p50_us']:9.0f} us p99 "
                   f"{out[name]['agent_p99_us']:9.0f}  gRPC+hop p50 "
-                  f"{out[name]['grpc_p50_us']:9.0f} us ({out[name]['speedup_p50']:.2f}x)",
-                  file=sys.stderr)
+                  f"{out[name]['grpc_p50_us']:9.0f} us ({out[name]['speedup_p50']:.2f}x); "
+                  f"CPU per message: agent {out[name]['agent_cpu_us_per_message']:.0f} us, "
+                  f"NIC {out[name]['nic_cpu_us_per_message']:.0f} us", file=sys.stderr)
     channel.close()
     forwarder.stop(None)
     expert.stop(None)
@@ -161,45 +179,34 @@ def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, fl
             "relative_error_vs_dense": err}
 
 
-def transport_only(client: AgentClient, checkpoint: str, model: str, layer: int, hidden: int,
-                   address: str, repeats: int) -> dict[str, float]:
-    """p50 / p99 us of an 8 KiB round trip through the agent to a worker that echoes at once
-    (a raw socket registered for its own device): the transport share of a round trip."""
-    info = client.load_model(checkpoint, model)
-    dev = client.register_device(CpuReferenceDevice(7), [SlotPoolSpec(info.expert_bytes, 16)])
-    client.wait_placement(client.apply_placement(model, [[[dev.device_id]] * 16]).placement_id)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{address}")
-    hello = f"{client.session_id}:{dev.device_id}".encode()
-    sock.send_multipart([frames.pack(Kind.HELLO, payload_bytes=len(hello)), hello])
-    sock.recv_multipart()
-    stop = threading.Event()
+class EchoWorker(ExpertWorker):
+    """Answers every message with its own rows: the transport alone (NIC, rings, packets)."""
 
-    def echo() -> None:
-        while not stop.is_set():
-            if sock.poll(100):
-                header, payload = sock.recv_multipart(copy=False)
-                h = frames.unpack(header.bytes, len(payload.buffer))
-                sock.send_multipart([frames.pack(
-                    Kind.RESULT, int(h["message_id"]), model, int(h["layer"]), int(h["expert"]),
-                    int(h["rows"]), int(h["row_bytes"]), len(payload.buffer)), payload],
-                    copy=False)
+    def _answer(self, h: np.void, buf: object) -> None:
+        self._send(buf, int(h["message_id"]), h)
+        self.served += 1
 
-    thread = threading.Thread(target=echo, daemon=True)
-    thread.start()
+
+def transport_only(client: AgentClient, checkpoint: str, layer: int, hidden: int,
+                   address: str, repeats: int, made: object) -> dict[str, float]:
+    """p50 / p99 us of an 8 KiB round trip through the NIC to a worker of its own device that
+    echoes the rows (model "echo"): the transport share of a round trip."""
+    info = client.load_model(checkpoint, "echo")
+    dev = client.register_device(made, [SlotPoolSpec(info.expert_bytes, 16)])
+    client.wait_placement(client.apply_placement("echo", [[[dev.device_id]] * 16]).placement_id)
+    worker = EchoWorker(client, dev)
     rows = np.zeros((8 << 10) // (2 * hidden) * hidden, np.uint16).reshape(-1, hidden)
     times = []
-    with ActivationSender(address, model, 16) as sender:
-        for i in range(repeats + 20):
-            t0 = time.perf_counter()
-            sender.request(layer, 0, rows)
-            sender.receive()
-            if i >= 20:
-                times.append(time.perf_counter() - t0)
-    stop.set()
-    thread.join()
-    sock.close(0)
+    try:
+        with ActivationSender(address, "echo", 16) as sender:
+            for i in range(repeats + 20):
+                t0 = time.perf_counter()
+                sender.request(layer, 0, rows)
+                sender.receive()
+                if i >= 20:
+                    times.append(time.perf_counter() - t0)
+    finally:
+        worker.close()
     return {"p50_us": median(times) * 1e6, "p99_us": pct(times, 99) * 1e6}
 
 
@@ -220,13 +227,14 @@ def main() -> int:
         settings = '[activations]\nlisten_address = "127.0.0.1:0"\n[arena]\nbytes = "1GiB"\n'
         with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
             models = [client.load_model(str(r), n) for r, n in ((root, "m"), (rt_root, "r"))]
-            if args.device == "cuda":
-                from host_client.cuda_device import CudaDevice
+            def make_device() -> object:
+                if args.device == "cuda":
+                    from host_client.cuda_device import CudaDevice
 
-                made = CudaDevice(0, mechanism="copy_engine")
-            else:
-                made = CpuReferenceDevice()
-            dev = client.register_device(made, [SlotPoolSpec(
+                    return CudaDevice(0, mechanism="copy_engine")
+                return CpuReferenceDevice(len(client.devices))
+
+            dev = client.register_device(make_device(), [SlotPoolSpec(
                 max(m.expert_bytes for m in models), 32)])
             layer = models[0].moe_layers[0]
             for m in models:
@@ -235,11 +243,12 @@ def main() -> int:
             worker = ExpertWorker(client, dev)
             address = f"127.0.0.1:{agent.activations_port}"
             trips = round_trips(layer, rt_hidden, _weights(read_tensor_bytes(rt_root), layer,
-                                                           0, rt_hidden), address, args.repeats)
+                                                           0, rt_hidden), address, args.repeats,
+                                agent.proc.pid)
             layer_result = moe_layer(root, address, layer, hidden)
             worker.close()
-            transport = transport_only(client, str(rt_root), "echo", layer, rt_hidden, address,
-                                       max(200, args.repeats))
+            transport = transport_only(client, str(rt_root), layer, rt_hidden, address,
+                                       max(200, args.repeats), make_device())
     print(f"   8KiB transport only (echo worker): p50 {transport['p50_us']:.0f} us",
           file=sys.stderr)
     result = {"round_trips": trips, "moe_layer": layer_result, "hidden": hidden,
@@ -248,7 +257,7 @@ def main() -> int:
     fig, ax = figure()
     names = list(SIZES)
     ax.bar([i - 0.2 for i in range(3)], [trips[n]["agent_p50_us"] / 1e3 for n in names], 0.4,
-           label="through the agent (ZeroMQ, steering)")
+           label="through the NIC stand-in (ZeroMQ, steering, rings)")
     ax.bar([i + 0.2 for i in range(3)], [trips[n]["grpc_p50_us"] / 1e3 for n in names], 0.4,
            label="gRPC per expert + forwarding hop")
     ax.set(xticks=range(3), xticklabels=names, ylabel="p50 round trip (ms)", yscale="log",

@@ -207,3 +207,22 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
             continue  # the thread ended meanwhile
         out[name] += ns / 1e9
     return dict(out)
+
+
+def child_pid(parent: int, module: str) -> int:
+    """The child of ``parent`` running ``python -m module`` (the agent's DMA engine or NIC
+    stand-in); 0 when there is none."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and module.encode() in cmd:
+            return int(pid)
+    return 0
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` so far (``thread_cpu_seconds`` summed)."""
+    return sum(thread_cpu_seconds(pid).values())

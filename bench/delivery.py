@@ -33,12 +33,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
+    child_pid,
     chunk_server,
     envelope,
     figure,
     http_fetch,
     median,
     pct,
+    proc_cpu_seconds,
     save_figure,
     scrape,
     thread_cpu_seconds,
@@ -61,24 +63,6 @@ SHAPES = {
 
 def log(msg: str) -> None:
     print(f"[delivery] {msg}", file=sys.stderr, flush=True)
-
-
-def engine_pid(agent_pid: int) -> int:
-    """The agent's DMA-engine child process (0 when it runs none)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == agent_pid and b"dma_engine" in cmd:
-            return int(pid)
-    return 0
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """CPU seconds of every thread of ``pid`` so far (``thread_cpu_seconds`` summed)."""
-    return sum(thread_cpu_seconds(pid).values())
 
 
 def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
@@ -200,7 +184,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             bw, cpu_client, cpu_engine, nbytes_total = [], 0.0, 0.0, 0
             by_thread: Counter[str] = Counter()
             agent_threads: Counter[str] = Counter()
-            engine = engine_pid(agent.proc.pid)
+            engine = child_pid(agent.proc.pid, "dma_engine")
             rpc.clear()
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]

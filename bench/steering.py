@@ -17,12 +17,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, write
-from dpu_agent.dataplane.steering import (
+from dpu_agent.dataplane.steering import placement_rules
+from dpu_offload.flows import (
     Action,
     FlowRule,
     FlowTable,
     TrafficClass,
-    placement_rules,
 )
 
 LAYERS, EXPERTS = list(range(3, 61)), 256

@@ -44,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await agent.start()
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
-            act = agent.router.port if agent.router is not None else 0
+            act = agent.nic.port if agent.nic is not None else 0
             tmp.write_text(f"{agent.port} {agent.metrics_port} {act}\n")
             os.replace(tmp, args.ready_file)
         loop = asyncio.get_running_loop()

@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.dataplane.grants import SlotGrant, SlotGrants
+from dpu_agent.dataplane.nic import NicCounters
 from dpu_agent.dataplane.plane import DataPlane
-from dpu_agent.dataplane.steering import FlowTable, owned_by
+from dpu_agent.dataplane.steering import owned_by
 from dpu_agent.errors import (
     AgentError,
     ErrorKind,
@@ -42,12 +44,17 @@ from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
 from dpu_agent.weights.policies import make_policy
 from dpu_offload import abi
+from dpu_offload.flows import FlowTable
 from dpu_offload.keys import ExpertKey
 from dpu_offload.shm import sweep_stale
+
+if TYPE_CHECKING:
+    from dpu_agent.dataplane.nic import ActivationNic
 
 log = logging.getLogger("dpu_agent")
 
 STALE_SEGMENTS = ("dpu-agent-arena", "dpu-channel", "dpu-pool", "dpu-bell", "dpu-engine-bell",
+                  "dpu-steer",
                   *(f"dpu-{side}-{kind.name.lower()}" for side in ("engine", "ring")
                     for kind in abi.RingKind))
 """Names of the segments agents and host clients create (``unique_name``): swept at start
@@ -97,8 +104,8 @@ class Orchestrator:
         self.registrations = Registrations(self, config.sessions.max_devices)
         self.predictor = NextLayerPredictor(self.routing)
         self.flows = FlowTable()
-        self.activations: Any = None
-        """The ActivationRouter when [activations] is enabled (set by the server)."""
+        self.activations: ActivationNic | None = None
+        """The NIC stand-in when [activations] is enabled (set by the server)."""
         self.cluster: Any = None
         """The ClusterAgent in cluster mode (set by the server)."""
         self.plane.start()
@@ -132,8 +139,10 @@ class Orchestrator:
     def load_model(self, path: str, name: str = "", persist: bool = True) -> ModelCatalog:
         """LoadModel (``Models.load``), remembered in the state directory when new."""
         catalog, new = self.catalog.load(path, name)
-        if new and persist:
-            self.persist()
+        if new:
+            self.steering_changed()
+            if persist:
+                self.persist()
         return catalog
 
     def model_index(self, name: str) -> int:
@@ -176,6 +185,10 @@ class Orchestrator:
         gone = [r.rule_id for r in self.flows.rules() if owned_by(r, sid)]
         if gone:
             self.flows.update(delete=gone)  # its devices' queues are gone with it
+        if self.activations is not None:
+            for dev in devices:
+                self.activations.stop_serving(dev.device_id)
+            self.steering_changed()
         self.plane.deliveries.tracker.cancel(lambda t: t.owner in devices)
         for dev in devices:
             if dev.queue is not None:
@@ -244,6 +257,46 @@ class Orchestrator:
         session, device_id, k = prefetch
         nxt, experts = self.predictor.predict(model, k)
         return self.prefetch(session, device_id, [ExpertKey(model, nxt, e) for e in experts])
+
+    # -- activations (the NIC stand-in steers them; dataplane/nic.py) ----------------------
+    def steering_changed(self) -> int:
+        """Rules, models, placed copies or cluster holdings changed: publish the NIC's next
+        steering snapshot; returns its version (0 without activations)."""
+        nic = self.activations
+        return nic.publish() if nic is not None else 0
+
+    def when_steering_drained(self, version: int, then: Callable[[], None]) -> None:
+        """Run ``then`` once no message steered under a version before ``version`` is in
+        flight (at once without activations)."""
+        nic = self.activations
+        if nic is None:
+            then()
+        else:
+            nic.when_drained(version, then)
+
+    def steering_counters(self) -> NicCounters:
+        """What the NIC counted (rules matched, frames, refusals); zero without it."""
+        nic = self.activations
+        return nic.counters() if nic is not None else NicCounters()
+
+    def serve_activations(self, session: Session, device_id: int, serve: bool) -> None:
+        """ServeActivations: the NIC writes the messages steered to the device into its rx
+        packet ring (registered with the device) and answers from its tx ring."""
+        dev = self.device(session, device_id)
+        nic = self.activations
+        if nic is None:
+            raise precondition("the agent has no [activations] listen_address")
+        if not serve:
+            nic.stop_serving(device_id)
+            return
+        rings = [dev.packet_rings.get(k) for k in (abi.RingKind.RX_PACKET,
+                                                   abi.RingKind.TX_PACKET)]
+        if not all(rings):
+            raise precondition(f"device {device_id} has no rx and tx packet rings registered")
+        try:
+            nic.serve(device_id, *rings)
+        except ValueError as exc:
+            raise invalid(str(exc)) from exc
 
     # -- data plane ------------------------------------------------------------------------
     def exports(self) -> set[str | bytes]:

@@ -149,21 +149,53 @@ entry with ``size == 0`` is unregistered."""
 PACKET_HEADER_DTYPE = np.dtype(
     {
         "names": ["message_id", "offset", "length", "flags", "checksum", "layer", "expert",
-                  "model", "total_length", "seq"],
-        "formats": ["<u8", "<u8", "<u4", "<u4", "<u4", "<u2", "<u2", "<u4", "<u8", "<u8"],
-        "offsets": [0, 8, 16, 20, 24, 28, 30, 32, 40, 56],
+                  "model", "status", "total_length", "slot", "seq"],
+        "formats": ["<u8", "<u8", "<u4", "<u4", "<u4", "<u2", "<u2", "<u4", "<u4", "<u8", "<u8",
+                    "<u8"],
+        "offsets": [0, 8, 16, 20, 24, 28, 30, 32, 36, 40, 48, 56],
         "itemsize": 64,
     }
 )
 """Header of an rx/tx packet ring entry; the payload (``length`` bytes, at most the entry size
 minus 64) follows it in the same entry. ``offset`` is the payload's byte position within the
-message of ``total_length`` bytes; ``checksum`` covers the payload mixed with ``offset``."""
+message of ``total_length`` bytes; ``checksum`` covers the payload mixed with ``offset``.
+On the activation path (docs/ACTIVATIONS.md) the NIC stamps each rx packet with the expert's
+``slot`` on the worker's device (``pack_slot``), and a tx packet flagged ``ERROR`` carries a
+``FrameStatus`` in ``status`` and the reason as its payload."""
+
+
+SLOT_OFFSET_BITS = 48
+"""A packet's ``slot``: region id above this many bits, the slot's byte offset in the region
+below."""
+
+
+def pack_slot(region_id: int, offset: int) -> int:
+    """The ``slot`` word of a packet header for the slot at ``offset`` bytes in ``region_id``."""
+    if not 0 <= offset < 1 << SLOT_OFFSET_BITS or not 0 <= region_id < MAX_REGIONS:
+        raise ValueError(f"slot (region {region_id}, offset {offset}) does not fit a packet")
+    return region_id << SLOT_OFFSET_BITS | offset
+
+
+def error_payload(reason: str, limit: int) -> np.ndarray:
+    """The payload of an ERROR packet: ``reason`` in UTF-8, cut to ``limit`` bytes (a multiple
+    of 16) and NUL-padded to a multiple of 16, ``uint8``."""
+    raw = reason.encode()[:limit]
+    out = np.zeros(max(16, -(-len(raw) // 16) * 16), np.uint8)
+    out[:len(raw)] = np.frombuffer(raw, np.uint8)
+    return out
+
+
+def unpack_slot(word: int) -> tuple[int, int]:
+    """(region id, byte offset) of a packet's ``slot`` word."""
+    return word >> SLOT_OFFSET_BITS, word & ((1 << SLOT_OFFSET_BITS) - 1)
 
 
 class PacketFlags(IntEnum):
     """Bits of a packet header's ``flags``."""
 
     LAST = 1
+    ERROR = 2
+    """A tx packet answering its message with an error (``status``, reason in the payload)."""
 
 
 

@@ -1,5 +1,6 @@
-"""The activation frame format: the contract between senders, the agent and host workers on
-the ZeroMQ activation path (docs/ACTIVATIONS.md). NumPy only.
+"""The activation frame format: the contract between senders and the NIC stand-in (and between
+the NIC stand-ins of a cluster's agents) on the ZeroMQ activation path (docs/ACTIVATIONS.md).
+NumPy only.
 
 A message is two ZeroMQ frames: a 64-byte header (:data:`HEADER_DTYPE`) and the payload as its
 own frame (sent and received without copies). Rows are ``row_bytes`` each; ``payload_bytes``
@@ -18,12 +19,9 @@ MODEL_BYTES = 16
 
 
 class Kind(IntEnum):
-    HELLO = 1      # host worker -> agent: payload = session id (ascii)
-    REQUEST = 2    # sender -> agent: rows for (model, layer, expert)
-    DELIVER = 3    # agent -> host worker
-    RESULT = 4     # host worker -> agent: output rows
-    RESPONSE = 5   # agent -> sender; returns one credit
-    ERROR = 6      # agent -> sender or worker: status + reason text payload; returns a credit
+    REQUEST = 2    # sender -> NIC (or NIC -> a peer agent's NIC): rows for (model, layer, expert)
+    RESPONSE = 5   # NIC -> sender: output rows; returns one credit
+    ERROR = 6      # NIC -> sender: status + reason text payload; returns a credit
 
 
 class FrameStatus(IntEnum):
@@ -34,7 +32,8 @@ class FrameStatus(IntEnum):
     NO_ROUTE = 4         # no flow rule forwards it (or its device has no worker)
     DROPPED = 5          # a DROP rule matched
     NO_CREDIT = 6        # the sender exceeded its credits
-    WORKER_FAILED = 7
+    WORKER_FAILED = 7    # the worker failed it, or did not answer in time
+    BAD_CHECKSUM = 8     # worker -> NIC (tx ERROR packet): the rx packets failed their check
 
 
 HEADER_DTYPE = np.dtype({
@@ -78,7 +77,7 @@ def unpack(header: bytes | memoryview, payload_bytes: int) -> np.void:
     if int(h["payload_bytes"]) != payload_bytes:
         raise FrameError(FrameStatus.BAD_FRAME, f"header says {int(h['payload_bytes'])} "
                          f"payload bytes, frame has {payload_bytes}")
-    if int(h["kind"]) in (Kind.REQUEST, Kind.DELIVER, Kind.RESULT) and \
+    if int(h["kind"]) in (Kind.REQUEST, Kind.RESPONSE) and \
             int(h["rows"]) * int(h["row_bytes"]) != payload_bytes:
         raise FrameError(FrameStatus.BAD_FRAME, f"{int(h['rows'])} rows of "
                          f"{int(h['row_bytes'])} bytes != {payload_bytes} payload bytes")

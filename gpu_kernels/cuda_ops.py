@@ -132,19 +132,23 @@ def launch_checksums(address: int, nbytes: int, chunk_bytes: int, position: int,
 
 
 def send_packets(tx: Ring, tx_device_ptr: int, data: Any, message_id: int, model: int,
-                 layer: int, expert: int, stream: Any = None) -> int:
-    """Launch ``dpu_send`` for ``data`` (device uint8, 16-byte multiple) into ``tx`` (a packet
+                 layer: int, expert: int, stream: Any = None, *, base: int = 0,
+                 total: int | None = None) -> int:
+    """Launch ``dpu_send`` for ``data`` (device uint8, 16-byte multiple), the part of a message
+    of ``total`` bytes (default: all of it) that starts ``base`` bytes in, into ``tx`` (a packet
     ring in registered host memory whose device address is ``tx_device_ptr``). Returns the
     packets it will publish; the host's producer count advances by that many."""
     room = tx.entry_size - abi.PACKET_HEADER_DTYPE.itemsize
     packets = -(-int(data.size) // room)
     first = tx.produced
+    total = data.size if total is None else total
     k = launch.kernel("send", "dpu_send")
     k((_grid(packets),), (THREADS,), (np.uint64(tx_device_ptr),
                                       np.uint64(tx_device_ptr + abi.HEADER_BYTES), data,
                                       np.uint64(data.size), np.uint64(first),
                                       np.uint64(message_id), np.uint32(model), np.uint32(layer),
-                                      np.uint32(expert)), stream=stream)
+                                      np.uint32(expert), np.uint64(base), np.uint64(total)),
+      stream=stream)
     tx.advance_producer(packets)
     return packets
 

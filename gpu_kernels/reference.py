@@ -208,13 +208,16 @@ def _packet_checksums(payloads: np.ndarray, lengths: np.ndarray, offsets: np.nda
 
 
 def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer: int,
-                 expert: int) -> int:
-    """Twin of ``dpu_send``: publish ``data`` (uint8, length a multiple of 16) as packets on
-    ``tx``; returns packets written. Raises BufferError when the ring lacks room for them
-    all (the kernel would wait instead)."""
+                 expert: int, *, base: int = 0, total: int | None = None, slot: int = 0,
+                 status: int = 0, flags: int = 0) -> int:
+    """Twin of ``dpu_send``: publish ``data`` (uint8, length a multiple of 16), the part of a
+    message of ``total`` bytes (default: ``data`` is all of it) that starts ``base`` bytes
+    in, as packets on ``tx``, its last packet flagged LAST (and ``flags``); each header carries
+    ``slot`` and ``status`` (``abi.PACKET_HEADER_DTYPE``). Returns packets written. Raises
+    BufferError when the ring lacks room for them all (the kernel would wait instead)."""
     assert tx.payload is not None, "not a packet ring"
     room = tx.payload.shape[1]
-    packets = -(-data.size // room)
+    packets = max(1, -(-data.size // room))
     if tx.free_entries() < packets:
         raise BufferError(f"{packets} packets, {tx.free_entries()} free entries")
     idx = ((np.arange(packets, dtype=np.uint64) + np.uint64(tx.produced))
@@ -225,13 +228,42 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
     tx.payload[idx[:full]] = data[:full * room].reshape(full, room)
     if full < packets:
         tx.payload[idx[full], :int(lengths[-1])] = data[full * room:]
+    offsets += np.uint64(base)
     h = np.zeros(packets, abi.PACKET_HEADER_DTYPE)
     h["message_id"], h["offset"], h["length"] = message_id, offsets, lengths
-    h["flags"][-1] = abi.PacketFlags.LAST
+    h["flags"][-1] = abi.PacketFlags.LAST | flags
     h["checksum"] = _packet_checksums(tx.payload[idx], lengths, offsets)
-    h["layer"], h["expert"], h["model"], h["total_length"] = layer, expert, model, data.size
+    h["layer"], h["expert"], h["model"] = layer, expert, model
+    h["total_length"] = data.size if total is None else total
+    h["slot"], h["status"] = slot, status
     assert tx.push_many(h) == packets
     return packets
+
+
+def part_packets(rx: Ring) -> int | None:
+    """How many packets the next part on ``rx`` has (up to its LAST one) once they are all
+    published, else None; nothing is consumed (the host's count for ``dpu_receive_packets``)."""
+    assert rx.payload is not None, "not a packet ring"
+    pos = rx.consumed
+    want = np.arange(pos + 1, pos + rx.capacity + 1, dtype=np.uint64)
+    idx = ((want - np.uint64(1)) & np.uint64(rx.capacity - 1)).astype(np.intp)
+    ready = rx._seq[idx] == want
+    n_ready = rx.capacity if ready.all() else int(np.argmin(ready))
+    store_fence()
+    last = np.flatnonzero(rx.entries["flags"][idx[:n_ready]] & abi.PacketFlags.LAST)
+    return int(last[0]) + 1 if last.size else None
+
+
+def peek_packet(rx: Ring) -> np.void | None:
+    """The header of the next packet on ``rx`` once it is published (a copy), else None;
+    nothing is consumed."""
+    assert rx.payload is not None, "not a packet ring"
+    pos = rx.consumed
+    i = pos & (rx.capacity - 1)
+    if int(rx._seq[i]) != pos + 1:
+        return None
+    store_fence()
+    return rx.entries[i].copy()
 
 
 def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:

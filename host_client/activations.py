@@ -1,15 +1,16 @@
 """The activation path on the host side (docs/ACTIVATIONS.md).
 
-- :class:`ExpertWorker` serves the experts of one registered device: a DELIVER frame from the
-  agent is written by the "NIC" (this thread) into the device's rx packet ring, the receive
-  twin lands the rows in the expert's input buffer with checksums verified (a part with refused
-  packets is delivered again, ``PACKET_RETRIES`` times at most, and counted), the expert's
-  SwiGLU FFN runs on the weights in its slot, the send twin packetizes the output into the tx
-  ring, and the NIC returns it to the agent as a RESULT.
+- :class:`ExpertWorker` serves the experts placed on one registered device. The NIC stand-in
+  (its own process, the agent's) writes each message steered to the device into the device's
+  rx packet ring, stamped with the expert's slot; the worker's receiver (on a GPU host, the
+  stand-in for a resident receive kernel; a thread of this process here) lands the rows with
+  their checksums verified, runs the expert's FFN on the slot's weights, and packetizes the
+  output into the tx ring, from which the NIC answers the sender. No byte of it passes
+  through the agent, and no RPC is made per message.
 - :class:`ActivationSender` is what attention nodes use: ``dispatch(layer, hidden, topk_ids,
-  topk_weights)`` packs rows by expert, sends one REQUEST per expert through the agent (within
-  its credits), and combines the answers weighted by the gate probabilities. It never needs
-  to know where an expert lives.
+  topk_weights)`` packs rows by expert, sends one REQUEST per expert to the NIC (within its
+  credits), and combines the answers weighted by the gate probabilities. It never needs to
+  know where an expert lives.
 
 Shapes and dtypes: ``hidden`` is ``uint16[tokens, hidden_size]`` holding bf16 bits;
 ``topk_ids`` ``int[tokens, k]``; ``topk_weights`` ``float32[tokens, k]``; the result is
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -28,14 +31,14 @@ import zmq
 import zmq.auth
 from prometheus_client import Counter
 
-from dpu_offload import frames
+from dpu_offload import abi, frames
 from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
-from dpu_offload.ring import Ring
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import gpt_oss, reference
 from gpu_kernels.routing import dispatch_plan
 from host_client.client import AgentClient
+from host_client.memory import ExpertSlot
 from host_client.registration import AttachedDevice
 
 
@@ -53,20 +56,22 @@ def curve_socket(kind: int, curve: tuple[str, str] | None) -> zmq.Socket:
 
 
 class ActivationError(RuntimeError):
-    """The agent refused or could not serve a request; ``status`` says why."""
+    """The NIC refused or could not serve a request; ``status`` says why."""
 
     def __init__(self, status: FrameStatus, message: str) -> None:
         super().__init__(f"{status.name}: {message}")
         self.status = status
 
 
-PACKET_RETRIES = 2
-"""Times a payload part whose packets failed their checksum is delivered again before the
-request fails with WORKER_FAILED."""
 PACKETS_REFUSED = Counter("dpu_worker_packets_refused", "Activation packets that failed their "
                           "checksum in an expert worker's rx ring.", ["device"])
-PACKET_RETRANSMITS = Counter("dpu_worker_packet_retransmits", "Activation payload parts "
-                             "delivered again after refused packets.", ["device"])
+FFN_CACHE_EXPERTS = 512
+"""Experts whose FFN (weights widened or made contiguous) a worker keeps ready."""
+IDLE_SPIN_SECONDS = 0.002
+"""After a message the receiver polls its rx ring this long before napping between polls."""
+NAP_SECONDS = 50e-6
+REASON_BYTES = 1024
+"""An error answer's reason is cut to this many bytes."""
 
 
 def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
@@ -83,29 +88,23 @@ def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
 
 
 class ExpertWorker:
-    """Serves activation requests for the experts resident on ``dev``: on a CUDA device the
-    packet-receive and send kernels move the rows and the FFN runs in CuPy; on the CPU
-    reference device their NumPy twins and NumPy do."""
+    """Serves the activations the NIC steers to ``dev`` (``ServeActivations``): on a CUDA
+    device the packet-receive and send kernels move the rows and the FFN runs on the GPU; on
+    the CPU reference device their NumPy twins and NumPy do.
 
-    def __init__(self, client: AgentClient, dev: AttachedDevice, host: str = "127.0.0.1",
-                 curve: tuple[str, str] | None = None) -> None:
+    Attributes:
+        served: messages answered with output rows.
+        failed: messages answered with an error (an expert it cannot compute, rows that
+            failed their check).
+        refused_packets: rx packets that failed their checksum (also
+            ``dpu_worker_packets_refused_total``); the NIC writes their message again.
+    """
+
+    def __init__(self, client: AgentClient, dev: AttachedDevice) -> None:
         if not client.activations_port:
             raise ValueError("the agent has no [activations] listen_address")
         self.client, self.dev = client, dev
-        self.sock = curve_socket(zmq.DEALER, curve)
-        self.sock.connect(f"tcp://{host}:{client.activations_port}")
-        hello = f"{client.session_id}:{dev.device_id}".encode()
-        self.sock.send_multipart([frames.pack(Kind.HELLO, payload_bytes=len(hello)), hello])
-        reply = self.sock.recv_multipart()
-        h = frames.unpack(reply[0], len(reply[1]))
-        if int(h["kind"]) != Kind.RESPONSE:
-            raise ActivationError(FrameStatus(int(h["status"])), reply[1].decode())
-        self.served = 0
-        self.refused_packets = 0
-        """rx packets that failed their checksum (also ``dpu_worker_packets_refused_total``)."""
-        self.retransmits = 0
-        """Payload parts delivered again after a refusal
-        (``dpu_worker_packet_retransmits_total``)."""
+        self.served = self.failed = self.refused_packets = 0
         self.xp: Any = np
         self.ops: Any = None
         """gpu_kernels.cuda_ops on a CUDA device; None: the NumPy twins."""
@@ -115,148 +114,201 @@ class ExpertWorker:
             from gpu_kernels import cuda_ops
 
             self.xp, self.ops = cupy, cuda_ops
-        self._generation = client.generation
-        self._slots: dict[ExpertKey, Any] = {}
-        """Experts this worker holds (one reference each, released on close): serving a
-        placed expert costs no RPC."""
-        self._ffn: dict[ExpertKey, Callable[[Any], Any]] = {}
-        """Each held expert's FFN, rows (bf16 bits ``uint16[rows, hidden]``) -> rows, its
-        weights ready (``_keep``)."""
+        self._ffn: OrderedDict[tuple[ExpertKey, int, int],
+                               tuple[Callable[[Any], Any], int]] = OrderedDict()
+        """(expert, region id, slot offset) -> its FFN, rows (bf16 bits ``uint16[rows,
+        hidden]``) -> rows, weights ready, and ``hidden``."""
+        self._inputs: dict[int, tuple[Any, int]] = {}
+        """Message id -> (its rows' buffer, bytes landed so far)."""
+        self._models: dict[int, str] = {}
+        self._generation = -1
+        self._serve()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="expert-worker", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="expert-receiver", daemon=True)
         self._thread.start()
 
+    def _serve(self) -> None:
+        """Ask the agent to have the NIC steer to this device (again after a reconnection,
+        whose device has fresh rings)."""
+        self._generation = self.client.generation
+        self.client.stub.ServeActivations(pb.ServeActivationsRequest(
+            session_id=self.client.session_id, device_id=self.dev.device_id, serve=True),
+            timeout=self.client.rpc_timeout)
+        self._models = {m.model_index: m.model for m in self.client.status().models}
+        self._ffn.clear()
+        self._inputs.clear()
+
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        last = time.monotonic()
         while not self._stop.is_set():
-            if not poller.poll(100):
+            if self.client.generation != self._generation:
+                try:
+                    self._serve()
+                except Exception:  # noqa: BLE001 - the agent may still be coming back
+                    time.sleep(0.1)
+                    continue
+            h = reference.peek_packet(self.dev.rx.ring)
+            if h is None:
+                if time.monotonic() - last > IDLE_SPIN_SECONDS:
+                    time.sleep(NAP_SECONDS)
                 continue
-            header, payload = self.sock.recv_multipart(copy=False)
-            h = frames.unpack(header.bytes, len(payload.buffer))
-            try:
-                out = self._serve(h, np.frombuffer(payload.buffer, np.uint8))
-                reply = frames.pack(Kind.RESULT, int(h["message_id"]), frames.model_of(h),
-                                    int(h["layer"]), int(h["expert"]), int(h["rows"]),
-                                    int(h["row_bytes"]), out.nbytes)
-                self.sock.send_multipart([reply, out], copy=False)
-                self.served += 1
-            except Exception as exc:  # noqa: BLE001 - answered, never dropped
-                text = f"{type(exc).__name__}: {exc}".encode()
-                self.sock.send_multipart([frames.pack(
-                    Kind.ERROR, int(h["message_id"]), frames.model_of(h), int(h["layer"]),
-                    int(h["expert"]), payload_bytes=len(text),
-                    status=FrameStatus.WORKER_FAILED), text])
+            if self._take(h):
+                last = time.monotonic()
+            else:
+                time.sleep(0)
 
-    def hold(self, keys: list[ExpertKey]) -> None:
-        """Acquire ``keys`` now (one AcquireBatch) so that serving them later costs no RPC.
-        ValueError (the rest released) for an expert the worker cannot compute."""
-        handles = self.client.acquire_batch(self.dev, keys)
-        for i, (key, handle) in enumerate(zip(keys, handles, strict=True)):
-            try:
-                self._keep(key, handle.wait(120))
-            except BaseException:
-                self.client.release_batch(self.dev, keys[i + 1:])
-                raise
+    def _take(self, h: np.void) -> bool:
+        """Land the next part on the rx ring; answer its message once whole. False when the
+        part is not all there yet."""
+        nid, total = int(h["message_id"]), int(h["total_length"])
+        state = self._inputs.get(nid)
+        if state is None:
+            if int(h["offset"]) != 0:  # a part of a message already answered (failed)
+                return self._land(np.zeros(0, np.uint8)) is not None
+            state = (self.xp.zeros(total, np.uint8), 0)
+        landed = self._land(state[0])
+        if landed is None:
+            return False
+        written, refused, (first, end, whole) = landed
+        # The part must land all of [bytes so far, end), and end the message or a whole packet
+        # (a packet cut short, checksum and all, would leave a hole otherwise).
+        if refused or first != state[1] or written != end - first or not (whole or end == total):
+            self._inputs.pop(nid, None)
+            self.refused_packets += refused
+            PACKETS_REFUSED.labels(str(self.dev.device_id)).inc(refused)
+            self._error(h, FrameStatus.BAD_CHECKSUM,
+                        f"{refused} packets failed their checksum and {written} of "
+                        f"{end - first} bytes landed from offset {first}")
+            return True
+        buf, done = state[0], state[1] + written
+        if done < total:
+            self._inputs[nid] = (buf, done)
+            return True
+        self._inputs.pop(nid, None)
+        self._answer(h, buf)
+        return True
 
-    def _keep(self, key: ExpertKey, slot: Any) -> Any:
-        """Hold ``slot`` for ``key`` with its FFN ready to run. SwiGLU: weights widened to
-        float32 on the CPU (NumPy has no BF16 GEMM), C-contiguous on a GPU for the fused
-        kernel (a copy only where the checkpoint keeps them transposed). Clamped SwiGLU
+    def _land(self, dst: Any) -> tuple[int, int, tuple[int, int, bool]] | None:
+        """Receive the next part into ``dst``: (bytes written, packets refused, (its first
+        packet's offset, its last packet's end, whether that packet is full)), or None if it
+        is not all published yet."""
+        rx = self.dev.rx.ring
+        assert rx.payload is not None
+        packets = reference.part_packets(rx)
+        if packets is None:
+            return None
+        start = rx.consumed & (rx.capacity - 1)
+        head, tail = rx.entries[start], rx.entries[(start + packets - 1) & (rx.capacity - 1)]
+        span = (int(head["offset"]), int(tail["offset"]) + int(tail["length"]),
+                int(tail["length"]) == rx.payload.shape[1])
+        if self.ops is None or dst.size == 0:
+            _, written, refused = reference.receive_packets(rx, dst if self.ops is None
+                                                            else np.zeros(0, np.uint8))
+        else:
+            _, written, refused = self.ops.receive_packets(rx, self.dev.rx_device_ptr, dst,
+                                                           packets)
+        return written, refused, span
+
+    def _answer(self, h: np.void, buf: Any) -> None:
+        nid = int(h["message_id"])
+        try:
+            key = ExpertKey(self._model(int(h["model"])), int(h["layer"]), int(h["expert"]))
+            region, offset = abi.unpack_slot(int(h["slot"]))
+            ffn, hidden = self._ffn_of(key, region, offset)
+            if buf.size % (2 * hidden):
+                raise ValueError(f"{buf.size} bytes are not rows of {key}'s {hidden} values")
+            out = ffn(buf.view(np.uint16).reshape(-1, hidden)).view(np.uint8).reshape(-1)
+        except (ValueError, KeyError, IndexError) as exc:
+            self._error(h, FrameStatus.WORKER_FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        self._send(out, nid, h)
+        self.served += 1
+
+    def _model(self, index: int) -> str:
+        name = self._models.get(index)
+        if name is None:  # a model loaded after this worker started
+            self._models = {m.model_index: m.model for m in self.client.status().models}
+            name = self._models.get(index)
+        if name is None:
+            raise KeyError(f"model index {index} is not loaded")
+        return name
+
+    def _ffn_of(self, key: ExpertKey, region: int, offset: int
+                ) -> tuple[Callable[[Any], Any], int]:
+        """The FFN of ``key`` in the slot at (region, offset), weights ready, and the hidden
+        size it takes (kept for the
+        ``FFN_CACHE_EXPERTS`` experts used last). SwiGLU: widened to float32 on the CPU
+        (NumPy has no BF16 GEMM), C-contiguous on a GPU for the fused kernel. Clamped SwiGLU
         (gpt-oss, BF16 or MXFP4): weights and biases widened to float32 on either (the array
         formula, cuBLAS on a GPU). ValueError for an expert the worker cannot compute."""
-        try:
-            if slot.manifest.activation == pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU:
-                w = slot.clamped_swiglu_weights()
-                arrays = [self.xp.ascontiguousarray(a) for a in
-                          (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias)]
-                self._ffn[key] = lambda x: gpt_oss.clamped_swiglu_f32_weights(
-                    x, *arrays, w.alpha, w.limit)
-            else:
-                weights = slot.swiglu_weights()
-                if self.ops is None:
-                    widened = [reference.bf16_to_f32(w) for w in weights]
-                    self._ffn[key] = lambda x: reference.swiglu_f32_weights(x, *widened)
-                else:
-                    kept = [self.xp.ascontiguousarray(w) for w in weights]
-                    self._ffn[key] = lambda x: expert_ffn(x, *kept)
-        except ValueError:
-            self.client.release(self.dev, key)
-            raise
-        self._slots[key] = slot
-        return slot
-
-    @staticmethod
-    def _nic_deliver(rx: Ring, part: np.ndarray, h: np.void, key: ExpertKey) -> int:
-        """The NIC's step (on a DPU, GPUNetIO's receive queue): ``part`` of the request's
-        payload (``uint8``, this worker's copy of the frame) lands in the rx ring as checksummed
-        packets; returns how many."""
-        return reference.send_packets(rx, part, int(h["message_id"]), 0, key.layer, key.expert)
-
-    def _serve(self, h: np.void, payload: np.ndarray) -> np.ndarray:
-        key = ExpertKey(frames.model_of(h), int(h["layer"]), int(h["expert"]))
-        rows, row_bytes = int(h["rows"]), int(h["row_bytes"])
-        rx, tx = self.dev.rx.ring, self.dev.tx.ring
-        inputs = self.xp.zeros(rows * row_bytes, np.uint8)
-        device = str(self.dev.device_id)
-        for start in range(0, payload.size, rx.payload.shape[1] * rx.capacity):
-            part = payload[start:start + rx.payload.shape[1] * rx.capacity]
-            view = inputs[start:start + part.size]
-            for attempt in range(PACKET_RETRIES + 1):
-                packets = self._nic_deliver(rx, part, h, key)
-                # Receive kernel (or twin): land the rows in the expert's input buffer.
-                if self.ops is None:
-                    _, written, refused = reference.receive_packets(rx, view)
-                else:
-                    _, written, refused = self.ops.receive_packets(
-                        rx, self.dev.rx_device_ptr, view, packets)
-                # A packet whose length was cut to 0 (checksum 0) is valid but carries nothing:
-                # the part is whole only if every byte of it was written.
-                if not refused and written == part.size:
-                    break
-                self.refused_packets += refused
-                PACKETS_REFUSED.labels(device).inc(refused)
-                if attempt == PACKET_RETRIES:
-                    raise ValueError(f"{refused} packets failed their checksum and "
-                                     f"{written} of {part.size} bytes landed, "
-                                     f"{PACKET_RETRIES + 1} times")
-                self.retransmits += 1  # the NIC delivers the part again from its source
-                PACKET_RETRANSMITS.labels(device).inc()
-        if self.client.generation != self._generation:
-            self._slots.clear()  # the agent restarted: earlier slots are gone
-            self._ffn.clear()
-            self._generation = self.client.generation
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._keep(key, self.client.acquire(self.dev, key).wait(60))
-        x = inputs.view(np.uint16).reshape(rows, row_bytes // 2)
-        out = self._ffn[key](x)
-        # Send kernel (or twin): packetize the output into the tx ring; the NIC reads it out.
-        flat = out.view(np.uint8).reshape(-1)
-        result = np.empty(flat.size, np.uint8)
-        for start in range(0, flat.size, tx.payload.shape[1] * tx.capacity):
-            part = flat[start:start + tx.payload.shape[1] * tx.capacity]
+        where = (key, region, offset)
+        got = self._ffn.get(where)
+        if got is not None:
+            self._ffn.move_to_end(where)
+            return got
+        manifest = self.client.manifest(key)
+        slot = ExpertSlot(key, self.dev.device.region_bytes(region, offset,
+                                                            manifest.blob_bytes), manifest)
+        if manifest.activation == pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU:
+            w = slot.clamped_swiglu_weights()
+            arrays = [self.xp.ascontiguousarray(a) for a in
+                      (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias)]
+            ffn = lambda x: gpt_oss.clamped_swiglu_f32_weights(  # noqa: E731
+                x, *arrays, w.alpha, w.limit)
+            hidden = int(w.down.shape[0])
+        else:
+            weights = slot.swiglu_weights()
+            hidden = int(weights[2].shape[0])
             if self.ops is None:
-                reference.send_packets(tx, part, int(h["message_id"]), 0, key.layer,
-                                       key.expert)
+                widened = [reference.bf16_to_f32(w) for w in weights]
+                ffn = lambda x: reference.swiglu_f32_weights(x, *widened)  # noqa: E731
             else:
-                self.ops.send_packets(tx, self.dev.tx_device_ptr, part, int(h["message_id"]),
-                                      0, key.layer, key.expert)
+                kept = [self.xp.ascontiguousarray(w) for w in weights]
+                ffn = lambda x: expert_ffn(x, *kept)  # noqa: E731
+        self._ffn[where] = (ffn, hidden)
+        if len(self._ffn) > FFN_CACHE_EXPERTS:
+            self._ffn.popitem(last=False)
+        return ffn, hidden
+
+    def _send(self, out: Any, nid: int, h: np.void, status: int = 0, flags: int = 0) -> None:
+        """Packetize ``out`` (uint8) into the tx ring, a ring-full part at a time, waiting for
+        the NIC to make room."""
+        tx = self.dev.tx.ring
+        assert tx.payload is not None
+        step = tx.payload.shape[1] * tx.capacity
+        fields = (nid, int(h["model"]), int(h["layer"]), int(h["expert"]))
+        for base in range(0, max(1, out.size), step):
+            part = out[base:base + step]
+            if self.ops is not None and not flags:
+                self.ops.send_packets(tx, self.dev.tx_device_ptr, part, *fields, base=base,
+                                      total=out.size)
                 self.xp.cuda.get_current_stream().synchronize()
-            reference.receive_packets(tx, result[start:start + part.size])
-        return result
+                continue
+            while True:
+                try:
+                    reference.send_packets(tx, part, *fields, base=base, total=out.size,
+                                           status=status, flags=flags)
+                    break
+                except BufferError:
+                    if self._stop.wait(NAP_SECONDS):
+                        return
+
+    def _error(self, h: np.void, status: FrameStatus, reason: str) -> None:
+        self.failed += 1
+        self._send(abi.error_payload(reason, REASON_BYTES), int(h["message_id"]), h,
+                   int(status), abi.PacketFlags.ERROR)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
-        self.sock.close(0)
-        for key in list(self._slots):
-            try:
-                self.client.release(self.dev, key)
-            except Exception:  # noqa: BLE001 - the session may be gone already
-                pass
-        self._slots.clear()
+        try:
+            self.client.stub.ServeActivations(pb.ServeActivationsRequest(
+                session_id=self.client.session_id, device_id=self.dev.device_id,
+                serve=False), timeout=self.client.rpc_timeout)
+        except Exception:  # noqa: BLE001 - the session may be gone already
+            pass
         self._ffn.clear()
+        self._inputs.clear()
 
 
 class ActivationSender:

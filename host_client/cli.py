@@ -17,7 +17,6 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from dpu_offload.cli_args import positive
-from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.admin import AgentAdmin
 from host_client.checkpoints import ARCHS, CheckpointSpec, make_checkpoint
@@ -35,8 +34,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_experts(args: argparse.Namespace) -> int:
-    """An expert worker process: one device holding every expert of a model, serving the
-    activations the agent steers to it, until SIGTERM / SIGINT."""
+    """An expert worker process: one device every expert of a model is placed on, serving the
+    activations the NIC steers to it, until SIGTERM / SIGINT."""
     import signal
     import threading
 
@@ -59,9 +58,8 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
                                                            experts * len(layers))])
         client.wait_placement(client.apply_placement(args.model, [
             [[dev.device_id]] * experts for _ in layers]).placement_id, args.timeout)
-        worker = ExpertWorker(client, dev, host=args.agent.rsplit(":", 1)[0])
+        worker = ExpertWorker(client, dev)
         try:
-            worker.hold([ExpertKey(args.model, la, e) for la in layers for e in range(experts)])
             print(f"ready: {len(layers) * experts} experts of {args.model} on device "
                   f"{dev.device_id}", flush=True)
             stop.wait()

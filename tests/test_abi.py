@@ -82,7 +82,8 @@ def test_constants_match() -> None:
     assert c["DPU_REPLY_RESIDENT"] == abi.ReplyFlags.RESIDENT
     assert c["DPU_REGION_READABLE"] == abi.RegionFlags.READABLE
     assert c["DPU_REGION_WRITABLE"] == abi.RegionFlags.WRITABLE
-    assert c["DPU_PACKET_LAST"] == abi.PacketFlags.LAST
+    for member in abi.PacketFlags:
+        assert c[f"DPU_PACKET_{member.name}"] == member
     assert c["DPU_MAX_CHANNEL_SLOTS"] == abi.MAX_CHANNEL_SLOTS
     assert c["DPU_SLOT_STATE_BITS"] == abi.SLOT_STATE_BITS
 

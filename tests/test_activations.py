@@ -1,6 +1,7 @@
-"""The activation path end to end: sender -> agent (steering) -> host worker (rx ring, receive
-twin, SwiGLU on the slot's weights, send twin, tx ring) -> agent -> sender (combine), checked
-against a dense reference; refusals; credits; migration under traffic."""
+"""The activation path end to end: sender -> NIC stand-in (steering, its own process) -> the
+worker's rx ring (receive twin, SwiGLU on the slot's weights, send twin) -> tx ring -> NIC ->
+sender (combine), checked against a dense reference; refusals; credits; corrupted and short
+packets written again; migration under traffic."""
 
 from __future__ import annotations
 
@@ -19,24 +20,21 @@ from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import (
-    PACKET_RETRIES,
-    ActivationError,
-    ActivationSender,
-    ExpertWorker,
-)
+from host_client.activations import ActivationError, ActivationSender, ExpertWorker
 from host_client.launcher import AgentProcess
 from host_client.memory import ExpertSlot
+from nic.nic import PACKET_RETRIES
 from tests.conftest import checkpoint_bytes
 
 SETTINGS = '[activations]\nlisten_address = "127.0.0.1:0"\ncredits_per_sender = 4\n'
+METRICS = '[metrics]\nlisten_address = "127.0.0.1:0"\n'
 
 
 @contextlib.contextmanager
 def serving(ckpt: Path, worker_type: type[ExpertWorker] = ExpertWorker):
     """An agent with every expert of the checkpoint placed on the first of two CPU devices,
     served by a ``worker_type`` worker."""
-    with AgentProcess(SETTINGS) as agent, AgentClient(agent.address) as client:
+    with AgentProcess(SETTINGS + METRICS) as agent, AgentClient(agent.address) as client:
         model = client.load_model(str(ckpt), "qa")
         devs = [client.register_device(CpuReferenceDevice(i),
                                        [SlotPoolSpec(model.expert_bytes, 18)]) for i in range(2)]
@@ -218,53 +216,60 @@ def test_migration_under_traffic_loses_nothing(served) -> None:
     assert worker.served > 0 and worker_b.served > 0, "traffic did not follow the moves"
 
 
-def test_activation_metrics(qwen_ckpt: Path) -> None:
+def metrics(agent: AgentProcess) -> dict[tuple[str, tuple], float]:
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    settings = SETTINGS + '[metrics]\nlisten_address = "127.0.0.1:0"\n'
-    with AgentProcess(settings) as agent:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_activation_metrics(qwen_ckpt: Path) -> None:
+    with AgentProcess(SETTINGS + METRICS) as agent:
         _raw(agent, b"\0" * 64, b"")
-        text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
-                                      timeout=5).read().decode()
-    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
-              for f in text_string_to_metric_families(text) for s in f.samples}
+        values = metrics(agent)
     assert values[("dpu_agent_activation_refused_total", (("reason", "BAD_FRAME"),))] == 1
     assert values[("dpu_agent_activation_outstanding", ())] == 0
 
 
-class FlakyNicWorker(ExpertWorker):
-    """A worker whose NIC corrupts one payload byte of the last packet of its first ``bad``
-    deliveries into the rx ring (a wire or NIC fault)."""
+class FlakyRxWorker(ExpertWorker):
+    """A worker whose rx ring has one payload byte of the last packet of each of its next
+    ``bad`` parts corrupted before the receiver reads it (a wire or NIC fault)."""
 
     bad = 0
 
-    def _nic_deliver(self, rx, part, h, key) -> int:
-        packets = super()._nic_deliver(rx, part, h, key)
-        if self.bad > 0:
+    def _land(self, dst):
+        rx = self.dev.rx.ring
+        n = reference.part_packets(rx)
+        if n is not None and self.bad > 0:
             self.bad -= 1
-            rx.payload[(rx.produced - 1) % rx.capacity, 0] ^= 0xFF
-        return packets
+            rx.payload[(rx.consumed + n - 1) % rx.capacity, 0] ^= 0xFF
+        return super()._land(dst)
+
+
+def retransmits(agent: AgentProcess) -> float:
+    return metrics(agent)[("dpu_agent_activation_retransmits_total", ())]
 
 
 def test_corrupted_packets_are_caught_delivered_again_and_counted(qwen_ckpt: Path) -> None:
     from prometheus_client import REGISTRY
 
-    def count(name: str, device: int) -> float:
-        return REGISTRY.get_sample_value(f"{name}_total", {"device": str(device)}) or 0.0
+    def refused(device: int) -> float:
+        return REGISTRY.get_sample_value("dpu_worker_packets_refused_total",
+                                         {"device": str(device)}) or 0.0
 
-    with serving(qwen_ckpt, FlakyNicWorker) as (agent, _, model, devs, worker):
+    with serving(qwen_ckpt, FlakyRxWorker) as (agent, _, model, devs, worker):
         dev = devs[0].device_id
-        before = (count("dpu_worker_packets_refused", dev),
-                  count("dpu_worker_packet_retransmits", dev))
+        before = refused(dev)
         worker.bad = 2  # the first request's part fails twice, then arrives intact
         ids = routing(model.experts_per_layer, 8, 1, seed=3)
         dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
                                model.experts_per_layer, model.moe_layers[0], qwen_ckpt, ids)
-        assert worker.refused_packets == 2 and worker.retransmits == 2
-        assert count("dpu_worker_packets_refused", dev) - before[0] == 2
-        assert count("dpu_worker_packet_retransmits", dev) - before[1] == 2
+        assert worker.refused_packets == 2 and retransmits(agent) == 2
+        assert refused(dev) - before == 2
         # A part that never arrives intact fails its request with a clear status; the sender's
         # credit comes back and the next request is served.
         worker.bad = 10**6
@@ -279,32 +284,33 @@ def test_corrupted_packets_are_caught_delivered_again_and_counted(qwen_ckpt: Pat
             assert f"{PACKET_RETRIES + 1} times" in str(err.value)
             worker.bad = 0
             sender.dispatch(model.moe_layers[0], x, np.array([[0]]), np.ones((1, 1), np.float32))
-        assert worker.retransmits == 2 + PACKET_RETRIES
+        assert retransmits(agent) == 2 + PACKET_RETRIES
 
 
-class EmptyingNicWorker(ExpertWorker):
-    """A worker whose NIC, on its first delivery, rewrites the last packet as a valid empty
-    one (length 0, checksum 0: the checksum of no bytes): nothing is refused, bytes are
+class EmptyingRxWorker(ExpertWorker):
+    """A worker whose rx ring has the last packet of its first part rewritten as a valid
+    empty one (length 0, checksum 0: the checksum of no bytes): nothing is refused, bytes are
     missing (found by the request-ring's fuzz of the packet twin)."""
 
     bad = 1
 
-    def _nic_deliver(self, rx, part, h, key) -> int:
-        packets = super()._nic_deliver(rx, part, h, key)
-        if self.bad > 0:
+    def _land(self, dst):
+        rx = self.dev.rx.ring
+        n = reference.part_packets(rx)
+        if n is not None and self.bad > 0:
             self.bad -= 1
-            last = rx.entries[(rx.produced - 1) % rx.capacity: (rx.produced - 1) % rx.capacity + 1]
-            last["length"] = 0
-            last["checksum"] = 0
-        return packets
+            i = (rx.consumed + n - 1) % rx.capacity
+            rx.entries[i:i + 1]["length"] = 0
+            rx.entries[i:i + 1]["checksum"] = 0
+        return super()._land(dst)
 
 
 def test_a_part_delivered_short_is_delivered_again(qwen_ckpt: Path) -> None:
-    with serving(qwen_ckpt, EmptyingNicWorker) as (agent, _, model, _, worker):
+    with serving(qwen_ckpt, EmptyingRxWorker) as (agent, _, model, _, worker):
         dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
                                model.experts_per_layer, model.moe_layers[0], qwen_ckpt,
                                routing(model.experts_per_layer, 8, 1, seed=5))
-        assert worker.bad == 0 and worker.retransmits == 1 and worker.refused_packets == 0
+        assert worker.bad == 0 and retransmits(agent) == 1 and worker.refused_packets == 0
 
 
 def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> None:
@@ -315,7 +321,7 @@ def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> Non
         client.wait_placement(client.apply_placement(
             "qv", [[[dev.device_id]] * 6 for _ in model.moe_layers]).placement_id)
         worker = ExpertWorker(client, dev)
-        worker._stop.set()          # the worker process "dies": its socket stays silent
+        worker._stop.set()          # the worker process "dies": its rings stay silent
         worker._thread.join()
         with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qv", 6) as s:
             t0 = time.monotonic()
@@ -329,7 +335,6 @@ def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> Non
             with pytest.raises(ActivationError) as err:
                 s.receive()
             assert err.value.status == FrameStatus.NO_ROUTE
-        worker.sock.close(0)
 
 
 @pytest.mark.gpu

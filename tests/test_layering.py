@@ -1,9 +1,10 @@
 """The packages' dependency rules, read from every import statement (those inside functions
 too; docs/ARCHITECTURE.md): the agent runs on a DPU's Arm cores, so it never imports the host
-client, the DMA engine (it starts it as a process), the kernels, CuPy or torch (its contracts
-with the other parties are all in ``dpu_offload``);
-the host client talks to the agent only through the contracts, never by importing it; the DMA
-engine stands for hardware and imports neither side; the kernels and the contracts import
+client, the DMA engine or the NIC stand-in (it starts them as processes), the kernels, CuPy
+or torch (its contracts with the other parties are all in ``dpu_offload``);
+the host client talks to the agent and the NIC only through the contracts, never by importing
+them; the DMA engine and the NIC stand for hardware and import neither side (nor each other;
+the NIC no CUDA: it writes rings in host memory); the kernels and the contracts import
 neither side either, and the contracts import no CuPy or torch."""
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = {
-    "dpu_agent": {"host_client", "dma_engine", "gpu_kernels", "cupy", "torch", "cupyx"},
-    "host_client": {"dpu_agent"},
-    "dma_engine": {"dpu_agent", "host_client", "torch"},
-    "gpu_kernels": {"dpu_agent", "host_client"},
-    "dpu_offload": {"dpu_agent", "host_client", "gpu_kernels", "dma_engine", "cupy", "torch",
-                    "cupyx"},
+    "dpu_agent": {"host_client", "dma_engine", "nic", "gpu_kernels", "cupy", "torch", "cupyx"},
+    "host_client": {"dpu_agent", "nic"},
+    "dma_engine": {"dpu_agent", "host_client", "nic", "torch"},
+    "nic": {"dpu_agent", "host_client", "dma_engine", "cupy", "cupyx", "torch"},
+    "gpu_kernels": {"dpu_agent", "host_client", "nic"},
+    "dpu_offload": {"dpu_agent", "host_client", "gpu_kernels", "dma_engine", "nic", "cupy",
+                    "torch", "cupyx"},
 }
 
 

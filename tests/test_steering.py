@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpu_agent.dataplane.steering import (
+from dpu_offload.flows import (
     Action,
     FlowRule,
     FlowTable,

@@ -43,6 +43,7 @@ class ClusterCore(Protocol):
 
     def load_model(self, path: str, name: str = "", persist: bool = True) -> ModelCatalog: ...
     def expert(self, key: ExpertKey) -> ExpertEntry: ...
+    def steering_changed(self) -> int: ...
 
 
 class ClusterAgent:
@@ -169,7 +170,7 @@ class ClusterAgent:
     # -- reconciliation -------------------------------------------------------------------------
     def read(self) -> None:
         """Refresh members, placements and actual holdings from etcd (foreign keys counted)."""
-        self.members = self.store.members()
+        members = self.store.members()
         placements = {}
         for key, raw in self.store.get_prefix("placement").items():
             try:
@@ -191,7 +192,10 @@ class ClusterAgent:
                     ExpertKey(parts[2], int(le[0]), int(le[1])) for le in held}
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 self.store.foreign(key, f"not an actual-holdings record ({exc})")
-        self.placements, self.actual = placements, actual
+        changed = actual != self.actual or members != self.members
+        self.members, self.placements, self.actual = members, placements, actual
+        if changed:
+            self.core.steering_changed()  # the NIC's routes to other agents follow holdings
 
     def reconcile(self) -> None:
         """One pass: read, (as planner) re-place lost experts, converge, report."""
@@ -290,11 +294,15 @@ class ClusterAgent:
             self.held[model].discard(key)
 
     # -- queries --------------------------------------------------------------------------------
-    def holder_of(self, key: ExpertKey) -> Member | None:
-        """A live agent other than this one that holds ``key`` and routes activations."""
+    def remote_holders(self) -> dict[ExpertKey, str]:
+        """Expert -> the activation address of a live agent other than this one that holds it
+        (the first by agent id): where the NIC sends what no local device serves."""
+        out: dict[ExpertKey, str] = {}
         for agent, models in sorted(self.actual.items()):
             member = self.members.get(agent)
-            if agent != self.id and member is not None and member.activations and \
-                    key in models.get(key.model, ()):
-                return member
-        return None
+            if agent == self.id or member is None or not member.activations:
+                continue
+            for keys in models.values():
+                for key in keys:
+                    out.setdefault(key, member.activations)
+        return out

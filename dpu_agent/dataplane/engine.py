@@ -7,16 +7,11 @@ targets only.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import select
-import subprocess
-import sys
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dpu_agent.dataplane.child import ChildError, ChildProcess
 from dpu_agent.dataplane.queues import DeviceQueue, EngineRings
 from dpu_agent.errors import invalid
 from dpu_agent.registry import DeviceKind
@@ -28,16 +23,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpu_agent.engine")
 
-COMMAND_TIMEOUT_SECONDS = 30.0
-"""A command answered later than this counts as the engine hanging (CUDA IPC opens and the
-arena's registration are the slow ones)."""
-
-
-class EngineError(RuntimeError):
+class EngineError(ChildError):
     """The engine refused a command or is not running; the message says which and why."""
 
 
-class EngineSupervisor:
+class EngineSupervisor(ChildProcess):
     """One DMA-engine process and the commands that rebuild its state after a restart.
 
     Args:
@@ -48,69 +38,24 @@ class EngineSupervisor:
 
     def __init__(self, on_death: Callable[[list[int]], dict[int, dict[str, Any]]],
                  bell: str = "", agent_bell: str = "", polls: bool = False) -> None:
+        # The engine's command line: the doorbells' shared-memory names (the one it sleeps on
+        # when idle, the agent's it rings after completing work), and ``--poll`` where it
+        # polls without sleeping while it serves a device.
+        super().__init__("the DMA engine", "dma_engine",
+                         [*(["--bell", bell] if bell else []),
+                          *(["--agent-bell", agent_bell] if agent_bell else []),
+                          *(["--poll"] if polls else [])])
         self._on_death = on_death
-        self._args = [*(["--bell", bell] if bell else []),
-                      *(["--agent-bell", agent_bell] if agent_bell else []),
-                      *(["--poll"] if polls else [])]
-        """The engine's command line: the doorbells' shared-memory names (the one it sleeps on
-        when idle, the agent's it rings after completing work), and ``--poll`` where it polls
-        without sleeping while it serves a device."""
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen[str] | None = None
         self._targets: dict[int, dict[str, Any]] = {}
         """device id -> its attach command; pools in ``_pools``."""
         self._pools: dict[int, dict[int, dict[str, Any]]] = {}
         self.restarts = 0
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    def _start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "dma_engine", *self._args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-        self._read()  # {"ready": true}
-        log.info("dma engine started (pid %d)", self._proc.pid)
-
-    def _read(self) -> dict[str, Any]:
-        assert self._proc is not None and self._proc.stdout is not None
-        ready, _, _ = select.select([self._proc.stdout], [], [], COMMAND_TIMEOUT_SECONDS)
-        if not ready:
-            self._proc.kill()
-            raise EngineError(f"the DMA engine (pid {self._proc.pid}) did not answer within "
-                              f"{COMMAND_TIMEOUT_SECONDS} s; killed (it is restarted)")
-        line = self._proc.stdout.readline()
-        if not line:
-            raise EngineError(f"the DMA engine (pid {self._proc.pid}) exited "
-                              f"(status {self._proc.poll()})")
-        return json.loads(line)
-
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one command and return its answer; EngineError when refused or dead."""
-        with self._lock:
-            return self._call_locked({"op": op, **fields})
-
     def _call_locked(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        if self._proc is None:
-            self._start()
-        elif self._proc.poll() is not None:
-            # Restarting here would skip what check() does first: fail the dead engine's
-            # transfers and re-attach every device.
-            raise EngineError(f"the DMA engine exited (status {self._proc.returncode}); it is "
-                              "restarted within a sweep (0.5 s)")
-        assert self._proc is not None and self._proc.stdin is not None
         try:
-            self._proc.stdin.write(json.dumps(cmd) + "\n")
-            self._proc.stdin.flush()
-            answer = self._read()
-        except (BrokenPipeError, OSError) as exc:
-            raise EngineError(f"the DMA engine is gone: {exc}") from exc
-        if not answer.get("ok"):
-            raise EngineError(answer.get("error", "refused"))
-        return answer
+            return super()._call_locked(cmd)
+        except ChildError as exc:
+            raise EngineError(str(exc)) from exc
 
     def attach(self, device_id: int, cmd: dict[str, Any]) -> None:
         with self._lock:
@@ -138,24 +83,12 @@ class EngineSupervisor:
             except EngineError as exc:
                 log.warning("detach of device %d: %s", device_id, exc)
 
-    def kill(self, why: str) -> None:
-        """Kill a hung engine (SIGKILL); :meth:`check` restarts it like any dead one."""
-        with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
-                log.error("killing the DMA engine (pid %d): %s", self._proc.pid, why)
-                self._proc.kill()
-                self._proc.wait(5)
-
     def check(self) -> None:
         """Restart a dead engine (a sweep of the data-plane loop calls this)."""
         with self._lock:
-            if self._proc is None or self._proc.poll() is None:
+            if not self._reap_locked():
                 return
-            status = self._proc.returncode
             devices = list(self._targets)
-            log.error("the DMA engine (pid %d) died with status %s; failing its transfers and "
-                      "restarting it", self._proc.pid, status)
-            self._proc = None
         fresh = self._on_death(devices)
         with self._lock:
             self.restarts += 1
@@ -168,19 +101,6 @@ class EngineSupervisor:
                                            "region": region_id, **spec})
                 except EngineError as exc:
                     log.error("re-attaching device %d to the DMA engine: %s", device_id, exc)
-
-    def stop(self) -> None:
-        with self._lock:
-            proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 class EngineDevices:

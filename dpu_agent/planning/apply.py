@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,11 +30,11 @@ from dpu_offload.keys import ExpertKey
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.grants import SlotGrants
-    from dpu_agent.dataplane.steering import FlowTable
     from dpu_agent.planning.scheduler import Scheduler
     from dpu_agent.registry import Device
     from dpu_agent.routing.stats import RoutingStats
     from dpu_agent.weights.catalog import ModelCatalog
+    from dpu_offload.flows import FlowTable
 
 Copy = tuple[int, ExpertKey]
 """(device id, expert)."""
@@ -71,6 +72,8 @@ class PlacementCore(Protocol):
 
     def device(self, session: Session, device_id: int) -> Device: ...
     def persist(self) -> None: ...
+    def steering_changed(self) -> int: ...
+    def when_steering_drained(self, version: int, then: Callable[[], None]) -> None: ...
 
 
 class PlacementExecutor:
@@ -187,6 +190,9 @@ class PlacementExecutor:
         self._progress(session, state)
 
     def _maybe_retire(self, session: Session, state: PlacementState, key: ExpertKey) -> None:
+        """Retire ``key``'s old copies once its new ones are all made (or failed): steering
+        stops sending to them first, and their slots are let go once the messages already
+        steered there are answered."""
         with self._lock:
             if state.pending.get(key):
                 return
@@ -194,16 +200,32 @@ class PlacementExecutor:
             for d in devices:
                 state.held.discard((d, key))
                 state.dropped += 1
-        for d in devices:
-            session.drop_ref(d, key)
+        if not devices:
+            return
+        version = self._sync_flows(state)
 
-    def _sync_flows(self, state: PlacementState) -> None:
+        def let_go() -> None:
+            for d in devices:
+                session.drop_ref(d, key)
+        self.core.when_steering_drained(version, let_go)
+
+    def routed_copies(self) -> list[tuple[str, int, ExpertKey]]:
+        """(session id, device id, expert) of every copy steering may send to: placed ones and
+        those waiting to be retired."""
+        out: list[tuple[str, int, ExpertKey]] = []
+        with self._lock:
+            for (sid, _), st in self.states.items():
+                out += [(sid, d, k) for d, k in st.held]
+                out += [(sid, d, k) for k, devices in st.retire.items() for d in devices]
+        return out
+
+    def _sync_flows(self, state: PlacementState) -> int:
         """Steering follows placement, make-before-break: an expert's rule forwards to every
         device that holds a placed copy now (new copies join when verified, old ones leave
         when retired), so activations never reach a device without the expert."""
         catalog = self.core.models.get(state.model)
         if catalog is None:
-            return
+            return self.core.steering_changed()
         with self._lock:
             held: dict[ExpertKey, set[int]] = {}
             for d, key in state.held:
@@ -217,6 +239,7 @@ class PlacementExecutor:
                  if r.queues]
         self.core.flows.update(add=rules,
                                replace_origin=placement_origin(state.owner, state.model))
+        return self.core.steering_changed()
 
     def _progress(self, session: Session, state: PlacementState) -> None:
         self._sync_flows(state)

@@ -120,11 +120,11 @@ class AgentCollector(Collector):
         copies.add_metric(["dropped"], sum(s.dropped for s in states))
         yield copies
         flows = core.flows
-        yield CounterMetricFamily("dpu_agent_steering_lookups", "Flow-table lookups.",
-                                  value=flows.lookups)
+        counted = core.steering_counters()
+        yield CounterMetricFamily("dpu_agent_steering_lookups", "Flow-table lookups (the NIC's).",
+                                  value=counted.lookups)
         yield CounterMetricFamily("dpu_agent_steering_misses",
-                                  "Lookups no rule matched (handed to the agent).",
-                                  value=flows.misses)
+                                  "Lookups no rule matched.", value=counted.misses)
         packets = CounterMetricFamily("dpu_agent_flow_packets",
                                       "Messages matched by flow rules, by rule action.",
                                       labels=["action"])
@@ -133,10 +133,10 @@ class AgentCollector(Collector):
                                      labels=["action"])
         by_action: dict[str, list[int]] = {}
         for rule in flows.rules():
-            c = flows.counters[rule.rule_id]
+            n, b, _ = counted.rules.get(rule.rule_id, (0, 0, 0))
             acc = by_action.setdefault(rule.action.value, [0, 0])
-            acc[0] += c.packets
-            acc[1] += c.bytes
+            acc[0] += n
+            acc[1] += b
         for action, (n, b) in sorted(by_action.items()):
             packets.add_metric([action], n)
             nbytes.add_metric([action], b)
@@ -144,30 +144,34 @@ class AgentCollector(Collector):
         yield nbytes
         yield GaugeMetricFamily("dpu_agent_flow_rules", "Rules in the flow table.",
                                 value=len(flows.rules()))
-        router = core.activations
-        if router is not None:
+        if core.activations is not None:
             messages = CounterMetricFamily("dpu_agent_activation_messages",
-                                           "Activation frames handled, by kind.", labels=["kind"])
+                                           "Activation frames the NIC received, by kind.",
+                                           labels=["kind"])
             nbytes = CounterMetricFamily("dpu_agent_activation_bytes",
-                                         "Activation payload bytes handled, by kind.",
+                                         "Activation payload bytes the NIC received, by kind.",
                                          labels=["kind"])
-            for kind in sorted(router.messages):
-                messages.add_metric([kind], router.messages[kind])
-                nbytes.add_metric([kind], router.bytes[kind])
+            for kind in sorted(counted.messages):
+                messages.add_metric([kind], counted.messages[kind])
+                nbytes.add_metric([kind], counted.bytes.get(kind, 0))
             yield messages
             yield nbytes
             refused = CounterMetricFamily("dpu_agent_activation_refused",
                                           "Activation frames refused, by reason (NO_CREDIT "
                                           "counts credit stalls).", labels=["reason"])
-            for reason in sorted(router.refused):
-                refused.add_metric([reason], router.refused[reason])
+            for reason in sorted(counted.refused):
+                refused.add_metric([reason], counted.refused[reason])
             yield refused
             yield CounterMetricFamily("dpu_agent_activation_forwarded",
                                       "Requests forwarded to another agent (cluster mode).",
-                                      value=router.forwarded)
+                                      value=counted.forwarded)
+            yield CounterMetricFamily("dpu_agent_activation_retransmits",
+                                      "Messages written again into a worker's rx ring after "
+                                      "its packets failed their check.",
+                                      value=counted.retransmits)
             yield GaugeMetricFamily("dpu_agent_activation_outstanding",
-                                    "Requests delivered to workers and not yet answered.",
-                                    value=router.outstanding)
+                                    "Requests routed by the NIC and not yet answered.",
+                                    value=counted.outstanding)
         if core.cluster is not None:
             yield from _cluster_metrics(core.cluster)
         yield GaugeMetricFamily("dpu_agent_scheduler_waiting_jobs",

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha
@@ -22,7 +21,8 @@ from dpu_agent.cluster.agent import ClusterAgent
 from dpu_agent.cluster.settings import ClusterSettings
 from dpu_agent.cluster.store import ClusterUnavailable
 from dpu_agent.config import KEYS, LIVE_SETTINGS, AgentConfig
-from dpu_agent.dataplane.activations import ActivationRouter
+from dpu_agent.dataplane.nic import ActivationNic
+from dpu_agent.dataplane.steering import build_snapshot
 from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.service.interceptors import (
     CallerInterceptor,
@@ -70,7 +70,7 @@ class AgentServer:
         self.port = 0
         self.metrics_port = 0
         self._metrics_server = None
-        self.router: ActivationRouter | None = None
+        self.nic: ActivationNic | None = None
         self.cluster: ClusterAgent | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -117,18 +117,16 @@ class AgentServer:
                 raise
         activations = self.config.activations
         if activations.listen_address:
+            core = self.core
             try:
-                self.router = ActivationRouter(self.core, activations.listen_address,
-                                               activations.credits_per_sender,
-                                               activations.worker_timeout_seconds,
-                                               activations.curve_server_cert,
-                                               activations.curve_clients_dir)
-            except (zmq.ZMQError, OSError, ValueError) as exc:
+                self.nic = await asyncio.to_thread(
+                    ActivationNic, activations, lambda v: build_snapshot(core, v))
+            except OSError as exc:
                 await server.stop(None)
                 self.core.shutdown()
                 raise OSError(f"activations.listen_address {activations.listen_address}: "
-                              f"cannot bind ({exc})") from exc
-            self.core.activations = self.router
+                              f"cannot start the NIC stand-in ({exc})") from exc
+            self.core.activations = self.nic
         cluster = self.config.cluster.settings
         if cluster is not None:
             await self._join_cluster(cluster)
@@ -144,18 +142,19 @@ class AgentServer:
         """READY only once joined: etcd is retried with backoff up to the join timeout."""
         assert self.core is not None and self.server is not None
         host = self.config.server.listen_address.rsplit(":", 1)[0]
-        activations = (f"{host}:{self.router.port}" if self.router is not None else "")
+        activations = (f"{host}:{self.nic.port}" if self.nic is not None else "")
         self.cluster = ClusterAgent(self.core, settings, f"{host}:{self.port}", activations)
         try:
             await asyncio.to_thread(self.cluster.start)
         except (ClusterUnavailable, OSError) as exc:
             self.cluster = None
             await self.server.stop(None)
-            if self.router is not None:
-                self.router.close()
+            if self.nic is not None:
+                self.nic.close()
             self.core.shutdown()
             raise OSError(f"cluster: cannot join ({exc})") from exc
         self.core.cluster = self.cluster
+        self.core.steering_changed()  # routes to the experts other agents hold
 
     def status_line(self) -> str:
         core = self.core
@@ -259,8 +258,8 @@ class AgentServer:
             for s in list(self.core.sessions.values()):
                 s.events.close()
             await self.server.stop(grace)
-            if self.router is not None:
-                self.router.close()
+            if self.nic is not None:
+                self.nic.close()
             if self.cluster is not None:
                 self.cluster.close()
             self.core.shutdown()

@@ -16,13 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from dpu_agent import __version__
-from dpu_agent.dataplane.steering import (
-    Action,
-    FlowRule,
-    SteeringError,
-    TrafficClass,
-    manual_origin,
-)
+from dpu_agent.dataplane.steering import manual_origin
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.identity import current_caller
 from dpu_agent.orchestrator import Orchestrator
@@ -32,6 +26,7 @@ from dpu_agent.registry import (
 )
 from dpu_agent.service import translate
 from dpu_agent.weights.cache import WouldBlock
+from dpu_offload.flows import Action, FlowRule, SteeringError, TrafficClass
 from dpu_offload.keys import MAX_STEPS_PER_REPORT
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
@@ -131,6 +126,14 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             self.core.registrations.link_peers(self.core.session(request.session_id),
                                                request.device_id, list(request.sources))
         await self._run(context, call)
+        return pb.Empty()
+
+    async def ServeActivations(self, request: pb.ServeActivationsRequest,
+                               context: grpc.aio.ServicerContext) -> pb.Empty:
+        def call() -> None:
+            self.core.serve_activations(self.core.session(request.session_id),
+                                        request.device_id, request.serve)
+        await self._run(context, call, blocking=True, session_id=request.session_id)
         return pb.Empty()
 
     async def DeregisterRegion(self, request: pb.RegionRef, context: grpc.aio.ServicerContext
@@ -349,6 +352,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 version = self.core.flows.update(add=rules, delete=list(request.delete))
             except SteeringError as exc:
                 raise invalid(str(exc)) from exc
+            self.core.steering_changed()
             added = sorted({r.rule_id for r in self.core.flows.rules()} - before)
             return pb.ApplyFlowsResponse(version=version, added=added)
         return await self._run(context, call, session_id=request.session_id)
@@ -356,13 +360,15 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
     async def ListFlows(self, request: pb.ListFlowsRequest,
                         context: grpc.aio.ServicerContext) -> pb.ListFlowsResponse:
         flows = self.core.flows
+        counted = await asyncio.to_thread(self.core.steering_counters)
         return pb.ListFlowsResponse(
-            version=flows.version, lookups=flows.lookups, misses=flows.misses,
+            version=flows.version, lookups=counted.lookups, misses=counted.misses,
             rules=[pb.FlowRule(
                 rule_id=r.rule_id, traffic=r.traffic.value, action=r.action.value,
                 model=r.model, layer_min=r.layer_min, layer_max=r.layer_max, expert=r.expert,
                 source=r.source, queues=list(r.queues), priority=r.priority, origin=r.origin,
-                packets=flows.counters[r.rule_id].packets, bytes=flows.counters[r.rule_id].bytes)
+                packets=counted.rules.get(r.rule_id, (0, 0, 0))[0],
+                bytes=counted.rules.get(r.rule_id, (0, 0, 0))[1])
                 for r in flows.rules()])
 
     async def GetStatus(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext

@@ -47,6 +47,7 @@ typedef unsigned long long uint64_t;
 #define DPU_REGION_READABLE 1u
 #define DPU_REGION_WRITABLE 2u
 #define DPU_PACKET_LAST 1u
+#define DPU_PACKET_ERROR 2u
 
 #define DPU_MAX_CHANNEL_SLOTS 4096
 #define DPU_SLOT_STATE_BITS 8
@@ -127,9 +128,9 @@ typedef struct {
     uint16_t layer;
     uint16_t expert;
     uint32_t model;
-    uint32_t reserved0;
+    uint32_t status;        // tx, with DPU_PACKET_ERROR: the FrameStatus
     uint64_t total_length;
-    uint64_t reserved1;
+    uint64_t slot;          // rx: region id << 48 | the expert slot's byte offset
     uint64_t seq;
 } dpu_packet_header;
 

@@ -142,6 +142,16 @@ class RegisterDeviceResponse(_message.Message):
     channel: ChannelInfo
     def __init__(self, device_id: _Optional[int] = ..., channel: _Optional[_Union[ChannelInfo, _Mapping]] = ...) -> None: ...
 
+class ServeActivationsRequest(_message.Message):
+    __slots__ = ("session_id", "device_id", "serve")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_id: int
+    serve: bool
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., serve: _Optional[bool] = ...) -> None: ...
+
 class LinkPeersRequest(_message.Message):
     __slots__ = ("session_id", "device_id", "sources")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

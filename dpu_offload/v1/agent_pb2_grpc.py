@@ -64,6 +64,11 @@ class DpuAgentStub:
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.LinkPeersRequest.SerializeToString,
                 response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ServeActivations = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/ServeActivations',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.ServeActivationsRequest.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
+                _registered_method=True)
         self.DeregisterRegion = channel.unary_unary(
                 '/dpu_offload.v1.DpuAgent/DeregisterRegion',
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.RegionRef.SerializeToString,
@@ -170,6 +175,12 @@ class DpuAgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LinkPeers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ServeActivations(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -292,6 +303,11 @@ def add_DpuAgentServicer_to_server(servicer, server):
             'LinkPeers': grpc.unary_unary_rpc_method_handler(
                     servicer.LinkPeers,
                     request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.LinkPeersRequest.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.SerializeToString,
+            ),
+            'ServeActivations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ServeActivations,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.ServeActivationsRequest.FromString,
                     response_serializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.SerializeToString,
             ),
             'DeregisterRegion': grpc.unary_unary_rpc_method_handler(
@@ -526,6 +542,33 @@ class DpuAgent:
             target,
             '/dpu_offload.v1.DpuAgent/LinkPeers',
             dpu__offload_dot_v1_dot_agent__pb2.LinkPeersRequest.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ServeActivations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/ServeActivations',
+            dpu__offload_dot_v1_dot_agent__pb2.ServeActivationsRequest.SerializeToString,
             dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,392 @@
+"""The NIC stand-in's data path: senders' frames in, steering, workers' rx rings out, and their
+tx rings back to the senders (docs/ACTIVATIONS.md). One thread polls everything; the agent only
+programs it (the steering snapshot, ports attached and detached) and reads its counters.
+
+Per REQUEST: the frame is checked (magic, lengths; the model, layer and expert against the
+snapshot's models; the row width against the model's hidden size), the sender's credits are
+checked, the flow table decides (forward to a device, drop), and a forwarded message is
+stamped with the expert's slot on that device and written into the device's rx ring, or sent
+to the NIC of another agent that holds the expert (cluster mode). Every refusal is answered
+with an ERROR frame naming what was wrong and counted by reason. A message its worker leaves
+unanswered for ``worker_timeout`` seconds is answered WORKER_FAILED, and the port stops being
+a route until the agent attaches it again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from dpu_offload import abi, frames
+from dpu_offload.flows import Action, FlowTable, TrafficClass
+from dpu_offload.frames import FrameError, FrameStatus, Kind
+from dpu_offload.keys import ExpertKey
+from dpu_offload.steering_snapshot import Snapshot, SnapshotSegment
+from nic.ports import Answer, Outbound, Port
+
+log = logging.getLogger("nic")
+
+PACKET_RETRIES = 2
+"""Times a message whose rx packets failed the worker's check is written again before it is
+answered WORKER_FAILED."""
+SWEEP_SECONDS = 0.05
+SPIN_SECONDS = 0.002
+"""The loop polls without pausing this long after work moved."""
+IDLE_POLL_MS = 1
+"""Otherwise it waits this long for a frame between passes (milliseconds)."""
+
+
+@dataclass
+class Pending:
+    """A message routed and not yet answered."""
+
+    sender: bytes
+    message_id: int
+    device: int | None
+    """The port's device, or None: forwarded to another agent."""
+    version: int
+    """The snapshot version it was routed under."""
+    started: float
+    header: np.void
+    payload: np.ndarray
+    tries: int = 0
+
+
+class Nic:
+    """The sockets, the ports and the loop.
+
+    Args:
+        sock: the bound ROUTER socket senders connect to.
+        snapshot: the agent's steering snapshot segment.
+        credits: requests a sender may have outstanding.
+        worker_timeout: seconds a worker may take to answer, or a peer agent.
+    """
+
+    def __init__(self, sock: zmq.Socket, snapshot: SnapshotSegment, credits: int,
+                 worker_timeout: float) -> None:
+        self.sock = sock
+        self.segment = snapshot
+        self.credits = credits
+        self.worker_timeout = worker_timeout
+        self.flows = FlowTable()
+        self.snapshot = Snapshot(0)
+        self.ports: dict[int, Port] = {}
+        self.lock = threading.Lock()
+        """Held by the loop while it works and by the control thread to attach or detach."""
+        self.pending: dict[int, Pending] = {}
+        self.outstanding: Counter[bytes] = Counter()
+        self.in_flight: Counter[int] = Counter()
+        self.messages: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
+        self.forwarded = self.retransmits = 0
+        self._ids = itertools.count(1)
+        self._remotes: dict[str, zmq.Socket] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self.stopping = False
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        """Poll until stopped: without a pause while work moved in the last ``SPIN_SECONDS``
+        (as the hardware it stands for), else waiting up to ``IDLE_POLL_MS`` for a frame."""
+        last_sweep = last_work = 0.0
+        while not self.stopping:
+            busy = time.monotonic() - last_work < SPIN_SECONDS
+            ready = dict(self._poller.poll(0 if busy else IDLE_POLL_MS))
+            with self.lock:
+                self._take_snapshot()
+                moved = len(ready)
+                if self.sock in ready:
+                    self._receive()
+                for addr, sock in list(self._remotes.items()):
+                    if sock in ready:
+                        self._from_remote(addr, sock)
+                for port in list(self.ports.values()):
+                    moved += port.pump()
+                    for answer in port.answers(self._expected):
+                        moved += 1
+                        self._answered(port, answer)
+                now = time.monotonic()
+                if moved:
+                    last_work = now
+                if now - last_sweep > SWEEP_SECONDS:
+                    last_sweep = now
+                    self._expire(now)
+                self._acknowledge()
+
+    def _take_snapshot(self) -> None:
+        if self.segment.version == self.snapshot.version:
+            return
+        snap = self.segment.read()
+        self.flows.install(snap.version, snap.rules)
+        self.snapshot = snap
+
+    def _acknowledge(self) -> None:
+        oldest = min((p.version for p in self.pending.values()), default=self.snapshot.version)
+        self.segment.acknowledge(self.snapshot.version, oldest)
+
+    # -- senders ---------------------------------------------------------------------------
+    def _send(self, identity: bytes, header: bytes, payload: object = b"") -> None:
+        try:
+            self.sock.send_multipart([identity, header, payload], copy=False)
+        except zmq.ZMQError as exc:  # the sender went away
+            log.warning("activation sender gone: %s", exc)
+
+    def _refuse(self, identity: bytes, message_id: int, status: FrameStatus,
+                reason: str) -> None:
+        self.refused[status.name] += 1
+        text = reason.encode()
+        self._send(identity, frames.pack(Kind.ERROR, message_id, status=status,
+                                         payload_bytes=len(text), credits=1), text)
+
+    def _receive(self) -> None:
+        for _ in range(64):  # a bounded batch, so the rings are pumped between batches
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = parts[0].bytes
+            if len(parts) != 3:
+                self._refuse(identity, 0, FrameStatus.BAD_FRAME,
+                             f"expected header and payload frames, got {len(parts) - 1}")
+                continue
+            try:
+                h = frames.unpack(parts[1].bytes, len(parts[2].buffer))
+            except FrameError as exc:
+                self._refuse(identity, 0, exc.status, str(exc))
+                continue
+            kind = Kind(int(h["kind"]))
+            self.messages[kind.name] += 1
+            self.bytes[kind.name] += len(parts[2].buffer)
+            if kind != Kind.REQUEST:
+                self._refuse(identity, int(h["message_id"]), FrameStatus.BAD_FRAME,
+                             f"{kind.name} is not for the NIC: send REQUEST frames")
+                continue
+            try:
+                self._request(identity, h, np.frombuffer(parts[2].buffer, np.uint8))
+            except Exception as exc:  # one frame must not stop the NIC
+                log.exception("request %d failed in the NIC", int(h["message_id"]))
+                self._refuse(identity, int(h["message_id"]), FrameStatus.WORKER_FAILED,
+                             f"the NIC failed on this request: {type(exc).__name__}: {exc}")
+
+    def _request(self, identity: bytes, h: np.void, payload: np.ndarray) -> None:
+        mid = int(h["message_id"])
+        if self.outstanding[identity] >= self.credits:
+            self._refuse(identity, mid, FrameStatus.NO_CREDIT,
+                         f"{self.credits} requests already outstanding")
+            return
+        if payload.size == 0 or payload.size % 16:
+            self._refuse(identity, mid, FrameStatus.BAD_FRAME,
+                         f"a payload of {payload.size} bytes: rows must fill a positive "
+                         "multiple of 16 bytes")
+            return
+        model = frames.model_of(h)
+        key = ExpertKey(model, int(h["layer"]), int(h["expert"]))
+        entry = self.snapshot.models.get(model)
+        if entry is None or key.layer not in entry.layers or key.expert >= entry.experts:
+            self._refuse(identity, mid, FrameStatus.UNKNOWN_EXPERT,
+                         f"model {model!r} is not loaded" if entry is None else
+                         f"{key} is not an expert of {model!r} (MoE layers "
+                         f"{min(entry.layers, default=0)}-{max(entry.layers, default=0)}, "
+                         f"{entry.experts} experts)")
+            return
+        if int(h["row_bytes"]) != entry.hidden * 2:
+            self._refuse(identity, mid, FrameStatus.BAD_WIDTH,
+                         f"rows of {int(h['row_bytes'])} bytes; {model} takes {entry.hidden} "
+                         f"bf16 values ({entry.hidden * 2} bytes)")
+            return
+        d = self.flows.lookup(TrafficClass.ACTIVATIONS, model, key.layer, key.expert,
+                              identity.hex(), payload.size, self._load)
+        if d.action == Action.DROP:
+            self._refuse(identity, mid, FrameStatus.DROPPED, f"dropped by rule {d.rule.rule_id}"
+                         if d.rule is not None else "dropped")
+            return
+        port = self.ports.get(d.queue) if d.action == Action.FORWARD else None
+        slot = self.snapshot.slots.get((d.queue, key)) if port is not None else None
+        if port is None or port.failed or slot is None:
+            remote = self.snapshot.remotes.get(key)
+            if remote is None:
+                self._refuse(identity, mid, FrameStatus.NO_ROUTE, self._no_route(key, d.queue))
+                return
+            self._forward(identity, h, payload, remote)
+            return
+        nid = next(self._ids)
+        self.pending[nid] = Pending(identity, mid, port.device_id, self.snapshot.version,
+                                    time.monotonic(), h, payload)
+        self.outstanding[identity] += 1
+        self.in_flight[port.device_id] += 1
+        port.queue.append(Outbound(nid, payload, entry.index, key, abi.pack_slot(*slot)))
+
+    def _load(self, device: int) -> int:
+        return self.in_flight[device]
+
+    def _no_route(self, key: ExpertKey, device: int | None) -> str:
+        if device is None:
+            return f"no flow rule forwards {key}, and no other agent of the cluster holds it"
+        port = self.ports.get(device)
+        if port is None:
+            return f"{key} goes to device {device}, which has no worker attached"
+        if port.failed:
+            return f"{key} goes to device {device}, whose worker failed ({port.failed})"
+        return f"{key} goes to device {device}, which holds no placed copy of it"
+
+    # -- answers ---------------------------------------------------------------------------
+    def _expected(self, nid: int) -> int | None:
+        p = self.pending.get(nid)
+        return p.payload.size if p is not None and p.device is not None else None
+
+    def _answered(self, port: Port, answer: Answer) -> None:
+        p = self.pending.get(answer.nid)
+        if p is None:
+            return
+        if answer.status == FrameStatus.BAD_CHECKSUM and p.tries < PACKET_RETRIES:
+            p.tries += 1
+            self.retransmits += 1
+            key = ExpertKey(frames.model_of(p.header), int(p.header["layer"]),
+                            int(p.header["expert"]))
+            slot = self.snapshot.slots.get((port.device_id, key))
+            if slot is not None:
+                port.drop(answer.nid)  # its parts not yet sent go again from the start
+                port.queue.append(Outbound(answer.nid, p.payload,
+                                           self.snapshot.models[key.model].index, key,
+                                           abi.pack_slot(*slot)))
+                return
+        del self.pending[answer.nid]
+        self.outstanding[p.sender] -= 1
+        self.in_flight[port.device_id] -= 1
+        h = p.header
+        if answer.status == FrameStatus.OK:
+            assert answer.data is not None
+            self._send(p.sender, frames.pack(Kind.RESPONSE, p.message_id, frames.model_of(h),
+                                             int(h["layer"]), int(h["expert"]), int(h["rows"]),
+                                             int(h["row_bytes"]), answer.data.size,
+                                             credits=1), answer.data)
+            return
+        status = (FrameStatus.WORKER_FAILED if answer.status == FrameStatus.BAD_CHECKSUM
+                  else answer.status)
+        reason = answer.reason
+        if answer.status == FrameStatus.BAD_CHECKSUM:
+            reason = f"{reason}, {p.tries + 1} times"
+        self._refuse(p.sender, p.message_id, status, reason)
+
+    def _expire(self, now: float) -> None:
+        for nid, p in list(self.pending.items()):
+            if now - p.started <= self.worker_timeout:
+                continue
+            del self.pending[nid]
+            self.outstanding[p.sender] -= 1
+            if p.device is None:
+                text = f"no answer from the peer agent in {self.worker_timeout} s"
+            else:
+                self.in_flight[p.device] -= 1
+                port = self.ports.get(p.device)
+                if port is not None:
+                    port.drop(nid)
+                    port.failed = f"no answer in {self.worker_timeout} s"
+                text = f"no answer from device {p.device}'s worker in {self.worker_timeout} s"
+            self.refused["WORKER_FAILED"] += 1
+            self._send(p.sender, frames.pack(Kind.ERROR, p.message_id,
+                                             status=FrameStatus.WORKER_FAILED,
+                                             payload_bytes=len(text), credits=1),
+                       text.encode())
+
+    # -- other agents (cluster mode) -------------------------------------------------------
+    def _forward(self, identity: bytes, h: np.void, payload: np.ndarray, address: str) -> None:
+        sock = self._remotes.get(address)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{address}")
+            self._remotes[address] = sock
+            self._poller.register(sock, zmq.POLLIN)
+        nid = next(self._ids)
+        self.pending[nid] = Pending(identity, int(h["message_id"]), None,
+                                    self.snapshot.version, time.monotonic(), h, payload)
+        self.outstanding[identity] += 1
+        self.forwarded += 1
+        sock.send_multipart([frames.pack(Kind.REQUEST, nid, frames.model_of(h), int(h["layer"]),
+                                         int(h["expert"]), int(h["rows"]), int(h["row_bytes"]),
+                                         payload.size), payload], copy=False)
+
+    def _from_remote(self, address: str, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                if len(parts) != 2:
+                    raise FrameError(FrameStatus.BAD_FRAME, f"{len(parts)} frames")
+                h = frames.unpack(parts[0].bytes, len(parts[1].buffer))
+            except FrameError as exc:
+                self.refused["BAD_PEER_FRAME"] += 1
+                log.warning("a frame from the peer agent at %s refused: %s", address, exc)
+                continue
+            p = self.pending.pop(int(h["message_id"]), None)
+            if p is None or p.device is not None:
+                self.refused["UNKNOWN_RESULT"] += 1
+                continue
+            self.outstanding[p.sender] -= 1
+            kind = Kind.ERROR if int(h["kind"]) == Kind.ERROR else Kind.RESPONSE
+            self._send(p.sender, frames.pack(kind, p.message_id, frames.model_of(h),
+                                             int(h["layer"]), int(h["expert"]), int(h["rows"]),
+                                             int(h["row_bytes"]), len(parts[1].buffer),
+                                             FrameStatus(int(h["status"])), credits=1),
+                       parts[1])
+
+    # -- control ---------------------------------------------------------------------------
+    def attach(self, device_id: int, rx: str, tx: str) -> None:
+        port = Port(device_id, rx, tx)
+        with self.lock:
+            old = self.ports.pop(device_id, None)
+            self._fail_port(old, "its worker attached again")
+            self.ports[device_id] = port
+
+    def detach(self, device_id: int) -> None:
+        with self.lock:
+            self._fail_port(self.ports.pop(device_id, None), "its worker detached")
+
+    def _fail_port(self, port: Port | None, why: str) -> None:
+        """Answer every message still on ``port`` WORKER_FAILED and close it."""
+        if port is None:
+            return
+        for nid, p in list(self.pending.items()):
+            if p.device == port.device_id:
+                del self.pending[nid]
+                self.outstanding[p.sender] -= 1
+                self.in_flight[port.device_id] -= 1
+                self._refuse(p.sender, p.message_id, FrameStatus.WORKER_FAILED,
+                             f"device {port.device_id}: {why}")
+        port.close()
+
+    def stats(self) -> dict[str, object]:
+        with self.lock:
+            return {
+                "messages": dict(self.messages), "bytes": dict(self.bytes),
+                "refused": dict(self.refused), "forwarded": self.forwarded,
+                "retransmits": self.retransmits, "outstanding": len(self.pending),
+                "lookups": self.flows.lookups, "misses": self.flows.misses,
+                "applied": self.snapshot.version,
+                "rules": {str(rid): [c.packets, c.bytes, c.dropped]
+                          for rid, c in self.flows.counters.items()},
+                "ports": {str(d): {"failed": p.failed, "refused_packets": p.refused_packets,
+                                   "in_flight": self.in_flight[d]}
+                          for d, p in self.ports.items()},
+            }
+
+    def close(self) -> None:
+        with self.lock:
+            for port in self.ports.values():
+                port.close()
+            self.ports.clear()
+            for sock in self._remotes.values():
+                sock.close(0)
+            self.sock.close(0)
