@@ -20,6 +20,7 @@ Shapes and dtypes: ``hidden`` is ``uint16[tokens, hidden_size]`` holding bf16 bi
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -67,8 +68,9 @@ PACKETS_REFUSED = Counter("dpu_worker_packets_refused", "Activation packets that
                           "checksum in an expert worker's rx ring.", ["device"])
 FFN_CACHE_EXPERTS = 512
 """Experts whose FFN (weights widened or made contiguous) a worker keeps ready."""
-IDLE_SPIN_SECONDS = 0.002
-"""After a message the receiver polls its rx ring this long before napping between polls."""
+IDLE_SPIN_SECONDS = 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
+"""After a message the receiver polls its rx ring this long before napping between polls (on
+a machine with a core to spare: on a small one spinning starves the NIC)."""
 NAP_SECONDS = 50e-6
 REASON_BYTES = 1024
 """An error answer's reason is cut to this many bytes."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -37,10 +38,13 @@ PACKET_RETRIES = 2
 """Times a message whose rx packets failed the worker's check is written again before it is
 answered WORKER_FAILED."""
 SWEEP_SECONDS = 0.05
-SPIN_SECONDS = 0.002
-"""The loop polls without pausing this long after work moved."""
+SPIN_SECONDS = 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
+"""The loop polls without pausing this long after work moved, on a machine with a core to
+spare for it (as the hardware it stands for); on a small one spinning starves the worker."""
+NAP_SECONDS = 50e-6
+"""Otherwise, with messages in flight, it naps this long between passes."""
 IDLE_POLL_MS = 1
-"""Otherwise it waits this long for a frame between passes (milliseconds)."""
+"""With none, it waits this long for a frame between passes (milliseconds)."""
 
 
 @dataclass
@@ -95,12 +99,15 @@ class Nic:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> None:
-        """Poll until stopped: without a pause while work moved in the last ``SPIN_SECONDS``
-        (as the hardware it stands for), else waiting up to ``IDLE_POLL_MS`` for a frame."""
+        """Poll until stopped: without a pause while work moved in the last ``SPIN_SECONDS``,
+        napping between passes while messages are in flight, else waiting up to
+        ``IDLE_POLL_MS`` for a frame."""
         last_sweep = last_work = 0.0
         while not self.stopping:
             busy = time.monotonic() - last_work < SPIN_SECONDS
-            ready = dict(self._poller.poll(0 if busy else IDLE_POLL_MS))
+            ready = dict(self._poller.poll(0 if busy or self.pending else IDLE_POLL_MS))
+            if not ready and not busy and self.pending:
+                time.sleep(NAP_SECONDS)
             with self.lock:
                 self._take_snapshot()
                 moved = len(ready)
