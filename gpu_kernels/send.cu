@@ -1,8 +1,8 @@
 // Send kernel: packetize a device buffer into tx ring entries (header + payload), the
 // GPUNetIO txq-shaped producer. Twin: reference.send_packets.
 //
-// The buffer is the part of a message of `total` bytes that starts `base` bytes in. Packet p
-// goes to ring position first_pos + p. A block waits until that entry is free (position -
+// The buffer is the part of a message of `message_bytes` bytes that starts `base` bytes in.
+// Packet p goes to ring position first_pos + p. A block waits until that entry is free (position -
 // consumer < capacity), writes the payload with 16-byte stores, reduces its checksum, writes
 // the header (offset within the message; LAST on the part's last packet), fences system-wide
 // and publishes seq last.
@@ -12,7 +12,7 @@ extern "C" __global__ void dpu_send(dpu_ring_header* tx_hdr, unsigned char* tx_e
                                     const uint4* __restrict__ src, unsigned long long nbytes,
                                     unsigned long long first_pos, unsigned long long message_id,
                                     unsigned int model, unsigned int layer, unsigned int expert,
-                                    unsigned long long base, unsigned long long total) {
+                                    unsigned long long base, unsigned long long message_bytes) {
     __shared__ uint32_t scratch[32];
     const unsigned long long entry_size = tx_hdr->entry_size;
     const unsigned long long cap = tx_hdr->capacity;
@@ -50,7 +50,7 @@ extern "C" __global__ void dpu_send(dpu_ring_header* tx_hdr, unsigned char* tx_e
             h->expert = (uint16_t)expert;
             h->model = model;
             h->status = 0u;
-            h->total_length = total;
+            h->total_length = message_bytes;
             h->slot = 0ull;
             __threadfence_system();
             h->seq = pos + 1;
