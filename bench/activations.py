@@ -97,6 +97,13 @@ def grpc_baseline(weights: list[np.ndarray], hidden: int) -> tuple[grpc.Server, 
     return expert, forwarder, grpc.insecure_channel(f"127.0.0.1:{fwd_port}", options=opts)
 
 
+def cpu_rate(*pids: int, seconds: float = 0.5) -> list[float]:
+    """Each process's CPU seconds per second while no message moves."""
+    before = [proc_cpu_seconds(p) for p in pids]
+    time.sleep(seconds)
+    return [(proc_cpu_seconds(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
+
+
 def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str,
                 repeats: int, agent_pid: int) -> dict[str, dict[str, float]]:
     """Round trips of one expert's rows (model "r", rows of ``hidden`` bf16 values), with the
@@ -116,13 +123,18 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
             for _ in range(2):  # warm-up
                 sender.request(layer, 0, rows)
                 sender.receive()
+            idle = cpu_rate(agent_pid, nic_pid)
             cpu0 = (proc_cpu_seconds(agent_pid), proc_cpu_seconds(nic_pid))
+            t_start = time.perf_counter()
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 sender.request(layer, 0, rows)
                 _, got = sender.receive()
                 agent_t.append(time.perf_counter() - t0)
-            cpu = (proc_cpu_seconds(agent_pid) - cpu0[0], proc_cpu_seconds(nic_pid) - cpu0[1])
+            wall = time.perf_counter() - t_start
+            # What the messages cost beyond each process's idle pace over the same time.
+            cpu = (proc_cpu_seconds(agent_pid) - cpu0[0] - idle[0] * wall,
+                   proc_cpu_seconds(nic_pid) - cpu0[1] - idle[1] * wall)
             for _ in range(repeats):
                 t1 = time.perf_counter()
                 resp = call(wrappers_pb2.BytesValue(value=rows.tobytes()))
@@ -187,10 +199,17 @@ class EchoWorker(ExpertWorker):
         self.served += 1
 
 
-def transport_only(client: AgentClient, checkpoint: str, layer: int, hidden: int,
+def transport_only(agent: AgentProcess, checkpoint: str, layer: int, hidden: int,
                    address: str, repeats: int, made: object) -> dict[str, float]:
-    """p50 / p99 us of an 8 KiB round trip through the NIC to a worker of its own device that
-    echoes the rows (model "echo"): the transport share of a round trip."""
+    """p50 / p99 us of an 8 KiB round trip through the NIC to a worker of its own device (in
+    a session of its own: one GPU ordinal per session) that echoes the rows (model "echo"):
+    the transport share of a round trip."""
+    with AgentClient(agent.address) as client:
+        return _echo_trips(client, checkpoint, layer, hidden, address, repeats, made)
+
+
+def _echo_trips(client: AgentClient, checkpoint: str, layer: int, hidden: int, address: str,
+                repeats: int, made: object) -> dict[str, float]:
     info = client.load_model(checkpoint, "echo")
     dev = client.register_device(made, [SlotPoolSpec(info.expert_bytes, 16)])
     client.wait_placement(client.apply_placement("echo", [[[dev.device_id]] * 16]).placement_id)
@@ -247,7 +266,7 @@ def main() -> int:
                                 agent.proc.pid)
             layer_result = moe_layer(root, address, layer, hidden)
             worker.close()
-            transport = transport_only(client, str(rt_root), layer, rt_hidden, address,
+            transport = transport_only(agent, str(rt_root), layer, rt_hidden, address,
                                        max(200, args.repeats), make_device())
     print(f"   8KiB transport only (echo worker): p50 {transport['p50_us']:.0f} us",
           file=sys.stderr)

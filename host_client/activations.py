@@ -150,14 +150,12 @@ class ExpertWorker:
                     time.sleep(0.1)
                     continue
             h = reference.peek_packet(self.dev.rx.ring)
-            if h is None:
-                if time.monotonic() - last > IDLE_SPIN_SECONDS:
-                    time.sleep(NAP_SECONDS)
-                continue
-            if self._take(h):
+            if h is not None and self._take(h):
                 last = time.monotonic()
-            else:
-                time.sleep(0)
+                continue
+            # Spinning still lets the process's other threads have the GIL (sleep(0) drops
+            # it): a thread that only polls would hold it for the whole switch interval.
+            time.sleep(0 if time.monotonic() - last < IDLE_SPIN_SECONDS else NAP_SECONDS)
 
     def _take(self, h: np.void) -> bool:
         """Land the next part on the rx ring; answer its message once whole. False when the

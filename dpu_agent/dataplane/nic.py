@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpu_agent.nic")
 
 SWEEP_SECONDS = 0.005
-"""How often the supervisor looks for drained versions (retirements wait on them)."""
+"""How often the supervisor looks for drained versions while retirements wait on them."""
 LIVENESS_SECONDS = 0.5
 """How often it checks that the NIC process lives (a dead one is restarted)."""
 
@@ -82,6 +82,7 @@ class ActivationNic:
         self.port = int(self.child.ready["port"])
         """The port senders connect to (a restarted NIC binds it again)."""
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name="nic-supervisor",
                                         daemon=True)
         self._thread.start()
@@ -108,6 +109,7 @@ class ActivationNic:
         with self._lock:
             if self.segment.drained < version:
                 self._retiring.append((version, then))
+                self._wake.set()
                 return
         then()
 
@@ -139,7 +141,9 @@ class ActivationNic:
 
     def _supervise(self) -> None:
         checked = 0.0
-        while not self._stop.wait(SWEEP_SECONDS):
+        while not self._stop.is_set():
+            self._wake.wait(SWEEP_SECONDS if self._retiring else LIVENESS_SECONDS)
+            self._wake.clear()
             self._run_retirements()
             now = time.monotonic()
             if now - checked > LIVENESS_SECONDS:
@@ -174,6 +178,7 @@ class ActivationNic:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(2)
         self.child.stop()
         self.segment.close()
