@@ -43,7 +43,7 @@ def module(name: str, device_id: int = 0) -> cp.RawModule:
     with cp.cuda.Device(device_id) as dev:
         code = (KERNEL_DIR / f"{name}.cu").read_text()
         return cp.RawModule(code=code, options=("-std=c++17", f"-I{INCLUDE_DIR}",
-                                                arch_option(dev)),
+                                                f"-I{KERNEL_DIR}", arch_option(dev)),
                             name_expressions=None)
 
 

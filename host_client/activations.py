@@ -102,11 +102,17 @@ class ExpertWorker:
             ``dpu_worker_packets_refused_total``); the NIC writes their message again.
     """
 
-    def __init__(self, client: AgentClient, dev: AttachedDevice) -> None:
+    def __init__(self, client: AgentClient, dev: AttachedDevice, resident: bool = False
+                 ) -> None:
         if not client.activations_port:
             raise ValueError("the agent has no [activations] listen_address")
+        if resident and dev.device.kind != pb.DEVICE_KIND_CUDA:
+            raise ValueError("the resident receiver runs on a CUDA device")
         self.client, self.dev = client, dev
         self.served = self.failed = self.refused_packets = 0
+        self.resident: Any = None
+        """The resident receiver (``resident=True``: host_client.resident) while it runs."""
+        self._want_resident = resident
         self.xp: Any = np
         self.ops: Any = None
         """gpu_kernels.cuda_ops on a CUDA device; None: the NumPy twins."""
@@ -139,6 +145,14 @@ class ExpertWorker:
         self._models = {m.model_index: m.model for m in self.client.status().models}
         self._ffn.clear()
         self._inputs.clear()
+        if self._want_resident:
+            from host_client.resident import ResidentReceiver
+
+            if self.resident is not None:
+                self.resident.stop()
+            manifests = {i: self.client.model_manifest(name) for i, name in self._models.items()}
+            self.resident = ResidentReceiver(self.dev, {i: m for i, m in manifests.items()
+                                                        if m is not None})
 
     def _loop(self) -> None:
         last = time.monotonic()
@@ -149,6 +163,10 @@ class ExpertWorker:
                 except Exception:  # noqa: BLE001 - the agent may still be coming back
                     time.sleep(0.1)
                     continue
+            if self.resident is not None:  # the kernel serves: only watch for a reconnection
+                self.served, self.failed, self.refused_packets = self.resident.counters()
+                self._stop.wait(0.05)
+                continue
             h = reference.peek_packet(self.dev.rx.ring)
             if h is not None and self._take(h):
                 last = time.monotonic()
@@ -301,6 +319,10 @@ class ExpertWorker:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
+        if self.resident is not None:
+            self.served, self.failed, self.refused_packets = self.resident.counters()
+            self.resident.stop()
+            self.resident = None
         try:
             self.client.stub.ServeActivations(pb.ServeActivationsRequest(
                 session_id=self.client.session_id, device_id=self.dev.device_id,

@@ -149,6 +149,10 @@ class AgentClient(AgentSession):
             self.describe([key])
         return self._manifests[key]
 
+    def model_manifest(self, model: str) -> pb.ExpertManifest | None:
+        """One expert's manifest of ``model`` (its experts share their layout), if known."""
+        return next((m for k, m in self._manifests.items() if k.model == model), None)
+
     def _handles(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
         entries = [(abi.RequestOp.ACQUIRE, self._index(k.model), k) for k in keys]
         manifests = [self.manifest(k) for k in keys]

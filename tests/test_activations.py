@@ -361,6 +361,48 @@ def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
             worker.close()
 
 
+@pytest.mark.gpu
+def test_the_resident_receiver_serves_without_a_host_thread(qwen_ckpt: Path) -> None:
+    """The persistent kernel (gpu_kernels/serve.cu) serves the path alone: a dispatch matches
+    the dense reference, a message larger than the rx ring (in parts) equals the NumPy FFN of
+    the slot's weights, and its counters say so; the receiver's thread only watches."""
+    pytest.importorskip("cupy")
+    from host_client.cuda_device import CudaDevice
+
+    with AgentProcess(SETTINGS + "worker_timeout_seconds = 60\n") as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qr")
+        dev = client.register_device(CudaDevice(0, mechanism="copy_engine"),
+                                     [SlotPoolSpec(model.expert_bytes, 18)])
+        client.wait_placement(client.apply_placement("qr", [
+            [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers]).placement_id)
+        worker = ExpertWorker(client, dev, resident=True)
+        try:
+            address = f"127.0.0.1:{agent.activations_port}"
+            ids = routing(model.experts_per_layer, 40, 2, seed=6)
+            dispatch_matches_dense(address, "qr", model.experts_per_layer,
+                                   model.moe_layers[0], qwen_ckpt, ids, seed=6)
+            layer = model.moe_layers[1]
+            rows = reference.f32_to_bf16(np.random.default_rng(7).standard_normal(
+                (3000, 256), dtype=np.float32))  # 1.5 MB: more than the 1 MiB rx ring
+            with ActivationSender(address, "qr", model.experts_per_layer) as sender:
+                sender.request(layer, 2, rows)
+                _, got = sender.receive()
+            truth = checkpoint_bytes(qwen_ckpt)
+            names = [f"model.layers.{layer}.mlp.experts.2.{r}.weight"
+                     for r in ("gate_proj", "up_proj", "down_proj")]
+            weights = [np.frombuffer(truth[n], np.uint16) for n in names]
+            want = reference.swiglu_bf16(rows, weights[0].reshape(-1, 256),
+                                         weights[1].reshape(-1, 256),
+                                         weights[2].reshape(256, -1))
+            diff = np.abs(reference.bf16_to_f32(got) - reference.bf16_to_f32(want)).max()
+            assert diff <= 2 ** -6 * max(1.0, float(np.abs(reference.bf16_to_f32(want)).max()))
+            served, failed, refused = worker.resident.counters()
+            assert (served, failed, refused) == (len(np.unique(ids)) + 1, 0, 0)
+        finally:
+            worker.close()
+
+
 def _slot(tensors: dict[str, tuple[np.ndarray, str]]) -> ExpertSlot:
     """An expert slot over a blob holding ``tensors`` (name -> (array, safetensors dtype)),
     each 256-byte aligned as the agent lays them out."""

@@ -1,0 +1,129 @@
+"""The resident receiver on a GPU (gpu_kernels/serve.cu): one persistent kernel consumes the
+device's rx packet ring, checks every packet, runs each whole message's SwiGLU FFN on the
+slot its packets name and answers on the tx ring, with no host thread per message
+(docs/ACTIVATIONS.md). Its twin is the NumPy receiver of ``host_client.activations``.
+
+It computes SwiGLU experts stored ``gate [I, H]``, ``up [I, H]``, ``down [H, I]`` in BF16
+(per-expert tensors, or transformers 5's fused ``gate_up_proj [2I, H]``); a message for any
+other layout (gpt-oss's clamped SwiGLU, Llama-4's transposed fused tensors) is answered with
+an error, not computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dpu_offload import abi
+from dpu_offload.v1 import agent_pb2 as pb
+from gpu_kernels import launch
+from host_client.memory import tensor_layout
+from host_client.registration import AttachedDevice
+
+REGION_DTYPE = np.dtype([("base", "<u8"), ("size", "<u8")])
+MODEL_DTYPE = np.dtype([("gate", "<u8"), ("up", "<u8"), ("down", "<u8"), ("blob_bytes", "<u8"),
+                        ("hidden", "<u4"), ("inter", "<u4"), ("served", "<u4"),
+                        ("reserved", "<u4")])
+"""``dpu_serve_region`` and ``dpu_serve_model`` of serve.cu."""
+CTL_DTYPE = np.dtype([
+    ("barrier_count", "<u4"), ("barrier_gen", "<u4"), ("action", "<u4"), ("status", "<u4"),
+    ("pos", "<u8"), ("part_n", "<u8"), ("nid", "<u8"), ("total", "<u8"), ("slot", "<u8"),
+    ("done", "<u8"), ("first", "<u8"), ("end", "<u8"), ("tx_pos", "<u8"), ("answer", "<u8"),
+    ("model", "<u4"), ("layer", "<u4"), ("expert", "<u4"), ("whole", "<u4"), ("skip", "<u4"),
+    ("reason", "<u4"), ("written", "<u8"), ("refused", "<u8"), ("served", "<u8"),
+    ("failed", "<u8"), ("refused_packets", "<u8")])
+"""``dpu_serve_ctl``: the kernel's state between steps and its counters."""
+INPUT_BYTES = 8 << 20
+"""The largest message the kernel takes (bytes of rows); a larger one is answered an error."""
+BLOCKS, THREADS = 32, 256
+
+
+def model_entry(manifest: pb.ExpertManifest) -> np.void:
+    """The kernel's view of a model's expert layout (``served`` 0 where it does not compute
+    it)."""
+    entry = np.zeros(1, MODEL_DTYPE)[0]
+    entry["blob_bytes"] = manifest.blob_bytes
+    names = {t.name for t in manifest.tensors}
+    if any(n.endswith("_bias") for n in names) or "down_proj" not in names:
+        return entry
+    down = tensor_layout(manifest, "down_proj")
+    try:
+        fused = tensor_layout(manifest, "gate_up_proj")
+    except KeyError:
+        return entry
+    (two_i, h), (h2, i) = fused.shape, down.shape
+    if (fused.dtype, down.dtype) != ("BF16", "BF16") or two_i != 2 * i or h2 != h or h % 8 \
+            or i % 8:
+        return entry
+    entry["gate"], entry["up"], entry["down"] = fused.offset, fused.offset + i * h * 2, \
+        down.offset
+    entry["hidden"], entry["inter"], entry["served"] = h, i, 1
+    return entry
+
+
+class ResidentReceiver:
+    """The persistent kernel serving ``dev``'s rings.
+
+    Args:
+        dev: a CUDA device registered with its rx / tx packet rings and slot pools.
+        manifests: model index -> one expert's manifest of that model (every expert of a
+            model shares the layout).
+    """
+
+    def __init__(self, dev: AttachedDevice, manifests: dict[int, pb.ExpertManifest]) -> None:
+        cp = launch.cp
+        self.dev = dev
+        launch.preload(dev.device.ordinal)
+        regions = np.zeros(abi.MAX_REGIONS, REGION_DTYPE)
+        for rid, spec in dev.pools.items():
+            size = spec.slot_bytes * spec.slot_count
+            regions[rid] = (int(dev.device.region_bytes(rid, 0, size).data.ptr), size)
+        models = np.zeros(max(manifests, default=-1) + 1, MODEL_DTYPE)
+        for index, manifest in manifests.items():
+            models[index] = model_entry(manifest)
+        served = models[models["served"] == 1]
+        rows_max = [INPUT_BYTES // (2 * int(m["hidden"])) for m in served]
+        h_floats = max([r * int(m["inter"]) for r, m in zip(rows_max, served, strict=True)],
+                       default=8)
+        with cp.cuda.Device(dev.device.ordinal):
+            self.stream = launch.non_blocking_stream()
+            self._regions = cp.asarray(regions.view(np.uint8))
+            self._models = cp.asarray(models.view(np.uint8)) if models.size else \
+                cp.zeros(MODEL_DTYPE.itemsize, cp.uint8)
+            self._input = cp.zeros(INPUT_BYTES, cp.uint8)
+            self._hidden = cp.zeros(h_floats, cp.float32)
+            self._output = cp.zeros(INPUT_BYTES, cp.uint8)
+            self._reason = cp.zeros(64, cp.uint8)
+            ctl = np.zeros(1, CTL_DTYPE)
+            ctl["pos"], ctl["tx_pos"] = dev.rx.ring.consumed, dev.tx.ring.produced
+            ctl["nid"] = ctl["answer"] = np.uint64(2**64 - 1)  # no message under way
+            self._ctl = cp.asarray(ctl.view(np.uint8))
+            rx, tx = dev.rx_device_ptr, dev.tx_device_ptr
+            blocks = min(BLOCKS, launch.sm_count(dev.device.ordinal))
+            launch.kernel("serve", "dpu_serve")(
+                (blocks,), (THREADS,),
+                (np.uint64(rx), np.uint64(rx + abi.HEADER_BYTES), np.uint64(tx),
+                 np.uint64(tx + abi.HEADER_BYTES), self._regions, self._models,
+                 np.uint32(models.size), self._input, np.uint64(INPUT_BYTES), self._hidden,
+                 np.uint64(h_floats), self._output, self._reason, self._ctl),
+                stream=self.stream)
+
+    def counters(self) -> tuple[int, int, int]:
+        """(messages answered with output, answered with an error, rx packets refused)."""
+        ctl = self._ctl.get(stream=launch.non_blocking_stream()).view(CTL_DTYPE)[0]
+        return int(ctl["served"]), int(ctl["failed"]), int(ctl["refused_packets"])
+
+    def stop(self) -> None:
+        """End the kernel (the rings' exit flags) and wait for it."""
+        for ring in (self.dev.rx.ring, self.dev.tx.ring):
+            ring.header["exit_flag"] = 1
+        self.stream.synchronize()
+        for ring in (self.dev.rx.ring, self.dev.tx.ring):
+            ring.header["exit_flag"] = 0
+
+    def __enter__(self) -> ResidentReceiver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
