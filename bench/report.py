@@ -350,6 +350,8 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
      "activations-cpu.png"),
     ("Activations (GPU worker: packet kernels, CuPy FFN)", "activations-cuda", activations,
      "activations-cuda.png"),
+    ("Activations (GPU worker: the resident receiver, one persistent kernel)",
+     "activations-cuda-resident", activations, "activations-cuda-resident.png"),
     ("Load", "load", load_bench, ""),
     ("Decode with offloaded experts, Qwen3-30B-A3B shapes (H200)", "decode-qwen3-30b-a3b-cuda",
      decode, "decode-qwen3-30b-a3b-cuda.png"),
