@@ -241,17 +241,21 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
 
 
 def part_packets(rx: Ring) -> int | None:
-    """How many packets the next part on ``rx`` has (up to its LAST one) once they are all
-    published, else None; nothing is consumed (the host's count for ``dpu_receive_packets``)."""
+    """How many packets the next part on ``rx`` has (up to its LAST one; a whole ring without
+    one counts as a part, as the kernels take it) once they are all published, else None;
+    nothing is consumed (the host's count for ``dpu_receive_packets``)."""
     assert rx.payload is not None, "not a packet ring"
-    pos = rx.consumed
-    want = np.arange(pos + 1, pos + rx.capacity + 1, dtype=np.uint64)
-    idx = ((want - np.uint64(1)) & np.uint64(rx.capacity - 1)).astype(np.intp)
-    ready = rx._seq[idx] == want
-    n_ready = rx.capacity if ready.all() else int(np.argmin(ready))
+    pos, mask = rx.consumed, rx.capacity - 1
+    seq, flags = rx._seq, rx.entries["flags"]
+    for k in range(rx.capacity):
+        i = (pos + k) & mask
+        if int(seq[i]) != pos + k + 1:
+            return None
+        if int(flags[i]) & abi.PacketFlags.LAST:
+            store_fence()
+            return k + 1
     store_fence()
-    last = np.flatnonzero(rx.entries["flags"][idx[:n_ready]] & abi.PacketFlags.LAST)
-    return int(last[0]) + 1 if last.size else None
+    return rx.capacity
 
 
 def peek_packet(rx: Ring) -> np.void | None:
@@ -273,18 +277,12 @@ def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:
     (message id, bytes written, packets refused). Raises BufferError if the message is not
     complete in the ring yet (nothing is consumed then)."""
     assert rx.payload is not None, "not a packet ring"
-    pos = rx.consumed
-    want = np.arange(pos + 1, pos + rx.capacity + 1, dtype=np.uint64)
-    idx = ((want - np.uint64(1)) & np.uint64(rx.capacity - 1)).astype(np.intp)
-    ready = rx._seq[idx] == want
-    n_ready = rx.capacity if ready.all() else int(np.argmin(ready))
-    store_fence()
-    heads = rx.entries[idx[:n_ready]]
-    last = np.flatnonzero(heads["flags"] & abi.PacketFlags.LAST)
-    if last.size == 0:
+    n = part_packets(rx)
+    if n is None:
         raise BufferError("message incomplete in the rx ring")
-    n = int(last[0]) + 1
-    heads, idx = heads[:n].copy(), idx[:n]
+    idx = (np.arange(rx.consumed, rx.consumed + n, dtype=np.uint64)
+           & np.uint64(rx.capacity - 1)).astype(np.intp)
+    heads = rx.entries[idx]
     offsets = heads["offset"].astype(np.uint64)
     lengths = heads["length"].astype(np.uint64)
     sane = ((lengths <= rx.payload.shape[1]) & (lengths % np.uint64(16) == 0)
