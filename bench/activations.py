@@ -233,8 +233,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--resident", action="store_true",
-                    help="on a GPU: the resident receiver (one persistent kernel) serves")
+    ap.add_argument("--thread", action="store_true",
+                    help="on a GPU: the worker's thread drives the kernels per message instead "
+                         "of the resident receiver (one persistent kernel)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="the worker's device: CUDA kernels + CuPy, or the NumPy twins")
     ap.add_argument("--json", action="store_true")
@@ -261,7 +262,7 @@ def main() -> int:
             for m in models:
                 client.wait_placement(
                     client.apply_placement(m.model, [[[dev.device_id]] * 16]).placement_id)
-            worker = ExpertWorker(client, dev, resident=args.resident)
+            worker = ExpertWorker(client, dev, resident=False if args.thread else None)
             address = f"127.0.0.1:{agent.activations_port}"
             trips = round_trips(layer, rt_hidden, _weights(read_tensor_bytes(rt_root), layer,
                                                            0, rt_hidden), address, args.repeats,
@@ -287,7 +288,7 @@ def main() -> int:
     path = write("activations", envelope("activations", result, device=args.device,
                                          command="python bench/activations.py " +
                                          " ".join(sys.argv[1:])),
-                 f"-{args.device}" + ("-resident" if args.resident else ""))
+                 f"-{args.device}" + ("-thread" if args.thread else ""))
     save_figure(fig, path.with_suffix(".png"))
     print(json.dumps(result) if args.json else f"wrote {path}")
     return 0

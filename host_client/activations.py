@@ -90,9 +90,12 @@ def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
 
 
 class ExpertWorker:
-    """Serves the activations the NIC steers to ``dev`` (``ServeActivations``): on a CUDA
-    device the packet-receive and send kernels move the rows and the FFN runs on the GPU; on
-    the CPU reference device their NumPy twins and NumPy do.
+    """Serves the activations the NIC steers to ``dev`` (``ServeActivations``). On a CUDA
+    device whose loaded models the resident receiver computes (``resident=None`` chooses it
+    then; ``True`` insists), one persistent kernel receives, computes and answers
+    (host_client.resident); otherwise this object's thread drives the packet-receive and send
+    kernels and the FFN per message (on the CPU reference device: their NumPy twins and
+    NumPy, the twin of the resident kernel).
 
     Attributes:
         served: messages answered with output rows.
@@ -102,17 +105,19 @@ class ExpertWorker:
             ``dpu_worker_packets_refused_total``); the NIC writes their message again.
     """
 
-    def __init__(self, client: AgentClient, dev: AttachedDevice, resident: bool = False
+    def __init__(self, client: AgentClient, dev: AttachedDevice, resident: bool | None = None
                  ) -> None:
         if not client.activations_port:
             raise ValueError("the agent has no [activations] listen_address")
-        if resident and dev.device.kind != pb.DEVICE_KIND_CUDA:
+        cuda = dev.device.kind == pb.DEVICE_KIND_CUDA
+        if resident and not cuda:
             raise ValueError("the resident receiver runs on a CUDA device")
         self.client, self.dev = client, dev
         self.served = self.failed = self.refused_packets = 0
         self.resident: Any = None
         """The resident receiver (``resident=True``: host_client.resident) while it runs."""
-        self._want_resident = resident
+        self._want_resident = resident if resident is not None else cuda and all(
+            self._resident_computes(m.model) for m in client.status().models)
         self.xp: Any = np
         self.ops: Any = None
         """gpu_kernels.cuda_ops on a CUDA device; None: the NumPy twins."""
@@ -153,6 +158,13 @@ class ExpertWorker:
             manifests = {i: self.client.model_manifest(name) for i, name in self._models.items()}
             self.resident = ResidentReceiver(self.dev, {i: m for i, m in manifests.items()
                                                         if m is not None})
+
+    def _resident_computes(self, model: str) -> bool:
+        """Whether the resident kernel computes ``model``'s experts (its layout)."""
+        from host_client.resident import model_entry
+
+        manifest = self.client.model_manifest(model)
+        return manifest is not None and bool(model_entry(manifest)["served"])
 
     def _loop(self) -> None:
         last = time.monotonic()

@@ -84,8 +84,9 @@ ROWS: dict[str, Callable[[], str]] = {
         "transformers-decode-olmoe-1b-7b-cuda-prefetch"),
     "arena cache hit rate": cache,
     "activation round trip p50 through the agent": lambda: activations("activations-cpu"),
-    "same, GPU worker (packet kernels; H200)": lambda: activations("activations-cuda"),
-    "same, GPU worker, resident receiver": lambda: activations("activations-cuda-resident"),
+    "same, GPU worker (resident receiver; H200)": lambda: activations("activations-cuda"),
+    "same, GPU worker, its thread driving the kernels": lambda: activations(
+        "activations-cuda-thread"),
     "steering lookups": lambda: f"{results('steering')['lookups_per_second'] / 1e6:.2f} M/s",
     "cluster rebalance 3 -> 4 agents": lambda: (
         f"{results('cluster')['peers']['rebalance_converge_s'] * 1e3:.0f} ms"),
