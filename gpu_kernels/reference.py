@@ -241,20 +241,25 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
 
 
 def part_packets(rx: Ring) -> int | None:
-    """How many packets the next part on ``rx`` has (up to its LAST one; a whole ring without
-    one counts as a part, as the kernels take it) once they are all published, else None;
-    nothing is consumed (the host's count for ``dpu_receive_packets``)."""
+    """How many packets the next part on ``rx`` has (up to its LAST one, or up to a packet of
+    another message; a whole ring without either counts as a part, as the kernels take it)
+    once they are all published, else None; nothing is consumed (the host's count for
+    ``dpu_receive_packets``)."""
     assert rx.payload is not None, "not a packet ring"
     pos, mask = rx.consumed, rx.capacity - 1
-    seq, flags = rx._seq, rx.entries["flags"]
+    seq, flags, ids = rx._seq, rx.entries["flags"], rx.entries["message_id"]
+    first = None
     for k in range(rx.capacity):
         i = (pos + k) & mask
         if int(seq[i]) != pos + k + 1:
             return None
+        store_fence()
+        if first is None:
+            first = int(ids[i])
+        elif int(ids[i]) != first:
+            return k
         if int(flags[i]) & abi.PacketFlags.LAST:
-            store_fence()
             return k + 1
-    store_fence()
     return rx.capacity
 
 

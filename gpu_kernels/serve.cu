@@ -3,7 +3,8 @@
 // the NIC fills the receive queue, a resident kernel consumes it). Twin: the NumPy receiver of
 // host_client/activations.py (ThreadReceiver), same rules.
 //
-// Per part (the packets up to one flagged LAST; docs/ABI.md): block 0's first thread waits for
+// Per part (the packets up to one flagged LAST, or up to another message's; docs/ABI.md): block
+// 0's first thread waits for
 // them all to be published, then every block lands its share of the packets in the message's
 // input buffer, each checked (16-byte aligned, fits its entry, inside the buffer) and its
 // checksum verified before a byte of it is written. The part must land every byte from where
@@ -81,7 +82,7 @@ __device__ void serve_find_part(dpu_ring_header* rx_hdr, unsigned char* rx, dpu_
     const unsigned long long cap = rx_hdr->capacity, size = rx_hdr->entry_size;
     const unsigned long long room = size - sizeof(dpu_packet_header);
     const unsigned long long pos = c->pos;
-    unsigned long long n = 0;
+    unsigned long long n = 0, first_id = 0;
     for (;;) {
         volatile dpu_packet_header* h = serve_entry(rx, pos + n, cap, size);
         while (h->seq != pos + n + 1) {
@@ -89,6 +90,8 @@ __device__ void serve_find_part(dpu_ring_header* rx_hdr, unsigned char* rx, dpu_
             __nanosleep(128);
         }
         __threadfence_system();
+        if (n == 0) first_id = h->message_id;
+        else if (h->message_id != first_id) break;  // another message's: the part ends here
         ++n;
         if ((h->flags & DPU_PACKET_LAST) || n == cap) break;
     }

@@ -36,7 +36,7 @@ for s in $STAGES; do
     # The first line says where and what ran; bench/reliability_report.py counts from this log.
     python3 -c "import datetime, cupy; from bench.common import source_hash; print('# fuzz-gpu', datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d'), cupy.cuda.runtime.getDeviceProperties(0)['name'].decode(), 'source', source_hash(), 'profile', '${GPU_FUZZ_PROFILE:-fuzz}')" > "$LOG/fuzz-gpu.log"
     HYPOTHESIS_PROFILE="${GPU_FUZZ_PROFILE:-fuzz}" timeout "${FUZZ_TIMEOUT:-540}" \
-      python3 -m pytest -q -p no:cacheprovider --timeout-method=thread --timeout "${FUZZ_TIMEOUT:-540}" tests/fuzz/test_fuzz_gpu.py tests/fuzz/test_fuzz_gpu_packets.py \
+      python3 -m pytest -q -p no:cacheprovider --timeout-method=thread --timeout "${FUZZ_TIMEOUT:-540}" tests/fuzz/test_fuzz_gpu.py tests/fuzz/test_fuzz_gpu_packets.py tests/fuzz/test_fuzz_gpu_serve.py \
       --hypothesis-show-statistics 2>&1 | tee -a "$LOG/fuzz-gpu.log" | tail -12
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   demo)
