@@ -81,6 +81,7 @@ class Nic:
         self.worker_timeout = worker_timeout
         self.flows = FlowTable()
         self.snapshot = Snapshot(0)
+        self._acked = (-1, -1)
         self.ports: dict[int, Port] = {}
         self.lock = threading.Lock()
         """Held by the loop while it works and by the control thread to attach or detach."""
@@ -137,8 +138,13 @@ class Nic:
         self.snapshot = snap
 
     def _acknowledge(self) -> None:
+        """Tell the agent the version steered by and the oldest one still in flight (only on
+        a change: this runs on every pass)."""
         oldest = min((p.version for p in self.pending.values()), default=self.snapshot.version)
-        self.segment.acknowledge(self.snapshot.version, oldest)
+        acked = (self.snapshot.version, oldest)
+        if acked != self._acked:
+            self._acked = acked
+            self.segment.acknowledge(*acked)
 
     # -- senders ---------------------------------------------------------------------------
     def _send(self, identity: bytes, header: bytes, payload: object = b"") -> None:

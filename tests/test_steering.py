@@ -220,3 +220,55 @@ def test_rules_belong_to_their_session(agent: AgentProcess, qwen_ckpt: Path) -> 
         a.close()
         left = {r.origin for r in b.stub.ListFlows(pb.ListFlowsRequest()).rules}
         assert left == {f"placement:{b.session_id}:owned", f"manual:{b.session_id}"}
+
+
+def test_the_snapshot_is_read_whole_while_it_is_republished() -> None:
+    """The agent's steering snapshot (shared memory, two halves, a sequence lock): a reader
+    that keeps reading while versions are published sees each version with exactly its own
+    rules, never a mix; the NIC's acknowledgement words read back; a segment that is not a
+    snapshot is refused by name."""
+    from dpu_offload.shm import SharedBuffer, unique_name
+    from dpu_offload.steering_snapshot import (
+        SEGMENT_BYTES,
+        Snapshot,
+        SnapshotError,
+        SnapshotSegment,
+    )
+
+    def snapshot(version: int) -> Snapshot:
+        return Snapshot(version, tuple(rule(Action.FORWARD, model="m", expert=e, queues=(1,))
+                                       for e in range(version % 7 + 1)))
+
+    writer = SnapshotSegment()
+    reader = SnapshotSegment(writer.name)
+    stop, seen, bad = threading.Event(), set(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            got = reader.read()
+            if got.version:
+                seen.add(got.version)
+                if len(got.rules) != got.version % 7 + 1:
+                    bad.append(got.version)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for v in range(1, 400):
+            writer.publish(snapshot(v))
+            time.sleep(0)  # let the reader in between publications
+    finally:
+        stop.set()
+        t.join()
+    assert not bad and seen and reader.read().version == 399
+    reader.acknowledge(399, 398)
+    assert (writer.applied, writer.drained) == (399, 398)
+    other = SharedBuffer(unique_name("dpu-test"), SEGMENT_BYTES, create=True)
+    try:
+        with pytest.raises(SnapshotError, match="not a steering snapshot"):
+            SnapshotSegment(other.name)
+    finally:
+        other.unlink()
+        reader.close()
+        writer.close()
+        writer.unlink()
