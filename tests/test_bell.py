@@ -84,7 +84,7 @@ def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -
     process under 4 % of a core; ~11 % and ~9 % on the 2-core VM while they polled, ~1 % and
     ~0.4 % with the bells), and a client's post rings the agent awake, whose delivery rings the
     engine: the acquire is served and both bells' ``rings`` moved."""
-    from bench.delivery import engine_pid
+    from bench.common import child_pid
     from dpu_offload.keys import ExpertKey
 
     with AgentProcess() as agent, AgentClient(agent.address) as client:
@@ -97,7 +97,7 @@ def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -
         time.sleep(0.5)
         bell, engine_bell = dev.channel._bell, _engine_bell(agent.proc.pid)
         assert bell is not None and bell.asleep and engine_bell.asleep
-        pids = (agent.proc.pid, engine_pid(agent.proc.pid))
+        pids = (agent.proc.pid, child_pid(agent.proc.pid, "dma_engine"))
         c0, t0 = [_cpu_seconds(p) for p in pids], time.monotonic()
         time.sleep(3.0)
         for pid, c in zip(pids, c0, strict=True):
