@@ -209,9 +209,10 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     return dict(out)
 
 
-def child_pid(parent: int, module: str) -> int:
-    """The child of ``parent`` running ``python -m module`` (the agent's DMA engine or NIC
-    stand-in); 0 when there is none."""
+def child_pids(parent: int, module: str) -> list[int]:
+    """The children of ``parent`` running ``python -m module`` (the agent's DMA engine or NIC
+    stand-in; two while one is being replaced)."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
@@ -219,8 +220,13 @@ def child_pid(parent: int, module: str) -> int:
         except OSError:
             continue
         if int(stat.rsplit(")", 1)[1].split()[1]) == parent and module.encode() in cmd:
-            return int(pid)
-    return 0
+            found.append(int(pid))
+    return found
+
+
+def child_pid(parent: int, module: str) -> int:
+    """The first of :func:`child_pids`; 0 when there is none."""
+    return next(iter(child_pids(parent, module)), 0)
 
 
 def proc_cpu_seconds(pid: int) -> float:

@@ -18,6 +18,7 @@
 // multiprocessor so that all are resident. rx_hdr->exit_flag ends it.
 #include "ring.cuh"
 #include "ffn.cuh"
+#include "packets.cuh"
 
 #define SERVE_RECEIVE 1u
 #define SERVE_FFN 2u
@@ -200,53 +201,23 @@ __device__ void serve_decide(dpu_ring_header* rx_hdr, const dpu_serve_region* re
     c->action = SERVE_FFN;
 }
 
-// Every block: packetize `nbytes` of `src` (message nid) into the tx ring from c->tx_pos, LAST
-// on every ring-full and on the last packet; returns the packets written.
+// Every block: packetize `nbytes` of `src` (the answer to c->answer) into the tx ring from
+// c->tx_pos, LAST on every ring-full and on the last packet; returns the packets written.
 __device__ unsigned long long serve_send(dpu_ring_header* tx_hdr, unsigned char* tx,
                                          const unsigned char* src, unsigned long long nbytes,
                                          dpu_serve_ctl* c, unsigned int flags,
                                          unsigned int status, uint32_t* scratch) {
-    const unsigned long long cap = tx_hdr->capacity, size = tx_hdr->entry_size;
-    const unsigned long long room = size - sizeof(dpu_packet_header);
+    const unsigned long long cap = tx_hdr->capacity;
+    const unsigned long long room = tx_hdr->entry_size - sizeof(dpu_packet_header);
     const unsigned long long packets = nbytes ? (nbytes + room - 1) / room : 1;
     for (unsigned long long p = blockIdx.x; p < packets; p += gridDim.x) {
-        const unsigned long long pos = c->tx_pos + p;
-        if (threadIdx.x == 0) {
-            while (pos - dpu_load_volatile_u64(&tx_hdr->consumer) >= cap) {
-                if (dpu_load_volatile_u32(&tx_hdr->exit_flag)) break;
-                __nanosleep(256);
-            }
-        }
-        __syncthreads();
-        unsigned char* entry = tx + (pos & (cap - 1)) * size;
         const unsigned long long offset = p * room;
         const unsigned long long len = nbytes ? min(room, nbytes - offset) : 0;
-        uint4* payload = (uint4*)(entry + sizeof(dpu_packet_header));
-        const uint4* from = (const uint4*)(src + offset);
-        uint32_t sum = 0;
-        for (unsigned long long i = threadIdx.x; i < len / 16; i += blockDim.x) {
-            const uint4 v = from[i];
-            payload[i] = v;
-            sum += dpu_vec_terms(v, offset / 4 + 4 * i);
-        }
-        const uint32_t total = dpu_block_sum(sum, scratch);
-        if (threadIdx.x == 0) {
-            volatile dpu_packet_header* h = (volatile dpu_packet_header*)entry;
-            h->message_id = c->answer;
-            h->offset = offset;
-            h->length = (uint32_t)len;
-            h->flags = flags | ((p + 1 == packets || (p + 1) % cap == 0) ? DPU_PACKET_LAST : 0u);
-            h->checksum = dpu_checksum_finish(total, len);
-            h->layer = (uint16_t)c->layer;
-            h->expert = (uint16_t)c->expert;
-            h->model = c->model;
-            h->status = status;
-            h->total_length = nbytes;
-            h->slot = 0ull;
-            __threadfence_system();
-            h->seq = pos + 1;
-        }
-        __syncthreads();
+        const bool last = p + 1 == packets || (p + 1) % cap == 0;
+        const dpu_packet_fields f = {c->answer, nbytes, flags | (last ? DPU_PACKET_LAST : 0u),
+                                     status, c->model, c->layer, c->expert};
+        dpu_put_packet(tx_hdr, tx, c->tx_pos + p, (const uint4*)(src + offset), offset, len, f,
+                       scratch);
     }
     return packets;
 }

@@ -337,28 +337,39 @@ def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> Non
             assert err.value.status == FrameStatus.NO_ROUTE
 
 
-@pytest.mark.gpu
-def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
-    """The same path with the packet-receive and send kernels and a CuPy FFN on the GPU."""
+@contextlib.contextmanager
+def cuda_serving(ckpt: Path, name: str, resident: bool):
+    """An agent with every expert placed on GPU 0, served by a worker with or without the
+    resident receiver: (agent's activation address, model, worker)."""
     pytest.importorskip("cupy")
     from host_client.cuda_device import CudaDevice
 
     # A fresh GPU machine compiles the FFN's CuPy kernels on the first request (seconds).
     with AgentProcess(SETTINGS + "worker_timeout_seconds = 60\n") as agent, \
             AgentClient(agent.address) as client:
-        model = client.load_model(str(qwen_ckpt), "qg")
+        model = client.load_model(str(ckpt), name)
         dev = client.register_device(CudaDevice(0, mechanism="copy_engine"),
                                      [SlotPoolSpec(model.expert_bytes, 18)])
-        client.wait_placement(client.apply_placement("qg", [
+        client.wait_placement(client.apply_placement(name, [
             [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers]).placement_id)
-        worker = ExpertWorker(client, dev)
+        worker = ExpertWorker(client, dev, resident=resident)
         try:
-            dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qg",
-                                   model.experts_per_layer, model.moe_layers[0], qwen_ckpt,
-                                   routing(model.experts_per_layer, 40, 2, seed=4), seed=4)
-            assert worker.ops is not None and worker.refused_packets == 0
+            yield f"127.0.0.1:{agent.activations_port}", model, worker
         finally:
             worker.close()
+
+
+@pytest.mark.gpu
+def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
+    """The same path on the GPU with the worker's thread driving the packet-receive and send
+    kernels and the FFN (``resident=False``: the path of layouts the resident kernel does not
+    compute)."""
+    with cuda_serving(qwen_ckpt, "qg", resident=False) as (address, model, worker):
+        dispatch_matches_dense(address, "qg", model.experts_per_layer, model.moe_layers[0],
+                               qwen_ckpt, routing(model.experts_per_layer, 40, 2, seed=4),
+                               seed=4)
+        assert worker.ops is not None and worker.resident is None
+        assert worker.refused_packets == 0
 
 
 @pytest.mark.gpu
@@ -366,41 +377,25 @@ def test_the_resident_receiver_serves_without_a_host_thread(qwen_ckpt: Path) -> 
     """The persistent kernel (gpu_kernels/serve.cu) serves the path alone: a dispatch matches
     the dense reference, a message larger than the rx ring (in parts) equals the NumPy FFN of
     the slot's weights, and its counters say so; the receiver's thread only watches."""
-    pytest.importorskip("cupy")
-    from host_client.cuda_device import CudaDevice
-
-    with AgentProcess(SETTINGS + "worker_timeout_seconds = 60\n") as agent, \
-            AgentClient(agent.address) as client:
-        model = client.load_model(str(qwen_ckpt), "qr")
-        dev = client.register_device(CudaDevice(0, mechanism="copy_engine"),
-                                     [SlotPoolSpec(model.expert_bytes, 18)])
-        client.wait_placement(client.apply_placement("qr", [
-            [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers]).placement_id)
-        worker = ExpertWorker(client, dev, resident=True)
-        try:
-            address = f"127.0.0.1:{agent.activations_port}"
-            ids = routing(model.experts_per_layer, 40, 2, seed=6)
-            dispatch_matches_dense(address, "qr", model.experts_per_layer,
-                                   model.moe_layers[0], qwen_ckpt, ids, seed=6)
-            layer = model.moe_layers[1]
-            rows = reference.f32_to_bf16(np.random.default_rng(7).standard_normal(
-                (3000, 256), dtype=np.float32))  # 1.5 MB: more than the 1 MiB rx ring
-            with ActivationSender(address, "qr", model.experts_per_layer) as sender:
-                sender.request(layer, 2, rows)
-                _, got = sender.receive()
-            truth = checkpoint_bytes(qwen_ckpt)
-            names = [f"model.layers.{layer}.mlp.experts.2.{r}.weight"
-                     for r in ("gate_proj", "up_proj", "down_proj")]
-            weights = [np.frombuffer(truth[n], np.uint16) for n in names]
-            want = reference.swiglu_bf16(rows, weights[0].reshape(-1, 256),
-                                         weights[1].reshape(-1, 256),
-                                         weights[2].reshape(256, -1))
-            diff = np.abs(reference.bf16_to_f32(got) - reference.bf16_to_f32(want)).max()
-            assert diff <= 2 ** -6 * max(1.0, float(np.abs(reference.bf16_to_f32(want)).max()))
-            served, failed, refused = worker.resident.counters()
-            assert (served, failed, refused) == (len(np.unique(ids)) + 1, 0, 0)
-        finally:
-            worker.close()
+    with cuda_serving(qwen_ckpt, "qr", resident=True) as (address, model, worker):
+        ids = routing(model.experts_per_layer, 40, 2, seed=6)
+        dispatch_matches_dense(address, "qr", model.experts_per_layer, model.moe_layers[0],
+                               qwen_ckpt, ids, seed=6)
+        layer = model.moe_layers[1]
+        rows = reference.f32_to_bf16(np.random.default_rng(7).standard_normal(
+            (3000, 256), dtype=np.float32))  # 1.5 MB: more than the 1 MiB rx ring
+        with ActivationSender(address, "qr", model.experts_per_layer) as sender:
+            sender.request(layer, 2, rows)
+            _, got = sender.receive()
+        truth = checkpoint_bytes(qwen_ckpt)
+        names = [f"model.layers.{layer}.mlp.experts.2.{r}.weight"
+                 for r in ("gate_proj", "up_proj", "down_proj")]
+        weights = [np.frombuffer(truth[n], np.uint16) for n in names]
+        want = reference.swiglu_bf16(rows, weights[0].reshape(-1, 256),
+                                     weights[1].reshape(-1, 256), weights[2].reshape(256, -1))
+        diff = np.abs(reference.bf16_to_f32(got) - reference.bf16_to_f32(want)).max()
+        assert diff <= 2 ** -6 * max(1.0, float(np.abs(reference.bf16_to_f32(want)).max()))
+        assert worker.resident.counters() == (len(np.unique(ids)) + 1, 0, 0)
 
 
 def _slot(tensors: dict[str, tuple[np.ndarray, str]]) -> ExpertSlot:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.common import child_pids
 from dpu_offload import abi
 from dpu_offload.channel import Channel, split_word
 from dpu_offload.keys import ExpertKey
@@ -37,16 +38,7 @@ def metric(agent: AgentProcess, name: str) -> float:
 def engine_pids(agent: AgentProcess) -> list[int]:
     """Processes whose parent is the agent and that run ``python -m dma_engine``."""
     assert agent.proc is not None
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == agent.proc.pid and b"dma_engine" in cmd:
-            found.append(int(pid))
-    return found
+    return child_pids(agent.proc.pid, "dma_engine")
 
 
 @pytest.fixture
