@@ -119,7 +119,7 @@ class Nic:
                         self._from_remote(addr, sock)
                 for port in list(self.ports.values()):
                     moved += port.pump()
-                    for answer in port.answers(self._expected):
+                    for answer in port.answers(lambda nid, port=port: self._expected(port, nid)):
                         moved += 1
                         self._answered(port, answer)
                 now = time.monotonic()
@@ -252,9 +252,11 @@ class Nic:
         return f"{key} goes to device {device}, which holds no placed copy of it"
 
     # -- answers ---------------------------------------------------------------------------
-    def _expected(self, nid: int) -> int | None:
+    def _expected(self, port: Port, nid: int) -> int | None:
+        """The answer's size for a message in flight on ``port`` (None: no such message: a
+        worker answers only what was steered to it)."""
         p = self.pending.get(nid)
-        return p.payload.size if p is not None and p.device is not None else None
+        return p.payload.size if p is not None and p.device == port.device_id else None
 
     def _answered(self, port: Port, answer: Answer) -> None:
         p = self.pending.get(answer.nid)
@@ -266,10 +268,10 @@ class Nic:
             key = ExpertKey(frames.model_of(p.header), int(p.header["layer"]),
                             int(p.header["expert"]))
             slot = self.snapshot.slots.get((port.device_id, key))
-            if slot is not None:
+            entry = self.snapshot.models.get(key.model)
+            if slot is not None and entry is not None:
                 port.drop(answer.nid)  # its parts not yet sent go again from the start
-                port.queue.append(Outbound(answer.nid, p.payload,
-                                           self.snapshot.models[key.model].index, key,
+                port.queue.append(Outbound(answer.nid, p.payload, entry.index, key,
                                            abi.pack_slot(*slot)))
                 return
         del self.pending[answer.nid]
