@@ -62,12 +62,14 @@ FAULTS = [
      "tests/test_state.py::test_sigkill_during_writes_leaves_old_or_new_state"),
     ("SIGTERM with transfers in flight",
      "tests/test_systemd.py::test_sigterm_drains_then_cancels_and_exits_zero"),
-    ("activation worker vanishes mid-request (ZeroMQ path)", "tests/test_activations.py::"
+    ("activation worker vanishes mid-request (its rings fall silent)", "tests/test_activations.py::"
      "test_worker_vanishing_mid_request_fails_within_bound"),
     ("experts migrated under activation traffic",
      "tests/test_activations.py::test_migration_under_traffic_loses_nothing"),
-    ("network link to a worker cut (veth into a network namespace)",
-     "tests/test_netns.py::test_link_cut_fails_requests_within_the_bound"),
+    ("network link to a sender cut (veth into a network namespace)",
+     "tests/test_netns.py::test_a_cut_sender_times_out_and_the_nic_serves_on"),
+    ("hostile activation frames against the NIC stand-in (hypothesis)",
+     "tests/fuzz/test_fuzz_frames.py::test_fuzz_frames_against_the_nic"),
     ("cluster agent SIGKILLed", "tests/test_cluster.py::"
      "test_three_agents_reconcile_fetch_from_peers_forward_and_survive_a_kill"),
     ("etcd unreachable at agent start",
@@ -147,11 +149,11 @@ OUTCOME = {
     "(BAD_RING in its fault word), the client's wait raises UNAVAILABLE; other sessions carry "
     "on",
     "corrupted activation packets": "refused by the receive twin before the rows are used, the "
-    "part delivered again, dpu_worker_packets_refused_total and _packet_retransmits_total count "
-    "it, the combined output matches the dense reference; corrupted on every try: WORKER_FAILED, "
-    "credit back",
+    "part refused and the message written again by the NIC, dpu_worker_packets_refused_total "
+    "and dpu_agent_activation_retransmits_total count it, the combined output matches the "
+    "dense reference; corrupted on every try: WORKER_FAILED, credit back",
     "activation packet emptied on the wire (length 0, checksum 0: valid, short)": "no packet "
-    "is refused, but the part's byte count is short: delivered again, output equals the dense "
+    "is refused, but the part leaves a hole: written again by the NIC, output equals the dense "
     "reference",
     "caller's deadline passes during an arena fill": "DEADLINE_EXCEEDED to the caller; the "
     "fills finish and the agent gives back every reference the lost response carried",
@@ -166,13 +168,16 @@ OUTCOME = {
     "id, and the agent's log line carries the same id (unary and streaming)",
     "SIGKILL at random points of state writes": "restart finds the old or the new state",
     "SIGTERM with transfers in flight": "waits out the grace, cancels the rest, exit 0",
-    "activation worker vanishes mid-request (ZeroMQ path)": "the sender gets WORKER_FAILED "
-    "within the 1 s bound, its credit back, and the dead worker stops being a route",
+    "activation worker vanishes mid-request (its rings fall silent)": "the sender gets "
+    "WORKER_FAILED within the 1 s bound, its credit back, and the dead worker stops being a route",
     "experts migrated under activation traffic": "three moves while dispatching: sent = "
     "received, no error, traffic follows the moves",
-    "network link to a worker cut (veth into a network namespace)": "the four requests in "
-    "flight fail with WORKER_FAILED within the 2 s bound (+0.5 s), credits come back, the "
-    "next request gets NO_ROUTE at once",
+    "network link to a sender cut (veth into a network namespace)": "the sender's wait ends "
+    "with its own 2 s timeout (+1.5 s), the NIC takes its four credits back as the worker "
+    "answers into the dead link, and serves the next sender at once",
+    "hostile activation frames against the NIC stand-in (hypothesis)": "every frame answered "
+    "once (output only for a valid request, else ERROR with a status and a reason), placed "
+    "slots unchanged, the NIC and agent up, a valid request served after every example",
     "cluster agent SIGKILLed": "its membership expires within the 2 s lease; the planner "
     "re-places its experts on the survivors, every expert held again within 15 s",
     "etcd unreachable at agent start": "retries with backoff for the join timeout, then exits "
