@@ -42,7 +42,7 @@ from bench.common import (
 )
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationSender, ExpertWorker
+from host_client.activations import ActivationSender
 from host_client.checkpoints import (
     CheckpointSpec,
     expert_tensor_names,
@@ -50,6 +50,7 @@ from host_client.checkpoints import (
     read_tensor_bytes,
 )
 from host_client.launcher import AgentProcess
+from host_client.worker import ExpertWorker
 
 SIZES = {"8KiB": 8 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20}
 METHOD = "/bench.Expert/Run"

@@ -70,7 +70,6 @@ from dpu_offload.blob import SWIGLU_ROLES
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import expert_ffn
 from host_client.checkpoints import (
     CheckpointSpec,
     expert_tensor_names,
@@ -78,6 +77,7 @@ from host_client.checkpoints import (
     read_tensor_bytes,
 )
 from host_client.launcher import AgentProcess
+from host_client.worker import expert_ffn
 
 ARCHS = {  # arch: (checkpoint layout, hidden, moe intermediate, top-k)
     "qwen3-30b-a3b": ("qwen3-moe", 2048, 768, 8),

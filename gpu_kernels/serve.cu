@@ -1,7 +1,7 @@
 // The resident receiver: one persistent kernel that serves the activations the NIC writes into
 // a worker device's rx packet ring, with no host thread per message (the GPUNetIO pattern:
 // the NIC fills the receive queue, a resident kernel consumes it). Twin: the NumPy receiver of
-// host_client/activations.py (ThreadReceiver), same rules.
+// host_client/worker.py (the ExpertWorker thread), same rules.
 //
 // Per part (the packets up to one flagged LAST, or up to another message's; docs/ABI.md): block
 // 0's first thread waits for

@@ -40,7 +40,7 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     import threading
 
     from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-    from host_client.activations import ExpertWorker
+    from host_client.worker import ExpertWorker
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

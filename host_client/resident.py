@@ -1,7 +1,7 @@
 """The resident receiver on a GPU (gpu_kernels/serve.cu): one persistent kernel consumes the
 device's rx packet ring, checks every packet, runs each whole message's SwiGLU FFN on the
 slot its packets name and answers on the tx ring, with no host thread per message
-(docs/ACTIVATIONS.md). Its twin is the NumPy receiver of ``host_client.activations``.
+(docs/ACTIVATIONS.md). Its twin is the NumPy receiver of ``host_client.worker``.
 
 It computes SwiGLU experts stored ``gate [I, H]``, ``up [I, H]``, ``down [H, I]`` in BF16
 (per-expert tensors, or transformers 5's fused ``gate_up_proj [2I, H]``); a message for any

@@ -20,9 +20,10 @@ from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationError, ActivationSender, ExpertWorker
+from host_client.activations import ActivationError, ActivationSender
 from host_client.launcher import AgentProcess
 from host_client.memory import ExpertSlot
+from host_client.worker import ExpertWorker
 from nic.nic import PACKET_RETRIES
 from tests.conftest import checkpoint_bytes
 

@@ -51,7 +51,7 @@ def test_a_package_imports_nothing_its_rule_forbids(package: str) -> None:
 
 
 CUPY_IMPORTERS = {"gpu_kernels/launch.py", "gpu_kernels/reference.py",
-                  "host_client/activations.py", "dma_engine/backends.py"}
+                  "host_client/worker.py", "dma_engine/backends.py"}
 """The only modules that import CuPy themselves (the rest use ``launch.cp``)."""
 
 

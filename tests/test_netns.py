@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationSender, ExpertWorker
+from host_client.activations import ActivationSender
 from host_client.launcher import AgentProcess
+from host_client.worker import ExpertWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST_IP, NS_IP = "10.213.7.1", "10.213.7.2"  # only on the veth pair this test creates

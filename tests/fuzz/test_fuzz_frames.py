@@ -23,8 +23,9 @@ from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
-from host_client.activations import ActivationSender, ExpertWorker
+from host_client.activations import ActivationSender
 from host_client.launcher import AgentProcess
+from host_client.worker import ExpertWorker
 from tests.fuzz import FUZZ
 
 CREDITS = 4
