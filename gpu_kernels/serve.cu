@@ -11,7 +11,8 @@
 // the last one ended to its end and end on a full packet or the message's end; else the
 // message is answered BAD_CHECKSUM (the NIC writes it again). A whole message runs the SwiGLU
 // FFN of the expert in the slot its packets name (regions[slot >> 48].base + offset, the layout
-// from models[model]) over tiles of FFN_MAX_ROWS rows, and its output goes into the tx ring as
+// from models[model]: row-major SwiGLU with 16-byte loads, any strided SwiGLU, or gpt-oss's
+// clamped SwiGLU with its biases) over tiles of FFN_MAX_ROWS rows, and its output goes into the tx ring as
 // checksummed packets, a LAST every ring-full; a message the kernel cannot serve (unknown
 // model or region, a layout it does not compute, too large for its buffers) is answered with
 // one ERROR packet. Blocks meet at a grid barrier between steps: launch at most one block per
@@ -36,13 +37,95 @@ typedef struct {
     unsigned long long size;  // bytes
 } dpu_serve_region;
 
+#define SERVE_CONTIGUOUS 1u  // gate [I, H], up [I, H], down [H, I], each row-major (16-byte loads)
+#define SERVE_STRIDED 2u     // SwiGLU with the element strides below (Llama-4's [H, 2I], [I, H])
+#define SERVE_CLAMPED 3u     // gpt-oss: strided, biases, min/clip at limit, sigmoid(alpha g)
+
 typedef struct {
     unsigned long long gate, up, down;  // byte offsets in the expert's blob
     unsigned long long blob_bytes;
+    unsigned long long gate_bias, up_bias, down_bias;  // byte offsets (SERVE_CLAMPED)
     unsigned int hidden, inter;         // values; both multiples of 8
-    unsigned int served;                // 1: the layout is [I, H], [I, H], [H, I] contiguous
-    unsigned int reserved;
+    unsigned int kind;                  // SERVE_*; 0: not served here
+    unsigned int g_sj, g_sk;            // gate / up element (j, k) at j * g_sj + k * g_sk
+    unsigned int d_si, d_sj;            // down element (i, j) at i * d_si + j * d_sj
+    unsigned int b_s;                   // gate / up bias element j at j * b_s
+    float alpha, limit;
 } dpu_serve_model;
+
+__device__ __forceinline__ float bf16_at(const unsigned char* base, unsigned long long element) {
+    return __uint_as_float((unsigned)((const unsigned short*)base)[element] << 16);
+}
+
+// h[r, j] for rows [0, rows) of x (bf16 [rows, hidden]) with any element strides: one warp per
+// column j (first, first + stride, ...), the lanes over k.
+__device__ void serve_gate_up_strided(const unsigned short* __restrict__ x,
+                                      const unsigned char* blob, const dpu_serve_model m,
+                                      float* __restrict__ h, int rows, int first, int stride) {
+    const int lane = threadIdx.x & 31;
+    for (int j = first; j < (int)m.inter; j += stride) {
+        float g[FFN_MAX_ROWS], u[FFN_MAX_ROWS];
+#pragma unroll
+        for (int r = 0; r < FFN_MAX_ROWS; ++r) g[r] = u[r] = 0.0f;
+        const unsigned long long row = (unsigned long long)j * m.g_sj;
+        for (int k = lane; k < (int)m.hidden; k += 32) {
+            const unsigned long long e = row + (unsigned long long)k * m.g_sk;
+            const float gw = bf16_at(blob + m.gate, e), uw = bf16_at(blob + m.up, e);
+#pragma unroll
+            for (int r = 0; r < FFN_MAX_ROWS; ++r) {
+                if (r < rows) {
+                    const float xv = __uint_as_float((unsigned)x[(size_t)r * m.hidden + k] << 16);
+                    g[r] += gw * xv;
+                    u[r] += uw * xv;
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < FFN_MAX_ROWS; ++r) {
+            if (r < rows) {
+                float gs = warp_sum(g[r]), us = warp_sum(u[r]), hv;
+                if (m.kind == SERVE_CLAMPED) {
+                    gs = fminf(gs + bf16_at(blob + m.gate_bias, (unsigned long long)j * m.b_s),
+                               m.limit);
+                    us = fminf(fmaxf(us + bf16_at(blob + m.up_bias,
+                                                  (unsigned long long)j * m.b_s), -m.limit),
+                               m.limit);
+                    hv = (us + 1.0f) * (gs / (1.0f + expf(-m.alpha * gs)));
+                } else {
+                    hv = gs / (1.0f + expf(-gs)) * us;
+                }
+                if (lane == 0) h[(size_t)r * m.inter + j] = hv;
+            }
+        }
+    }
+}
+
+// out[r, i] = bf16(down(i, :) . h[r, :] (+ down_bias[i])) with any element strides.
+__device__ void serve_down_strided(const float* __restrict__ h, const unsigned char* blob,
+                                   const dpu_serve_model m, unsigned short* __restrict__ out,
+                                   int rows, int first, int stride) {
+    const int lane = threadIdx.x & 31;
+    for (int i = first; i < (int)m.hidden; i += stride) {
+        float acc[FFN_MAX_ROWS];
+#pragma unroll
+        for (int r = 0; r < FFN_MAX_ROWS; ++r) acc[r] = 0.0f;
+        for (int j = lane; j < (int)m.inter; j += 32) {
+            const float w = bf16_at(blob + m.down, (unsigned long long)i * m.d_si +
+                                                   (unsigned long long)j * m.d_sj);
+#pragma unroll
+            for (int r = 0; r < FFN_MAX_ROWS; ++r)
+                if (r < rows) acc[r] += w * h[(size_t)r * m.inter + j];
+        }
+        const float bias = m.kind == SERVE_CLAMPED ? bf16_at(blob + m.down_bias, i) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < FFN_MAX_ROWS; ++r) {
+            if (r < rows) {
+                const float s = warp_sum(acc[r]) + bias;
+                if (lane == 0) out[(size_t)r * m.hidden + i] = to_bf16(s);
+            }
+        }
+    }
+}
 
 typedef struct {
     unsigned int barrier_count, barrier_gen, action, status;
@@ -189,7 +272,7 @@ __device__ void serve_decide(dpu_ring_header* rx_hdr, const dpu_serve_region* re
     const unsigned long long offset = c->slot & 0xFFFFFFFFFFFFull;
     c->status = SERVE_WORKER_FAILED;
     c->action = SERVE_ERROR;
-    if (c->model >= n_models || !models[c->model].served) { c->reason = 2u; return; }
+    if (c->model >= n_models || !models[c->model].kind) { c->reason = 2u; return; }
     const dpu_serve_model m = models[c->model];
     if (region >= DPU_MAX_REGIONS || regions[region].base == 0 ||
         offset > regions[region].size || m.blob_bytes > regions[region].size - offset) {
@@ -257,17 +340,32 @@ extern "C" __global__ void dpu_serve(dpu_ring_header* rx_hdr, unsigned char* rx,
                                         (c->slot & 0xFFFFFFFFFFFFull);
             const int rows = (int)(c->total / (2ull * m.hidden));
             const int hidden8 = m.hidden / 8, inter8 = m.inter / 8;
-            for (int r0 = 0; r0 < rows; r0 += FFN_MAX_ROWS)
-                dpu_ffn_gate_up_rows(inbuf + (size_t)r0 * hidden8, (const uint4*)(blob + m.gate),
-                                     (const uint4*)(blob + m.up), hbuf + (size_t)r0 * m.inter,
-                                     min(FFN_MAX_ROWS, rows - r0), hidden8, m.inter, warp,
-                                     n_warps);
+            const bool fast = m.kind == SERVE_CONTIGUOUS;
+            for (int r0 = 0; r0 < rows; r0 += FFN_MAX_ROWS) {
+                const int n = min(FFN_MAX_ROWS, rows - r0);
+                if (fast)
+                    dpu_ffn_gate_up_rows(inbuf + (size_t)r0 * hidden8,
+                                         (const uint4*)(blob + m.gate),
+                                         (const uint4*)(blob + m.up),
+                                         hbuf + (size_t)r0 * m.inter, n, hidden8, m.inter, warp,
+                                         n_warps);
+                else
+                    serve_gate_up_strided((const unsigned short*)inbuf + (size_t)r0 * m.hidden,
+                                          blob, m, hbuf + (size_t)r0 * m.inter, n, warp,
+                                          n_warps);
+            }
             serve_barrier(c);
-            for (int r0 = 0; r0 < rows; r0 += FFN_MAX_ROWS)
-                dpu_ffn_down_rows((const float4*)(hbuf + (size_t)r0 * m.inter),
-                                  (const uint4*)(blob + m.down), outbuf + (size_t)r0 * m.hidden,
-                                  min(FFN_MAX_ROWS, rows - r0), inter8, m.hidden, warp,
-                                  n_warps);
+            for (int r0 = 0; r0 < rows; r0 += FFN_MAX_ROWS) {
+                const int n = min(FFN_MAX_ROWS, rows - r0);
+                if (fast)
+                    dpu_ffn_down_rows((const float4*)(hbuf + (size_t)r0 * m.inter),
+                                      (const uint4*)(blob + m.down),
+                                      outbuf + (size_t)r0 * m.hidden, n, inter8, m.hidden, warp,
+                                      n_warps);
+                else
+                    serve_down_strided(hbuf + (size_t)r0 * m.inter, blob, m,
+                                       outbuf + (size_t)r0 * m.hidden, n, warp, n_warps);
+            }
             serve_barrier(c);
             const unsigned long long sent = serve_send(tx_hdr, tx, (const unsigned char*)outbuf,
                                                        c->total, c, 0u, 0u, scratch);

@@ -3,10 +3,9 @@ device's rx packet ring, checks every packet, runs each whole message's SwiGLU F
 slot its packets name and answers on the tx ring, with no host thread per message
 (docs/ACTIVATIONS.md). Its twin is the NumPy receiver of ``host_client.worker``.
 
-It computes SwiGLU experts stored ``gate [I, H]``, ``up [I, H]``, ``down [H, I]`` in BF16
-(per-expert tensors, or transformers 5's fused ``gate_up_proj [2I, H]``); a message for any
-other layout (gpt-oss's clamped SwiGLU, Llama-4's transposed fused tensors) is answered with
-an error, not computed.
+It computes BF16 experts (``model_entry`` says which layouts); a message for any other (MXFP4,
+FP8) is answered with an error, not computed: a worker whose models include one keeps the
+host-thread path.
 """
 
 from __future__ import annotations
@@ -18,48 +17,12 @@ import numpy as np
 from dpu_offload import abi
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import launch
-from host_client.memory import tensor_layout
 from host_client.registration import AttachedDevice
+from host_client.serve_tables import CTL_DTYPE, MODEL_DTYPE, REGION_DTYPE, model_entry
 
-REGION_DTYPE = np.dtype([("base", "<u8"), ("size", "<u8")])
-MODEL_DTYPE = np.dtype([("gate", "<u8"), ("up", "<u8"), ("down", "<u8"), ("blob_bytes", "<u8"),
-                        ("hidden", "<u4"), ("inter", "<u4"), ("served", "<u4"),
-                        ("reserved", "<u4")])
-"""``dpu_serve_region`` and ``dpu_serve_model`` of serve.cu."""
-CTL_DTYPE = np.dtype([
-    ("barrier_count", "<u4"), ("barrier_gen", "<u4"), ("action", "<u4"), ("status", "<u4"),
-    ("pos", "<u8"), ("part_n", "<u8"), ("nid", "<u8"), ("total", "<u8"), ("slot", "<u8"),
-    ("done", "<u8"), ("first", "<u8"), ("end", "<u8"), ("tx_pos", "<u8"), ("answer", "<u8"),
-    ("model", "<u4"), ("layer", "<u4"), ("expert", "<u4"), ("whole", "<u4"), ("skip", "<u4"),
-    ("reason", "<u4"), ("written", "<u8"), ("refused", "<u8"), ("served", "<u8"),
-    ("failed", "<u8"), ("refused_packets", "<u8")])
-"""``dpu_serve_ctl``: the kernel's state between steps and its counters."""
 INPUT_BYTES = 8 << 20
 """The largest message the kernel takes (bytes of rows); a larger one is answered an error."""
 BLOCKS, THREADS = 32, 256
-
-
-def model_entry(manifest: pb.ExpertManifest) -> np.void:
-    """The kernel's view of a model's expert layout (``served`` 0 where it does not compute
-    it)."""
-    entry = np.zeros(1, MODEL_DTYPE)[0]
-    entry["blob_bytes"] = manifest.blob_bytes
-    names = {t.name for t in manifest.tensors}
-    if any(n.endswith("_bias") for n in names) or "down_proj" not in names:
-        return entry
-    down = tensor_layout(manifest, "down_proj")
-    try:
-        fused = tensor_layout(manifest, "gate_up_proj")
-    except KeyError:
-        return entry
-    (two_i, h), (h2, i) = fused.shape, down.shape
-    if (fused.dtype, down.dtype) != ("BF16", "BF16") or two_i != 2 * i or h2 != h or h % 8 \
-            or i % 8:
-        return entry
-    entry["gate"], entry["up"], entry["down"] = fused.offset, fused.offset + i * h * 2, \
-        down.offset
-    entry["hidden"], entry["inter"], entry["served"] = h, i, 1
-    return entry
 
 
 class ResidentReceiver:
@@ -82,7 +45,7 @@ class ResidentReceiver:
         models = np.zeros(max(manifests, default=-1) + 1, MODEL_DTYPE)
         for index, manifest in manifests.items():
             models[index] = model_entry(manifest)
-        served = models[models["served"] == 1]
+        served = models[models["kind"] != 0]
         rows_max = [INPUT_BYTES // (2 * int(m["hidden"])) for m in served]
         h_floats = max([r * int(m["inter"]) for r, m in zip(rows_max, served, strict=True)],
                        default=8)

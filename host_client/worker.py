@@ -126,10 +126,10 @@ class ExpertWorker:
 
     def _resident_computes(self, model: str) -> bool:
         """Whether the resident kernel computes ``model``'s experts (its layout)."""
-        from host_client.resident import model_entry
+        from host_client.serve_tables import model_entry
 
         manifest = self.client.model_manifest(model)
-        return manifest is not None and bool(model_entry(manifest)["served"])
+        return manifest is not None and bool(model_entry(manifest)["kind"])
 
     def _loop(self) -> None:
         last = time.monotonic()

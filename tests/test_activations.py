@@ -446,6 +446,75 @@ def test_swiglu_weights_of_every_layout_the_worker_computes() -> None:
                "down_proj": (down.view(np.uint8), "F8_E4M3")}).swiglu_weights()
 
 
+def _table_weights(slot: ExpertSlot, entry: np.void) -> list[np.ndarray]:
+    """gate, up [I, H] and down [H, I] as the resident kernel addresses them from its model
+    table entry (element strides from byte offsets in the slot's blob)."""
+    words = slot.blob.view(np.uint16)
+    i, h = int(entry["inter"]), int(entry["hidden"])
+    j, k = np.meshgrid(np.arange(i), np.arange(h), indexing="ij")
+    gate_up = [words[int(entry[name]) // 2 + j * int(entry["g_sj"]) + k * int(entry["g_sk"])]
+               for name in ("gate", "up")]
+    if int(entry["kind"]) == 1:  # row-major: the kernel's 16-byte loads
+        gate_up = [words[int(entry[n]) // 2:][:i * h].reshape(i, h) for n in ("gate", "up")]
+    a, b = np.meshgrid(np.arange(h), np.arange(i), indexing="ij")
+    down = words[int(entry["down"]) // 2 + a * int(entry["d_si"]) + b * int(entry["d_sj"])]
+    return [*gate_up, down]
+
+
+def test_the_resident_kernel_reads_every_layout_as_the_twin_does() -> None:
+    """The resident receiver's model table (host_client/serve_tables.py) addresses per-expert,
+    fused ``[2I, H]``, Llama-4 ``[H, 2I]`` and gpt-oss's interleaved BF16 weights (with its
+    biases, alpha and limit) exactly as the twin's views read them; MXFP4 and FP8 are left to
+    the host-thread path (kind 0)."""
+    from dpu_offload.v1 import agent_pb2 as pb
+    from host_client.serve_tables import CLAMPED, CONTIGUOUS, STRIDED, model_entry
+
+    rng = np.random.default_rng(8)
+    hidden, inter = 16, 8
+    gate, up, down = (rng.integers(0, 1 << 15, shape).astype(np.uint16)
+                      for shape in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    swiglu = {
+        CONTIGUOUS: [{"gate_proj": (gate, "BF16"), "up_proj": (up, "BF16"),
+                      "down_proj": (down, "BF16")},
+                     {"gate_up_proj": (np.concatenate([gate, up]), "BF16"),
+                      "down_proj": (down, "BF16")}],
+        STRIDED: [{"gate_up_proj": (np.concatenate([gate.T, up.T], axis=1), "BF16"),
+                   "down_proj": (down.T, "BF16")}],
+    }
+    for kind, forms in swiglu.items():
+        for tensors in forms:
+            slot = _slot(tensors)
+            entry = model_entry(slot.manifest)
+            assert int(entry["kind"]) == kind
+            for got, want in zip(_table_weights(slot, entry), slot.swiglu_weights(),
+                                 strict=True):
+                np.testing.assert_array_equal(got, want)
+    fused = np.empty((hidden, 2 * inter), np.uint16)
+    fused[:, 0::2], fused[:, 1::2] = gate.T, up.T
+    bias = rng.integers(0, 1 << 15, 2 * inter).astype(np.uint16)
+    down_bias = rng.integers(0, 1 << 15, hidden).astype(np.uint16)
+    slot = _slot({"gate_up_proj": (fused, "BF16"), "gate_up_proj_bias": (bias, "BF16"),
+                  "down_proj": (down.T, "BF16"), "down_proj_bias": (down_bias, "BF16")})
+    slot.manifest.activation = pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU
+    slot.manifest.swiglu_alpha, slot.manifest.swiglu_limit = 1.702, 7.0
+    entry = model_entry(slot.manifest)
+    assert int(entry["kind"]) == CLAMPED
+    assert abs(float(entry["alpha"]) - 1.702) < 1e-6 and float(entry["limit"]) == 7.0
+    w = slot.clamped_swiglu_weights()
+    for got, want in zip(_table_weights(slot, entry), (w.gate, w.up, w.down), strict=True):
+        np.testing.assert_array_equal(reference.bf16_to_f32(got), want)
+    words = slot.blob.view(np.uint16)
+    for name, want in (("gate_bias", w.gate_bias), ("up_bias", w.up_bias)):
+        got = words[int(entry[name]) // 2 + np.arange(inter) * int(entry["b_s"])]
+        np.testing.assert_array_equal(reference.bf16_to_f32(got), want)
+    got = words[int(entry["down_bias"]) // 2:][:hidden]
+    np.testing.assert_array_equal(reference.bf16_to_f32(got), w.down_bias)
+    fp8 = _slot({"gate_proj": (gate.view(np.uint8), "F8_E4M3"),
+                 "up_proj": (up.view(np.uint8), "F8_E4M3"),
+                 "down_proj": (down.view(np.uint8), "F8_E4M3")})
+    assert int(model_entry(fp8.manifest)["kind"]) == 0
+
+
 def test_a_fused_checkpoint_is_served(tmp_path: Path) -> None:
     """A checkpoint saved fused (``experts.gate_up_proj`` ``[E, 2I, H]``): the worker splits
     each expert's halves and the combined output matches the dense reference."""
@@ -495,7 +564,8 @@ def _mxfp4_gpt_oss(root: Path, experts: int, hidden: int, inter: int) -> Path:
     return root
 
 
-def _gpt_oss_matches_transformers(tmp_path: Path, device: object, form: str = "bf16") -> None:
+def _gpt_oss_matches_transformers(tmp_path: Path, device: object, form: str = "bf16",
+                                  resident: bool = False) -> None:
     """Serve a gpt-oss checkpoint (``form`` ``bf16``, as transformers saves it, with
     ``swiglu_limit`` 1.5, not the default: the agent must pass the config's on; or ``mxfp4``,
     as gpt-oss ships) from ``device`` and check the manifest's activation and the combined
@@ -537,6 +607,7 @@ def _gpt_oss_matches_transformers(tmp_path: Path, device: object, form: str = "b
             with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa", 6,
                                   credits=4) as sender:
                 got = reference.bf16_to_f32(sender.dispatch(layer, x, ids, w))
+            assert (worker.resident is not None) == resident  # who computed it
         finally:
             worker.close()
     truth = checkpoint_bytes(ckpt)
@@ -582,11 +653,14 @@ def test_gpt_oss_as_released_in_mxfp4_is_served_as_transformers_computes_it(
 
 @pytest.mark.gpu
 def test_a_gpt_oss_checkpoint_is_served_on_the_gpu(tmp_path: Path) -> None:
-    """The same on a CUDA worker (packet kernels, the clamped FFN in CuPy)."""
+    """The same on a CUDA worker: BF16 by the resident receiver (its strided, biased, clamped
+    FFN), MXFP4 by the worker's thread (packet kernels, the clamped FFN in CuPy)."""
     pytest.importorskip("cupy")
     from host_client.cuda_device import CudaDevice
 
-    _gpt_oss_matches_transformers(tmp_path, CudaDevice(0, mechanism="copy_engine"))
+    _gpt_oss_matches_transformers(tmp_path, CudaDevice(0, mechanism="copy_engine"),
+                                  resident=True)
+    _gpt_oss_matches_transformers(tmp_path, CudaDevice(0, mechanism="copy_engine"), "mxfp4")
 
 
 def test_clamped_swiglu_weights_are_gpt_oss_halves_and_refuse_anything_else() -> None:
