@@ -254,21 +254,21 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
         assert top.returncode == 0 and "qwen-ctl" in top.stdout
         # Left running, top quits on q, and on Ctrl-C without a traceback.
         for stop in ("q", signal.SIGINT):
+            # SIGINT as a terminal gives it: a suite started in the background (``make test
+            # &``) passes SIGINT on ignored, and Python then installs no handler for it.
             live = subprocess.Popen([*base, "top", "--agent", agent.address, "--interval",
                                      "0.2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+                                    stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                     signal.SIG_DFL))
             time.sleep(1.5)
             if stop == "q":
                 live.stdin.write("q")
                 live.stdin.flush()
             else:
                 live.send_signal(stop)
-            # Generous: under the whole suite's load on a 2-core VM the quit once took over
-            # 10 s (it takes 0.1 s alone); the elapsed time goes in the message.
-            t0 = time.monotonic()
-            _, err = live.communicate(timeout=60)
-            assert live.returncode == 0 and "Traceback" not in err, (
-                stop, f"{time.monotonic() - t0:.1f} s", err)
+            _, err = live.communicate(timeout=10)
+            assert live.returncode == 0 and "Traceback" not in err, (stop, err)
     down = subprocess.run([*base, "status", "--agent", "127.0.0.1:9", "--timeout", "0.5"],
                           capture_output=True, text=True)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
