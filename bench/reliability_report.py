@@ -64,6 +64,8 @@ FAULTS = [
      "tests/test_systemd.py::test_sigterm_drains_then_cancels_and_exits_zero"),
     ("activation worker vanishes mid-request (its rings fall silent)", "tests/test_activations.py::"
      "test_worker_vanishing_mid_request_fails_within_bound"),
+    ("NIC stand-in process SIGKILLed", "tests/test_activations.py::"
+     "test_a_killed_nic_is_restarted_on_its_port_with_its_workers"),
     ("experts migrated under activation traffic",
      "tests/test_activations.py::test_migration_under_traffic_loses_nothing"),
     ("network link to a sender cut (veth into a network namespace)",
@@ -170,6 +172,8 @@ OUTCOME = {
     "SIGTERM with transfers in flight": "waits out the grace, cancels the rest, exit 0",
     "activation worker vanishes mid-request (its rings fall silent)": "the sender gets "
     "WORKER_FAILED within the 1 s bound, its credit back, and the dead worker stops being a route",
+    "NIC stand-in process SIGKILLed": "a new one within the 0.5 s sweep on the same port, "
+    "every worker's rings attached again; the next dispatch is served by the same worker",
     "experts migrated under activation traffic": "three moves while dispatching: sent = "
     "received, no error, traffic follows the moves",
     "network link to a sender cut (veth into a network namespace)": "the sender's wait ends "

@@ -724,3 +724,30 @@ def test_clamped_swiglu_weights_are_gpt_oss_halves_and_refuse_anything_else() ->
                 ).clamped_swiglu_weights()
     with pytest.raises(ValueError, match="EXPERT_ACTIVATION_SWIGLU"):
         _slot({"gate_proj": (down.T.copy(), "BF16")}).clamped_swiglu_weights()
+
+
+def test_a_killed_nic_is_restarted_on_its_port_with_its_workers(qwen_ckpt: Path) -> None:
+    """The NIC stand-in SIGKILLed: the agent notices within its liveness sweep (0.5 s) and
+    starts a new one on the same port with every worker's rings attached again; the next
+    requests are served as before, through the same address, by the same worker."""
+    import os
+    import signal as sig
+
+    from bench.common import child_pid
+
+    with serving(qwen_ckpt) as (agent, _, model, _, worker):
+        address = f"127.0.0.1:{agent.activations_port}"
+        layer = model.moe_layers[0]
+        ids = routing(model.experts_per_layer, 8, 1, seed=9)
+        dispatch_matches_dense(address, "qa", model.experts_per_layer, layer, qwen_ckpt, ids)
+        old = child_pid(agent.proc.pid, "nic")
+        assert old
+        os.kill(old, sig.SIGKILL)
+        deadline = time.monotonic() + 5
+        while child_pid(agent.proc.pid, "nic") in (0, old):
+            assert time.monotonic() < deadline, "the NIC was not restarted"
+            time.sleep(0.05)
+        served = worker.served
+        dispatch_matches_dense(address, "qa", model.experts_per_layer, layer, qwen_ckpt, ids)
+        assert worker.served > served  # the same worker, re-attached, served them
+        assert agent.proc.poll() is None
