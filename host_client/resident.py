@@ -51,6 +51,8 @@ class ResidentReceiver:
                        default=8)
         with cp.cuda.Device(dev.device.ordinal):
             self.stream = launch.non_blocking_stream()
+            self._reads = launch.non_blocking_stream()
+            """Where the counters are read while the kernel holds ``stream``."""
             self._regions = cp.asarray(regions.view(np.uint8))
             self._models = cp.asarray(models.view(np.uint8)) if models.size else \
                 cp.zeros(MODEL_DTYPE.itemsize, cp.uint8)
@@ -74,7 +76,7 @@ class ResidentReceiver:
 
     def counters(self) -> tuple[int, int, int]:
         """(messages answered with output, answered with an error, rx packets refused)."""
-        ctl = self._ctl.get(stream=launch.non_blocking_stream()).view(CTL_DTYPE)[0]
+        ctl = self._ctl.get(stream=self._reads).view(CTL_DTYPE)[0]
         return int(ctl["served"]), int(ctl["failed"]), int(ctl["refused_packets"])
 
     def stop(self) -> None:
