@@ -751,3 +751,30 @@ def test_a_killed_nic_is_restarted_on_its_port_with_its_workers(qwen_ckpt: Path)
         dispatch_matches_dense(address, "qa", model.experts_per_layer, layer, qwen_ckpt, ids)
         assert worker.served > served  # the same worker, re-attached, served them
         assert agent.proc.poll() is None
+
+
+def test_serve_activations_refuses_what_the_caller_cannot_serve(qwen_ckpt: Path) -> None:
+    """ServeActivations names what was wrong and attaches nothing: a device the session does
+    not have is FAILED_PRECONDITION (as on every RPC), an agent without [activations] is FAILED_PRECONDITION; stopping a
+    device that never served is a no-op."""
+    import grpc
+
+    from dpu_offload.v1 import agent_pb2 as pb
+
+    def serve(client: AgentClient, device_id: int, on: bool = True) -> None:
+        client.stub.ServeActivations(pb.ServeActivationsRequest(
+            session_id=client.session_id, device_id=device_id, serve=on), timeout=10)
+
+    with serving(qwen_ckpt) as (_, client, _, devs, _):
+        with pytest.raises(grpc.RpcError) as err:
+            serve(client, 10_000)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "device 10000 is not registered" in err.value.details()
+        serve(client, devs[1].device_id, on=False)
+    with AgentProcess() as agent, AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "qn")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        with pytest.raises(grpc.RpcError) as err:
+            serve(client, dev.device_id)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "activations" in err.value.details()

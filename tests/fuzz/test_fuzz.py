@@ -96,6 +96,8 @@ def requests(client: AgentClient) -> st.SearchStrategy[tuple[str, object]]:
                 max_size=4))),
         st.tuples(st.just("Rebalance"), st.builds(pb.RebalanceRequest, session_id=sid,
                                                   model=texts, replicas=u32)),
+        st.tuples(st.just("ServeActivations"), st.builds(
+            pb.ServeActivationsRequest, session_id=sid, device_id=u32, serve=st.booleans())),
         st.tuples(st.just("CreateSession"), st.builds(
             pb.CreateSessionRequest, client_name=texts,
             lease_seconds=st.integers(1000, 2**32 - 1))),
