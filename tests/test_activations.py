@@ -755,8 +755,8 @@ def test_a_killed_nic_is_restarted_on_its_port_with_its_workers(qwen_ckpt: Path)
 
 def test_serve_activations_refuses_what_the_caller_cannot_serve(qwen_ckpt: Path) -> None:
     """ServeActivations names what was wrong and attaches nothing: a device the session does
-    not have is FAILED_PRECONDITION (as on every RPC), an agent without [activations] is FAILED_PRECONDITION; stopping a
-    device that never served is a no-op."""
+    not have is FAILED_PRECONDITION (as on every RPC), so is an agent without [activations];
+    stopping a device that never served is a no-op."""
     import grpc
 
     from dpu_offload.v1 import agent_pb2 as pb
