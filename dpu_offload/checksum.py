@@ -12,7 +12,6 @@ GPU block can reduce it in any order. It is an integrity check, not a cryptograp
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -68,30 +67,6 @@ def blob_checksums(blob: np.ndarray, chunk_bytes: int) -> list[int]:
     shorter)."""
     return [chunk_checksum(blob[start:start + chunk_bytes], start)
             for start in range(0, blob.size, chunk_bytes)]
-
-
-@functools.cache
-def _golden_steps(words: int) -> np.ndarray:
-    """``k * 0x9E3779B1 mod 2**32`` for k < ``words`` (a row's index terms from its start)."""
-    with np.errstate(over="ignore"):
-        return np.arange(words, dtype=np.uint32) * _GOLDEN
-
-
-def row_checksums(rows: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """:func:`chunk_checksum` of every row of ``rows`` (``uint8[n, m]``, m a multiple of 4),
-    row i placed ``offsets[i]`` bytes into its object; ``uint32[n]``, in one vectorised pass
-    (``(g0 + k) * G`` taken as ``g0 * G + k * G`` mod 2**32, the second part cached)."""
-    n, m = rows.shape
-    offsets = np.asarray(offsets, np.uint64)
-    if m % 4 or np.any(offsets % np.uint64(4)):
-        raise ValueError("row checksums need 4-byte multiples")
-    words = np.ascontiguousarray(rows).view("<u4").reshape(n, m // 4)
-    with np.errstate(over="ignore"):
-        start = (offsets // np.uint64(4)).astype(np.uint32) * _GOLDEN
-        terms = words ^ (start[:, None] + _golden_steps(m // 4)[None, :])
-        _fmix32(terms)
-        total = terms.sum(axis=1, dtype=np.uint64).astype(np.uint32)
-    return total ^ np.uint32(m // 4)
 
 
 def blob_sum(checksums: tuple[int, ...] | list[int], nbytes: int, chunk_bytes: int) -> int:

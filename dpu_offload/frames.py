@@ -1,17 +1,17 @@
 """The activation frame format: the contract between senders and the NIC stand-in (and between
 the NIC stand-ins of a cluster's agents) on the ZeroMQ activation path (docs/ACTIVATIONS.md).
-NumPy only.
+The standard library only.
 
-A message is two ZeroMQ frames: a 64-byte header (:data:`HEADER_DTYPE`) and the payload as its
+A message is two ZeroMQ frames: a 64-byte header (:data:`HEADER`) and the payload as its
 own frame (sent and received without copies). Rows are ``row_bytes`` each; ``payload_bytes``
 must equal ``rows * row_bytes``.
 """
 
 from __future__ import annotations
 
+import struct
 from enum import IntEnum
-
-import numpy as np
+from typing import NamedTuple
 
 MAGIC = 0x41555044  # b"DPUA" little-endian
 VERSION = 1
@@ -36,14 +36,36 @@ class FrameStatus(IntEnum):
     BAD_CHECKSUM = 8     # worker -> NIC (tx ERROR packet): the rx packets failed their check
 
 
-HEADER_DTYPE = np.dtype({
-    "names": ["magic", "version", "kind", "message_id", "layer", "expert", "rows", "row_bytes",
-              "payload_bytes", "status", "credits", "model"],
-    "formats": ["<u4", "<u2", "<u2", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u4", "<u4",
-                f"S{MODEL_BYTES}"],
-    "offsets": [0, 4, 6, 8, 16, 20, 24, 28, 32, 40, 44, 48],
-    "itemsize": 64,
-})
+HEADER = struct.Struct("<IHHQIIIIQII16s")
+"""The 64-byte header, little-endian: magic u32, version u16, kind u16, message_id u64, layer,
+expert, rows, row_bytes u32, payload_bytes u64, status, credits u32, model (16 bytes, UTF-8,
+NUL-padded)."""
+assert HEADER.size == 64
+
+
+class Header(NamedTuple):
+    """A parsed header (the fields of :data:`HEADER`, in order)."""
+
+    magic: int
+    version: int
+    kind: int
+    message_id: int
+    layer: int
+    expert: int
+    rows: int
+    row_bytes: int
+    payload_bytes: int
+    status: int
+    credits: int
+    model: bytes
+
+    @property
+    def model_name(self) -> str:
+        return self.model.rstrip(b"\0").decode(errors="replace")
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+_ROWS = frozenset((int(Kind.REQUEST), int(Kind.RESPONSE)))
 
 
 class FrameError(ValueError):
@@ -57,32 +79,26 @@ class FrameError(ValueError):
 def pack(kind: Kind, message_id: int = 0, model: str = "", layer: int = 0, expert: int = 0,
          rows: int = 0, row_bytes: int = 0, payload_bytes: int = 0,
          status: FrameStatus = FrameStatus.OK, credits: int = 0) -> bytes:
-    if len(model.encode()) > MODEL_BYTES:
+    name = model.encode()
+    if len(name) > MODEL_BYTES:
         raise ValueError(f"model name {model!r} is longer than {MODEL_BYTES} bytes")
-    h = np.zeros(1, HEADER_DTYPE)
-    h[0] = (MAGIC, VERSION, int(kind), message_id, layer, expert, rows, row_bytes,
-            payload_bytes, int(status), credits, model.encode())
-    return h.tobytes()
+    return HEADER.pack(MAGIC, VERSION, kind, message_id, layer, expert, rows, row_bytes,
+                       payload_bytes, status, credits, name)
 
 
-def unpack(header: bytes | memoryview, payload_bytes: int) -> np.void:
+def unpack(header: bytes | memoryview, payload_bytes: int) -> Header:
     """Parse and check a header against the payload frame's length."""
-    if len(header) != HEADER_DTYPE.itemsize:
+    if len(header) != HEADER.size:
         raise FrameError(FrameStatus.BAD_FRAME, f"header of {len(header)} bytes, expected 64")
-    h = np.frombuffer(header, HEADER_DTYPE)[0]
-    if int(h["magic"]) != MAGIC or int(h["version"]) != VERSION:
+    h = Header._make(HEADER.unpack(header))
+    if h.magic != MAGIC or h.version != VERSION:
         raise FrameError(FrameStatus.BAD_FRAME, "bad magic or version")
-    if int(h["kind"]) not in set(Kind):
-        raise FrameError(FrameStatus.BAD_FRAME, f"unknown kind {int(h['kind'])}")
-    if int(h["payload_bytes"]) != payload_bytes:
-        raise FrameError(FrameStatus.BAD_FRAME, f"header says {int(h['payload_bytes'])} "
+    if h.kind not in _KINDS:
+        raise FrameError(FrameStatus.BAD_FRAME, f"unknown kind {h.kind}")
+    if h.payload_bytes != payload_bytes:
+        raise FrameError(FrameStatus.BAD_FRAME, f"header says {h.payload_bytes} "
                          f"payload bytes, frame has {payload_bytes}")
-    if int(h["kind"]) in (Kind.REQUEST, Kind.RESPONSE) and \
-            int(h["rows"]) * int(h["row_bytes"]) != payload_bytes:
-        raise FrameError(FrameStatus.BAD_FRAME, f"{int(h['rows'])} rows of "
-                         f"{int(h['row_bytes'])} bytes != {payload_bytes} payload bytes")
+    if h.kind in _ROWS and h.rows * h.row_bytes != payload_bytes:
+        raise FrameError(FrameStatus.BAD_FRAME, f"{h.rows} rows of {h.row_bytes} bytes != "
+                         f"{payload_bytes} payload bytes")
     return h
-
-
-def model_of(h: np.void) -> str:
-    return bytes(h["model"]).rstrip(b"\0").decode(errors="replace")

@@ -133,13 +133,15 @@ def launch_checksums(address: int, nbytes: int, chunk_bytes: int, position: int,
 
 def send_packets(tx: Ring, tx_device_ptr: int, data: Any, message_id: int, model: int,
                  layer: int, expert: int, stream: Any = None, *, base: int = 0,
-                 total: int | None = None) -> int:
+                 total: int | None = None, slot: int = 0, status: int = 0,
+                 flags: int = 0) -> int:
     """Launch ``dpu_send`` for ``data`` (device uint8, 16-byte multiple), the part of a message
     of ``total`` bytes (default: all of it) that starts ``base`` bytes in, into ``tx`` (a packet
-    ring in registered host memory whose device address is ``tx_device_ptr``). Returns the
-    packets it will publish; the host's producer count advances by that many."""
+    ring in registered host memory whose device address is ``tx_device_ptr``), as
+    ``packet_twin.send_packets`` writes it (``slot``, ``status``, ``flags`` likewise). Returns
+    the packets it will publish; the host's producer count advances by that many."""
     room = tx.entry_size - abi.PACKET_HEADER_DTYPE.itemsize
-    packets = -(-int(data.size) // room)
+    packets = max(1, -(-int(data.size) // room))
     first = tx.produced
     total = data.size if total is None else total
     k = launch.kernel("send", "dpu_send")
@@ -147,7 +149,8 @@ def send_packets(tx: Ring, tx_device_ptr: int, data: Any, message_id: int, model
                                       np.uint64(tx_device_ptr + abi.HEADER_BYTES), data,
                                       np.uint64(data.size), np.uint64(first),
                                       np.uint64(message_id), np.uint32(model), np.uint32(layer),
-                                      np.uint32(expert), np.uint64(base), np.uint64(total)),
+                                      np.uint32(expert), np.uint64(base), np.uint64(total),
+                                      np.uint64(slot), np.uint32(status), np.uint32(flags)),
       stream=stream)
     tx.advance_producer(packets)
     return packets
@@ -158,7 +161,7 @@ def receive_packets(rx: Ring, rx_device_ptr: int, dst: Any, packets: int,
     """Launch ``dpu_receive_packets`` for the next ``packets`` entries of ``rx`` (a packet ring
     in registered host memory at device address ``rx_device_ptr``) into ``dst`` (device
     uint8), wait for it, and advance the ring's consumer. Returns (message id of the LAST
-    packet, bytes written, packets refused), as reference.receive_packets."""
+    packet, bytes written, packets refused), as packet_twin.receive_packets."""
     raw = dst.reshape(-1).view(cp.uint8)
     if raw.data.ptr % 16:
         raise ValueError("dst must be 16-byte aligned")

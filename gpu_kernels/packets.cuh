@@ -1,5 +1,5 @@
 // Writing one packet into a tx packet ring, block-wide: shared by the send kernel (send.cu) and
-// the resident receiver (serve.cu). Twin: reference.send_packets.
+// the resident receiver (serve.cu). Twin: packet_twin.send_packets.
 #ifndef DPU_PACKETS_CUH
 #define DPU_PACKETS_CUH
 #include "ring.cuh"
@@ -7,6 +7,7 @@
 typedef struct {
     unsigned long long message_id, total_length;
     unsigned int flags, status, model, layer, expert;
+    unsigned long long slot;
 } dpu_packet_fields;
 
 // Ring position `pos` gets `len` bytes (a multiple of 16) of `from`, which lie `offset` bytes
@@ -46,7 +47,7 @@ __device__ void dpu_put_packet(dpu_ring_header* tx_hdr, unsigned char* tx_entrie
         h->model = f.model;
         h->status = f.status;
         h->total_length = f.total_length;
-        h->slot = 0ull;
+        h->slot = f.slot;
         __threadfence_system();
         h->seq = pos + 1;
     }

@@ -1,6 +1,6 @@
 // Packet receive kernel: land one message's packets from an rx packet ring into a device
 // buffer, the GPUNetIO rxq-shaped consumer of the activation path. Twin:
-// reference.receive_packets.
+// packet_twin.receive_packets.
 //
 // Block b takes packets b, b + gridDim.x, ... of the message starting at ring position
 // first_pos. It waits for the entry's seq word, reads the header, and refuses the packet

@@ -14,7 +14,7 @@ import numpy as np
 
 from dpu_offload import abi
 from dpu_offload.channel import Channel, state_word
-from dpu_offload.checksum import chunk_checksum, row_checksums, terms_sum
+from dpu_offload.checksum import chunk_checksum, terms_sum
 from dpu_offload.ring import Ring, store_fence
 from gpu_kernels.routing import DispatchPlan
 
@@ -194,127 +194,6 @@ def combine_bf16(expert_out: np.ndarray, plan: DispatchPlan, weights: np.ndarray
     for k in range(top_k):
         acc += weights[:, k:k + 1].astype(np.float32) * bf16_to_f32(expert_out[rows[:, k]])
     return f32_to_bf16(acc)
-
-
-def _packet_checksums(payloads: np.ndarray, lengths: np.ndarray, offsets: np.ndarray
-                      ) -> np.ndarray:
-    sums = np.empty(lengths.size, np.uint32)
-    full = lengths == payloads.shape[1]
-    if full.any():
-        sums[full] = row_checksums(payloads[full], offsets[full])
-    for i in np.flatnonzero(~full).tolist():
-        sums[i] = chunk_checksum(payloads[i, :lengths[i]], int(offsets[i]))
-    return sums
-
-
-def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer: int,
-                 expert: int, *, base: int = 0, total: int | None = None, slot: int = 0,
-                 status: int = 0, flags: int = 0) -> int:
-    """Twin of ``dpu_send``: publish ``data`` (uint8, length a multiple of 16), the part of a
-    message of ``total`` bytes (default: ``data`` is all of it) that starts ``base`` bytes
-    in, as packets on ``tx``, its last packet flagged LAST (and ``flags``); each header carries
-    ``slot`` and ``status`` (``abi.PACKET_HEADER_DTYPE``). Returns packets written. Raises
-    BufferError when the ring lacks room for them all (the kernel would wait instead)."""
-    assert tx.payload is not None, "not a packet ring"
-    room = tx.payload.shape[1]
-    packets = max(1, -(-data.size // room))
-    if tx.free_entries() < packets:
-        raise BufferError(f"{packets} packets, {tx.free_entries()} free entries")
-    idx = ((np.arange(packets, dtype=np.uint64) + np.uint64(tx.produced))
-           & np.uint64(tx.capacity - 1)).astype(np.intp)
-    offsets = np.arange(packets, dtype=np.uint64) * np.uint64(room)
-    lengths = np.minimum(np.uint64(room), np.uint64(data.size) - offsets).astype(np.uint32)
-    full = data.size // room
-    tx.payload[idx[:full]] = data[:full * room].reshape(full, room)
-    if full < packets:
-        tx.payload[idx[full], :int(lengths[-1])] = data[full * room:]
-    offsets += np.uint64(base)
-    h = np.zeros(packets, abi.PACKET_HEADER_DTYPE)
-    h["message_id"], h["offset"], h["length"] = message_id, offsets, lengths
-    h["flags"][-1] = abi.PacketFlags.LAST | flags
-    h["checksum"] = _packet_checksums(tx.payload[idx], lengths, offsets)
-    h["layer"], h["expert"], h["model"] = layer, expert, model
-    h["total_length"] = data.size if total is None else total
-    h["slot"], h["status"] = slot, status
-    assert tx.push_many(h) == packets
-    return packets
-
-
-def part_packets(rx: Ring) -> int | None:
-    """How many packets the next part on ``rx`` has (up to its LAST one, or up to a packet of
-    another message; a whole ring without either counts as a part, as the kernels take it)
-    once they are all published, else None; nothing is consumed (the host's count for
-    ``dpu_receive_packets``)."""
-    assert rx.payload is not None, "not a packet ring"
-    pos, mask = rx.consumed, rx.capacity - 1
-    seq, flags, ids = rx._seq, rx.entries["flags"], rx.entries["message_id"]
-    first = None
-    for k in range(rx.capacity):
-        i = (pos + k) & mask
-        if int(seq[i]) != pos + k + 1:
-            return None
-        store_fence()
-        if first is None:
-            first = int(ids[i])
-        elif int(ids[i]) != first:
-            return k
-        if int(flags[i]) & abi.PacketFlags.LAST:
-            return k + 1
-    return rx.capacity
-
-
-def peek_packet(rx: Ring) -> np.void | None:
-    """The header of the next packet on ``rx`` once it is published (a copy), else None;
-    nothing is consumed."""
-    assert rx.payload is not None, "not a packet ring"
-    pos = rx.consumed
-    i = pos & (rx.capacity - 1)
-    if int(rx._seq[i]) != pos + 1:
-        return None
-    store_fence()
-    return rx.entries[i].copy()
-
-
-def receive_packets(rx: Ring, dst: np.ndarray) -> tuple[int, int, int]:
-    """Consume one message's packets from ``rx`` into ``dst`` (uint8): a packet whose payload
-    is 16-byte aligned, fits its entry and lands inside ``dst`` has its checksum verified and,
-    when it matches, its payload written at its offset; nothing is written past ``dst``. Returns
-    (message id, bytes written, packets refused). Raises BufferError if the message is not
-    complete in the ring yet (nothing is consumed then)."""
-    assert rx.payload is not None, "not a packet ring"
-    n = part_packets(rx)
-    if n is None:
-        raise BufferError("message incomplete in the rx ring")
-    idx = (np.arange(rx.consumed, rx.consumed + n, dtype=np.uint64)
-           & np.uint64(rx.capacity - 1)).astype(np.intp)
-    heads = rx.entries[idx]
-    offsets = heads["offset"].astype(np.uint64)
-    lengths = heads["length"].astype(np.uint64)
-    sane = ((lengths <= rx.payload.shape[1]) & (lengths % np.uint64(16) == 0)
-            & (offsets % np.uint64(16) == 0) & (offsets <= np.uint64(dst.size))
-            & (lengths <= np.uint64(dst.size) - np.minimum(offsets, np.uint64(dst.size))))
-    good = np.zeros(n, bool)
-    if sane.any():
-        sums = _packet_checksums(rx.payload[idx[sane]], lengths[sane].astype(np.uint32),
-                                 offsets[sane])
-        good[np.flatnonzero(sane)] = sums == heads["checksum"][sane]
-    room = rx.payload.shape[1]
-    for i in np.flatnonzero(good).tolist():
-        off, length = int(offsets[i]), int(lengths[i])
-        if length == room:
-            continue  # full packets are copied below in one pass
-        dst[off:off + length] = rx.payload[idx[i], :length]
-    full = good & (lengths == room)
-    if full.any():
-        rows = (offsets[full] // np.uint64(room)).astype(np.intp)
-        contiguous = np.all(offsets[full] % np.uint64(room) == 0)
-        if contiguous:
-            dst[:(dst.size // room) * room].reshape(-1, room)[rows] = rx.payload[idx[full]]
-        else:
-            for i in np.flatnonzero(full).tolist():
-                dst[int(offsets[i]):int(offsets[i]) + room] = rx.payload[idx[i]]
-    rx.advance(n)
-    return int(heads["message_id"][-1]), int(lengths[good].sum()), int(n - good.sum())
 
 
 def array_module(a: Any) -> Any:

@@ -298,7 +298,7 @@ __device__ unsigned long long serve_send(dpu_ring_header* tx_hdr, unsigned char*
         const unsigned long long len = nbytes ? min(room, nbytes - offset) : 0;
         const bool last = p + 1 == packets || (p + 1) % cap == 0;
         const dpu_packet_fields f = {c->answer, nbytes, flags | (last ? DPU_PACKET_LAST : 0u),
-                                     status, c->model, c->layer, c->expert};
+                                     status, c->model, c->layer, c->expert, 0ull};
         dpu_put_packet(tx_hdr, tx, c->tx_pos + p, (const uint4*)(src + offset), offset, len, f,
                        scratch);
     }

@@ -79,11 +79,10 @@ class ActivationSender:
             raise TimeoutError(f"no answer from the agent in {self.timeout_ms} ms")
         header, payload = self.sock.recv_multipart(copy=False)
         h = frames.unpack(header.bytes, len(payload.buffer))
-        if int(h["kind"]) != Kind.RESPONSE:
-            raise ActivationError(FrameStatus(int(h["status"])),
-                                  payload.bytes.decode(errors="replace"))
-        out = np.frombuffer(payload.buffer, np.uint16).reshape(int(h["rows"]), -1)
-        return int(h["message_id"]), out
+        if h.kind != Kind.RESPONSE:
+            raise ActivationError(FrameStatus(h.status), payload.bytes.decode(errors="replace"))
+        out = np.frombuffer(payload.buffer, np.uint16).reshape(h.rows, -1)
+        return h.message_id, out
 
     def dispatch(self, layer: int, hidden: np.ndarray, topk_ids: np.ndarray,
                  topk_weights: np.ndarray) -> np.ndarray:

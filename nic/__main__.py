@@ -2,7 +2,8 @@
 stdin and reads one JSON answer per line on stdout; the data path polls on the main thread.
 
 Commands: ``attach`` (device id, the shared-memory names of its rx and tx packet rings),
-``detach`` (device id), ``stats`` (counters). Every answer is
+``detach`` (device id), ``stats`` (counters), ``start`` (the agent attached the ports it had:
+frames are taken from the socket from now on). Every answer is
 ``{"ok": true, ...}`` or ``{"ok": false, "error": "what was wrong"}``; a command that fails
 changes nothing. The first line it writes is ``{"ok": true, "ready": true, "port": P}``, the
 port it bound.
@@ -25,6 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from dpu_offload.ring import RingError
 from dpu_offload.shm import SharedBufferError
 from dpu_offload.steering_snapshot import SnapshotError, SnapshotSegment
+from gpu_kernels import packet_twin
 from nic.nic import Nic
 
 log = logging.getLogger("nic")
@@ -41,6 +43,7 @@ COMMANDS: dict[str, Callable[[Nic, dict[str, Any]], dict[str, Any]]] = {
     "attach": lambda nic, c: nic.attach(_device(c), str(c["rx"]), str(c["tx"])) or {},
     "detach": lambda nic, c: nic.detach(_device(c)) or {},
     "stats": lambda nic, c: {"stats": nic.stats()},
+    "start": lambda nic, c: nic.started.set() or {},
 }
 
 
@@ -56,6 +59,7 @@ def control(nic: Nic) -> None:
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
     nic.stopping = True
+    nic.started.set()
 
 
 def bind(address: str, curve_server_cert: str, curve_clients_dir: str
@@ -104,6 +108,7 @@ def main() -> None:
         sock, port, auth = bind(args.listen, args.curve_server_cert, args.curve_clients_dir)
     except (zmq.ZMQError, OSError, ValueError) as exc:
         ap.error(f"--listen {args.listen}: cannot bind ({exc})")
+    packet_twin.warm_up()
     nic = Nic(sock, segment, args.credits, args.worker_timeout)
     threading.Thread(target=control, args=(nic,), name="control", daemon=True).start()
     sys.stdout.write(json.dumps({"ok": True, "ready": True, "port": port}) + "\n")

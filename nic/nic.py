@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from dpu_offload import abi, frames
+from dpu_offload import abi, frames, futex
 from dpu_offload.flows import Action, FlowTable, TrafficClass
-from dpu_offload.frames import FrameError, FrameStatus, Kind
+from dpu_offload.frames import FrameError, FrameStatus, Header, Kind
 from dpu_offload.keys import ExpertKey
 from dpu_offload.steering_snapshot import Snapshot, SnapshotSegment
 from nic.ports import Answer, Outbound, Port
@@ -58,7 +58,7 @@ class Pending:
     version: int
     """The snapshot version it was routed under."""
     started: float
-    header: np.void
+    header: Header
     payload: np.ndarray
     tries: int = 0
 
@@ -97,6 +97,10 @@ class Nic:
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self.stopping = False
+        self.started = threading.Event()
+        """Set by the agent's ``start`` once it attached the ports it has: until then frames
+        wait in the socket's queue (a restarted NIC must not answer NO_ROUTE for a worker
+        the agent is about to attach again)."""
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> None:
@@ -104,6 +108,8 @@ class Nic:
         napping between passes while messages are in flight, else waiting up to
         ``IDLE_POLL_MS`` for a frame."""
         last_sweep = last_work = 0.0
+        futex.tight_timer_slack("nic")
+        self.started.wait()
         while not self.stopping:
             busy = time.monotonic() - last_work < SPIN_SECONDS
             ready = dict(self._poller.poll(0 if busy or self.pending else IDLE_POLL_MS))
@@ -176,22 +182,22 @@ class Nic:
             except FrameError as exc:
                 self._refuse(identity, 0, exc.status, str(exc))
                 continue
-            kind = Kind(int(h["kind"]))
+            kind = Kind(h.kind)
             self.messages[kind.name] += 1
             self.bytes[kind.name] += len(parts[2].buffer)
             if kind != Kind.REQUEST:
-                self._refuse(identity, int(h["message_id"]), FrameStatus.BAD_FRAME,
+                self._refuse(identity, h.message_id, FrameStatus.BAD_FRAME,
                              f"{kind.name} is not for the NIC: send REQUEST frames")
                 continue
             try:
                 self._request(identity, h, np.frombuffer(parts[2].buffer, np.uint8))
             except Exception as exc:  # one frame must not stop the NIC
-                log.exception("request %d failed in the NIC", int(h["message_id"]))
-                self._refuse(identity, int(h["message_id"]), FrameStatus.WORKER_FAILED,
+                log.exception("request %d failed in the NIC", h.message_id)
+                self._refuse(identity, h.message_id, FrameStatus.WORKER_FAILED,
                              f"the NIC failed on this request: {type(exc).__name__}: {exc}")
 
-    def _request(self, identity: bytes, h: np.void, payload: np.ndarray) -> None:
-        mid = int(h["message_id"])
+    def _request(self, identity: bytes, h: Header, payload: np.ndarray) -> None:
+        mid = h.message_id
         if self.outstanding[identity] >= self.credits:
             self._refuse(identity, mid, FrameStatus.NO_CREDIT,
                          f"{self.credits} requests already outstanding")
@@ -201,8 +207,8 @@ class Nic:
                          f"a payload of {payload.size} bytes: rows must fill a positive "
                          "multiple of 16 bytes")
             return
-        model = frames.model_of(h)
-        key = ExpertKey(model, int(h["layer"]), int(h["expert"]))
+        model = h.model_name
+        key = ExpertKey(model, h.layer, h.expert)
         entry = self.snapshot.models.get(model)
         if entry is None or key.layer not in entry.layers or key.expert >= entry.experts:
             self._refuse(identity, mid, FrameStatus.UNKNOWN_EXPERT,
@@ -211,9 +217,9 @@ class Nic:
                          f"{min(entry.layers, default=0)}-{max(entry.layers, default=0)}, "
                          f"{entry.experts} experts)")
             return
-        if int(h["row_bytes"]) != entry.hidden * 2:
+        if h.row_bytes != entry.hidden * 2:
             self._refuse(identity, mid, FrameStatus.BAD_WIDTH,
-                         f"rows of {int(h['row_bytes'])} bytes; {model} takes {entry.hidden} "
+                         f"rows of {h.row_bytes} bytes; {model} takes {entry.hidden} "
                          f"bf16 values ({entry.hidden * 2} bytes)")
             return
         d = self.flows.lookup(TrafficClass.ACTIVATIONS, model, key.layer, key.expert,
@@ -265,8 +271,7 @@ class Nic:
         if answer.status == FrameStatus.BAD_CHECKSUM and p.tries < PACKET_RETRIES:
             p.tries += 1
             self.retransmits += 1
-            key = ExpertKey(frames.model_of(p.header), int(p.header["layer"]),
-                            int(p.header["expert"]))
+            key = ExpertKey(p.header.model_name, p.header.layer, p.header.expert)
             slot = self.snapshot.slots.get((port.device_id, key))
             entry = self.snapshot.models.get(key.model)
             if slot is not None and entry is not None:
@@ -280,10 +285,9 @@ class Nic:
         h = p.header
         if answer.status == FrameStatus.OK:
             assert answer.data is not None
-            self._send(p.sender, frames.pack(Kind.RESPONSE, p.message_id, frames.model_of(h),
-                                             int(h["layer"]), int(h["expert"]), int(h["rows"]),
-                                             int(h["row_bytes"]), answer.data.size,
-                                             credits=1), answer.data)
+            self._send(p.sender, frames.pack(Kind.RESPONSE, p.message_id, h.model_name,
+                                             h.layer, h.expert, h.rows, h.row_bytes,
+                                             answer.data.size, credits=1), answer.data)
             return
         status = (FrameStatus.WORKER_FAILED if answer.status == FrameStatus.BAD_CHECKSUM
                   else answer.status)
@@ -314,7 +318,7 @@ class Nic:
                        text.encode())
 
     # -- other agents (cluster mode) -------------------------------------------------------
-    def _forward(self, identity: bytes, h: np.void, payload: np.ndarray, address: str) -> None:
+    def _forward(self, identity: bytes, h: Header, payload: np.ndarray, address: str) -> None:
         sock = self._remotes.get(address)
         if sock is None:
             sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -323,13 +327,13 @@ class Nic:
             self._remotes[address] = sock
             self._poller.register(sock, zmq.POLLIN)
         nid = next(self._ids)
-        self.pending[nid] = Pending(identity, int(h["message_id"]), None,
+        self.pending[nid] = Pending(identity, h.message_id, None,
                                     self.snapshot.version, time.monotonic(), h, payload)
         self.outstanding[identity] += 1
         self.forwarded += 1
-        sock.send_multipart([frames.pack(Kind.REQUEST, nid, frames.model_of(h), int(h["layer"]),
-                                         int(h["expert"]), int(h["rows"]), int(h["row_bytes"]),
-                                         payload.size), payload], copy=False)
+        sock.send_multipart([frames.pack(Kind.REQUEST, nid, h.model_name, h.layer, h.expert,
+                                         h.rows, h.row_bytes, payload.size), payload],
+                            copy=False)
 
     def _from_remote(self, address: str, sock: zmq.Socket) -> None:
         while True:
@@ -345,17 +349,16 @@ class Nic:
                 self.refused["BAD_PEER_FRAME"] += 1
                 log.warning("a frame from the peer agent at %s refused: %s", address, exc)
                 continue
-            p = self.pending.pop(int(h["message_id"]), None)
+            p = self.pending.pop(h.message_id, None)
             if p is None or p.device is not None:
                 self.refused["UNKNOWN_RESULT"] += 1
                 continue
             self.outstanding[p.sender] -= 1
-            kind = Kind.ERROR if int(h["kind"]) == Kind.ERROR else Kind.RESPONSE
-            self._send(p.sender, frames.pack(kind, p.message_id, frames.model_of(h),
-                                             int(h["layer"]), int(h["expert"]), int(h["rows"]),
-                                             int(h["row_bytes"]), len(parts[1].buffer),
-                                             FrameStatus(int(h["status"])), credits=1),
-                       parts[1])
+            kind = Kind.ERROR if h.kind == Kind.ERROR else Kind.RESPONSE
+            self._send(p.sender, frames.pack(kind, p.message_id, h.model_name, h.layer,
+                                             h.expert, h.rows, h.row_bytes,
+                                             len(parts[1].buffer), FrameStatus(h.status),
+                                             credits=1), parts[1])
 
     # -- control ---------------------------------------------------------------------------
     def attach(self, device_id: int, rx: str, tx: str) -> None:

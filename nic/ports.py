@@ -21,7 +21,7 @@ from dpu_offload.frames import FrameStatus
 from dpu_offload.keys import ExpertKey
 from dpu_offload.ring import Ring
 from dpu_offload.shm import SharedBuffer
-from gpu_kernels.reference import peek_packet, receive_packets, send_packets
+from gpu_kernels.packet_twin import peek_packet, receive_packets, send_packets
 
 
 @dataclass

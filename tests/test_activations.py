@@ -18,7 +18,7 @@ import zmq
 from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import reference
+from gpu_kernels import packet_twin, reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationError, ActivationSender
 from host_client.launcher import AgentProcess
@@ -125,7 +125,7 @@ def _raw(agent: AgentProcess, header: bytes, payload: bytes) -> tuple[int, str]:
         assert sock.poll(5000)
         h, p = sock.recv_multipart()
         parsed = frames.unpack(h, len(p))
-        return int(parsed["status"]), p.decode()
+        return parsed.status, p.decode()
     finally:
         sock.close(0)
 
@@ -244,7 +244,7 @@ class FlakyRxWorker(ExpertWorker):
 
     def _land(self, dst):
         rx = self.dev.rx.ring
-        n = reference.part_packets(rx)
+        n = packet_twin.part_packets(rx)
         if n is not None and self.bad > 0:
             self.bad -= 1
             rx.payload[(rx.consumed + n - 1) % rx.capacity, 0] ^= 0xFF
@@ -297,7 +297,7 @@ class EmptyingRxWorker(ExpertWorker):
 
     def _land(self, dst):
         rx = self.dev.rx.ring
-        n = reference.part_packets(rx)
+        n = packet_twin.part_packets(rx)
         if n is not None and self.bad > 0:
             self.bad -= 1
             i = (rx.consumed + n - 1) % rx.capacity

@@ -176,7 +176,7 @@ def test_curve_on_the_activation_socket(tmp_path: Path) -> None:
                 if not sock.poll(1500):
                     return False
                 h, p = sock.recv_multipart()
-                return int(frames.unpack(h, len(p))["status"]) == frames.FrameStatus.BAD_FRAME
+                return frames.unpack(h, len(p)).status == frames.FrameStatus.BAD_FRAME
             finally:
                 sock.close(0)
 

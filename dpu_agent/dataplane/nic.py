@@ -76,6 +76,7 @@ class ActivationNic:
         self.child = ChildProcess("the NIC stand-in", "nic", self._args(settings.listen_address))
         try:
             self.child.start()
+            self.child.call("start")
         except ChildError as exc:
             self.segment.unlink()
             raise OSError(str(exc)) from exc
@@ -173,6 +174,7 @@ class ActivationNic:
             self.child.start()
             for device_id, (rx, tx) in list(self._ports.items()):
                 self.child.call("attach", device=device_id, rx=rx, tx=tx)
+            self.child.call("start")
         except ChildError as exc:
             log.error("restarting the NIC stand-in: %s", exc)
 

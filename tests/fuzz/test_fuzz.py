@@ -28,7 +28,7 @@ from dpu_offload.channel import split_word
 from dpu_offload.keys import ExpertKey
 from dpu_offload.ring import Ring
 from dpu_offload.v1 import agent_pb2 as pb
-from gpu_kernels import reference
+from gpu_kernels import packet_twin
 from gpu_kernels.reference import ReceiveKernel
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
@@ -168,7 +168,7 @@ def test_fuzz_packets_against_cpu_twin(size16: int, seed: int, mutations: list[t
     data = np.random.default_rng(seed).integers(0, 256, 16 * size16, dtype=np.uint8)
     ring = Ring.format(np.zeros(abi.ring_bytes(16, 64 + 512), np.uint8), abi.RingKind.RX_PACKET,
                        16, 64 + 512)
-    n = reference.send_packets(ring, data, seed, 0, 1, 2)
+    n = packet_twin.send_packets(ring, data, seed, 0, 1, 2)
     idx = [(ring.consumed + p) & 15 for p in range(n)]
     before = [(ring.entries[i].copy(), ring.payload[i].copy()) for i in idx]
     for p, field, value in mutations:
@@ -186,7 +186,7 @@ def test_fuzz_packets_against_cpu_twin(size16: int, seed: int, mutations: list[t
     # A part ends before a packet of another message (a changed message id).
     ids = [int(ring.entries[i]["message_id"]) for i in idx]
     part = next((p for p in range(1, n) if ids[p] != ids[0]), n)
-    _, written, refused = reference.receive_packets(ring, full[:size])
+    _, written, refused = packet_twin.receive_packets(ring, full[:size])
     # What the receiver checks: where (offset, length), the checksum and the payload; totals
     # are informational, ids only end a part. A packet changed in those is refused (short of
     # a 2**-32 checksum collision), an intact one lands if it fits. One change is no collision but a

@@ -73,13 +73,12 @@ def _frame(h: dict) -> list[bytes]:
     ``payload_delta``, capped), the header's payload_bytes off by ``header_lies``."""
     rows, row_bytes = h["rows"] % 64, h["row_bytes"] % (8 << 10)
     size = max(0, min(64 << 10, rows * row_bytes + h["payload_delta"]))
-    rec = np.zeros(1, frames.HEADER_DTYPE)
-    rec[0] = (h["magic"], h["version"], h["kind"], h["message_id"], h["layer"], h["expert"],
-              rows, row_bytes, max(0, size + h["header_lies"]), h["status"], h["credits"],
-              h["model"])
+    header = frames.HEADER.pack(h["magic"], h["version"], h["kind"], h["message_id"], h["layer"],
+                                h["expert"], rows, row_bytes, max(0, size + h["header_lies"]),
+                                h["status"], h["credits"], h["model"])
     payload = np.random.default_rng(h["message_id"] % 2**32).integers(0, 256, size,
                                                                       dtype=np.uint8)
-    parts = [rec.tobytes(), payload.tobytes()]
+    parts = [header, payload.tobytes()]
     if h["extra_frames"] < 0:
         return parts[:1]
     return parts + [b"x"] * h["extra_frames"]
@@ -100,13 +99,13 @@ def test_fuzz_frames_against_the_nic(nic_live, batch: list[dict]) -> None:
             parts = sock.recv_multipart()
             assert len(parts) == 2
             got = frames.unpack(parts[0], len(parts[1]))
-            kind = Kind(int(got["kind"]))
+            kind = Kind(got.kind)
             assert kind in (Kind.RESPONSE, Kind.ERROR)
             if kind == Kind.ERROR:
-                assert FrameStatus(int(got["status"])) != FrameStatus.OK
+                assert FrameStatus(got.status) != FrameStatus.OK
                 assert parts[1], "an ERROR without a reason"
             else:
-                assert len(parts[1]) == int(got["rows"]) * int(got["row_bytes"]) > 0
+                assert len(parts[1]) == got.rows * got.row_bytes > 0
     finally:
         sock.close(0)
     for slot, before in slots:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_kernels import reference
+from gpu_kernels import packet_twin
 from tests.fuzz import FUZZ
 from tests.test_moe_kernels import PacketRing, _backend
 
@@ -36,7 +36,7 @@ def test_packets_kernel_equals_twin(rings, size16: int, seed: int, mutations: li
     data = np.random.default_rng(seed).integers(0, 256, 16 * size16, dtype=np.uint8)
     results = {}
     for b, pr in rings.items():
-        n = reference.send_packets(pr.ring, data, seed, 0, 1, 2)
+        n = packet_twin.send_packets(pr.ring, data, seed, 0, 1, 2)
         first = pr.ring.consumed
         for p, field, value in mutations:
             if p >= n:

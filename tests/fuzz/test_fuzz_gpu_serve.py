@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from dpu_offload import abi
 from dpu_offload.frames import FrameStatus
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import reference
+from gpu_kernels import packet_twin, reference
 from host_client import AgentClient, SlotPoolSpec
 from host_client.launcher import AgentProcess
 from tests.fuzz import FUZZ
@@ -64,13 +64,13 @@ def _answers(tx, until: int, timeout: float = 10.0) -> list[tuple[int, int, byte
     deadline = time.monotonic() + timeout
     landing: dict[int, tuple[np.ndarray, int]] = {}
     while time.monotonic() < deadline:
-        h = reference.peek_packet(tx)
+        h = packet_twin.peek_packet(tx)
         if h is None:
             time.sleep(0.0005)
             continue
         nid, total = int(h["message_id"]), int(h["total_length"])
         buf, landed = landing.pop(nid, None) or (np.zeros(total, np.uint8), 0)
-        _, written, refused = reference.receive_packets(tx, buf)
+        _, written, refused = packet_twin.receive_packets(tx, buf)
         assert refused == 0, "the kernel wrote a packet that fails its own checksum"
         landed += written
         if int(h["flags"]) & abi.PacketFlags.ERROR or landed >= total:
@@ -98,7 +98,7 @@ def test_hostile_packets_leave_the_resident_receiver_serving(served, rows: int, 
     key = keys[expert % len(keys)]
     nid = next(served["ids"])
     first = rx.produced
-    n = reference.send_packets(rx, np.ascontiguousarray(data).view(np.uint8).reshape(-1), nid,
+    n = packet_twin.send_packets(rx, np.ascontiguousarray(data).view(np.uint8).reshape(-1), nid,
                                model.model_index, key.layer, key.expert, slot=where[key][1])
     for p, field, value in mutations:
         if p >= n:
@@ -115,7 +115,7 @@ def test_hostile_packets_leave_the_resident_receiver_serving(served, rows: int, 
     probe = next(served["ids"])
     pkey = keys[(expert + 1) % len(keys)]
     x = reference.f32_to_bf16(rng.standard_normal((3, HIDDEN), dtype=np.float32))
-    reference.send_packets(rx, np.ascontiguousarray(x).view(np.uint8).reshape(-1), probe,
+    packet_twin.send_packets(rx, np.ascontiguousarray(x).view(np.uint8).reshape(-1), probe,
                            model.model_index, pkey.layer, pkey.expert, slot=where[pkey][1])
     for mid, status, payload in _answers(tx, probe):
         if status:
