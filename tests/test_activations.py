@@ -19,6 +19,7 @@ from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import packet_twin, reference
+from gpu_kernels.packet_ops import CudaPacketOps
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationError, ActivationSender
 from host_client.launcher import AgentProcess
@@ -369,7 +370,7 @@ def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
         dispatch_matches_dense(address, "qg", model.experts_per_layer, model.moe_layers[0],
                                qwen_ckpt, routing(model.experts_per_layer, 40, 2, seed=4),
                                seed=4)
-        assert worker.ops is not None and worker.resident is None
+        assert isinstance(worker.packets, CudaPacketOps) and worker.resident is None
         assert worker.refused_packets == 0
 
 
