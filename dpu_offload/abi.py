@@ -164,6 +164,13 @@ On the activation path (docs/ACTIVATIONS.md) the NIC stamps each rx packet with 
 ``FrameStatus`` in ``status`` and the reason as its payload."""
 
 
+def part_limit(capacity: int) -> int:
+    """The most packets a producer writes as one part of a message into a packet ring of
+    ``capacity`` entries: half of it, so that the consumer lands one part while the producer
+    writes the next (the rule of the NIC stand-in, the worker and serve.cu alike)."""
+    return max(1, capacity // 2)
+
+
 SLOT_OFFSET_BITS = 48
 """A packet's ``slot``: region id above this many bits, the slot's byte offset in the region
 below."""

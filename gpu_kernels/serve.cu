@@ -13,7 +13,7 @@
 // FFN of the expert in the slot its packets name (regions[slot >> 48].base + offset, the layout
 // from models[model]: row-major SwiGLU with 16-byte loads, any strided SwiGLU, or gpt-oss's
 // clamped SwiGLU with its biases) over tiles of FFN_MAX_ROWS rows, and its output goes into the tx ring as
-// checksummed packets, a LAST every ring-full; a message the kernel cannot serve (unknown
+// checksummed packets, a LAST every half ring; a message the kernel cannot serve (unknown
 // model or region, a layout it does not compute, too large for its buffers) is answered with
 // one ERROR packet. Blocks meet at a grid barrier between steps: launch at most one block per
 // multiprocessor so that all are resident. rx_hdr->exit_flag ends it.
@@ -161,24 +161,56 @@ __device__ void serve_barrier(dpu_serve_ctl* c) {
     __syncthreads();
 }
 
-// Block 0, thread 0: wait for the next whole part (or the exit flag) and describe it in c.
+// The first column this warp computes of row tile `tile` (columns `columns` wide) when the
+// tiles' columns are dealt out to the warps in one sequence.
+__device__ __forceinline__ int serve_tile_first(int warp, int n_warps, int tile, int columns) {
+    const int shift = (int)(((long long)tile * columns) % n_warps);
+    return (warp - shift + n_warps) % n_warps;
+}
+
+// Block 0, warp 0: wait for the next whole part (or the exit flag) and describe it in c. The
+// lanes read 32 entries' seq, message id and flags at once (one PCIe round trip per window,
+// not three per packet); lane 0 writes c. A part ends after a LAST packet, before another
+// message's packet, or after a whole ring; entries past its end are read but never waited for.
 __device__ void serve_find_part(dpu_ring_header* rx_hdr, unsigned char* rx, dpu_serve_ctl* c) {
     const unsigned long long cap = rx_hdr->capacity, size = rx_hdr->entry_size;
     const unsigned long long room = size - sizeof(dpu_packet_header);
     const unsigned long long pos = c->pos;
+    const unsigned int lane = threadIdx.x & 31, all = 0xFFFFFFFFu;
     unsigned long long n = 0, first_id = 0;
-    for (;;) {
-        volatile dpu_packet_header* h = serve_entry(rx, pos + n, cap, size);
-        while (h->seq != pos + n + 1) {
-            if (dpu_load_volatile_u32(&rx_hdr->exit_flag)) { c->action = SERVE_EXIT; return; }
+    for (;;) {  // the window [n, n + 32)
+        const unsigned long long k = n + lane;
+        volatile dpu_packet_header* h = serve_entry(rx, pos + k, cap, size);
+        unsigned long long end = 0;
+        for (;;) {
+            const bool published = k < cap && h->seq == pos + k + 1;
+            __threadfence_system();
+            const unsigned long long id = published ? h->message_id : 0;
+            const bool last = published && (h->flags & DPU_PACKET_LAST);
+            const unsigned int ready = __ballot_sync(all, published);
+            const unsigned int prefix = ready == all ? 32u : __ffs(~ready) - 1;  // lanes in a row
+            if (n == 0 && prefix > 0) first_id = __shfl_sync(all, id, 0);
+            const unsigned int in_prefix = prefix == 32 ? all : (1u << prefix) - 1;
+            const unsigned int other = __ballot_sync(all, published && id != first_id) & in_prefix;
+            const unsigned int lasts = __ballot_sync(all, last) & in_prefix;
+            const unsigned long long at_other = other ? n + __ffs(other) - 1 : ~0ull;
+            const unsigned long long after_last = lasts ? n + __ffs(lasts) : ~0ull;
+            end = min(at_other, after_last);
+            if (end != ~0ull || n + prefix >= cap) {
+                end = min(end, cap);
+                break;
+            }
+            if (prefix == 32) break;  // no end in this window: the next one
+            if (dpu_load_volatile_u32(&rx_hdr->exit_flag)) {
+                if (lane == 0) c->action = SERVE_EXIT;
+                return;
+            }
             __nanosleep(128);
         }
-        __threadfence_system();
-        if (n == 0) first_id = h->message_id;
-        else if (h->message_id != first_id) break;  // another message's: the part ends here
-        ++n;
-        if ((h->flags & DPU_PACKET_LAST) || n == cap) break;
+        if (end != 0 && end != ~0ull) { n = end; break; }
+        n += 32;
     }
+    if (lane != 0) return;
     volatile dpu_packet_header* first = serve_entry(rx, pos, cap, size);
     volatile dpu_packet_header* last = serve_entry(rx, pos + n - 1, cap, size);
     c->part_n = n;
@@ -285,18 +317,20 @@ __device__ void serve_decide(dpu_ring_header* rx_hdr, const dpu_serve_region* re
 }
 
 // Every block: packetize `nbytes` of `src` (the answer to c->answer) into the tx ring from
-// c->tx_pos, LAST on every ring-full and on the last packet; returns the packets written.
+// c->tx_pos, LAST at the end of every part (abi.part_limit: half the ring) and on the last
+// packet; returns the packets written.
 __device__ unsigned long long serve_send(dpu_ring_header* tx_hdr, unsigned char* tx,
                                          const unsigned char* src, unsigned long long nbytes,
                                          dpu_serve_ctl* c, unsigned int flags,
                                          unsigned int status, uint32_t* scratch) {
     const unsigned long long cap = tx_hdr->capacity;
+    const unsigned long long part = cap > 1 ? cap / 2 : 1;  // abi.part_limit
     const unsigned long long room = tx_hdr->entry_size - sizeof(dpu_packet_header);
     const unsigned long long packets = nbytes ? (nbytes + room - 1) / room : 1;
     for (unsigned long long p = blockIdx.x; p < packets; p += gridDim.x) {
         const unsigned long long offset = p * room;
         const unsigned long long len = nbytes ? min(room, nbytes - offset) : 0;
-        const bool last = p + 1 == packets || (p + 1) % cap == 0;
+        const bool last = p + 1 == packets || (p + 1) % part == 0;
         const dpu_packet_fields f = {c->answer, nbytes, flags | (last ? DPU_PACKET_LAST : 0u),
                                      status, c->model, c->layer, c->expert, 0ull};
         dpu_put_packet(tx_hdr, tx, c->tx_pos + p, (const uint4*)(src + offset), offset, len, f,
@@ -326,7 +360,7 @@ extern "C" __global__ void dpu_serve(dpu_ring_header* rx_hdr, unsigned char* rx,
     const int warps = blockDim.x >> 5;
     const int warp = blockIdx.x * warps + (threadIdx.x >> 5), n_warps = gridDim.x * warps;
     for (;;) {
-        if (leader) serve_find_part(rx_hdr, rx, c);
+        if (blockIdx.x == 0 && threadIdx.x < 32) serve_find_part(rx_hdr, rx, c);
         serve_barrier(c);
         if (c->action == SERVE_EXIT) return;
         serve_receive(rx_hdr, rx, c, inbuf, min(c->total, in_cap), scratch);
@@ -341,30 +375,34 @@ extern "C" __global__ void dpu_serve(dpu_ring_header* rx_hdr, unsigned char* rx,
             const int rows = (int)(c->total / (2ull * m.hidden));
             const int hidden8 = m.hidden / 8, inter8 = m.inter / 8;
             const bool fast = m.kind == SERVE_CONTIGUOUS;
+            // Tile t's column j goes to warp (t * columns + j) mod n_warps: every warp works
+            // when a message has more tiles than a tile has columns for the warps.
             for (int r0 = 0; r0 < rows; r0 += FFN_MAX_ROWS) {
                 const int n = min(FFN_MAX_ROWS, rows - r0);
+                const int first = serve_tile_first(warp, n_warps, r0 / FFN_MAX_ROWS, m.inter);
                 if (fast)
                     dpu_ffn_gate_up_rows(inbuf + (size_t)r0 * hidden8,
                                          (const uint4*)(blob + m.gate),
                                          (const uint4*)(blob + m.up),
-                                         hbuf + (size_t)r0 * m.inter, n, hidden8, m.inter, warp,
+                                         hbuf + (size_t)r0 * m.inter, n, hidden8, m.inter, first,
                                          n_warps);
                 else
                     serve_gate_up_strided((const unsigned short*)inbuf + (size_t)r0 * m.hidden,
-                                          blob, m, hbuf + (size_t)r0 * m.inter, n, warp,
+                                          blob, m, hbuf + (size_t)r0 * m.inter, n, first,
                                           n_warps);
             }
             serve_barrier(c);
             for (int r0 = 0; r0 < rows; r0 += FFN_MAX_ROWS) {
                 const int n = min(FFN_MAX_ROWS, rows - r0);
+                const int first = serve_tile_first(warp, n_warps, r0 / FFN_MAX_ROWS, m.hidden);
                 if (fast)
                     dpu_ffn_down_rows((const float4*)(hbuf + (size_t)r0 * m.inter),
                                       (const uint4*)(blob + m.down),
-                                      outbuf + (size_t)r0 * m.hidden, n, inter8, m.hidden, warp,
+                                      outbuf + (size_t)r0 * m.hidden, n, inter8, m.hidden, first,
                                       n_warps);
                 else
                     serve_down_strided(hbuf + (size_t)r0 * m.inter, blob, m,
-                                       outbuf + (size_t)r0 * m.hidden, n, warp, n_warps);
+                                       outbuf + (size_t)r0 * m.hidden, n, first, n_warps);
             }
             serve_barrier(c);
             const unsigned long long sent = serve_send(tx_hdr, tx, (const unsigned char*)outbuf,

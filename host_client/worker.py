@@ -284,13 +284,14 @@ class ExpertWorker:
         return ffn, hidden
 
     def _send(self, out: Any, nid: int, h: np.void, status: int = 0, flags: int = 0) -> None:
-        """Packetize ``out`` (uint8) into the tx ring, a ring-full part at a time, each once the
-        NIC has made room for it."""
+        """Packetize ``out`` (uint8) into the tx ring in parts of ``abi.part_limit`` packets,
+        each once the NIC has made room for it."""
         tx = self.dev.tx.ring
         room = tx.entry_size - abi.PACKET_HEADER_DTYPE.itemsize
         fields = (nid, int(h["model"]), int(h["layer"]), int(h["expert"]))
-        for base in range(0, max(1, out.size), room * tx.capacity):
-            part = out[base:base + room * tx.capacity]
+        step = room * abi.part_limit(tx.capacity)
+        for base in range(0, max(1, out.size), step):
+            part = out[base:base + step]
             while tx.free_entries() < max(1, -(-part.size // room)):
                 if self._stop.wait(NAP_SECONDS):
                     return

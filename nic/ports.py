@@ -4,8 +4,9 @@ ring, from which it collects the answers (docs/ACTIVATIONS.md). Both rings belon
 worker's process (registered with the agent with its device); the NIC maps them by name, as a
 BlueField's NIC reaches a GPUNetIO receive and send queue.
 
-Messages larger than the rx ring go in parts: each part as many whole packets as the ring has
-room for, offsets counted from the message's start, the last packet of a part flagged LAST.
+Messages larger than ``abi.part_limit`` packets go in parts: each part as many whole packets as
+the ring has room for, up to that limit, offsets counted from the message's start, the last
+packet of a part flagged LAST.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class Port:
         moved = 0
         while self.queue:
             m = self.queue[0]
-            fit = self.rx.free_entries() * self.room
+            fit = min(self.rx.free_entries(), abi.part_limit(self.rx.capacity)) * self.room
             if fit == 0:
                 break
             part = m.payload[m.sent:m.sent + fit]

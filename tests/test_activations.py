@@ -385,7 +385,7 @@ def test_the_resident_receiver_serves_without_a_host_thread(qwen_ckpt: Path) -> 
                                qwen_ckpt, ids, seed=6)
         layer = model.moe_layers[1]
         rows = reference.f32_to_bf16(np.random.default_rng(7).standard_normal(
-            (3000, 256), dtype=np.float32))  # 1.5 MB: more than the 1 MiB rx ring
+            (9000, 256), dtype=np.float32))  # 4.6 MB: parts of 2 MiB, more than the ring
         with ActivationSender(address, "qr", model.experts_per_layer) as sender:
             sender.request(layer, 2, rows)
             _, got = sender.receive()
