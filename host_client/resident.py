@@ -22,7 +22,7 @@ from host_client.serve_tables import CTL_DTYPE, MODEL_DTYPE, REGION_DTYPE, model
 
 INPUT_BYTES = 8 << 20
 """The largest message the kernel takes (bytes of rows); a larger one is answered an error."""
-BLOCKS, THREADS = 32, 256
+BLOCKS, THREADS = 32, 256  # serve.cu's tiled products take 256 threads a block
 
 
 class ResidentReceiver:
