@@ -57,13 +57,20 @@ def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
     return reference.swiglu_bf16(x, gate, up, down)
 
 
+SMALL_BATCH_ROWS = 64
+"""A CPU worker computes messages of fewer rows than this on one BLAS thread."""
+
+
 def _one_blas_thread(ffn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``ffn`` computing with one BLAS thread: a message is a few rows, and the BLAS pool's
-    other threads, which spin after each call, took the CPU the NIC stand-in needed (measured
-    on the 2-core reference machine: 8 KiB round trip p50 1.26 -> 0.98 ms)."""
+    """``ffn`` computing a decode-sized message (fewer than ``SMALL_BATCH_ROWS`` rows) with one
+    BLAS thread: the BLAS pool's other threads, which spin after each call, took the CPU the
+    NIC stand-in needed (measured on the 2-core reference machine: 8 KiB round trip p50 1.26
+    -> 0.98 ms). Larger messages keep the pool."""
     controller = _blas_controller()
 
     def limited(x: Any) -> Any:
+        if x.shape[0] >= SMALL_BATCH_ROWS:
+            return ffn(x)
         with controller.limit(limits=1, user_api="blas"):
             return ffn(x)
     return limited
