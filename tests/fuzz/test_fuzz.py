@@ -105,7 +105,12 @@ def requests(client: AgentClient) -> st.SearchStrategy[tuple[str, object]]:
 
 
 def _fingerprint(client: AgentClient) -> tuple:
-    st_ = client.status()
+    """Sessions, models and transfers in flight, once an earlier example's transfers have
+    finished (up to 10 s): a refused call must not start one, and one still finishing from
+    before must not count against it (seen once in 10,000 examples)."""
+    deadline = time.monotonic() + 10
+    while (st_ := client.status()).transfers_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
     return (len(st_.sessions), sorted(m.model for m in st_.models), st_.transfers_in_flight)
 
 
