@@ -156,8 +156,11 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
     """Twin of ``dpu_send``: publish ``data`` (``uint8``, length a multiple of 16), the part of
     a message of ``total`` bytes (default: ``data`` is all of it) that starts ``base`` bytes
     in, as packets on ``tx``, its last packet flagged LAST (and ``flags``); each header carries
-    ``slot`` and ``status``. Returns packets written. Raises BufferError when the ring lacks
-    room for them all (the kernel would wait instead)."""
+    ``slot`` and ``status``. Returns packets written. Raises ValueError for a length that is
+    not a multiple of 16 (no packet could carry it: a receiver refuses it), BufferError when
+    the ring lacks room for them all (the kernel would wait instead)."""
+    if data.size % 16:
+        raise ValueError(f"{data.size} bytes: packets carry multiples of 16 bytes")
     raw = _raw(tx)
     room = tx.entry_size - _HEADER
     packets = max(1, -(-data.size // room))

@@ -5,6 +5,7 @@ bytes back out unchanged; a flipped bit refused (CPU, no device)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,3 +73,12 @@ def test_a_flipped_bit_is_refused_and_lands_nothing(bit: int) -> None:
     good = 1 - bad
     np.testing.assert_array_equal(dst[good * ROOM:(good + 1) * ROOM],
                                   data[good * ROOM:(good + 1) * ROOM])
+
+
+def test_a_length_no_packet_can_carry_is_refused_and_writes_nothing() -> None:
+    ring = _ring(3)
+    before = ring.buffer.copy()
+    with pytest.raises(ValueError, match="multiples of 16"):
+        packet_twin.send_packets(ring, np.zeros(20, np.uint8), 1, 0, 0, 0)
+    assert ring.produced == 3
+    np.testing.assert_array_equal(ring.buffer, before)
