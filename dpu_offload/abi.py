@@ -164,6 +164,17 @@ On the activation path (docs/ACTIVATIONS.md) the NIC stamps each rx packet with 
 ``FrameStatus`` in ``status`` and the reason as its payload."""
 
 
+def packet_room(entry_size: int) -> int:
+    """Payload bytes a packet entry of ``entry_size`` bytes carries."""
+    return entry_size - PACKET_HEADER_DTYPE.itemsize
+
+
+def packet_count(nbytes: int, entry_size: int) -> int:
+    """Packets a part of ``nbytes`` takes in entries of ``entry_size`` bytes (an empty part
+    takes one, flagged LAST)."""
+    return max(1, -(-nbytes // packet_room(entry_size)))
+
+
 def part_limit(capacity: int) -> int:
     """The most packets a producer writes as one part of a message into a packet ring of
     ``capacity`` entries: half of it, so that the consumer lands one part while the producer

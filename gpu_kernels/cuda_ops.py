@@ -140,8 +140,7 @@ def send_packets(tx: Ring, tx_device_ptr: int, data: Any, message_id: int, model
     ring in registered host memory whose device address is ``tx_device_ptr``), as
     ``packet_twin.send_packets`` writes it (``slot``, ``status``, ``flags`` likewise). Returns
     the packets it will publish; the host's producer count advances by that many."""
-    room = tx.entry_size - abi.PACKET_HEADER_DTYPE.itemsize
-    packets = max(1, -(-int(data.size) // room))
+    packets = abi.packet_count(int(data.size), tx.entry_size)
     first = tx.produced
     total = data.size if total is None else total
     k = launch.kernel("send", "dpu_send")

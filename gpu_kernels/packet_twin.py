@@ -162,8 +162,7 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
     if data.size % 16:
         raise ValueError(f"{data.size} bytes: packets carry multiples of 16 bytes")
     raw = _raw(tx)
-    room = tx.entry_size - _HEADER
-    packets = max(1, -(-data.size // room))
+    packets = abi.packet_count(data.size, tx.entry_size)
     if tx.free_entries() < packets:
         raise BufferError(f"{packets} packets, {tx.free_entries()} free entries")
     pos = tx.produced

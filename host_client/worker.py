@@ -294,12 +294,11 @@ class ExpertWorker:
         """Packetize ``out`` (uint8) into the tx ring in parts of ``abi.part_limit`` packets,
         each once the NIC has made room for it."""
         tx = self.dev.tx.ring
-        room = tx.entry_size - abi.PACKET_HEADER_DTYPE.itemsize
         fields = (nid, int(h["model"]), int(h["layer"]), int(h["expert"]))
-        step = room * abi.part_limit(tx.capacity)
+        step = abi.packet_room(tx.entry_size) * abi.part_limit(tx.capacity)
         for base in range(0, max(1, out.size), step):
             part = out[base:base + step]
-            while tx.free_entries() < max(1, -(-part.size // room)):
+            while tx.free_entries() < abi.packet_count(part.size, tx.entry_size):
                 if self._stop.wait(NAP_SECONDS):
                     return
             self.packets.send(tx, part, *fields, base=base, total=out.size, status=status,
