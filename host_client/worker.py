@@ -126,7 +126,8 @@ class ExpertWorker:
         """Message id -> (its rows' buffer, bytes landed so far)."""
         self._models: dict[int, str] = {}
         self._generation = -1
-        packet_twin.warm_up()
+        if not self._want_resident:  # this thread polls the rings through the host loops
+            packet_twin.warm_up()
         self._serve()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="expert-receiver", daemon=True)
