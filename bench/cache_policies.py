@@ -45,16 +45,17 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
     experts evicted before any use, ``prefetched_per_step``, and ``policy_s_per_access``:
     the time of every call into the policy, per needed expert, of which
     ``data_path_s_per_access`` the calls an acquire makes (access, victim, insert, remove: the
-    agent's data-plane loop) and ``observe_s_per_access`` the routing observations (folding
-    the step into the routing statistics and the policy's own update: ReportRouting, on the
-    agent's control thread)."""
+    agent's data-plane loop) and ``observe_s_per_access`` the policy's update from each
+    routing observation (ReportRouting, on the agent's control thread); beside it,
+    ``fold_s_per_access``: folding each step into the agent's routing statistics, which the
+    agent does whatever its policy (the predictor and the planner read them)."""
     stats = RoutingStats()
     policy = make_policy(policy_name, stats)
     predictor = NextLayerPredictor(stats)
     resident: set[ExpertKey] = set()
     unused: set[ExpertKey] = set()
     need = ready = fetched = wasted = 0
-    spent = observing = 0.0
+    spent = observing = folding = 0.0
     clock = time.perf_counter
 
     def admit(key: ExpertKey, keep: set[ExpertKey]) -> bool:
@@ -95,8 +96,11 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
         for e in step.experts:
             counts[e] += 1
         t0 = clock()
-        policy.observe(stats.observe(MODEL, step.layer, counts))
-        observing += clock() - t0
+        visit = stats.observe(MODEL, step.layer, counts)
+        t1 = clock()
+        policy.observe(visit)
+        observing += clock() - t1
+        folding += t1 - t0
         if not prefetch:
             continue
         nxt, guess = predictor.predict(MODEL, prefetch)
@@ -110,15 +114,17 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
             "prefetched_per_step": fetched / max(1, len(steps)),
             "policy_s_per_access": (spent + observing) / max(1, need),
             "data_path_s_per_access": spent / max(1, need),
-            "observe_s_per_access": observing / max(1, need)}
+            "observe_s_per_access": observing / max(1, need),
+            "fold_s_per_access": folding / max(1, need)}
 
 
 def simulate(steps: list[RoutingStep], policy_name: str, size: int
-             ) -> tuple[float, float, float]:
-    """(hit rate, the policy's own time per access in seconds, of which on the data path) of
-    one policy at one cache size, demand fetches only."""
+             ) -> tuple[float, float, float, float]:
+    """(hit rate, the policy's own time per access in seconds, of which on the data path, the
+    routing fold's time per access) of one policy at one cache size, demand fetches only."""
     r = replay(steps, policy_name, size)
-    return r["ready"], r["policy_s_per_access"], r["data_path_s_per_access"]
+    return (r["ready"], r["policy_s_per_access"], r["data_path_s_per_access"],
+            r["fold_s_per_access"])
 
 
 def simulate_min(steps: list[RoutingStep], size: int) -> float:
@@ -153,14 +159,18 @@ def run(steps: list[RoutingStep], sizes: list[int], prefetch: list[int]) -> dict
     """Hit rates per policy and size (MIN as the ceiling), each policy's mean time per access
     (microseconds) and its hit rate relative to MIN averaged over the sizes; with
     ``prefetch`` (experts per step), the default policy with next-layer prefetch per size."""
+    for name in POLICIES:  # compiled code loaded (or compiled) before anything is timed
+        replay(steps[:256], name, sizes[0])
     rates: dict[str, list[float]] = {}
     cost: dict[str, float] = {}
     data_path: dict[str, float] = {}
+    fold: list[float] = []
     for name in POLICIES:
         runs = [simulate(steps, name, s) for s in sizes]
-        rates[name] = [r for r, _, _ in runs]
-        cost[name] = sum(c for _, c, _ in runs) / len(runs) * 1e6
-        data_path[name] = sum(d for _, _, d in runs) / len(runs) * 1e6
+        rates[name] = [r for r, _, _, _ in runs]
+        cost[name] = sum(c for _, c, _, _ in runs) / len(runs) * 1e6
+        data_path[name] = sum(d for _, _, d, _ in runs) / len(runs) * 1e6
+        fold += [f * 1e6 for _, _, _, f in runs]
     rates["min"] = [simulate_min(steps, s) for s in sizes]
     of_min = {name: sum(r / m for r, m in zip(rates[name], rates["min"], strict=True) if m)
               / len(sizes) for name in POLICIES}
@@ -169,6 +179,7 @@ def run(steps: list[RoutingStep], sizes: list[int], prefetch: list[int]) -> dict
                                                      for e in s.experts}),
             "hit_rate": rates, "policy_us_per_access": cost,
             "data_path_us_per_access": data_path,
+            "fold_us_per_access": sum(fold) / len(fold),
             "mean_fraction_of_min": of_min, "prefetch_policy": DEFAULT_POLICY,
             "prefetch": ahead}
 
@@ -225,7 +236,8 @@ def main() -> int:
             f"{p} {v:.3f}" for p, v in result["mean_fraction_of_min"].items()))
         print(f"{name} policy us per access (of which on the data path): " + "  ".join(
             f"{p} {v:.1f} ({result['data_path_us_per_access'][p]:.1f})"
-            for p, v in result["policy_us_per_access"].items()))
+            for p, v in result["policy_us_per_access"].items())
+            + f"; routing fold {result['fold_us_per_access']:.1f} us per access")
         for k, runs in result["prefetch"].items():
             print(f"{name} prefetch {k}/step: " + "  ".join(
                 f"size {s}: ready {r['ready']:.3f} wasted {r['wasted']:.2f}"

@@ -119,6 +119,11 @@ def cache(d: dict[str, Any]) -> list[Row]:
         rows.append((f"{d['trace']}: {name} policy time per access", f"{cost:.1f} us{split}",
                      f"LRU {r['policy_us_per_access']['lru']:.1f} us", "", "<= 5 us",
                      cost <= 5.0))
+        fold = r.get("fold_us_per_access")
+        if fold is not None:
+            rows.append((f"{d['trace']}: folding routing into the agent's statistics, per "
+                         "access (every policy)", f"{fold:.1f} us",
+                         f"with the {name} policy {cost + fold:.1f} us", "", "", None))
     return rows
 
 

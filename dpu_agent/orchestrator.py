@@ -43,6 +43,7 @@ from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
 from dpu_agent.weights.policies import make_policy
+from dpu_agent.weights.reuse import warm_up as warm_up_routing
 from dpu_offload import abi
 from dpu_offload.flows import FlowTable
 from dpu_offload.keys import ExpertKey
@@ -74,6 +75,7 @@ class Orchestrator:
             log.warning("removed %d shared-memory segments left by dead processes: %s",
                         len(stale), ", ".join(sorted(stale)[:8]))
         self.arena = Arena(config.arena.bytes)
+        warm_up_routing()
         self.routing = RoutingStats()
         """The one store of routing statistics (the cache policy, the predictor and the
         placement planner read it)."""

@@ -35,7 +35,7 @@ if [ ! -f "$ROOT/site/.complete" ]; then
     --platform manylinux_2_26_aarch64 --platform manylinux_2_17_aarch64 \
     --platform manylinux2014_aarch64 --platform any \
     numpy grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-    protobuf pyzmq safetensors prometheus-client rich scipy
+    protobuf pyzmq safetensors prometheus-client rich scipy numba
   touch "$ROOT/site/.complete"
 fi
 echo "arm64_env: $(qemu-aarch64 -L "$ROOT/root" "$ROOT/root/usr/bin/python3.11" -c \

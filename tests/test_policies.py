@@ -10,11 +10,25 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from bench.cache_policies import replay, simulate
 from dpu_agent.planning.prediction import NextLayerPredictor
-from dpu_agent.routing.stats import FEATURES, LAST, SHARE, RoutingStats
+from dpu_agent.routing.stats import (
+    FEATURES,
+    HALF_LIVES,
+    LAST,
+    LOAD_HALF_LIFE,
+    SHARE,
+    LayerStats,
+    RoutingStats,
+)
 from dpu_agent.routing.traces import RoutingStep, generate_trace
 from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy, make_policy
+from dpu_agent.weights.reuse import _learn
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
@@ -193,3 +207,57 @@ def test_the_agent_prefetches_what_a_recorded_trace_taught_it(qwen_ckpt: Path,
         miss = client.acquire(dev, ExpertKey(model, l1, 0))
         assert hit.wait(10) and hit.resident, "layer 1's expert 5 was not prefetched"
         assert miss.wait(10) and miss.resident is False
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.floats(0.5, 1.0), st.floats(1e-4, 1.0), st.integers(0, 2**32 - 1))
+def test_the_compiled_fit_is_the_ridge_least_squares_solution(
+        experts: int, forget: float, ridge: float, seed: int) -> None:
+    """One visit's update of the reuse fit (compiled) equals the ridge least-squares solution
+    NumPy computes from the same forgetting sums."""
+    rng = np.random.default_rng(seed)
+    k = FEATURES
+    old = rng.random((k + 1, 3 * (k + 1)))
+    acc = old @ old.T
+    x = (rng.random((experts, k + 1)) < 0.5).astype(np.float64)
+    x[:, 0] = 1.0
+    expected_acc = forget * acc + x.T @ x
+    expected = np.linalg.solve(expected_acc[:k, :k] + ridge * np.eye(k), expected_acc[:k, k])
+    weights = np.zeros(k)
+    _learn(acc, x, forget, ridge, weights)
+    np.testing.assert_allclose(acc, expected_acc, rtol=1e-12)
+    np.testing.assert_allclose(weights, expected, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("visits", [0, 1, 7, 4095, 4096, 10_000])
+def test_a_visit_folds_in_as_the_features_are_defined(visits: int) -> None:
+    """A visit after ``visits`` others: every share column becomes the decayed mean of the
+    selections, computed here from its definition (``V_t`` the decayed visit count), the
+    last-visit column marks exactly the chosen experts, the load decays and gains the tokens."""
+    layer = LayerStats()
+    layer.grow(6)
+    rng = np.random.default_rng(visits)
+    before = rng.random((6, FEATURES))
+    before[:, 0] = 1.0
+    layer.features[:] = before
+    layer.load[:] = load = rng.random(6)
+    layer.visits = visits
+    chosen = np.array([4, 1], np.intp)
+    returned = layer.visit(chosen, np.array([3.0, 2.0]))
+    selected = np.zeros(6)
+    selected[chosen] = 1.0
+    np.testing.assert_array_equal(returned[:, FEATURES], selected)
+    np.testing.assert_array_equal(returned[:, :FEATURES], before)
+    after = layer.features
+    np.testing.assert_array_equal(after[:, 0], 1.0)
+    np.testing.assert_array_equal(after[:, LAST], selected)
+    for h in HALF_LIVES:
+        d = 0.5 ** (1.0 / h)
+        count = [float(t) if d == 1.0 else (1 - d ** t) / (1 - d) for t in (visits, visits + 1)]
+        want = (d * count[0] * before[:, SHARE[h]] + selected) / count[1]
+        # Past the table a finite horizon keeps its converged update (off by < 1e-6).
+        np.testing.assert_allclose(after[:, SHARE[h]], want,
+                                   rtol=1e-9 if visits < 4096 else 1e-6, err_msg=f"h={h}")
+    np.testing.assert_allclose(layer.load, load * 0.5 ** (1 / LOAD_HALF_LIFE)
+                               + np.array([0, 2.0, 0, 0, 3.0, 0]), rtol=1e-12)
+    assert layer.visits == visits + 1

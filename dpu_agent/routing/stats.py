@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
 from dpu_agent.routing.traces import RoutingStep
 
@@ -39,39 +40,64 @@ TRANSITION_DECAY = 0.995
 """Per observed pair of consecutive visits, how much the earlier transition counts keep."""
 _DECAY = [0.5 ** (1.0 / h) for h in HALF_LIVES]
 _STEP_CACHE = 4096
-"""Visit counts whose feature update (``_Steps``) is kept; by then every finite horizon's
+"""Visit counts whose feature update (``_step_table``) is kept; by then every finite horizon's
 decayed visit count has converged (to 2e-5 at 256 visits), only the unbounded one moves."""
 
 
-class _Steps:
-    """The feature update of a layer's ``t``-th visit, the same for every layer: the features
-    become ``a * features + b * selected`` per column (``a = decay V_t / V_t+1``, ``b =
-    1 / V_t+1`` for a share, ``V_t = (1 - decay^t) / (1 - decay)`` the decayed visit count;
-    0 and 1 for the last-visit flag; 1 and 0 for the constant). ``step(t)`` is ``(a, b)``,
-    ``float64[FEATURES]`` each, from a table of the first ``_STEP_CACHE`` visits."""
-
-    def __init__(self) -> None:
-        t = np.arange(_STEP_CACHE + 1, dtype=np.float64)[:, None]
-        decay = np.array(_DECAY)[None, :]
-        finite = decay < 1.0
-        visits = np.where(finite, (1.0 - decay ** t) / np.where(finite, 1.0 - decay, 1.0), t)
-        self._table = np.zeros((_STEP_CACHE, 2, FEATURES))
-        self._table[:, 0, 0] = 1.0
-        self._table[:, 0, 2:] = decay * visits[:-1] / visits[1:]
-        self._table[:, 1, LAST] = 1.0
-        self._table[:, 1, 2:] = 1.0 / visits[1:]
-
-    def step(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        if t < _STEP_CACHE:
-            row = self._table[t]
-            return row[0], row[1]
-        a, b = self._table[-1].copy()
-        a[-1], b[-1] = t / (t + 1.0), 1.0 / (t + 1.0)
-        return a, b
+def _step_table() -> np.ndarray:
+    """``float64[_STEP_CACHE, 2, FEATURES]``: row ``t`` is ``(a, b)``, the feature update of a
+    layer's ``t``-th visit, the same for every layer: the features become ``a * features + b *
+    selected`` per column (``a = decay V_t / V_t+1``, ``b = 1 / V_t+1`` for a share, ``V_t =
+    (1 - decay^t) / (1 - decay)`` the decayed visit count; 0 and 1 for the last-visit flag; 1
+    and 0 for the constant)."""
+    t = np.arange(_STEP_CACHE + 1, dtype=np.float64)[:, None]
+    decay = np.array(_DECAY)[None, :]
+    finite = decay < 1.0
+    visits = np.where(finite, (1.0 - decay ** t) / np.where(finite, 1.0 - decay, 1.0), t)
+    table = np.zeros((_STEP_CACHE, 2, FEATURES))
+    table[:, 0, 0] = 1.0
+    table[:, 0, 2:] = decay * visits[:-1] / visits[1:]
+    table[:, 1, LAST] = 1.0
+    table[:, 1, 2:] = 1.0 / visits[1:]
+    return table
 
 
-_steps = _Steps()
+_STEPS = _step_table()
 _LOAD_DECAY = 0.5 ** (1.0 / LOAD_HALF_LIFE)
+
+
+@njit(cache=True, nogil=True)
+def _fold(before: np.ndarray, after: np.ndarray, steps: np.ndarray, t: int,
+          chosen: np.ndarray, tokens: np.ndarray, load: np.ndarray) -> None:
+    """A layer's ``t``-th visit folded in, compiled (a visit is the agent's most frequent
+    control-plane event): ``before``'s last column marks ``chosen``, ``after[:, :FEATURES] =
+    a * before + b * selected`` per column (``a, b = steps[t]``; past the table only the
+    unbounded horizon's terms still move), the load decays and gains ``tokens``."""
+    a = steps[min(t, steps.shape[0] - 1), 0].copy()
+    b = steps[min(t, steps.shape[0] - 1), 1].copy()
+    if t >= steps.shape[0]:
+        a[FEATURES - 1] = t / (t + 1.0)
+        b[FEATURES - 1] = 1.0 / (t + 1.0)
+    for e in range(before.shape[0]):
+        before[e, FEATURES] = 0.0
+        for f in range(FEATURES):
+            after[e, f] = before[e, f] * a[f]
+        load[e] *= _LOAD_DECAY
+    for i in range(chosen.size):
+        e = chosen[i]
+        before[e, FEATURES] = 1.0
+        for f in range(1, FEATURES):
+            after[e, f] += b[f]
+        load[e] += tokens[i]
+
+
+@njit(cache=True, nogil=True)
+def _count_pairs(onward: np.ndarray, chosen: np.ndarray, following: np.ndarray,
+                 unit: float) -> None:
+    """``onward[c, f] += unit`` for every pair of ``chosen`` and ``following`` (both distinct)."""
+    for c in chosen:
+        for f in following:
+            onward[c, f] += unit
 
 
 class LayerStats:
@@ -131,7 +157,7 @@ class LayerStats:
         if self._onward_unit > 1e200:  # fold the common factor in before it overflows
             self.onward /= self._onward_unit
             self._onward_unit = 1.0
-        self.onward[chosen[:, None], following] += self._onward_unit
+        _count_pairs(self.onward, chosen, following, self._onward_unit)
 
     def visit(self, chosen: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Fold in a visit that selected ``chosen`` (``intp[k]``, distinct) with ``tokens``
@@ -139,16 +165,10 @@ class LayerStats:
         last column: whether this visit selected each expert (``float64[E, FEATURES + 1]``;
         valid until the layer's next visit)."""
         before = self._buffers[self._current]
-        before[:, FEATURES] = 0.0
-        before[chosen, FEATURES] = 1.0
-        after = self._buffers[1 - self._current]
-        a, b = _steps.step(self.visits)
-        np.multiply(before[:, :FEATURES], a, out=after[:, :FEATURES])
-        after[chosen, 1:FEATURES] += b[1:]
+        _fold(before, self._buffers[1 - self._current], _STEPS, self.visits, chosen, tokens,
+              self.load)
         self._current = 1 - self._current
         self.visits += 1
-        self.load *= _LOAD_DECAY
-        self.load[chosen] += tokens
         return before
 
 
@@ -227,15 +247,22 @@ class RoutingStats:
     def observe(self, model: str, layer: int, tokens: Mapping[int, int]) -> Visit:
         """One visit of ``layer``: ``tokens[e]`` tokens selected expert e (experts with 0
         tokens were not selected)."""
-        picked = [e for e, n in tokens.items() if n > 0]
-        chosen = np.array(picked, np.intp)
-        counts = np.array([tokens[e] for e in picked], np.float64)
+        chosen = np.fromiter(tokens, np.intp, len(tokens))
+        counts = np.fromiter(tokens.values(), np.float64, len(tokens))
+        if tokens and min(tokens.values()) <= 0:
+            selected = counts > 0
+            chosen, counts = chosen[selected], counts[selected]
+            width = int(chosen.max()) + 1 if chosen.size else 0
+        else:
+            width = max(tokens, default=-1) + 1
         with self._lock:
             stats = self._models[model]
-            here = stats.layer(layer, max(picked, default=-1) + 1)
+            here = stats.layers.get(layer)
+            if here is None or width > here.experts:
+                here = stats.layer(layer, width)
             before = here.visit(chosen, counts)
             previous = stats.previous
-            if previous is not None and picked and previous[1].size \
+            if previous is not None and chosen.size and previous[1].size \
                     and stats.next_layer(previous[0]) == layer:
                 stats.layers[previous[0]].followed_by(previous[1], chosen, here.experts)
             stats.previous = (layer, chosen)

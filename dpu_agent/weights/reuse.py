@@ -2,9 +2,9 @@
 selects each expert, learned online from the routing the agent observes, and the layer-cyclic
 distance to that visit.
 
-Built for cost as much as for hit rate (docs/PERFORMANCE.md, "Expert cache"): a visit is a
-dozen small NumPy operations (no per-expert Python), an eviction one vectorised pass over the
-layers plus a Python ``min`` over one layer's resident experts.
+Built for cost as much as for hit rate (docs/PERFORMANCE.md, "Expert cache"): a visit is one
+compiled least-squares update and prediction (Numba; no per-expert Python), an eviction one
+vectorised pass over the layers plus a compiled search of one layer's resident experts.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import numpy as np
-from scipy.linalg import lapack
+from numba import njit
 
 from dpu_agent.routing.stats import FEATURES, LayerStats, RoutingStats, Visit
 from dpu_offload.keys import ExpertKey
@@ -26,33 +26,141 @@ _FLOOR = 1e-4
 """A linear fit can go below 0: clipped, or p / d would prefer the nearest layer."""
 
 
+@njit(cache=True, nogil=True)
+def _lowest(p: np.ndarray, held: np.ndarray) -> int:
+    """The held expert of lowest ``p`` (the first of equals), -1 when none is held."""
+    low = -1
+    for e in range(p.size):
+        if held[e] and (low < 0 or p[e] < p[low]):
+            low = e
+    return low
+
+
+@njit(cache=True, nogil=True)
+def _first(low: np.ndarray, distance: np.ndarray) -> int:
+    """The position of least ``low / distance`` (the first of equals)."""
+    best, at = np.inf, 0
+    for i in range(low.size):
+        v = low[i] / distance[i]
+        if v < best:
+            best, at = v, i
+    return at
+
+
+@njit(cache=True, nogil=True)
+def _by_chance(p: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """``intp[held]``: the held experts, lowest ``p`` first (equals in expert order)."""
+    experts = np.flatnonzero(held)
+    return experts[np.argsort(p[experts], kind="mergesort")]
+
+
+@njit(cache=True, nogil=True)
+def _predict(features: np.ndarray, weights: np.ndarray, held: np.ndarray, p: np.ndarray
+             ) -> int:
+    """``p = clip(features @ weights, _FLOOR, 1)`` (``float64[E]``); returns ``_lowest``."""
+    for e in range(features.shape[0]):
+        v = 0.0
+        for f in range(K):
+            v += features[e, f] * weights[f]
+        p[e] = min(max(v, _FLOOR), 1.0)
+    return _lowest(p, held)
+
+
+@njit(cache=True, nogil=True)
+def _learn(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float, weights: np.ndarray
+           ) -> None:
+    """One visit's least-squares update: ``acc = forget * acc + x^T x`` (``x``:
+    ``float64[E, K + 1]``, features and target), then ``weights`` solves ``(acc[:K, :K] +
+    ridge I) w = acc[:K, K]`` by Cholesky (kept as they were if that is not positive definite,
+    which the ridge rules out)."""
+    n = K + 1
+    for i in range(n):
+        for j in range(n):
+            acc[i, j] *= forget
+    for e in range(x.shape[0]):
+        for i in range(n):
+            xi = x[e, i]
+            if xi != 0.0:
+                for j in range(n):
+                    acc[i, j] += xi * x[e, j]
+    chol = np.zeros((K, K))
+    for i in range(K):
+        for j in range(i + 1):
+            v = acc[i, j] + (ridge if i == j else 0.0)
+            for m in range(j):
+                v -= chol[i, m] * chol[j, m]
+            if i == j:
+                if v <= 0.0:
+                    return
+                chol[i, i] = np.sqrt(v)
+            else:
+                chol[i, j] = v / chol[j, j]
+    y = np.empty(K)
+    for i in range(K):
+        v = acc[i, K]
+        for m in range(i):
+            v -= chol[i, m] * y[m]
+        y[i] = v / chol[i, i]
+    for i in range(K - 1, -1, -1):
+        v = y[i]
+        for m in range(i + 1, K):
+            v -= chol[m, i] * weights[m]
+        weights[i] = v / chol[i, i]
+
+
+@njit(cache=True, nogil=True)
+def _learn_predict(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float,
+                   weights: np.ndarray, features: np.ndarray, held: np.ndarray, p: np.ndarray
+                   ) -> int:
+    """``_learn`` then ``_predict``."""
+    _learn(acc, x, forget, ridge, weights)
+    return _predict(features, weights, held, p)
+
+
 class _Layer:
     """One MoE layer's state.
 
     Attributes:
         stats: the layer's routing statistics (the agent's one store).
-        p: per expert, the predicted chance that the next visit selects it, made at the
-            layer's last visit (or when it grew).
-        resident: experts of the layer in the cache.
+        p: ``float64[E]``, per expert the predicted chance that the next visit selects it, made
+            at the layer's last visit (or when it grew).
+        held: ``bool[E]``, the experts of the layer in the cache.
         low: (p, expert) of the resident expert least likely to be selected next.
     """
 
     def __init__(self, stats: LayerStats) -> None:
         self.stats = stats
-        self.p: list[float] = []
-        self.resident: set[int] = set()
+        self.p = np.zeros(0)
+        self.held = np.zeros(0, np.bool_)
         self.low: tuple[float, int] | None = None
 
+    def grow(self) -> None:
+        """Room for every expert of the statistics (new ones: not held)."""
+        experts = self.stats.experts
+        if experts > self.p.size:
+            self.p = np.zeros(experts)
+            self.held = np.concatenate([self.held, np.zeros(experts - self.held.size, np.bool_)])
+
     def predict(self, weights: np.ndarray) -> None:
-        self.p = np.clip(self.stats.features @ weights, _FLOOR, 1.0).tolist()
-        self.refresh_low()
+        self.grow()
+        self._set_low(_predict(self.stats.features, weights, self.held, self.p))
+
+    def learn(self, acc: np.ndarray, before: np.ndarray, forget: float, ridge: float,
+              weights: np.ndarray) -> None:
+        """``_learn`` from a visit of this layer, then ``predict`` (one compiled call)."""
+        self.grow()
+        self._set_low(_learn_predict(acc, before, forget, ridge, weights, self.stats.features,
+                                     self.held, self.p))
 
     def refresh_low(self) -> None:
-        if self.resident:
-            e = min(self.resident, key=self.p.__getitem__)
-            self.low = (self.p[e], e)
-        else:
-            self.low = None
+        self._set_low(_lowest(self.p, self.held))
+
+    def _set_low(self, e: int) -> None:
+        self.low = None if e < 0 else (float(self.p[e]), e)
+
+    def by_chance(self) -> list[int]:
+        """The held experts, least likely to be selected next first."""
+        return _by_chance(self.p, self.held).tolist()
 
 
 class _Model:
@@ -125,48 +233,53 @@ class LearnedReusePolicy:
     def __init__(self, stats: RoutingStats, forget: float = 0.98, ridge: float = 1e-3) -> None:
         self._stats = stats
         self._forget = forget
-        self._ridge = ridge * np.eye(K)
+        self._ridge = ridge
         self._models: dict[str, _Model] = defaultdict(_Model)
 
     def _layer(self, model: _Model, key: ExpertKey) -> _Layer:
         """The policy's state of ``key``'s layer, its statistics grown to hold ``key`` (new
         experts get a prediction from the current fit)."""
         layer = model.layers.get(key.layer)
-        if layer is None or key.expert >= len(layer.p):
+        if layer is None or key.expert >= layer.p.size:
             stats = self._stats.layer(key.model, key.layer, key.expert + 1)
             layer = model.layer(key.layer, stats)
-            if len(layer.p) < stats.experts:
+            if layer.p.size < stats.experts:
                 layer.predict(model.weights)
         return layer
 
     def on_insert(self, key: ExpertKey) -> None:
-        model = self._models[key.model]
-        layer = self._layer(model, key)
-        layer.resident.add(key.expert)
-        if layer.low is None or layer.p[key.expert] < layer.low[0]:
-            layer.low = (layer.p[key.expert], key.expert)
-            model.publish(key.layer, layer)
-        model.current = key.layer
+        name, number, e = key
+        model = self._models[name]
+        layer = model.layers.get(number)
+        if layer is None or e >= layer.p.size:
+            layer = self._layer(model, key)
+        layer.held[e] = True
+        p = float(layer.p[e])
+        if layer.low is None or p < layer.low[0]:
+            layer.low = (p, e)
+            model.low[model.at[number]] = p
+        model.current = number
 
     on_access = on_insert
 
     def on_remove(self, key: ExpertKey) -> None:
-        model = self._models.get(key.model)
-        layer = model.layers.get(key.layer) if model is not None else None
-        if layer is None or key.expert not in layer.resident:
+        name, number, e = key
+        model = self._models.get(name)
+        layer = model.layers.get(number) if model is not None else None
+        if layer is None or e >= layer.held.size or not layer.held[e]:
             return
-        layer.resident.discard(key.expert)
-        if layer.low is not None and layer.low[1] == key.expert:
+        layer.held[e] = False
+        if layer.low is not None and layer.low[1] == e:
             layer.refresh_low()
-            model.publish(key.layer, layer)
+            model.publish(number, layer)
 
     def predicted(self, key: ExpertKey) -> float:
         """The chance that the next visit of ``key``'s layer selects it (0 if never seen)."""
         model = self._models.get(key.model)
         layer = model.layers.get(key.layer) if model is not None else None
-        if layer is None or key.expert >= len(layer.p):
+        if layer is None or key.expert >= layer.p.size:
             return 0.0
-        return layer.p[key.expert]
+        return float(layer.p[key.expert])
 
     def observe(self, visit: Visit) -> None:
         """One visit of a layer (already folded into the routing statistics): the fit learns
@@ -174,14 +287,8 @@ class LearnedReusePolicy:
         made anew from the features after it."""
         model = self._models[visit.model]
         layer = model.layer(visit.layer, visit.stats)
-        x = visit.before
-        acc = model.acc
-        acc *= self._forget
-        acc += x.T @ x
-        _, weights, info = lapack.dposv(acc[:K, :K] + self._ridge, acc[:K, K])
-        if info == 0:  # else (not positive definite: cannot happen with the ridge) keep the last
-            model.weights = weights
-        layer.predict(model.weights)  # other layers keep the prediction of their own last visit
+        # Other layers keep the prediction of their own last visit.
+        layer.learn(model.acc, visit.before, self._forget, self._ridge, model.weights)
         model.publish(visit.layer, layer)
         model.current = visit.layer
 
@@ -196,29 +303,50 @@ class LearnedReusePolicy:
                 continue
             now = model.at.get(incoming.layer if incoming is not None else model.current, 0)
             distance = model.distance[now]
+            at = _first(model.low, distance)
+            number = model.by_at[at]
+            low = model.layers[number].low
+            if low is not None and (name, number, low[1]) in allowed:  # the usual case
+                v = low[0] / distance[at]
+                if v < best_v:
+                    best, best_v = ExpertKey(name, number, low[1]), v
+                continue
             ratio = model.low / distance
+            exact: dict[int, int] = {}  # position -> its layer's least likely allowed expert
             while True:
                 at = int(ratio.argmin())
                 v = float(ratio[at])
                 if v >= best_v:
                     break
                 number = model.by_at[at]
-                layer = model.layers[number]
-                assert layer.low is not None
-                key = ExpertKey(name, number, layer.low[1])
-                if key not in allowed:  # held now: the layer's least likely one not held
-                    e = next((e for e in sorted(layer.resident, key=layer.p.__getitem__)
-                              if ExpertKey(name, number, e) in allowed), None)
-                    if e is None:
-                        ratio[at] = math.inf
-                        continue
-                    v = layer.p[e] / float(distance[at])
-                    if v != ratio[at]:
-                        ratio[at] = v  # others may now come first
-                        continue
-                    key = ExpertKey(name, number, e)
-                best, best_v = key, v
+                e = exact.get(at)
+                if e is None:
+                    layer = model.layers[number]
+                    assert layer.low is not None
+                    e = layer.low[1]
+                    # A key is a tuple: a plain one finds it in ``allowed`` at less cost.
+                    if (name, number, e) not in allowed:  # held now: the next least likely
+                        e = exact[at] = next((e for e in layer.by_chance()
+                                              if (name, number, e) in allowed), -1)
+                        ratio[at] = math.inf if e < 0 else float(layer.p[e] / distance[at])
+                        continue  # others may now come first
+                best, best_v = ExpertKey(name, number, e), v
                 break
         if best is None:  # keys the policy never saw inserted
             best = next(iter(allowed), None)
         return best
+
+
+def warm_up() -> None:
+    """Compile (or load from Numba's cache) the routing fold's and this policy's compiled
+    code by exercising each on a scratch model, so that no acquire or report pays for it
+    (seconds on a cold cache)."""
+    stats = RoutingStats()
+    policy = LearnedReusePolicy(stats)
+    keys = [ExpertKey("warm-up", layer, expert) for layer in (0, 1) for expert in (0, 1)]
+    for layer in (0, 1, 0):
+        policy.observe(stats.observe("warm-up", layer, {0: 1}))
+    for key in keys:
+        policy.on_insert(key)
+    policy.on_remove(policy.victim(set(keys[1:]), keys[0]) or keys[1])
+    policy.victim({keys[2]}, keys[0])
