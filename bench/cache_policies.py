@@ -1,8 +1,9 @@
 """Replay a routing trace through the weight cache's eviction policies.
 
 Per cache size (in experts): hit rate of every policy in ``POLICIES`` (LRU, LFU, the
-routing-aware and the learned-reuse policy) and of Belady's MIN (the offline optimum, as the
-ceiling), and each policy's own time per access. Each step's distinct experts are accessed
+routing-aware and the learned-reuse policy), of Belady's MIN (the offline optimum, as the
+ceiling) and of a MIN that foresees one token (the ceiling of policies that predict each
+layer's next visit), and each policy's own time per access. Each step's distinct experts are accessed
 together (they cannot evict each other); the step is then reported to the policies as routing
 statistics, as clients do with ReportRouting. Trace format: docs/LAYOUT.md.
 
@@ -19,6 +20,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -127,8 +129,14 @@ def simulate(steps: list[RoutingStep], policy_name: str, size: int
             r["fold_s_per_access"])
 
 
-def simulate_min(steps: list[RoutingStep], size: int) -> float:
-    """Belady's MIN: evict the resident expert whose next use is furthest in the future."""
+def simulate_min(steps: list[RoutingStep], size: int, horizon: int | None = None) -> float:
+    """Belady's MIN: evict the resident expert whose next use is furthest in the future.
+
+    With ``horizon`` (steps), a MIN that foresees only that far: next uses beyond it are
+    unknown, and such experts go first, the least used so far first (LFU). With a horizon of
+    one token (the model's MoE layers) it knows exactly what each layer's next visit selects,
+    which is all an online policy that predicts the next visit could learn: its hit rate is
+    that kind of policy's ceiling."""
     accesses = [[(s.layer, e) for e in sorted(set(s.experts))] for s in steps]
     next_use: list[list[int]] = []
     upcoming: dict[tuple[int, int], int] = {}
@@ -138,16 +146,24 @@ def simulate_min(steps: list[RoutingStep], size: int) -> float:
             upcoming[k] = i
     next_use.reverse()
     resident: dict[tuple[int, int], int] = {}
+    uses: dict[tuple[int, int], int] = defaultdict(int)
+    far = 1 << 60 if horizon is None else horizon
+
+    def rank(key: tuple[int, int], now: int) -> tuple[int, int]:
+        nxt = resident[key]
+        return (nxt, 0) if nxt - now <= far else (1 << 61, -uses[key])
+
     hits = total = 0
     for i, keys in enumerate(accesses):
         current = set(keys)
         for k, nxt in zip(keys, next_use[i], strict=True):
             total += 1
+            uses[k] += 1
             if k in resident:
                 hits += 1
             elif len(resident) >= size:
-                victim = max((r for r in resident if r not in current), key=resident.get,
-                             default=None)
+                victim = max((r for r in resident if r not in current),
+                             key=partial(rank, now=i), default=None)
                 if victim is None:
                     continue
                 del resident[victim]
@@ -172,8 +188,10 @@ def run(steps: list[RoutingStep], sizes: list[int], prefetch: list[int]) -> dict
         data_path[name] = sum(d for _, _, d, _ in runs) / len(runs) * 1e6
         fold += [f * 1e6 for _, _, _, f in runs]
     rates["min"] = [simulate_min(steps, s) for s in sizes]
+    layers = len({s.layer for s in steps})
+    rates["min_one_token"] = [simulate_min(steps, s, layers) for s in sizes]
     of_min = {name: sum(r / m for r, m in zip(rates[name], rates["min"], strict=True) if m)
-              / len(sizes) for name in POLICIES}
+              / len(sizes) for name in [*POLICIES, "min_one_token"]}
     ahead = {str(k): [replay(steps, DEFAULT_POLICY, s, k) for s in sizes] for k in prefetch}
     return {"sizes": sizes, "distinct_experts": len({(s.layer, e) for s in steps
                                                      for e in s.experts}),
@@ -188,7 +206,7 @@ def plot(result: dict[str, object], title: str, path: Path) -> None:
     fig, ax = figure()
     for name, rates in result["hit_rate"].items():  # type: ignore[union-attr]
         ax.plot(result["sizes"], rates, marker="o", label=name,  # type: ignore[arg-type]
-                linestyle="--" if name == "min" else "-")
+                linestyle={"min": "--", "min_one_token": ":"}.get(name, "-"))
     ax.set_xlabel("cache size (experts)")
     ax.set_ylabel("hit rate")
     ax.set_title(title)

@@ -103,6 +103,10 @@ def cache(d: dict[str, Any]) -> list[Row]:
         rows.append((f"{d['trace']}: {name} hit rate / MIN, mean over sizes", f"{of_min:.3f}",
                      f"LRU {r['mean_fraction_of_min']['lru']:.3f} / LFU "
                      f"{r['mean_fraction_of_min']['lfu']:.3f}", "", ">= 0.85", of_min >= 0.85))
+    foresight = r.get("mean_fraction_of_min", {}).get("min_one_token")
+    if foresight is not None:
+        rows.append((f"{d['trace']}: ceiling of a next-visit predictor (MIN foreseeing one "
+                     "token), / MIN, mean over sizes", f"{foresight:.3f}", "", "", "", None))
     quarter = min(range(len(r["sizes"])),  # the size nearest a 25 % cache
                   key=lambda i: abs(4 * r["sizes"][i] - r.get("distinct_experts", 0)))
     for k, runs in r.get("prefetch", {}).items():

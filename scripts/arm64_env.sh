@@ -27,16 +27,19 @@ if [ ! -x "$ROOT/root/usr/bin/python3.11" ]; then
   (cd "$ROOT/debs" && apt-get "${O[@]}" download $(cat ../packages.txt) >/dev/null)
   for deb in "$ROOT"/debs/*.deb; do dpkg -x "$deb" "$ROOT/root"; done
 fi
-if [ ! -f "$ROOT/site/.complete" ]; then
+# The agent's dependencies (pyproject's, less what only the host client uses); the stamp
+# holds the list, so a change to it reinstalls.
+PKGS="numpy grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf
+pyzmq safetensors prometheus-client rich scipy numba"
+if [ "$(cat "$ROOT/site/.complete" 2>/dev/null)" != "$PKGS" ]; then
   rm -rf "$ROOT/site"
+  # shellcheck disable=SC2086
   python3 -m pip install --quiet --only-binary=:all: --no-compile --target "$ROOT/site" \
     --python-version 3.11 --implementation cp --abi cp311 \
     --platform manylinux_2_28_aarch64 --platform manylinux_2_27_aarch64 \
     --platform manylinux_2_26_aarch64 --platform manylinux_2_17_aarch64 \
-    --platform manylinux2014_aarch64 --platform any \
-    numpy grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-    protobuf pyzmq safetensors prometheus-client rich scipy numba
-  touch "$ROOT/site/.complete"
+    --platform manylinux2014_aarch64 --platform any $PKGS
+  echo "$PKGS" > "$ROOT/site/.complete"
 fi
 echo "arm64_env: $(qemu-aarch64 -L "$ROOT/root" "$ROOT/root/usr/bin/python3.11" -c \
   'import platform; print(platform.machine(), platform.python_version())')"
