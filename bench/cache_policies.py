@@ -3,9 +3,9 @@
 Per cache size (in experts): hit rate of every policy in ``POLICIES`` (LRU, LFU, the
 routing-aware and the learned-reuse policy), of Belady's MIN (the offline optimum, as the
 ceiling) and of a MIN that foresees one token (the ceiling of policies that predict each
-layer's next visit), and each policy's own time per access. Each step's distinct experts are accessed
-together (they cannot evict each other); the step is then reported to the policies as routing
-statistics, as clients do with ReportRouting. Trace format: docs/LAYOUT.md.
+layer's next visit), and each policy's own time per access. Each step's distinct experts are
+accessed together (they cannot evict each other); the step is then reported to the policies as
+routing statistics, as clients do with ReportRouting. Trace format: docs/LAYOUT.md.
 
 Usage:
   python bench/cache_policies.py --trace FILE [--cache-experts N ...] [--json] [--plot PNG]
