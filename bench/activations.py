@@ -69,11 +69,11 @@ def grpc_baseline(weights: list[np.ndarray], hidden: int) -> tuple[grpc.Server, 
     """Expert server (computes) behind a forwarder; returns both servers and the client
     channel to the forwarder. Its weights are widened to float32 once, as the CPU worker's
     are, so both paths compute the same way and the comparison is of transport."""
-    wide = [reference.bf16_to_f32(w) for w in weights]
+    wide = reference.widen_swiglu(*weights)
 
     def compute(req: wrappers_pb2.BytesValue, ctx: object) -> wrappers_pb2.BytesValue:
         rows = np.frombuffer(req.value, np.uint16).reshape(-1, hidden)
-        return wrappers_pb2.BytesValue(value=reference.swiglu_f32_weights(rows, *wide).tobytes())
+        return wrappers_pb2.BytesValue(value=reference.swiglu_wide(rows, wide).tobytes())
 
     opts = [("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20)]

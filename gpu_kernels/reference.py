@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -205,6 +205,34 @@ def array_module(a: Any) -> Any:
     return np
 
 
+class WideSwiglu(NamedTuple):
+    """An expert's SwiGLU weights in float32, oriented for ``rows @ weight``: ``gate``, ``up``
+    ``[hidden, inter]``, ``down`` ``[inter, hidden]``. :func:`widen_swiglu` lays them out
+    contiguously, so that BLAS reads them in storage order (for a few rows about twice as fast
+    as through a transposed view); :func:`swiglu_bf16` passes views."""
+
+    gate: Any
+    up: Any
+    down: Any
+
+
+def widen_swiglu(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> WideSwiglu:
+    """Checkpoint-layout bf16 weights (``uint16``: gate, up ``[inter, hidden]``, down
+    ``[hidden, inter]``; NumPy or CuPy) widened once, for an expert computed many times."""
+    xp = array_module(gate)
+    return WideSwiglu(*(xp.ascontiguousarray(bf16_to_f32(w).T) for w in (gate, up, down)))
+
+
+def swiglu_wide(x: np.ndarray, w: WideSwiglu) -> np.ndarray:
+    """:func:`swiglu_bf16` with widened weights: ``uint16[rows, hidden]`` bf16 bits in and
+    out."""
+    xf = bf16_to_f32(x)
+    g = xf @ w.gate
+    u = xf @ w.up
+    h = (g / (1.0 + array_module(g).exp(-g))) * u
+    return f32_to_bf16(h @ w.down)
+
+
 def swiglu_bf16(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
                 ) -> np.ndarray:
     """``down @ (silu(gate @ x) * (up @ x))`` per row; bf16 bits in and out, fp32 math; NumPy
@@ -214,17 +242,7 @@ def swiglu_bf16(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarra
         x: ``uint16[rows, hidden]``; gate, up: ``uint16[inter, hidden]``; down:
             ``uint16[hidden, inter]``.
     """
-    return swiglu_f32_weights(x, *(bf16_to_f32(w) for w in (gate, up, down)))
-
-
-def swiglu_f32_weights(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
-                       ) -> np.ndarray:
-    """:func:`swiglu_bf16` with the weights already widened to float32 (same shapes)."""
-    xf = bf16_to_f32(x)
-    g = xf @ gate.T
-    u = xf @ up.T
-    h = (g / (1.0 + array_module(g).exp(-g))) * u
-    return f32_to_bf16(h @ down.T)
+    return swiglu_wide(x, WideSwiglu(*(bf16_to_f32(w).T for w in (gate, up, down))))
 
 
 def _poll_word(words: np.ndarray, index: int, generation: int, timeout_s: float,

@@ -279,8 +279,8 @@ class ExpertWorker:
             weights = slot.swiglu_weights()
             hidden = int(weights[2].shape[0])
             if self.xp is np:
-                widened = [reference.bf16_to_f32(w) for w in weights]
-                ffn = lambda x: reference.swiglu_f32_weights(x, *widened)  # noqa: E731
+                wide = reference.widen_swiglu(*weights)
+                ffn = lambda x: reference.swiglu_wide(x, wide)  # noqa: E731
             else:
                 kept = [self.xp.ascontiguousarray(w) for w in weights]
                 ffn = lambda x: expert_ffn(x, *kept)  # noqa: E731
