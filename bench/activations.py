@@ -40,6 +40,7 @@ from bench.common import (
     save_figure,
     write,
 )
+from dpu_offload.abi import PacketHeader
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationSender
@@ -195,8 +196,8 @@ def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, fl
 class EchoWorker(ExpertWorker):
     """Answers every message with its own rows: the transport alone (NIC, rings, packets)."""
 
-    def _answer(self, h: np.void, buf: object) -> None:
-        self._send(buf, int(h["message_id"]), h)
+    def _answer(self, h: PacketHeader, buf: object) -> None:
+        self._send(buf, h.message_id, h)
         self.served += 1
 
 

@@ -185,14 +185,21 @@ def part_packets(rx: Ring) -> int | None:
     return None if n < 0 else n
 
 
-def peek_packet(rx: Ring) -> np.void | None:
-    """The header of the next packet on ``rx`` once it is published (a copy), else None;
-    nothing is consumed."""
+def packet_at(ring: Ring, position: int) -> abi.PacketHeader:
+    """The header of the packet at ``position`` (a running count: taken modulo the ring's
+    capacity) as it is now."""
+    at = abi.HEADER_BYTES + (position & (ring.capacity - 1)) * ring.entry_size
+    return abi.packet_header(ring.buffer, at)
+
+
+def peek_packet(rx: Ring) -> abi.PacketHeader | None:
+    """The header of the next packet on ``rx`` once it is published, else None; nothing is
+    consumed."""
     assert rx.payload is not None, "not a packet ring"
     if not rx.has_entries():
         return None
     store_fence()
-    return rx.entries[rx.consumed & (rx.capacity - 1)].copy()
+    return packet_at(rx, rx.consumed)
 
 
 def receive_packets(rx: Ring, dst: np.ndarray, packets: int | None = None

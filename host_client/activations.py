@@ -61,6 +61,7 @@ class ActivationSender:
         self.model, self.experts, self.credits = model, experts, credits
         self.timeout_ms = int(timeout * 1000)
         self.sock = curve_socket(zmq.DEALER, curve)
+        self.sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)  # a blocking receive, no Poller
         self.sock.connect(f"tcp://{address}")
         self._ids = itertools.count(1)
 
@@ -75,9 +76,10 @@ class ActivationSender:
 
     def receive(self) -> tuple[int, np.ndarray]:
         """The next answer: (message id, output rows ``uint16[n, hidden]``)."""
-        if not self.sock.poll(self.timeout_ms):
-            raise TimeoutError(f"no answer from the agent in {self.timeout_ms} ms")
-        header, payload = self.sock.recv_multipart(copy=False)
+        try:
+            header, payload = self.sock.recv_multipart(copy=False)
+        except zmq.Again:
+            raise TimeoutError(f"no answer from the agent in {self.timeout_ms} ms") from None
         h = frames.unpack(header.bytes, len(payload.buffer))
         if h.kind != Kind.RESPONSE:
             raise ActivationError(FrameStatus(h.status), payload.bytes.decode(errors="replace"))

@@ -181,13 +181,13 @@ class ExpertWorker:
             # it): a thread that only polls would hold it for the whole switch interval.
             time.sleep(0 if time.monotonic() - last < IDLE_SPIN_SECONDS else NAP_SECONDS)
 
-    def _take(self, h: np.void) -> bool:
+    def _take(self, h: abi.PacketHeader) -> bool:
         """Land the next part on the rx ring; answer its message once whole. False when the
         part is not all there yet."""
-        nid, total = int(h["message_id"]), int(h["total_length"])
+        nid, total = h.message_id, h.total_length
         state = self._inputs.get(nid)
         if state is None:
-            if int(h["offset"]) != 0:  # a part of a message already answered (failed)
+            if h.offset != 0:  # a part of a message already answered (failed)
                 return self._land(self.xp.zeros(0, np.uint8)) is not None
             state = (self.xp.zeros(total, np.uint8), 0)
         landed = self._land(state[0])
@@ -221,18 +221,18 @@ class ExpertWorker:
         packets = packet_twin.part_packets(rx)
         if packets is None:
             return None
-        start = rx.consumed & (rx.capacity - 1)
-        head, tail = rx.entries[start], rx.entries[(start + packets - 1) & (rx.capacity - 1)]
-        span = (int(head["offset"]), int(tail["offset"]) + int(tail["length"]),
-                int(tail["length"]) == rx.payload.shape[1])
+        head = packet_twin.packet_at(rx, rx.consumed)
+        tail = packet_twin.packet_at(rx, rx.consumed + packets - 1)
+        span = (head.offset, tail.offset + tail.length,
+                tail.length == rx.payload.shape[1])
         written, refused = self.packets.receive(rx, dst, packets)
         return written, refused, span
 
-    def _answer(self, h: np.void, buf: Any) -> None:
-        nid = int(h["message_id"])
+    def _answer(self, h: abi.PacketHeader, buf: Any) -> None:
+        nid = h.message_id
         try:
-            key = ExpertKey(self._model(int(h["model"])), int(h["layer"]), int(h["expert"]))
-            region, offset = abi.unpack_slot(int(h["slot"]))
+            key = ExpertKey(self._model(h.model), h.layer, h.expert)
+            region, offset = abi.unpack_slot(h.slot)
             ffn, hidden = self._ffn_of(key, region, offset)
             if buf.size % (2 * hidden):
                 raise ValueError(f"{buf.size} bytes are not rows of {key}'s {hidden} values")
@@ -291,11 +291,12 @@ class ExpertWorker:
             self._ffn.popitem(last=False)
         return ffn, hidden
 
-    def _send(self, out: Any, nid: int, h: np.void, status: int = 0, flags: int = 0) -> None:
+    def _send(self, out: Any, nid: int, h: abi.PacketHeader, status: int = 0, flags: int = 0
+              ) -> None:
         """Packetize ``out`` (uint8) into the tx ring in parts of ``abi.part_limit`` packets,
         each once the NIC has made room for it."""
         tx = self.dev.tx.ring
-        fields = (nid, int(h["model"]), int(h["layer"]), int(h["expert"]))
+        fields = (nid, h.model, h.layer, h.expert)
         step = abi.packet_room(tx.entry_size) * abi.part_limit(tx.capacity)
         for base in range(0, max(1, out.size), step):
             part = out[base:base + step]
@@ -305,9 +306,9 @@ class ExpertWorker:
             self.packets.send(tx, part, *fields, base=base, total=out.size, status=status,
                               flags=flags)
 
-    def _error(self, h: np.void, status: FrameStatus, reason: str) -> None:
+    def _error(self, h: abi.PacketHeader, status: FrameStatus, reason: str) -> None:
         self.failed += 1
-        self._send(abi.error_payload(reason, REASON_BYTES), int(h["message_id"]), h,
+        self._send(abi.error_payload(reason, REASON_BYTES), h.message_id, h,
                    int(status), abi.PacketFlags.ERROR)
 
     def close(self) -> None:

@@ -120,16 +120,16 @@ class Port:
         other message are consumed and counted as refused."""
         out: list[Answer] = []
         while (h := peek_packet(self.tx)) is not None:
-            nid, total = int(h["message_id"]), int(h["total_length"])
+            nid, total = h.message_id, h.total_length
             size = expected(nid)
-            if int(h["flags"]) & abi.PacketFlags.ERROR:
+            if h.flags & abi.PacketFlags.ERROR:
                 buf = np.zeros(self.room, np.uint8)
                 try:
                     receive_packets(self.tx, buf)
                 except BufferError:
                     break
                 if size is not None:
-                    status = int(h["status"])
+                    status = h.status
                     known = status in FrameStatus._value2member_map_
                     out.append(Answer(nid, FrameStatus(status) if known
                                       else FrameStatus.WORKER_FAILED,

@@ -51,6 +51,8 @@ def test_packets_carry_the_abi_fields_and_checksums(words: int, base: int, start
         last = abi.PacketFlags.LAST | abi.PacketFlags.ERROR if p == n - 1 else 0
         assert int(h["flags"]) == last
         assert int(h["checksum"]) == chunk_checksum(chunk, base + p * ROOM)
+        assert packet_twin.packet_at(ring, start + p) == tuple(
+            int(h[f]) for f in abi.PacketHeader._fields)
     if base == 0:
         dst = np.zeros(data.size, np.uint8)
         assert HostPacketOps().receive(ring, dst, n) == (data.size, 0)

@@ -68,13 +68,13 @@ def _answers(tx, until: int, timeout: float = 10.0) -> list[tuple[int, int, byte
         if h is None:
             time.sleep(0.0005)
             continue
-        nid, total = int(h["message_id"]), int(h["total_length"])
+        nid, total = h.message_id, h.total_length
         buf, landed = landing.pop(nid, None) or (np.zeros(total, np.uint8), 0)
         _, written, refused = packet_twin.receive_packets(tx, buf)
         assert refused == 0, "the kernel wrote a packet that fails its own checksum"
         landed += written
-        if int(h["flags"]) & abi.PacketFlags.ERROR or landed >= total:
-            out.append((nid, int(h["status"]), buf.tobytes()))
+        if h.flags & abi.PacketFlags.ERROR or landed >= total:
+            out.append((nid, h.status, buf.tobytes()))
             if nid == until:
                 return out
         else:
