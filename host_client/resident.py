@@ -80,12 +80,18 @@ class ResidentReceiver:
         return int(ctl["served"]), int(ctl["failed"]), int(ctl["refused_packets"])
 
     def stop(self) -> None:
-        """End the kernel (the rings' exit flags) and wait for it."""
-        for ring in (self.dev.rx.ring, self.dev.tx.ring):
+        """End the kernel (the rings' exit flags), wait for it, and take over the ring
+        positions it reached, so that whatever serves the device next (the worker's thread, a
+        new receiver) goes on from there."""
+        rx, tx = self.dev.rx.ring, self.dev.tx.ring
+        for ring in (rx, tx):
             ring.header["exit_flag"] = 1
         self.stream.synchronize()
-        for ring in (self.dev.rx.ring, self.dev.tx.ring):
+        for ring in (rx, tx):
             ring.header["exit_flag"] = 0
+        ctl = self._ctl.get(stream=self._reads).view(CTL_DTYPE)[0]
+        rx.advance(int(ctl["pos"]) - rx.consumed)
+        tx.advance_producer(int(ctl["tx_pos"]) - tx.produced)
 
     def __enter__(self) -> ResidentReceiver:
         return self

@@ -400,6 +400,25 @@ def test_the_resident_receiver_serves_without_a_host_thread(qwen_ckpt: Path) -> 
         assert worker.resident.counters() == (len(np.unique(ids)) + 1, 0, 0)
 
 
+@pytest.mark.gpu
+def test_a_device_goes_from_the_resident_receiver_to_the_thread_and_back(qwen_ckpt: Path
+                                                                        ) -> None:
+    """The resident kernel consumes the rx ring and fills the tx ring on the GPU; once it
+    stops, the worker's thread (and then a new kernel) goes on from the positions it reached:
+    every dispatch in the sequence matches the dense reference."""
+    with cuda_serving(qwen_ckpt, "qs", resident=True) as (address, model, worker):
+        client, dev = worker.client, worker.dev
+        for step, resident in enumerate((True, False, True)):
+            if step:
+                worker.close()
+                worker = ExpertWorker(client, dev, resident=resident)
+            assert (worker.resident is not None) == resident
+            dispatch_matches_dense(address, "qs", model.experts_per_layer,
+                                   model.moe_layers[0], qwen_ckpt,
+                                   routing(model.experts_per_layer, 24, 2, seed=step), step)
+        worker.close()
+
+
 def _slot(tensors: dict[str, tuple[np.ndarray, str]]) -> ExpertSlot:
     """An expert slot over a blob holding ``tensors`` (name -> (array, safetensors dtype)),
     each 256-byte aligned as the agent lays them out."""
