@@ -12,8 +12,6 @@ Shapes and dtypes: ``hidden`` is ``uint16[tokens, hidden_size]`` holding bf16 bi
 from __future__ import annotations
 
 import itertools
-import os
-import time
 from typing import Any
 
 import numpy as np
@@ -24,13 +22,6 @@ from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
 from gpu_kernels import reference
 from gpu_kernels.routing import dispatch_plan
-
-SPIN_SECONDS = 0.001 if (os.cpu_count() or 1) >= 8 else 0.0
-"""How long :meth:`ActivationSender.receive` polls for an answer before it sleeps in the
-socket (on a machine with cores to spare: waking a sleeping thread costs tens of us; on a
-small one the spinning would take the CPU the NIC stand-in and the worker need)."""
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-
 
 def curve_socket(kind: int, curve: tuple[str, str] | None) -> zmq.Socket:
     """A socket of ``kind``; with ``curve = (own secret certificate, agent's public
@@ -84,10 +75,6 @@ class ActivationSender:
 
     def receive(self) -> tuple[int, np.ndarray]:
         """The next answer: (message id, output rows ``uint16[n, hidden]``)."""
-        if SPIN_SECONDS:
-            deadline = time.perf_counter() + SPIN_SECONDS
-            while not self.sock.get(_EVENTS) & _POLLIN and time.perf_counter() < deadline:
-                pass
         try:
             header, payload = self.sock.recv_multipart(copy=False)
         except zmq.Again:
