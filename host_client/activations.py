@@ -23,6 +23,7 @@ from dpu_offload.frames import FrameStatus, Kind
 from gpu_kernels import reference
 from gpu_kernels.routing import dispatch_plan
 
+
 def curve_socket(kind: int, curve: tuple[str, str] | None) -> zmq.Socket:
     """A socket of ``kind``; with ``curve = (own secret certificate, agent's public
     certificate)`` (files from zmq.auth.create_certificates) it authenticates and encrypts."""
