@@ -798,3 +798,22 @@ def test_serve_activations_refuses_what_the_caller_cannot_serve(qwen_ckpt: Path)
             serve(client, dev.device_id)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "activations" in err.value.details()
+
+
+def test_the_sender_gives_up_after_its_timeout_when_nothing_answers() -> None:
+    """A NIC address that takes frames and never answers: ``receive`` raises TimeoutError
+    naming the wait after the sender's timeout (not before, not never), and the frame did go
+    out."""
+    sink = zmq.Context.instance().socket(zmq.ROUTER)
+    sink.setsockopt(zmq.LINGER, 0)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with ActivationSender(f"127.0.0.1:{port}", "m", 4, timeout=0.3) as sender:
+            sender.request(0, 1, np.zeros((2, 8), np.uint16))
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match="no answer from the agent in 300 ms"):
+                sender.receive()
+            assert 0.25 <= time.monotonic() - t0 < 5
+        assert sink.poll(2000) and len(sink.recv_multipart()) == 3  # identity, header, rows
+    finally:
+        sink.close(0)
