@@ -142,7 +142,6 @@ class _Layer:
             self.held = np.concatenate([self.held, np.zeros(experts - self.held.size, np.bool_)])
 
     def predict(self, weights: np.ndarray) -> None:
-        """``p`` of every expert from the features now (a layer that grew, between visits)."""
         self.grow()
         self._set_low(_predict(self.stats.features, weights, self.held, self.p))
 
