@@ -261,3 +261,21 @@ def test_a_visit_folds_in_as_the_features_are_defined(visits: int) -> None:
     np.testing.assert_allclose(layer.load, load * 0.5 ** (1 / LOAD_HALF_LIFE)
                                + np.array([0, 2.0, 0, 0, 3.0, 0]), rtol=1e-12)
     assert layer.visits == visits + 1
+
+
+def test_the_compiled_fold_refuses_an_index_outside_the_layer() -> None:
+    """The fold's compiled loops check indices: an expert beyond the layer's arrays raises
+    IndexError and changes nothing (the public path grows the layer first)."""
+    layer = LayerStats()
+    layer.grow(4)
+    layer.visit(np.array([1], np.intp), np.array([3.0]))
+    features, load = layer.features.copy(), layer.load.copy()
+    for bad in (7, -1):
+        with pytest.raises(IndexError, match="outside the layer"):
+            layer.visit(np.array([2, bad], np.intp), np.array([1.0, 1.0]))
+    np.testing.assert_array_equal(layer.features, features)
+    np.testing.assert_array_equal(layer.load, load)
+    assert layer.visits == 1
+    stats = RoutingStats()
+    stats.observe("m", 0, {7: 2})  # grows to 8 experts, then folds
+    assert stats.layer("m", 0).experts == 8

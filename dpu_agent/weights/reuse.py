@@ -26,7 +26,7 @@ _FLOOR = 1e-4
 """A linear fit can go below 0: clipped, or p / d would prefer the nearest layer."""
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, boundscheck=True)
 def _lowest(p: np.ndarray, held: np.ndarray) -> int:
     """The held expert of lowest ``p`` (the first of equals), -1 when none is held."""
     low = -1
@@ -36,7 +36,7 @@ def _lowest(p: np.ndarray, held: np.ndarray) -> int:
     return low
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, boundscheck=True)
 def _first(low: np.ndarray, distance: np.ndarray) -> int:
     """The position of least ``low / distance`` (the first of equals)."""
     best, at = np.inf, 0
@@ -47,14 +47,14 @@ def _first(low: np.ndarray, distance: np.ndarray) -> int:
     return at
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, boundscheck=True)
 def _by_chance(p: np.ndarray, held: np.ndarray) -> np.ndarray:
     """``intp[held]``: the held experts, lowest ``p`` first (equals in expert order)."""
     experts = np.flatnonzero(held)
     return experts[np.argsort(p[experts], kind="mergesort")]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, boundscheck=True)
 def _predict(features: np.ndarray, weights: np.ndarray, held: np.ndarray, p: np.ndarray
              ) -> int:
     """``p = clip(features @ weights, _FLOOR, 1)`` (``float64[E]``); returns ``_lowest``."""
@@ -66,7 +66,7 @@ def _predict(features: np.ndarray, weights: np.ndarray, held: np.ndarray, p: np.
     return _lowest(p, held)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, boundscheck=True)
 def _learn(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float, weights: np.ndarray
            ) -> None:
     """One visit's least-squares update: ``acc = forget * acc + x^T x`` (``x``:
@@ -108,7 +108,7 @@ def _learn(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float, weights:
         weights[i] = v / chol[i, i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, boundscheck=True)
 def _learn_predict(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float,
                    weights: np.ndarray, features: np.ndarray, held: np.ndarray, p: np.ndarray
                    ) -> int:
@@ -142,6 +142,7 @@ class _Layer:
             self.held = np.concatenate([self.held, np.zeros(experts - self.held.size, np.bool_)])
 
     def predict(self, weights: np.ndarray) -> None:
+        """``p`` of every expert from the features now (a layer that grew, between visits)."""
         self.grow()
         self._set_low(_predict(self.stats.features, weights, self.held, self.p))
 
