@@ -35,18 +35,19 @@ def clamped_swiglu_f32_weights(x: np.ndarray, gate: np.ndarray, up: np.ndarray,
                                down: np.ndarray, gate_bias: np.ndarray, up_bias: np.ndarray,
                                down_bias: np.ndarray, alpha: float, limit: float) -> np.ndarray:
     """gpt-oss's expert FFN (transformers' ``GptOssExperts``) per row, fp32 math, bf16 bits
-    in and out; NumPy or CuPy arrays (all of one kind), weights already widened to float32:
-    ``g = min(x @ gate.T + gate_bias, limit)``, ``u = clip(x @ up.T + up_bias, -limit,
-    limit)``, ``out = ((u + 1) * g * sigmoid(alpha * g)) @ down.T + down_bias``.
+    in and out; NumPy or CuPy arrays (all of one kind), weights already widened to float32 and
+    oriented for ``rows @ weight`` (contiguous: BLAS reads them in storage order):
+    ``g = min(x @ gate + gate_bias, limit)``, ``u = clip(x @ up + up_bias, -limit, limit)``,
+    ``out = ((u + 1) * g * sigmoid(alpha * g)) @ down + down_bias``.
 
     Args:
-        x: ``uint16[rows, hidden]``; gate, up: ``float32[inter, hidden]``; down:
-            ``float32[hidden, inter]``; gate_bias, up_bias: ``float32[inter]``; down_bias:
+        x: ``uint16[rows, hidden]``; gate, up: ``float32[hidden, inter]``; down:
+            ``float32[inter, hidden]``; gate_bias, up_bias: ``float32[inter]``; down_bias:
             ``float32[hidden]``.
     """
     xp = array_module(x)
     xf = bf16_to_f32(x)
-    g = xp.minimum(xf @ gate.T + gate_bias, np.float32(limit))
-    u = xp.clip(xf @ up.T + up_bias, np.float32(-limit), np.float32(limit))
+    g = xp.minimum(xf @ gate + gate_bias, np.float32(limit))
+    u = xp.clip(xf @ up + up_bias, np.float32(-limit), np.float32(limit))
     h = (u + 1) * (g / (1 + xp.exp(-np.float32(alpha) * g)))
-    return f32_to_bf16(h @ down.T + down_bias)
+    return f32_to_bf16(h @ down + down_bias)

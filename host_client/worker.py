@@ -255,11 +255,11 @@ class ExpertWorker:
     def _ffn_of(self, key: ExpertKey, region: int, offset: int
                 ) -> tuple[Callable[[Any], Any], int]:
         """The FFN of ``key`` in the slot at (region, offset), weights ready, and the hidden
-        size it takes (kept for the
-        ``FFN_CACHE_EXPERTS`` experts used last). SwiGLU: widened to float32 on the CPU
-        (NumPy has no BF16 GEMM), C-contiguous on a GPU for the fused kernel. Clamped SwiGLU
-        (gpt-oss, BF16 or MXFP4): weights and biases widened to float32 on either (the array
-        formula, cuBLAS on a GPU). ValueError for an expert the worker cannot compute."""
+        size it takes (kept for the ``FFN_CACHE_EXPERTS`` experts used last). SwiGLU: widened
+        to float32 and laid out for ``rows @ weight`` on the CPU (NumPy has no BF16 GEMM),
+        C-contiguous on a GPU for the fused kernel. Clamped SwiGLU (gpt-oss, BF16 or MXFP4):
+        weights and biases widened to float32 on either, laid out likewise (the array formula,
+        cuBLAS on a GPU). ValueError for an expert the worker cannot compute."""
         where = (key, region, offset)
         got = self._ffn.get(where)
         if got is not None:
@@ -271,7 +271,7 @@ class ExpertWorker:
         if manifest.activation == pb.EXPERT_ACTIVATION_CLAMPED_SWIGLU:
             w = slot.clamped_swiglu_weights()
             arrays = [self.xp.ascontiguousarray(a) for a in
-                      (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias)]
+                      (w.gate.T, w.up.T, w.down.T, w.gate_bias, w.up_bias, w.down_bias)]
             ffn = lambda x: gpt_oss.clamped_swiglu_f32_weights(  # noqa: E731
                 x, *arrays, w.alpha, w.limit)
             hidden = int(w.down.shape[0])
