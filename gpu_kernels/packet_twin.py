@@ -20,7 +20,10 @@ import numpy as np
 from numba import njit
 
 from dpu_offload import abi
+from dpu_offload.jit import keep_cache
 from dpu_offload.ring import Ring, store_fence
+
+keep_cache(__file__)
 
 _HEADER = abi.PACKET_HEADER_DTYPE.itemsize
 _F = abi.PACKET_HEADER_DTYPE.fields

@@ -24,6 +24,9 @@ import numpy as np
 from numba import njit
 
 from dpu_agent.routing.traces import RoutingStep
+from dpu_offload.jit import keep_cache
+
+keep_cache(__file__)
 
 HALF_LIVES = (1.0, 4.0, 16.0, 64.0, 256.0, math.inf)
 """Horizons of the selection shares, in visits of the layer."""

@@ -17,7 +17,10 @@ import numpy as np
 from numba import njit
 
 from dpu_agent.routing.stats import FEATURES, LayerStats, RoutingStats, Visit
+from dpu_offload.jit import keep_cache
 from dpu_offload.keys import ExpertKey
+
+keep_cache(__file__)
 
 K = FEATURES
 """Features per expert (``dpu_agent.routing.stats``): a constant, selected at the last visit,
