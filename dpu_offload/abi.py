@@ -184,7 +184,7 @@ class PacketHeader(NamedTuple):
 
 
 _PACKET_HEADER_STRUCT = struct.Struct("<" + "".join(
-    "BHIQ"[PACKET_HEADER_DTYPE.fields[name][0].itemsize.bit_length() - 1]
+    {2: "H", 4: "I", 8: "Q"}[PACKET_HEADER_DTYPE.fields[name][0].itemsize]
     for name in PacketHeader._fields))
 assert _PACKET_HEADER_STRUCT.size == PACKET_HEADER_DTYPE.itemsize  # no padding: same layout
 

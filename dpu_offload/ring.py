@@ -46,6 +46,8 @@ class Ring:
         header: structured scalar view (``HEADER_DTYPE``) of the live header.
         entries: ``[capacity]`` structured view of each entry's fixed part.
         payload: ``uint8[capacity, entry_size - 64]`` for packet rings, else None.
+        raw: ``uint8[capacity, entry_size]``, every entry's bytes (what the compiled packet
+            loops of ``gpu_kernels.packet_twin`` take).
     """
 
     def __init__(self, buffer: np.ndarray, kind: abi.RingKind) -> None:
@@ -68,6 +70,7 @@ class Ring:
         self._bytes = memoryview(buffer)
         self._producer_word = np.ndarray((1,), "<u8", buffer=buffer, offset=_PRODUCER_AT)
         self._consumer_word = np.ndarray((1,), "<u8", buffer=buffer, offset=_CONSUMER_AT)
+        self.raw = np.ndarray((cap, size), np.uint8, buffer=buffer, offset=abi.HEADER_BYTES)
         self.payload = None
         if size > dtype.itemsize:
             self.payload = np.ndarray((cap, size - dtype.itemsize), np.uint8, buffer=buffer,

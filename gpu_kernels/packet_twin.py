@@ -149,8 +149,7 @@ def _land(raw: np.ndarray, pos: int, packets: int, dst: np.ndarray) -> tuple[int
 
 def _raw(ring: Ring) -> np.ndarray:
     assert ring.payload is not None, "not a packet ring"
-    return ring.buffer[abi.HEADER_BYTES:abi.HEADER_BYTES + ring.capacity * ring.entry_size
-                       ].reshape(ring.capacity, ring.entry_size)
+    return ring.raw
 
 
 def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer: int,
