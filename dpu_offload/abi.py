@@ -93,9 +93,9 @@ class RegionFlags(IntEnum):
 HEADER_DTYPE = np.dtype(
     {
         "names": ["magic", "version", "kind", "entry_size", "capacity", "exit_flag", "fault",
-                  "producer", "sleepers", "consumer"],
-        "formats": ["<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u4", "<u8"],
-        "offsets": [0, 4, 8, 12, 16, 20, 24, 64, 72, 128],
+                  "producer", "sleepers", "doorbell", "consumer"],
+        "formats": ["<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u4", "<u4", "<u8"],
+        "offsets": [0, 4, 8, 12, 16, 20, 24, 64, 72, 76, 128],
         "itemsize": HEADER_BYTES,
     }
 )
@@ -105,7 +105,9 @@ the host to stop a persistent consumer; ``fault`` holds a :class:`Status` a cons
 when the ring itself is unusable (wrong magic or version). ``sleepers`` (request rings) counts
 the producer's threads asleep on a futex of the channel (a reply or slot-state word): the agent
 makes the wake system call only when it is non-zero (a hint: a wrong value costs the producer
-its own latency, nothing else)."""
+its own latency, nothing else). ``doorbell`` (packet rings) is 1 while the producer writes a
+byte into the ring's doorbell FIFO after each publication (``dpu_offload.port_bell``), so the
+consumer may sleep on it; 0 (a GPU kernel producing, or no FIFO): the consumer polls."""
 
 DESCRIPTOR_DTYPE = np.dtype(
     {

@@ -19,6 +19,7 @@ push_many writes up to this many entries one by one (byte and element stores, no
 temporaries)."""
 _PRODUCER_AT = abi.HEADER_DTYPE.fields["producer"][1]
 _CONSUMER_AT = abi.HEADER_DTYPE.fields["consumer"][1]
+_DOORBELL_AT = abi.HEADER_DTYPE.fields["doorbell"][1]
 
 
 # Words another process or a device reads while they change (``seq``, ``producer``, slot-state
@@ -70,6 +71,7 @@ class Ring:
         self._bytes = memoryview(buffer)
         self._producer_word = np.ndarray((1,), "<u8", buffer=buffer, offset=_PRODUCER_AT)
         self._consumer_word = np.ndarray((1,), "<u8", buffer=buffer, offset=_CONSUMER_AT)
+        self._doorbell_word = np.ndarray((1,), "<u4", buffer=buffer, offset=_DOORBELL_AT)
         self.raw = np.ndarray((cap, size), np.uint8, buffer=buffer, offset=abi.HEADER_BYTES)
         self.payload = None
         if size > dtype.itemsize:
@@ -267,6 +269,16 @@ class Ring:
     def produced(self) -> int:
         """Entries this producer has published."""
         return self._producer
+
+    @property
+    def doorbell(self) -> bool:
+        """Whether the producer rings the ring's doorbell after each publication (the header's
+        ``doorbell`` word; ``dpu_offload.port_bell``): the consumer may sleep on it."""
+        return bool(self._doorbell_word[0])
+
+    @doorbell.setter
+    def doorbell(self, rings: bool) -> None:
+        self._doorbell_word[0] = int(rings)
 
     def request_exit(self) -> None:
         """Ask the ring's persistent consumer to stop."""

@@ -17,6 +17,8 @@ import secrets
 import numpy as np
 
 SHM_DIR = "/dev/shm"
+FIFO_SUFFIX = ".bell"
+"""A segment's doorbell FIFO is its name with this suffix (``dpu_offload.port_bell``)."""
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
@@ -77,10 +79,12 @@ def _alive(pid: int) -> bool:
 def sweep_stale(prefixes: tuple[str, ...], directory: str = SHM_DIR) -> list[str]:
     """Unlink the segments named ``<prefix>-<pid>-<hex>`` (``unique_name``) that this user
     owns and whose creating process is gone (a crashed agent's arena, a dead client's rings);
-    a live process's segments, and other users', are never touched. Returns the names removed.
+    a live process's segments, and other users', are never touched; a segment's doorbell FIFO
+    (``FIFO_SUFFIX``) goes with it. Returns the names removed.
     /dev/shm does not outlive a boot, so a pid names one process of this boot (a reused pid
     only keeps a segment longer)."""
-    pattern = re.compile(rf"^(?:{'|'.join(map(re.escape, prefixes))})-(\d+)-[0-9a-f]+$")
+    pattern = re.compile(rf"^(?:{'|'.join(map(re.escape, prefixes))})-(\d+)-[0-9a-f]+"
+                         rf"(?:{re.escape(FIFO_SUFFIX)})?$")
     removed = []
     try:
         names = os.listdir(directory)

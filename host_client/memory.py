@@ -11,6 +11,7 @@ import numpy as np
 
 from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
+from dpu_offload.port_bell import PortBell
 from dpu_offload.ring import Ring
 from dpu_offload.shm import SharedBuffer, session_name, unique_name
 from dpu_offload.v1 import agent_pb2 as pb
@@ -62,6 +63,10 @@ class SharedRing:
         token: the session's token, to which the segment's name is bound
             (``shm.session_name``: the agent registers it for that session only); "" for a
             ring no agent registers (a test's own).
+
+    Attributes:
+        bell: a packet ring's doorbell FIFO (``dpu_offload.port_bell``), made before the
+            segment; None for other kinds, or where FIFOs cannot be made.
     """
 
     def __init__(self, kind: abi.RingKind, capacity: int, entry_size: int | None = None,
@@ -69,7 +74,13 @@ class SharedRing:
         size = abi.ring_bytes(capacity, entry_size or abi.entry_dtype_for(kind).itemsize)
         prefix = f"dpu-ring-{kind.name.lower()}"
         name = session_name(prefix, token) if token else unique_name(prefix)
-        self.buffer = SharedBuffer(name, size, create=True)
+        packets = kind in (abi.RingKind.RX_PACKET, abi.RingKind.TX_PACKET)
+        self.bell = PortBell.create(name) if packets else None
+        try:
+            self.buffer = SharedBuffer(name, size, create=True)
+        except BaseException:
+            self._close_bell()
+            raise
         self.ring = Ring.format(self.buffer.array, kind, capacity, entry_size)
 
     @property
@@ -81,8 +92,15 @@ class SharedRing:
         return self.buffer.size
 
     def close(self) -> None:
+        self.ring.doorbell = False
+        self._close_bell()
         self.buffer.unlink()
         self.buffer.close()
+
+    def _close_bell(self) -> None:
+        if self.bell is not None:
+            self.bell.unlink()
+            self.bell.close()
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,12 @@ FFN_CACHE_EXPERTS = 512
 """Experts whose FFN (weights widened or made contiguous) a worker keeps ready."""
 IDLE_SPIN_SECONDS = 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
 """After a message the receiver polls its rx ring this long before napping between polls (on
-a machine with a core to spare: on a small one spinning starves the NIC)."""
+a machine with a core to spare: on a small one spinning starves the NIC), then sleeps on
+the rx ring's doorbell (``dpu_offload.port_bell``, which the NIC rings after writing)."""
 NAP_SECONDS = 50e-6
+"""Nap between polls where the rx ring has no doorbell, and while waiting for tx room."""
+BELL_WAIT_SECONDS = 0.05
+"""The longest sleep on the doorbell (the loop then looks for a reconnection and a stop)."""
 REASON_BYTES = 1024
 """An error answer's reason is cut to this many bytes."""
 
@@ -65,20 +69,28 @@ def _one_blas_thread(ffn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``ffn`` computing a decode-sized message (fewer than ``SMALL_BATCH_ROWS`` rows) with one
     BLAS thread: the BLAS pool's other threads, which spin after each call, took the CPU the
     NIC stand-in needed (measured on the 2-core reference machine: 8 KiB round trip p50 1.26
-    -> 0.98 ms). Larger messages keep the pool."""
-    controller = _blas_controller()
+    -> 0.98 ms). Larger messages keep the pool. The BLAS libraries' own setters are called
+    (threadpoolctl's ``limit`` costs ~45 us a message in Python on that machine)."""
+    blas = _blas_libraries()
 
     def limited(x: Any) -> Any:
-        if x.shape[0] >= SMALL_BATCH_ROWS:
+        if x.shape[0] >= SMALL_BATCH_ROWS or not blas:
             return ffn(x)
-        with controller.limit(limits=1, user_api="blas"):
+        before = [lib.get_num_threads() for lib in blas]
+        for lib in blas:
+            lib.set_num_threads(1)
+        try:
             return ffn(x)
+        finally:
+            for lib, n in zip(blas, before, strict=True):
+                lib.set_num_threads(n)
     return limited
 
 
 @functools.cache
-def _blas_controller() -> ThreadpoolController:
-    return ThreadpoolController()
+def _blas_libraries() -> tuple[Any, ...]:
+    """threadpoolctl's controllers of the BLAS libraries loaded in this process."""
+    return tuple(lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas")
 
 
 class ExpertWorker:
@@ -143,6 +155,7 @@ class ExpertWorker:
         self._models = {m.model_index: m.model for m in self.client.status().models}
         self._ffn.clear()
         self._inputs.clear()
+        self._announce_doorbell(not self._want_resident)
         if self._want_resident:
             from host_client.resident import ResidentReceiver
 
@@ -151,6 +164,15 @@ class ExpertWorker:
             manifests = {i: self.client.model_manifest(name) for i, name in self._models.items()}
             self.resident = ResidentReceiver(self.dev, {i: m for i, m in manifests.items()
                                                         if m is not None})
+
+    def _announce_doorbell(self, rings: bool) -> None:
+        """Say in the tx ring's header whether its producer (this thread, not the resident
+        kernel) rings the tx doorbell after publishing, so the NIC may sleep on it; then ring
+        it, so a NIC asleep on the old promise looks again."""
+        tx = self.dev.tx
+        tx.ring.doorbell = rings and tx.bell is not None
+        if tx.bell is not None:
+            tx.bell.ring()
 
     def _resident_computes(self, model: str) -> bool:
         """Whether the resident kernel computes ``model``'s experts (its layout)."""
@@ -179,7 +201,12 @@ class ExpertWorker:
                 continue
             # Spinning still lets the process's other threads have the GIL (sleep(0) drops
             # it): a thread that only polls would hold it for the whole switch interval.
-            time.sleep(0 if time.monotonic() - last < IDLE_SPIN_SECONDS else NAP_SECONDS)
+            if time.monotonic() - last < IDLE_SPIN_SECONDS:
+                time.sleep(0)
+            elif self.dev.rx.bell is not None:
+                self.dev.rx.bell.wait(BELL_WAIT_SECONDS)
+            else:
+                time.sleep(NAP_SECONDS)
 
     def _take(self, h: abi.PacketHeader) -> bool:
         """Land the next part on the rx ring; answer its message once whole. False when the
@@ -305,6 +332,8 @@ class ExpertWorker:
                     return
             self.packets.send(tx, part, *fields, base=base, total=out.size, status=status,
                               flags=flags)
+            if self.dev.tx.bell is not None:
+                self.dev.tx.bell.ring()
 
     def _error(self, h: abi.PacketHeader, status: FrameStatus, reason: str) -> None:
         self.failed += 1
@@ -313,7 +342,10 @@ class ExpertWorker:
 
     def close(self) -> None:
         self._stop.set()
+        if self.dev.rx.bell is not None:
+            self.dev.rx.bell.ring()
         self._thread.join(2)
+        self._announce_doorbell(False)
         if self.resident is not None:
             self.served, self.failed, self.refused_packets = self.resident.counters()
             self.resident.stop()

@@ -30,7 +30,7 @@ from dpu_offload.flows import Action, FlowTable, TrafficClass
 from dpu_offload.frames import FrameError, FrameStatus, Header, Kind
 from dpu_offload.keys import ExpertKey
 from dpu_offload.steering_snapshot import Snapshot, SnapshotSegment
-from nic.ports import Answer, Outbound, Port
+from nic.ports import Answer, Outbound, Port, TxBells
 
 log = logging.getLogger("nic")
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -44,9 +44,11 @@ SPIN_SECONDS = 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
 """The loop polls without pausing this long after work moved, on a machine with a core to
 spare for it (as the hardware it stands for); on a small one spinning starves the worker."""
 NAP_SECONDS = 50e-6
-"""Otherwise, with messages in flight, it naps this long between passes."""
+"""Otherwise, with messages in flight on a port whose worker does not ring its tx doorbell (a
+resident GPU kernel answering) or waiting for rx room, it naps this long between passes."""
 IDLE_POLL_MS = 1
-"""With none, it waits this long for a frame between passes (milliseconds)."""
+"""Else it sleeps in poll(2) this long at most (milliseconds): a sender's frame or a worker's
+tx doorbell wakes it."""
 
 
 @dataclass
@@ -98,6 +100,9 @@ class Nic:
         self._remotes: dict[str, zmq.Socket] = {}
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        self._bells = TxBells(self._poller)
+        self._naps = False
+        """Whether the loop awaits something no doorbell announces (``_wakes_on_bells``)."""
         self.stopping = False
         self.started = threading.Event()
         """Set by the agent's ``start`` once it attached the ports it has: until then frames
@@ -107,17 +112,18 @@ class Nic:
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> None:
         """Poll until stopped: without a pause while work moved in the last ``SPIN_SECONDS``,
-        napping between passes while messages are in flight, else waiting up to
-        ``IDLE_POLL_MS`` for a frame."""
+        napping between passes while it awaits what no doorbell announces, else sleeping up to
+        ``IDLE_POLL_MS`` until a frame or a worker's tx doorbell comes."""
         last_sweep = last_work = 0.0
         futex.tight_timer_slack("nic")
         self.started.wait()
         while not self.stopping:
             busy = time.monotonic() - last_work < SPIN_SECONDS
-            ready = dict(self._poller.poll(0 if busy or self.pending else IDLE_POLL_MS))
-            if not ready and not busy and self.pending:
+            ready = dict(self._poller.poll(0 if busy or self._naps else IDLE_POLL_MS))
+            if not ready and not busy and self._naps:
                 time.sleep(NAP_SECONDS)
             with self.lock:
+                self._bells.update(self.ports.values(), ready)
                 self._take_snapshot()
                 moved = len(ready)
                 if self.sock in ready:
@@ -137,6 +143,16 @@ class Nic:
                     last_sweep = now
                     self._expire(now)
                 self._acknowledge()
+                self._naps = bool(self.pending) and not self._wakes_on_bells()
+
+    def _wakes_on_bells(self) -> bool:
+        """Whether all the loop awaits from the ports comes with a wake: no message waits for
+        rx room, and each port with messages in flight has a worker that rings its tx
+        doorbell."""
+        for port in self.ports.values():
+            if port.queue or (self.in_flight[port.device_id] and not port.tx_rings):
+                return False
+        return True
 
     def _take_snapshot(self) -> None:
         if self.segment.version == self.snapshot.version:
@@ -368,6 +384,7 @@ class Nic:
             old = self.ports.pop(device_id, None)
             self._fail_port(old, "its worker attached again")
             self.ports[device_id] = port
+            self._bells.changed = True
 
     def detach(self, device_id: int) -> None:
         with self.lock:
@@ -385,6 +402,7 @@ class Nic:
                 self._refuse(p.sender, p.message_id, FrameStatus.WORKER_FAILED,
                              f"device {port.device_id}: {why}")
         port.close()
+        self._bells.detached(port)
 
     def stats(self) -> dict[str, object]:
         with self.lock:
@@ -405,7 +423,9 @@ class Nic:
         with self.lock:
             for port in self.ports.values():
                 port.close()
+                port.close_bells()
             self.ports.clear()
+            self._bells.close()
             for sock in self._remotes.values():
                 sock.close(0)
             self.sock.close(0)

@@ -7,19 +7,25 @@ BlueField's NIC reaches a GPUNetIO receive and send queue.
 Messages larger than ``abi.part_limit`` packets go in parts: each part as many whole packets as
 the ring has room for, up to that limit, offsets counted from the message's start, the last
 packet of a part flagged LAST.
+
+Each ring may have a doorbell (``dpu_offload.port_bell``, made by the worker): the NIC rings
+the rx one after writing packets, and sleeps on the tx one while the worker's header says it
+rings it after answering (a resident GPU kernel does not: then the NIC polls).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import zmq
 
 from dpu_offload import abi
 from dpu_offload.frames import FrameStatus
 from dpu_offload.keys import ExpertKey
+from dpu_offload.port_bell import PortBell
 from dpu_offload.ring import Ring
 from dpu_offload.shm import SharedBuffer
 from gpu_kernels.packet_twin import peek_packet, receive_packets, send_packets
@@ -63,15 +69,20 @@ class Port:
     def __init__(self, device_id: int, rx_name: str, tx_name: str) -> None:
         self.device_id = device_id
         self._buffers: list[SharedBuffer] = []
-        try:
-            self.rx = self._ring(rx_name, abi.RingKind.RX_PACKET)
-            self.tx = self._ring(tx_name, abi.RingKind.TX_PACKET)
-        except BaseException:
-            self.close()
-            raise
         self.queue: deque[Outbound] = deque()
         self._assembling: dict[int, tuple[np.ndarray, int]] = {}
         """nid -> (answer buffer, bytes landed so far)."""
+        self.rx_bell: PortBell | None = None
+        self.tx_bell: PortBell | None = None
+        try:
+            self.rx = self._ring(rx_name, abi.RingKind.RX_PACKET)
+            self.tx = self._ring(tx_name, abi.RingKind.TX_PACKET)
+            self.rx_bell = PortBell.open(rx_name)
+            self.tx_bell = PortBell.open(tx_name)
+        except BaseException:
+            self.close()
+            self.close_bells()
+            raise
         self.failed = ""
         """Why the port stopped being a route ("" while it is one)."""
         self.refused_packets = 0
@@ -91,9 +102,14 @@ class Port:
         assert self.rx.payload is not None
         return int(self.rx.payload.shape[1])
 
+    @property
+    def tx_rings(self) -> bool:
+        """Whether the worker rings the tx doorbell after answering (the NIC may sleep on it)."""
+        return self.tx_bell is not None and self.tx.doorbell
+
     def pump(self) -> int:
-        """Write as much of the queued messages into the rx ring as it has room for; returns
-        the bytes written."""
+        """Write as much of the queued messages into the rx ring as it has room for, then ring
+        its doorbell; returns the bytes written."""
         moved = 0
         while self.queue:
             m = self.queue[0]
@@ -107,6 +123,8 @@ class Port:
             moved += part.size
             if m.sent >= m.payload.size:
                 self.queue.popleft()
+        if moved and self.rx_bell is not None:
+            self.rx_bell.ring()
         return moved
 
     def drop(self, nid: int) -> None:
@@ -178,3 +196,58 @@ class Port:
         for buf in self._buffers:
             buf.close()
         self._buffers.clear()
+
+    def close_bells(self) -> None:
+        """Close the doorbells (apart from :meth:`close`: the NIC's loop may be polling the tx
+        one, and closes them itself after that poll)."""
+        for bell in (self.rx_bell, self.tx_bell):
+            if bell is not None:
+                bell.close()
+
+
+class TxBells:
+    """The attached ports' tx doorbells in the NIC loop's poller. Only the loop registers,
+    unregisters and closes them (:meth:`update`, under the NIC's lock, between polls): a port
+    detached by the control thread keeps its doorbells open until the poll that may be using
+    them has returned.
+
+    Args:
+        poller: the loop's poller.
+    """
+
+    def __init__(self, poller: zmq.Poller) -> None:
+        self._poller = poller
+        self._by_fd: dict[int, PortBell] = {}
+        self._detached: list[Port] = []
+        self.changed = False
+        """Whether a port was attached or detached since the last :meth:`update`."""
+
+    def detached(self, port: Port) -> None:
+        """``port`` is gone: its doorbells go at the next update."""
+        self._detached.append(port)
+        self.changed = True
+
+    def update(self, ports: Iterable[Port], ready: dict[object, int]) -> None:
+        """Consume the wakes of the doorbells the last poll found ``ready``, then follow the
+        ports attached and detached since."""
+        for fd, bell in self._by_fd.items():
+            if fd in ready:
+                bell.drain()
+        if not self.changed:
+            return
+        self.changed = False
+        for port in self._detached:
+            if port.tx_bell is not None and self._by_fd.pop(port.tx_bell.fileno(), None):
+                self._poller.unregister(port.tx_bell.fileno())
+            port.close_bells()
+        self._detached.clear()
+        for port in ports:
+            if port.tx_bell is not None and port.tx_bell.fileno() not in self._by_fd:
+                self._by_fd[port.tx_bell.fileno()] = port.tx_bell
+                self._poller.register(port.tx_bell.fileno(), zmq.POLLIN)
+
+    def close(self) -> None:
+        for port in self._detached:
+            port.close_bells()
+        self._detached.clear()
+        self._by_fd.clear()

@@ -110,11 +110,15 @@ def routing(experts: int, tokens: int, k: int, seed: int) -> np.ndarray:
 
 
 def test_dispatch_compute_combine_matches_dense_reference(served, qwen_ckpt: Path) -> None:
-    agent, _, model, _, worker = served
+    agent, _, model, devs, worker = served
+    # The worker's thread rings the tx doorbell, so the NIC sleeps on it between answers.
+    assert devs[0].tx.ring.doorbell and devs[0].tx.bell is not None
     ids = routing(model.experts_per_layer, 24, 2, seed=0)
     dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
                            model.experts_per_layer, model.moe_layers[1], qwen_ckpt, ids)
     assert worker.served == len(np.unique(ids)) and worker.refused_packets == 0
+    worker.close()
+    assert not devs[0].tx.ring.doorbell  # nobody rings it now: the NIC polls the ring
 
 
 def _raw(agent: AgentProcess, header: bytes, payload: bytes) -> tuple[int, str]:
@@ -413,6 +417,7 @@ def test_a_device_goes_from_the_resident_receiver_to_the_thread_and_back(qwen_ck
                 worker.close()
                 worker = ExpertWorker(client, dev, resident=resident)
             assert (worker.resident is not None) == resident
+            assert dev.tx.ring.doorbell == (not resident)  # the kernel rings no doorbell
             dispatch_matches_dense(address, "qs", model.experts_per_layer,
                                    model.moe_layers[0], qwen_ckpt,
                                    routing(model.experts_per_layer, 24, 2, seed=step), step)
@@ -817,3 +822,23 @@ def test_the_sender_gives_up_after_its_timeout_when_nothing_answers() -> None:
         assert sink.poll(2000) and len(sink.recv_multipart()) == 3  # identity, header, rows
     finally:
         sink.close(0)
+
+
+def test_a_small_message_is_computed_on_one_blas_thread_and_the_pool_is_restored() -> None:
+    from threadpoolctl import threadpool_info
+
+    from host_client.worker import SMALL_BATCH_ROWS, _one_blas_thread
+
+    def blas_threads() -> list[int]:
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    pool = blas_threads()
+    seen: list[list[int]] = []
+    ffn = _one_blas_thread(lambda x: seen.append(blas_threads()) or x)
+    assert ffn(np.zeros((SMALL_BATCH_ROWS - 1, 4))).shape == (SMALL_BATCH_ROWS - 1, 4)
+    ffn(np.zeros((SMALL_BATCH_ROWS, 4)))
+    assert seen == [[1] * len(pool), pool]
+    assert blas_threads() == pool
+    with pytest.raises(ZeroDivisionError):  # restored after a failing FFN too
+        _one_blas_thread(lambda x: 1 / 0)(np.zeros((1, 4)))
+    assert blas_threads() == pool

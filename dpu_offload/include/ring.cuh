@@ -82,7 +82,8 @@ typedef struct {
     uint8_t pad0[64 - 28];
     uint64_t producer;
     uint32_t sleepers;
-    uint8_t pad1[64 - 12];
+    uint32_t doorbell;
+    uint8_t pad1[64 - 16];
     uint64_t consumer;
     uint8_t pad2[128 - 8];
 } dpu_ring_header;
