@@ -121,6 +121,24 @@ def test_dispatch_compute_combine_matches_dense_reference(served, qwen_ckpt: Pat
     assert not devs[0].tx.ring.doorbell  # nobody rings it now: the NIC polls the ring
 
 
+def test_a_worker_that_claims_the_doorbell_but_never_rings_is_still_answered(
+        served, qwen_ckpt: Path) -> None:
+    """The header's ``doorbell`` word is a hint: the NIC sleeps at most ``IDLE_POLL_MS`` at a
+    time, so a worker that says it rings and does not only slows its own answers."""
+    agent, _, model, devs, worker = served
+    bell, devs[0].tx.bell = devs[0].tx.bell, None  # the worker's sends ring nothing now
+    try:
+        assert devs[0].tx.ring.doorbell
+        ids = routing(model.experts_per_layer, 16, 2, seed=3)
+        t0 = time.monotonic()
+        dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
+                               model.experts_per_layer, model.moe_layers[0], qwen_ckpt, ids, 3)
+        assert time.monotonic() - t0 < 5
+        assert worker.served == len(np.unique(ids))
+    finally:
+        devs[0].tx.bell = bell
+
+
 def _raw(agent: AgentProcess, header: bytes, payload: bytes) -> tuple[int, str]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
