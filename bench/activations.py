@@ -197,8 +197,8 @@ class EchoWorker(ExpertWorker):
     """Answers every message with its own rows: the transport alone (NIC, rings, packets)."""
 
     def _answer(self, h: PacketHeader, buf: object) -> None:
-        self._send(buf, h.message_id, h)
         self.served += 1
+        self._send(buf, h.message_id, h)
 
 
 def transport_only(agent: AgentProcess, checkpoint: str, layer: int, hidden: int,

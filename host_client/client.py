@@ -200,8 +200,14 @@ class AgentClient(AgentSession):
 
     def acquire(self, dev: AttachedDevice, key: ExpertKey) -> AcquireHandle:
         """Post an acquire of ``key`` on ``dev`` and return at once; the handle resolves when
-        its bytes are verified there (a refusal is raised by ``wait``)."""
-        return self._handles(dev, [key])[0]
+        its bytes are verified there (a refusal is raised by ``wait``). Where the DMA engine
+        delivers, the check is started on the device with the post, as a batch's are: it is
+        waiting there when the agent answers, instead of being launched then."""
+        handle = self._handles(dev, [key])[0]
+        if not handle.pinned_hit:
+            AcquireHandle.check_at_post([handle], [self.manifest(key).blob_bytes],
+                                        self.rpc_timeout)
+        return handle
 
     def acquire_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
         """Acquire several experts (a layer's) with one post, all or nothing: returns once the

@@ -102,9 +102,11 @@ class AcquireHandle:
 
     Resolved by polling shared memory: first the reply (which slot, which generation), then
     that slot's state word until it reads READY or FAILED for the generation. Where the DMA
-    engine delivers, the handle that claims the delivery's check starts it on the device as
-    soon as the slot is granted (``LandedCheck``): the device waits for LANDED, so the verdict
-    follows the bytes by the check's own time, and a waiter woken at LANDED polls on for it.
+    engine delivers, the acquire starts the check on the device with its post
+    (:meth:`check_at_post`): the device waits for the reply and then for LANDED, so the
+    verdict follows the bytes by the check's own time, and a waiter woken at LANDED polls on
+    for it. A handle whose check gave up before the bytes landed starts another
+    (``LandedCheck``) when it finds them landed unchecked.
     """
 
     def __init__(self, key: ExpertKey, channel: ClientChannel, position: int,

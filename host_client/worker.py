@@ -105,6 +105,8 @@ class ExpertWorker:
         served: messages answered with output rows.
         failed: messages answered with an error (an expert it cannot compute, rows that
             failed their check).
+            Both count a message before its answer is published, so a sender holding an
+            answer finds it counted.
         refused_packets: rx packets that failed their checksum (also
             ``dpu_worker_packets_refused_total``); the NIC writes their message again.
     """
@@ -267,8 +269,8 @@ class ExpertWorker:
         except (ValueError, KeyError, IndexError) as exc:
             self._error(h, FrameStatus.WORKER_FAILED, f"{type(exc).__name__}: {exc}")
             return
-        self._send(out, nid, h)
         self.served += 1
+        self._send(out, nid, h)
 
     def _model(self, index: int) -> str:
         name = self._models.get(index)

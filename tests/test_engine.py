@@ -94,14 +94,16 @@ def test_a_batch_acquire_starts_its_checks_in_one_launch(client: AgentClient,
                                                         qwen_ckpt: Path) -> None:
     """AcquireBatch through the DMA engine: its slots are checked by one batch check (one kernel
     launch on a GPU) started when the batch was posted, before the agent answered; the bytes
-    are the checkpoint's, and a single acquire still starts its own check."""
+    are the checkpoint's; a single acquire's check likewise starts with its post."""
     device, dev = _counting_engine_device(client, qwen_ckpt, "qwen-batch-check", 9, 8)
     keys = [ExpertKey("qwen-batch-check", 1, e) for e in range(6)]
     _assert_checkpoint_bytes(qwen_ckpt, [h.wait(10) for h in client.acquire_batch(dev, keys)])
     assert device.batches == [6] and device.singles == []
     client.release_batch(dev, keys)
-    client.acquire(dev, ExpertKey("qwen-batch-check", 2, 0)).wait(10)
-    assert device.singles == [1] and device.batches == [6]
+    slot = client.acquire(dev, ExpertKey("qwen-batch-check", 2, 0)).wait(10)
+    assert slot.raw("down_proj").tobytes() == checkpoint_bytes(qwen_ckpt)[
+        "model.layers.2.mlp.experts.0.down_proj.weight"]
+    assert device.batches == [6, 1] and device.singles == []
 
 
 def test_a_refused_batch_ends_its_posted_checks_and_the_next_batch_lands(
@@ -206,14 +208,14 @@ def test_a_hung_engine_is_killed_and_its_transfers_fail(qwen_ckpt: Path) -> None
         assert metric(agent, "dpu_agent_engine_restarts_total") == 1
 
 
-def test_the_check_starts_at_the_grant_and_outlives_a_slow_delivery(
+def test_the_check_starts_at_the_post_and_outlives_a_slow_delivery(
         agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice,
         qwen_ckpt: Path) -> None:
-    """The handle starts the slot's check on the device as soon as it is granted, and the
-    check waits there for the bytes: with the engine stopped, a granted handle's check
+    """The acquire starts the slot's check on the device with its post, and the check waits
+    there for the grant and the bytes: with the engine stopped, a granted handle's check
     publishes READY by itself once the engine resumes (nobody waits on the handle). A check
-    that gave up first (its wait timed out while the engine was stopped) is started again
-    when the handle finds the bytes landed unchecked."""
+    that gave up first (it waits at most the client's RPC timeout, here made short while the
+    engine was stopped) is started again when the handle finds the bytes landed unchecked."""
     truth = checkpoint_bytes(qwen_ckpt)
     client.acquire(engine_dev, ExpertKey("qwen-engine", 0, 0)).wait(10)  # engine running
     (pid,) = engine_pids(agent)
@@ -246,8 +248,10 @@ def test_the_check_starts_at_the_grant_and_outlives_a_slow_delivery(
     verified(first, started)
 
     os.kill(pid, signal.SIGSTOP)
+    rpc_timeout, client.rpc_timeout = client.rpc_timeout, 0.3
     try:
         second = client.acquire(engine_dev, gave_up)
+        client.rpc_timeout = rpc_timeout
         with pytest.raises(TimeoutError):
             second.wait(0.3)  # the check it started gives up too
         deadline = time.monotonic() + 10
@@ -255,6 +259,7 @@ def test_the_check_starts_at_the_grant_and_outlives_a_slow_delivery(
             assert time.monotonic() < deadline, "the check never gave up"
             time.sleep(0.01)
     finally:
+        client.rpc_timeout = rpc_timeout
         os.kill(pid, signal.SIGCONT)
     until(second, abi.SlotState.LANDED)
     time.sleep(0.2)
