@@ -113,7 +113,8 @@ def cache(d: dict[str, Any]) -> list[Row]:
         got, mn = runs[quarter], rates["min"][quarter]
         rows.append((f"{d['trace']}: ready when needed, {r['prefetch_policy']} + next-layer "
                      f"prefetch of {k} per step, {r['sizes'][quarter]} experts",
-                     f"{got['ready']:.3f} ({got['wasted']:.0%} of prefetches wasted)",
+                     f"{got['ready']:.3f} ({got['prefetched_per_step']:.3g} prefetched per "
+                     f"step, {got['wasted']:.0%} of them wasted)",
                      f"MIN demand {mn:.3f}", f"{got['ready'] / mn:.2f} of MIN" if mn else "-",
                      "> MIN, < 50 % wasted", got["ready"] > mn and got["wasted"] < 0.5))
     cost = r.get("policy_us_per_access", {}).get(name)
