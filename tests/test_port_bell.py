@@ -131,3 +131,27 @@ def test_a_dead_creators_doorbell_is_swept_with_its_segment() -> None:
     removed = sweep_stale(("dpu-ring-rx_packet",))
     assert {name, os.path.basename(bell_path(name))} <= set(removed)
     assert not os.path.exists(bell_path(name))
+
+
+def test_serve_activations_refuses_a_planted_doorbell_by_name(tmp_path) -> None:
+    import grpc
+
+    from dpu_offload.v1 import agent_pb2 as pb
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+    from host_client.checkpoints import CheckpointSpec, make_checkpoint
+    from host_client.launcher import AgentProcess
+
+    root = make_checkpoint(tmp_path / "c", CheckpointSpec("qwen3-moe", layers=1, experts=4,
+                                                          hidden=64, intermediate=32))
+    with AgentProcess('[activations]\nlisten_address = "127.0.0.1:0"\n') as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(root), "m")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 4)])
+        path = bell_path(dev.tx.name)
+        os.unlink(path)
+        open(path, "w").close()
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.ServeActivations(pb.ServeActivationsRequest(
+                session_id=client.session_id, device_id=dev.device_id, serve=True))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert path in err.value.details() and "not a FIFO" in err.value.details()
