@@ -128,8 +128,8 @@ class TransferSettings:
     chunk_bytes: int = _key(_size, 1 * 2**20, unit="bytes")
     timeout_seconds: int = _key(_int, 30, unit="s", live=True)
     poll_spin_us: int = _key(_int, 200, unit="us")
-    """How long the data-plane loop polls after work before it sleeps on its doorbell,
-    microseconds (longer: lower wake-up latency, more CPU)."""
+    """How long the data-plane loop polls after serving requests before it sleeps on its
+    doorbell, microseconds (longer: lower wake-up latency, more CPU)."""
     engine_poll: str = _key(_str, "auto")
     """How the DMA-engine process waits for work (``ENGINE_POLL``): ``always`` polls its rings
     without sleeping while it serves a device (a core of its own, as the DMA engine it stands

@@ -17,8 +17,10 @@ from dpu_offload.bell import Bell
 log = logging.getLogger("dpu_agent.dataplane")
 
 SPIN_SECONDS = 200e-6
-"""After work was found the loop only yields the GIL for this long (by default: the agent's
-``transfer.poll_spin_us``), then naps or sleeps."""
+"""After serving requests the loop only yields the GIL for this long (by default: the agent's
+``transfer.poll_spin_us``), then naps or sleeps: a layer's next batch often follows. After
+completions alone only while more are awaited that come unrung (a device consumer's): the
+DMA engine rings for its own."""
 NAP_SECONDS = 20e-6
 """Nap between polls while something it waits for closely comes without a bell (a device
 consumer's completions)."""
@@ -28,6 +30,8 @@ less, as ``doze_limit`` says): a client's post, the DMA engine's completions or 
 own delivery wake it sooner; sweeps wait at most this."""
 SWEEP_SECONDS = 0.5
 """How often the stuck-transfer sweep runs."""
+IDLE, COMPLETED, SERVED = 0, 1, 2
+"""What a pass found: nothing, completions alone, requests (and maybe completions)."""
 
 
 @dataclass
@@ -91,8 +95,11 @@ class DataPlaneLoop:
                         sweep()
                     except Exception:
                         log.exception("data-plane sweep failed")
-            if self._one_pass():
-                last_work = now
+            found = self._one_pass()
+            if found != IDLE:
+                # Completions that come unrung (a device consumer's) are polled closely too.
+                if found == SERVED or self._doze_limit() <= 0.0:
+                    last_work = now
                 continue
             if now - last_work < self._spin:
                 time.sleep(0)
@@ -101,24 +108,24 @@ class DataPlaneLoop:
             limit = min(DOZE_SECONDS, self._doze_limit(), SWEEP_SECONDS - (now - last_sweep))
             if bell is None or limit <= 0.0:
                 time.sleep(NAP_SECONDS)
-            elif bell.doze(limit, self._one_pass, lambda found: not found):
+            elif bell.doze(limit, self._one_pass, lambda found: found == IDLE) == SERVED:
                 last_work = time.monotonic()
 
-    def _one_pass(self) -> bool:
-        """Poll every source once; whether anything was handled."""
+    def _one_pass(self) -> int:
+        """Poll every source once; what it found (``IDLE``, ``COMPLETED``, ``SERVED``)."""
         stats = self.stats
         try:
             requests, completions = self._poll()
         except Exception:  # a bug must not stop the data plane: logged, counted
             log.exception("data-plane pass failed")
             stats.errors += 1
-            return False
+            return IDLE
         stats.requests += requests
         stats.completions += completions
         if requests or completions:
             stats.cpu_seconds = time.thread_time()
-            return True
-        return False
+            return SERVED if requests else COMPLETED
+        return IDLE
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
