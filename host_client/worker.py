@@ -186,6 +186,9 @@ class ExpertWorker:
     def _loop(self) -> None:
         last = time.monotonic()
         futex.tight_timer_slack("expert-worker")
+        # Rows are the senders': NaN or huge bf16 values give NaN or inf out, as on a GPU,
+        # with no warning per message (NumPy's error state is this thread's own).
+        np.seterr(over="ignore", invalid="ignore")
         while not self._stop.is_set():
             if self.client.generation != self._generation:
                 try:

@@ -860,3 +860,24 @@ def test_a_small_message_is_computed_on_one_blas_thread_and_the_pool_is_restored
     with pytest.raises(ZeroDivisionError):  # restored after a failing FFN too
         _one_blas_thread(lambda x: 1 / 0)(np.zeros((1, 4)))
     assert blas_threads() == pool
+
+
+def test_rows_of_nan_and_huge_values_come_back_as_a_gpu_computes_them_without_warnings(
+        served) -> None:
+    """A sender's rows are data: NaN in gives NaN out, huge values inf or NaN, and the CPU
+    worker raises no floating-point warning for them (its thread's NumPy error state)."""
+    import warnings
+
+    agent, _, model, _, _ = served
+    rows = np.full((4, 256), 0x7FC0, np.uint16)  # bf16 NaN
+    rows[2:] = 0x7F7F  # bf16 near its largest finite value
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa",
+                              model.experts_per_layer) as sender:
+            sender.request(model.moe_layers[0], 1, rows)
+            out = reference.bf16_to_f32(sender.receive()[1])
+    assert np.isnan(out[:2]).all()
+    assert not np.isfinite(out[2:]).all()
+    assert not [w for w in seen if issubclass(w.category, RuntimeWarning)], \
+        [str(w.message) for w in seen]
