@@ -182,11 +182,12 @@ def run(steps: list[RoutingStep], sizes: list[int], prefetch: list[int]) -> dict
     data_path: dict[str, float] = {}
     fold: list[float] = []
     for name in POLICIES:
-        runs = [simulate(steps, name, s) for s in sizes]
-        rates[name] = [r for r, _, _, _ in runs]
-        cost[name] = sum(c for _, c, _, _ in runs) / len(runs) * 1e6
-        data_path[name] = sum(d for _, _, d, _ in runs) / len(runs) * 1e6
-        fold += [f * 1e6 for _, _, _, f in runs]
+        hits, costs, paths, folds = zip(*(simulate(steps, name, s) for s in sizes),
+                                        strict=True)
+        rates[name] = list(hits)
+        cost[name] = sum(costs) / len(costs) * 1e6
+        data_path[name] = sum(paths) / len(paths) * 1e6
+        fold += [f * 1e6 for f in folds]
     rates["min"] = [simulate_min(steps, s) for s in sizes]
     layers = len({s.layer for s in steps})
     rates["min_one_token"] = [simulate_min(steps, s, layers) for s in sizes]

@@ -90,7 +90,7 @@ def _one_blas_thread(ffn: Callable[[Any], Any]) -> Callable[[Any], Any]:
 @functools.cache
 def _blas_libraries() -> tuple[Any, ...]:
     """threadpoolctl's controllers of the BLAS libraries loaded in this process."""
-    return tuple(lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas")
+    return tuple(ThreadpoolController().select(user_api="blas").lib_controllers)
 
 
 class ExpertWorker:
