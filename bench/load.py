@@ -36,7 +36,7 @@ from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationSender
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
-from host_client.launcher import AgentProcess
+from host_client.launcher import AgentProcess, stop_process
 
 LAYERS, EXPERTS = 4, 32
 
@@ -140,8 +140,9 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
                 t.join(60)
             deadlocked |= {i for i, t in enumerate(threads) if t.is_alive()}
             alive = agent.proc.poll() is None
-            worker.terminate()
-            worker.wait(10)
+            if not stop_process(worker, 10):
+                raise RuntimeError("the expert worker did not exit within 10 s of SIGTERM "
+                                   "(its threads' stacks are in its stderr above)")
             boot.close()
     rss = [r for _, r in samples]
     q = max(1, len(rss) // 4)

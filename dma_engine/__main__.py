@@ -10,8 +10,10 @@ that fails changes nothing.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
+import signal
 import sys
 import threading
 from typing import Any
@@ -130,6 +132,7 @@ def main() -> None:
             bells.append(Bell.open(name) if name else None)
         except (SharedBufferError, ValueError) as exc:
             ap.error(f"{flag} {name!r}: {exc}")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, for a hang
     engine = Engine(*bells, polls=args.poll)
     threading.Thread(target=control, args=(engine,), name="control", daemon=True).start()
     sys.stdout.write(json.dumps({"ok": True, "ready": True}) + "\n")

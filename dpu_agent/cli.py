@@ -38,8 +38,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     notifier = Notifier()
 
     async def run() -> None:
+        import faulthandler
         import signal
 
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, for a hang
         agent = AgentServer(cfg, notifier)
         await agent.start()
         if args.ready_file:

@@ -36,6 +36,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 def cmd_serve_experts(args: argparse.Namespace) -> int:
     """An expert worker process: one device every expert of a model is placed on, serving the
     activations the NIC steers to it, until SIGTERM / SIGINT."""
+    import faulthandler
     import signal
     import threading
 
@@ -45,6 +46,7 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, for a hang
     with AgentClient(args.agent, client_name="serve-experts", tls=_tls(args)) as client:
         model = client.load_model(args.checkpoint, args.model)
         if args.device == "cuda":

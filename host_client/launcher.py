@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 class AgentProcess:
@@ -70,13 +72,7 @@ class AgentProcess:
         """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -90,6 +86,28 @@ class AgentProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self._dir.cleanup()
+
+
+STACK_DUMP_SECONDS = 1.0
+"""How long a hung process is given to write its stacks before SIGKILL."""
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> bool:
+    """SIGTERM ``proc`` and wait up to ``timeout`` seconds; if it is still running, SIGUSR1
+    first (the project's processes dump every thread's stack to their stderr on it: the
+    record of where shutdown hung), then SIGKILL. Returns whether it exited on SIGTERM."""
+    if proc.poll() is not None:
+        return True
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(STACK_DUMP_SECONDS)
+        proc.kill()
+        proc.wait()
+        return False
 
 
 def free_port() -> int:

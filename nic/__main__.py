@@ -12,8 +12,10 @@ port it bound.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -108,6 +110,7 @@ def main() -> None:
         sock, port, auth = bind(args.listen, args.curve_server_cert, args.curve_clients_dir)
     except (zmq.ZMQError, OSError, ValueError) as exc:
         ap.error(f"--listen {args.listen}: cannot bind ({exc})")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, for a hang
     packet_twin.warm_up()
     nic = Nic(sock, segment, args.credits, args.worker_timeout)
     threading.Thread(target=control, args=(nic,), name="control", daemon=True).start()

@@ -1,5 +1,6 @@
 """The unit file passes systemd's own checks, and the daemon speaks sd_notify in order: READY
-only once serving, watchdog pings, RELOADING/READY around SIGHUP, STOPPING on SIGTERM."""
+only once serving, watchdog pings, RELOADING/READY around SIGHUP, STOPPING on SIGTERM; SIGUSR1
+writes every thread's stack to its log and changes nothing."""
 
 from __future__ import annotations
 
@@ -88,6 +89,9 @@ def test_notify_sequence_ready_watchdog_reload_stopping(tmp_path: Path) -> None:
         listener.collect_until(lambda m: "RELOADING=1" in m and
                                m.index("RELOADING=1") < len(m) - 1 and
                                "READY=1" in m[m.index("RELOADING=1"):], 10)
+        pings = listener.messages.count("WATCHDOG=1")
+        proc.send_signal(signal.SIGUSR1)  # every thread's stack, and it serves on
+        listener.collect_until(lambda m: m.count("WATCHDOG=1") >= pings + 2, 10)
         proc.send_signal(signal.SIGTERM)
         listener.collect_until(lambda m: "STOPPING=1" in m, 10)
         assert proc.wait(15) == 0
@@ -96,6 +100,7 @@ def test_notify_sequence_ready_watchdog_reload_stopping(tmp_path: Path) -> None:
             proc.kill()
     out = proc.stdout.read().decode()
     assert "transfer.timeout_seconds: 30 -> 5" in out, out
+    assert re.search(r"Thread 0x[0-9a-f]+ .*\(most recent call first\):\n  File ", out), out
 
 
 def test_bad_config_never_sends_ready(tmp_path: Path) -> None:
