@@ -76,12 +76,17 @@ class SharedRing:
         name = session_name(prefix, token) if token else unique_name(prefix)
         packets = kind in (abi.RingKind.RX_PACKET, abi.RingKind.TX_PACKET)
         self.bell = PortBell.create(name) if packets else None
+        buffer = None
         try:
-            self.buffer = SharedBuffer(name, size, create=True)
-        except BaseException:
+            buffer = SharedBuffer(name, size, create=True)
+            self.ring = Ring.format(buffer.array, kind, capacity, entry_size)
+        except BaseException:  # a refused capacity or entry size leaves no file behind
+            if buffer is not None:
+                buffer.unlink()
+                buffer.close()
             self._close_bell()
             raise
-        self.ring = Ring.format(self.buffer.array, kind, capacity, entry_size)
+        self.buffer = buffer
 
     @property
     def name(self) -> str:

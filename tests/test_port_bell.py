@@ -155,3 +155,14 @@ def test_serve_activations_refuses_a_planted_doorbell_by_name(tmp_path) -> None:
                 session_id=client.session_id, device_id=dev.device_id, serve=True))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert path in err.value.details() and "not a FIFO" in err.value.details()
+
+
+@pytest.mark.parametrize(("capacity", "entry_size"), [(6, 256), (8, 100)])
+def test_a_refused_ring_leaves_neither_segment_nor_doorbell(capacity: int,
+                                                            entry_size: int) -> None:
+    from dpu_offload.ring import RingError
+
+    before = set(os.listdir(SHM_DIR))
+    with pytest.raises(RingError):
+        SharedRing(abi.RingKind.RX_PACKET, capacity, entry_size)
+    assert set(os.listdir(SHM_DIR)) - before == set()
