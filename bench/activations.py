@@ -99,11 +99,19 @@ def grpc_baseline(weights: list[np.ndarray], hidden: int) -> tuple[grpc.Server, 
     return expert, forwarder, grpc.insecure_channel(f"127.0.0.1:{fwd_port}", options=opts)
 
 
-def cpu_rate(*pids: int, seconds: float = 0.5) -> list[float]:
-    """Each process's CPU seconds per second while no message moves."""
+def cpu_rate(*pids: int, seconds: float) -> np.ndarray:
+    """``float64[len(pids)]``: each process's CPU seconds per second while no message moves,
+    over ``seconds``."""
     before = [proc_cpu_seconds(p) for p in pids]
     time.sleep(seconds)
-    return [(proc_cpu_seconds(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
+    return np.array([(proc_cpu_seconds(p) - b) / seconds for p, b in zip(pids, before,
+                                                                          strict=True)])
+
+
+IDLE_SECONDS = (0.5, 3.0)
+"""Bounds of each idle window (otherwise as long as the timed run): the agent's periodic work
+(supervision, leases) comes every second or so, and a short window that caught one or none of
+it made its idle pace, and so the CPU per message, tens of us wrong at 4 MiB."""
 
 
 def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str,
@@ -123,10 +131,13 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
                                                              dtype=np.float32))
             agent_t, grpc_t = [], []
             for _ in range(2):  # warm-up
+                t_start = time.perf_counter()
                 sender.request(layer, 0, rows)
                 sender.receive()
-            idle = cpu_rate(agent_pid, nic_pid)
-            cpu0 = (proc_cpu_seconds(agent_pid), proc_cpu_seconds(nic_pid))
+            one = time.perf_counter() - t_start
+            window = min(max(one * repeats, IDLE_SECONDS[0]), IDLE_SECONDS[1])
+            idle_before = cpu_rate(agent_pid, nic_pid, seconds=window)
+            cpu0 = np.array([proc_cpu_seconds(agent_pid), proc_cpu_seconds(nic_pid)])
             t_start = time.perf_counter()
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -134,9 +145,13 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
                 _, got = sender.receive()
                 agent_t.append(time.perf_counter() - t0)
             wall = time.perf_counter() - t_start
-            # What the messages cost beyond each process's idle pace over the same time.
-            cpu = (proc_cpu_seconds(agent_pid) - cpu0[0] - idle[0] * wall,
-                   proc_cpu_seconds(nic_pid) - cpu0[1] - idle[1] * wall)
+            cpu1 = np.array([proc_cpu_seconds(agent_pid), proc_cpu_seconds(nic_pid)])
+            idle_after = cpu_rate(agent_pid, nic_pid, seconds=window)
+            # What the messages cost beyond each process's idle pace (the mean of the windows
+            # before and after) over the same time; how far the two windows disagree is what
+            # the estimate cannot resolve.
+            cpu = (cpu1 - cpu0 - (idle_before + idle_after) / 2 * wall) / repeats * 1e6
+            noise = np.abs(idle_before - idle_after) / 2 * wall / repeats * 1e6
             for _ in range(repeats):
                 t1 = time.perf_counter()
                 resp = call(wrappers_pb2.BytesValue(value=rows.tobytes()))
@@ -153,12 +168,15 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
                          "grpc_p99_us": pct(grpc_t, 99) * 1e6,
                          "speedup_p50": median(grpc_t) / median(agent_t),
                          "agent_messages_per_s": 1 / median(agent_t),
-                         "agent_cpu_us_per_message": cpu[0] / repeats * 1e6,
-                         "nic_cpu_us_per_message": cpu[1] / repeats * 1e6}
+                         "agent_cpu_us_per_message": float(cpu[0]),
+                         "agent_cpu_noise_us": float(noise[0]),
+                         "agent_idle_cpu_ms_per_s": float(idle_before[0] + idle_after[0]) / 2e-3,
+                         "nic_cpu_us_per_message": float(cpu[1])}
             print(f"{name:>7}: NIC path p50 {out[name]['agent_p50_us']:9.0f} us p99 "
                   f"{out[name]['agent_p99_us']:9.0f}  gRPC+hop p50 "
                   f"{out[name]['grpc_p50_us']:9.0f} us ({out[name]['speedup_p50']:.2f}x); "
-                  f"CPU per message: agent {out[name]['agent_cpu_us_per_message']:.0f} us, "
+                  f"CPU per message: agent {out[name]['agent_cpu_us_per_message']:.0f} "
+                  f"+- {out[name]['agent_cpu_noise_us']:.0f} us, "
                   f"NIC {out[name]['nic_cpu_us_per_message']:.0f} us", file=sys.stderr)
     channel.close()
     forwarder.stop(None)
