@@ -28,6 +28,7 @@ from dpu_agent.errors import (
 )
 from dpu_agent.models import Models
 from dpu_agent.planning.apply import PlacementExecutor
+from dpu_agent.planning.placement import warm_up as warm_up_planner
 from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.planning.scheduler import Priority, Scheduler
 from dpu_agent.regions import Registrations
@@ -76,6 +77,7 @@ class Orchestrator:
                         len(stale), ", ".join(sorted(stale)[:8]))
         self.arena = Arena(config.arena.bytes)
         warm_up_routing()
+        warm_up_planner()
         self.routing = RoutingStats()
         """The one store of routing statistics (the cache policy, the predictor and the
         placement planner read it)."""

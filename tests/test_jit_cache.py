@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dpu_agent", "dpu_offload", "gpu_kernels")
 PROGRAM = """
 import numba
+from dpu_agent.planning import placement
 from dpu_agent.weights import reuse
 from gpu_kernels import packet_twin
 reuse.warm_up()
+placement.warm_up()
 packet_twin.warm_up()
 print(numba.config.CACHE_DIR)
 """
@@ -56,7 +58,7 @@ def test_compiled_loops_cache_in_a_private_directory_when_the_package_cannot(
     assert run.stdout.strip() == str(private)
     assert stat.S_IMODE(private.stat().st_mode) == 0o700
     cached = {p.name.split(".")[0] for p in private.rglob("*.nbi")}
-    assert {"stats", "reuse", "packet_twin"} <= cached, sorted(cached)
+    assert {"stats", "reuse", "placement", "packet_twin"} <= cached, sorted(cached)
 
 
 def test_a_cache_directory_others_may_write_is_refused(tmp_path: Path) -> None:

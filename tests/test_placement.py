@@ -83,6 +83,14 @@ def test_replicas_go_to_hot_experts() -> None:
     ({"load": np.ones((1, 4)), "gpus": [4, 4], "current": [[[0], [1], [7], [0]]]},
      "unknown GPU 7"),
     ({"load": np.ones((1, 4)), "gpus": [4, 4], "current": [[[0], [1]]]}, "not \\[1 layers"),
+    ({"load": np.ones((1, 4)), "gpus": [4, 4], "current": [[[0], [1], [1.5], [0]]]},
+     "unknown GPU 1.5 for layer 0 expert 2"),
+    ({"load": np.ones((1, 4)), "gpus": [4, 4], "current": [[[0], [1], ["1"], [0]]]},
+     "unknown GPU '1'"),
+    ({"load": np.ones((1, 4)), "gpus": [4, 4], "current": [[[0], [1], 1, [0]]]},
+     "not \\[1 layers\\]\\[4 experts\\] lists"),
+    ({"load": np.ones((2, 4)), "gpus": [4, 4], "expert_bytes": [1, 2, 3]},
+     "one per layer \\(2\\), got 3"),
 ])
 def test_refusals_name_the_constraint(kwargs: dict, msg: str) -> None:
     with pytest.raises(PlacementError, match=msg):

@@ -25,6 +25,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
+
+from dpu_offload.jit import keep_cache
+
+keep_cache(__file__)
+
+REPAIR_STEPS = 4096
+"""Moves and swaps a repair may make in one layer before it gives up (the LPT packing,
+relabelled, is used then)."""
 
 Assignment = list[list[list[int]]]
 """``assignment[layer][expert]`` = sorted GPU indices holding that expert."""
@@ -58,15 +67,14 @@ class Placement:
                 "copies_moved": self.copies_moved, "assignment": self.assignment}
 
 
-def _validate(load: np.ndarray, slots: np.ndarray, replicas: int,
-              current: Assignment | None) -> None:
+def _validate(load: np.ndarray, slots: np.ndarray, replicas: int) -> None:
     if load.ndim != 2 or 0 in load.shape:
         raise PlacementError(f"load must have shape [layers, experts], got {list(load.shape)}")
     if not np.all(np.isfinite(load)):
         raise PlacementError("load holds NaN or infinite entries")
     if np.any(load < 0):
         raise PlacementError("load holds negative entries")
-    layers, experts = load.shape
+    experts = load.shape[1]
     if slots.size == 0 or np.any(slots <= 0):
         raise PlacementError("every GPU needs a positive capacity")
     total = int(slots.sum())
@@ -81,16 +89,30 @@ def _validate(load: np.ndarray, slots: np.ndarray, replicas: int,
     if experts + replicas > total:
         raise PlacementError(f"replica budget {replicas} exceeds the {total - experts} free "
                              "slots per layer")
-    if current is not None:
+
+
+def _held(current: Assignment, layers: int, experts: int, gpus: int) -> np.ndarray:
+    """``bool[layers, experts, gpus]``: the placement ``current`` as a matrix. PlacementError
+    naming what is wrong: its shape, or the layer and expert of a GPU id that is not an
+    integer or not one of the ``gpus``."""
+    shape = f"[{layers} layers][{experts} experts] lists of GPU indices"
+    try:
         if len(current) != layers or any(len(row) != experts for row in current):
-            raise PlacementError(f"current placement is not [{layers} layers][{experts} "
-                                 "experts]")
-        for layer, row in enumerate(current):
-            for e, gpus in enumerate(row):
-                bad = [g for g in gpus if not 0 <= g < slots.size]
-                if bad:
-                    raise PlacementError(f"current placement names unknown GPU {bad[0]} for "
-                                         f"layer {layer} expert {e}")
+            raise PlacementError(f"current placement is not {shape}")
+        sizes = [len(gs) for row in current for gs in row]
+        flat = [g for row in current for gs in row for g in gs]
+    except TypeError as exc:
+        raise PlacementError(f"current placement is not {shape} ({exc})") from exc
+    where = np.repeat(np.arange(layers * experts), sizes)
+    bad = next((i for i, g in enumerate(flat) if isinstance(g, bool) or
+                not isinstance(g, (int, np.integer)) or not 0 <= g < gpus), -1)
+    if bad >= 0:
+        layer, e = divmod(int(where[bad]), experts)
+        raise PlacementError(f"current placement names unknown GPU {flat[bad]!r} for layer "
+                             f"{layer} expert {e}")
+    held = np.zeros((layers * experts, gpus), np.bool_)
+    held[where, np.array(flat, np.int64)] = True
+    return held.reshape(layers, experts, gpus)
 
 
 def _copies(layer_load: np.ndarray, replicas: int, gpus: int) -> np.ndarray:
@@ -108,146 +130,155 @@ def _copies(layer_load: np.ndarray, replicas: int, gpus: int) -> np.ndarray:
     return copies
 
 
-def _pack(layer_load: np.ndarray, copies: np.ndarray, slots: np.ndarray
-          ) -> tuple[list[list[int]], np.ndarray]:
-    """LPT: heaviest copy first onto the least-loaded GPU with a free slot not holding it."""
-    gpus = slots.size
-    free = slots.astype(np.int64).copy()
+# The per-layer steps are compiled loops over ``held`` (``bool[E, G]``: expert e has a copy on
+# GPU g): at DeepSeek-V3 scale a rebalance is 58 of them, and in Python they took ~3 ms each.
+
+
+@njit(cache=True, nogil=True, boundscheck=True)
+def _pack(w: np.ndarray, copies: np.ndarray, slots: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, bool]:
+    """LPT: copies by per-copy load ``w`` (heaviest first, then by expert), each onto the GPU
+    of least load (then most free slots, then lowest index) with a free slot that does not
+    hold the expert. Returns ``held``, ``float64[G]`` load, and False if a copy found no
+    GPU."""
+    experts, gpus = w.size, slots.size
+    held = np.zeros((experts, gpus), np.bool_)
+    free = slots.copy()
     load = np.zeros(gpus)
-    held: list[list[int]] = [[] for _ in range(layer_load.size)]
-    w = layer_load / copies
-    order = np.lexsort((np.arange(w.size), -w))
-    heap = [(0.0, -int(free[g]), g) for g in range(gpus)]
-    heapq.heapify(heap)
-    for e in order.tolist():
-        for _ in range(int(copies[e])):
-            skipped = []
-            while heap:
-                item = heapq.heappop(heap)
-                if item[2] not in held[e]:
-                    break
-                skipped.append(item)
-            else:
-                raise PlacementError("no GPU has a free slot for another copy")
-            g = item[2]
-            held[e].append(g)
-            free[g] -= 1
-            load[g] += w[e]
-            if free[g] > 0:
-                heapq.heappush(heap, (float(load[g]), -int(free[g]), g))
-            for it in skipped:
-                heapq.heappush(heap, it)
-    return [sorted(h) for h in held], load
+    for e in np.argsort(-w, kind="mergesort"):
+        for _ in range(copies[e]):
+            best = -1
+            for g in range(gpus):
+                if free[g] <= 0 or held[e, g]:
+                    continue
+                if best < 0 or load[g] < load[best] or (load[g] == load[best]
+                                                        and free[g] > free[best]):
+                    best = g
+            if best < 0:
+                return held, load, False
+            held[e, best] = True
+            free[best] -= 1
+            load[best] += w[e]
+    return held, load, True
 
 
-def _relabel(bins: list[list[int]], bin_load: np.ndarray, slots: np.ndarray,
-             current: list[list[int]]) -> tuple[list[list[int]], np.ndarray]:
-    """Permute GPU labels among GPUs of equal capacity to maximise copies kept in place."""
-    gpus = slots.size
-    members: list[set[int]] = [set() for _ in range(gpus)]  # experts per new bin
-    for e, gs in enumerate(bins):
-        for g in gs:
-            members[g].add(e)
-    holds: list[set[int]] = [set() for _ in range(gpus)]  # experts per current GPU
-    for e, gs in enumerate(current):
-        for g in gs:
-            holds[g].add(e)
-    from scipy.optimize import linear_sum_assignment  # here: importing it doubles start-up
-
-    mapping = np.arange(gpus)
-    for cap in np.unique(slots):
-        group = np.flatnonzero(slots == cap)
-        overlap = np.array([[len(members[i] & holds[j]) for j in group] for i in group])
-        rows, cols = linear_sum_assignment(-overlap)
-        mapping[group[rows]] = group[cols]
-    relabelled = [sorted(int(mapping[g]) for g in gs) for gs in bins]
-    new_load = np.zeros(gpus)
-    new_load[mapping] = bin_load
-    return relabelled, new_load
-
-
-def _repair(layer_load: np.ndarray, copies: np.ndarray, slots: np.ndarray,
-            current: list[list[int]], bound: float, max_steps: int = 4096
-            ) -> tuple[list[list[int]], np.ndarray] | None:
-    """Start from the current placement and make the fewest changes that reach ``bound``:
-    fix copy counts, then move or swap copies off the most loaded GPU. None if it cannot."""
-    gpus = slots.size
-    held = [set(g for g in gs if 0 <= g < gpus) for gs in current]
-    count = np.zeros(gpus, dtype=np.int64)
-    for gs in held:
-        for g in gs:
-            count[g] += 1
+@njit(cache=True, nogil=True, boundscheck=True)
+def _repair(w: np.ndarray, copies: np.ndarray, slots: np.ndarray, current: np.ndarray,
+            bound: float, max_steps: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Start from ``current`` (``bool[E, G]``) and make the fewest changes that reach
+    ``bound``: fix copy counts (surplus copies leave the fullest GPUs, missing ones go to the
+    least loaded), then move or swap copies off the most loaded GPU, each step the change
+    that lowers the pair's larger load most. Returns ``held``, its load and whether it
+    reached ``bound``."""
+    experts, gpus = w.size, slots.size
+    held = current.copy()
+    count = np.zeros(gpus, np.int64)
+    for e in range(experts):
+        for g in range(gpus):
+            count[g] += held[e, g]
+    load = np.zeros(gpus)
     if np.any(count > slots):
-        return None
-    w = layer_load / copies
-    load = np.zeros(gpus)
-    for e, gs in enumerate(held):
-        while len(gs) > copies[e]:  # drop surplus copies from the busiest GPUs
-            g = max(gs, key=lambda g: count[g])
-            gs.discard(g)
-            count[g] -= 1
-    for e, gs in enumerate(held):
-        for g in gs:
-            load[g] += w[e]
-    for e in np.argsort(-w):
-        while len(held[e]) < copies[e]:
-            free = [g for g in range(gpus) if count[g] < slots[g] and g not in held[e]]
-            if not free:
-                return None
-            g = min(free, key=lambda g: load[g])
-            held[e].add(g)
-            count[g] += 1
-            load[g] += w[e]
-    on: list[list[int]] = [[] for _ in range(gpus)]
-    for e, gs in enumerate(held):
-        for g in gs:
-            on[g].append(e)
+        return held, load, False
+    for e in range(experts):
+        n = held[e].sum()
+        while n > copies[e]:
+            top = -1
+            for g in range(gpus):
+                if held[e, g] and (top < 0 or count[g] > count[top]):
+                    top = g
+            held[e, top] = False
+            count[top] -= 1
+            n -= 1
+    for e in range(experts):
+        for g in range(gpus):
+            if held[e, g]:
+                load[g] += w[e]
+    for e in np.argsort(-w, kind="mergesort"):
+        n = held[e].sum()
+        while n < copies[e]:
+            low = -1
+            for g in range(gpus):
+                if count[g] < slots[g] and not held[e, g] and (low < 0 or load[g] < load[low]):
+                    low = g
+            if low < 0:
+                return held, load, False
+            held[e, low] = True
+            count[low] += 1
+            load[low] += w[e]
+            n += 1
     for _ in range(max_steps):
         hi = int(np.argmax(load))
         if load[hi] <= bound:
-            return [sorted(h) for h in held], load
-        best = None  # (new max of the pair, e_out, target, e_in)
-        for lo in np.argsort(load):
-            lo = int(lo)
+            return held, load, True
+        on_hi = np.flatnonzero(held[:, hi])
+        best, e_out, target, e_in = np.inf, -1, -1, -1
+        for lo in np.argsort(load, kind="mergesort"):
             if lo == hi or load[lo] >= load[hi]:
                 break
-            for e in on[hi]:
-                if lo in held[e]:
+            on_lo = np.flatnonzero(held[:, lo])
+            for e in on_hi:
+                if held[e, lo]:
                     continue
                 if count[lo] < slots[lo]:
                     pair = max(load[hi] - w[e], load[lo] + w[e])
-                    if pair < load[hi] and (best is None or pair < best[0]):
-                        best = (pair, e, lo, -1)
-                for f in on[lo]:
-                    if w[f] >= w[e] or hi in held[f]:
+                    if pair < load[hi] and pair < best:
+                        best, e_out, target, e_in = pair, e, lo, -1
+                for f in on_lo:
+                    if w[f] >= w[e] or held[f, hi]:
                         continue
                     pair = max(load[hi] - w[e] + w[f], load[lo] + w[e] - w[f])
-                    if pair < load[hi] and (best is None or pair < best[0]):
-                        best = (pair, e, lo, f)
-            if best is not None:
+                    if pair < load[hi] and pair < best:
+                        best, e_out, target, e_in = pair, e, lo, f
+            if e_out >= 0:
                 break
-        if best is None:
-            return None
-        _, e, lo, f = best
-
-        def shift(x: int, src: int, dst: int) -> None:
-            held[x].discard(src)
-            held[x].add(dst)
-            on[src].remove(x)
-            on[dst].append(x)
-            load[src] -= w[x]
-            load[dst] += w[x]
-            count[src] -= 1
-            count[dst] += 1
-
-        shift(e, hi, lo)
-        if f >= 0:
-            shift(f, lo, hi)
-    return None
+        if e_out < 0:
+            return held, load, False
+        held[e_out, hi], held[e_out, target] = False, True
+        load[hi] -= w[e_out]
+        load[target] += w[e_out]
+        if e_in >= 0:
+            held[e_in, target], held[e_in, hi] = False, True
+            load[target] -= w[e_in]
+            load[hi] += w[e_in]
+        else:
+            count[hi] -= 1
+            count[target] += 1
+    return held, load, False
 
 
-def _moved(a: list[list[int]], current: list[list[int]]) -> int:
-    return sum(len(set(x) - set(y)) for x, y in zip(a, current, strict=True))
+def _relabel(held: np.ndarray, load: np.ndarray, slots: np.ndarray, current: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Permute GPU labels among GPUs of equal capacity to maximise copies kept in place (a
+    maximum-weight matching per capacity on ``overlap[new bin, current GPU]``)."""
+    from scipy.optimize import linear_sum_assignment  # here: importing it doubles start-up
+
+    overlap = held.T.astype(np.int64) @ current.astype(np.int64)
+    mapping = np.arange(slots.size)
+    for cap in np.unique(slots):
+        group = np.flatnonzero(slots == cap)
+        rows, cols = linear_sum_assignment(-overlap[np.ix_(group, group)])
+        mapping[group[rows]] = group[cols]
+    relabelled = np.zeros_like(held)
+    relabelled[:, mapping] = held
+    new_load = np.zeros_like(load)
+    new_load[mapping] = load
+    return relabelled, new_load
+
+
+def _lists(held: np.ndarray) -> list[list[int]]:
+    """``held`` (``bool[E, G]``) as, per expert, the sorted GPU indices holding it."""
+    experts, gpus = np.nonzero(held)
+    ends = np.searchsorted(experts, np.arange(1, held.shape[0] + 1)).tolist()
+    flat = gpus.tolist()
+    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def warm_up() -> None:
+    """Compile (or load from Numba's cache) the planner's loops, so that no ApplyPlacement or
+    Rebalance pays for it (seconds on a cold cache)."""
+    w, copies, slots = np.array([3.0, 1.0, 2.0]), np.array([2, 1, 1]), np.array([2, 2])
+    held, load, _ = _pack(w, copies, slots)
+    _repair(w[::-1].copy(), copies, slots, held, float(load.max()), REPAIR_STEPS)
 
 
 def plan(load: np.ndarray | Sequence[Sequence[float]], gpus: Sequence[int] | int, *,
@@ -292,31 +323,32 @@ def plan(load: np.ndarray | Sequence[Sequence[float]], gpus: Sequence[int] | int
         slots = np.asarray(list(gpus), dtype=np.int64)
     else:
         raise PlacementError(f"capacity must be 'slots' or 'bytes', got {capacity!r}")
-    _validate(load, slots, replicas, current)
-    assignment: Assignment = []
+    _validate(load, slots, replicas)
+    if per_layer_bytes.shape != (layers,):
+        raise PlacementError(f"expert_bytes must be one number or one per layer ({layers}), "
+                             f"got {per_layer_bytes.size}")
+    before = _held(current, layers, experts, slots.size) if current is not None else None
+    held = np.zeros((layers, experts, slots.size), np.bool_)
     gpu_load = np.zeros((layers, slots.size))
     for layer in range(layers):
         row = load[layer]
         copies = _copies(row, replicas, slots.size)
-        lpt, lpt_load = _pack(row, copies, slots)
+        w = row / copies
+        lpt, lpt_load, packed = _pack(w, copies, slots)
+        if not packed:
+            raise PlacementError("no GPU has a free slot for another copy")
         chosen, chosen_load = lpt, lpt_load
-        if current is not None:
-            chosen, chosen_load = _relabel(lpt, lpt_load, slots, current[layer])
-            bound = lpt_load.max() * (1 + slack)
-            repaired = _repair(row, copies, slots, current[layer], bound)
-            if repaired is not None and _moved(repaired[0], current[layer]) < _moved(
-                    chosen, current[layer]):
-                chosen, chosen_load = repaired
-        assignment.append(chosen)
+        if before is not None:
+            now = before[layer]
+            chosen, chosen_load = _relabel(lpt, lpt_load, slots, now)
+            repaired, repaired_load, ok = _repair(w, copies, slots, now,
+                                                  lpt_load.max() * (1 + slack), REPAIR_STEPS)
+            if ok and (repaired & ~now).sum() < (chosen & ~now).sum():
+                chosen, chosen_load = repaired, repaired_load
+        held[layer] = chosen
         gpu_load[layer] = chosen_load
     means = gpu_load.mean(axis=1)
     ratios = np.where(means > 0, gpu_load.max(axis=1) / np.where(means > 0, means, 1), 1.0)
-    copies_moved = 0
-    bytes_moved = 0
-    if current is not None:
-        for layer in range(layers):
-            for e in range(experts):
-                new = len(set(assignment[layer][e]) - set(current[layer][e]))
-                copies_moved += new
-                bytes_moved += new * int(per_layer_bytes[layer])
-    return Placement(assignment, gpu_load, float(ratios.max()), bytes_moved, copies_moved)
+    new = (held & ~before).sum(axis=(1, 2)) if before is not None else np.zeros(layers, int)
+    return Placement([_lists(h) for h in held], gpu_load, float(ratios.max()),
+                     int(new @ per_layer_bytes), int(new.sum()))
