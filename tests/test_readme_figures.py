@@ -88,9 +88,17 @@ ROWS: dict[str, Callable[[], str]] = {
     "same, GPU worker, its thread driving the kernels": lambda: activations(
         "activations-cuda-thread"),
     "steering lookups": lambda: f"{results('steering')['lookups_per_second'] / 1e6:.2f} M/s",
+    "placement rebalance (58 layers x 256 experts)": placement,
     "cluster rebalance 3 -> 4 agents": lambda: (
         f"{results('cluster')['peers']['rebalance_converge_s'] * 1e3:.0f} ms"),
 }
+
+
+def placement() -> str:
+    cases = {(c["gpus"], c["replicas"]): c for c in results("placement")["cases"]}
+    big = cases[(64, 64)]
+    return (f"{big['balance_vs_lpt']:.3f}x, {big['moved_vs_scratch']:.2f}x; "
+            f"{cases[(8, 0)]['rebalance_ms']:.0f} / {cases[(64, 0)]['rebalance_ms']:.0f} ms")
 
 
 def measured(row_start: str) -> str:
