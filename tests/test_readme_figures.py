@@ -52,6 +52,13 @@ def cache() -> str:
             f"{olmoe['mean_fraction_of_min']['reuse']:.3f}")
 
 
+def placement() -> str:
+    cases = {(c["gpus"], c["replicas"]): c for c in results("placement")["cases"]}
+    big = cases[(64, 64)]
+    return (f"{big['balance_vs_lpt']:.3f}x, {big['moved_vs_scratch']:.2f}x; "
+            f"{cases[(8, 0)]['rebalance_ms']:.0f} / {cases[(64, 0)]['rebalance_ms']:.0f} ms")
+
+
 ROWS: dict[str, Callable[[], str]] = {
     "arena -> GPU slots, batches of 8 experts": lambda: joined(
         engine("agent_delivery_gbps"), 1) + " GB/s",
@@ -92,13 +99,6 @@ ROWS: dict[str, Callable[[], str]] = {
     "cluster rebalance 3 -> 4 agents": lambda: (
         f"{results('cluster')['peers']['rebalance_converge_s'] * 1e3:.0f} ms"),
 }
-
-
-def placement() -> str:
-    cases = {(c["gpus"], c["replicas"]): c for c in results("placement")["cases"]}
-    big = cases[(64, 64)]
-    return (f"{big['balance_vs_lpt']:.3f}x, {big['moved_vs_scratch']:.2f}x; "
-            f"{cases[(8, 0)]['rebalance_ms']:.0f} / {cases[(64, 0)]['rebalance_ms']:.0f} ms")
 
 
 def measured(row_start: str) -> str:
