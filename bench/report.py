@@ -203,11 +203,18 @@ DEEPEP_US = 77 + 114
 
 def activations(d: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
-    limit = 500 if d.get("device") == "cpu" else 200  # issue 23: the CPU device's own bound
+    # Issue 23's targets: on the H200, 8 KiB p50 <= 200 us and p99 <= 400 us, 4 MiB >= 5x the
+    # baseline; on the CPU reference device only 8 KiB p50 <= 500 us.
+    gpu = d.get("device") != "cpu"
     for size, r in d["results"]["round_trips"].items():
-        target, met = (f"<= {limit} us", r["agent_p50_us"] <= limit) if size == "8KiB" else \
-            (">= 5x", r["speedup_p50"] >= 5) if size == "4MiB" else ("", None)
-        rows.append((f"activation round trip p50, {size}", f"{r['agent_p50_us']:.0f} us",
+        p50, p99 = r["agent_p50_us"], r["agent_p99_us"]
+        target, met = ("", None)
+        if size == "8KiB":
+            target, met = (("<= 200 us, p99 <= 400 us", p50 <= 200 and p99 <= 400) if gpu
+                           else ("<= 500 us", p50 <= 500))
+        elif size == "4MiB" and gpu:
+            target, met = (">= 5x", r["speedup_p50"] >= 5)
+        rows.append((f"activation round trip p50 (p99), {size}", f"{p50:.0f} us ({p99:.0f})",
                      f"gRPC + hop {r['grpc_p50_us']:.0f} us", f"{r['speedup_p50']:.2f}x",
                      target, met))
         if "agent_cpu_us_per_message" in r:
