@@ -31,6 +31,7 @@ from dpu_offload.frames import FrameError, FrameStatus, Header, Kind
 from dpu_offload.keys import ExpertKey
 from dpu_offload.steering_snapshot import Snapshot, SnapshotSegment
 from nic.ports import Answer, Outbound, Port, TxBells
+from nic.remotes import Remotes
 
 log = logging.getLogger("nic")
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -100,9 +101,9 @@ class Nic:
         self.refused: Counter[str] = Counter()
         self.forwarded = self.retransmits = 0
         self._ids = itertools.count(1)
-        self._remotes: dict[str, zmq.Socket] = {}
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        self._remotes = Remotes(self._poller, self.refused)
         self._bells = TxBells(self._poller)
         self._naps = False
         """Whether the loop awaits something no doorbell announces (``_wakes_on_bells``)."""
@@ -131,9 +132,8 @@ class Nic:
                 moved = len(ready)
                 if self.sock in ready:
                     self._receive()
-                for addr, sock in list(self._remotes.items()):
-                    if sock in ready:
-                        self._from_remote(addr, sock)
+                for h, payload in self._remotes.answers(ready):
+                    self._from_remote(h, payload)
                 for port in list(self.ports.values()):
                     moved += port.pump()
                     for answer in port.answers(lambda nid, port=port: self._expected(port, nid)):
@@ -339,46 +339,23 @@ class Nic:
 
     # -- other agents (cluster mode) -------------------------------------------------------
     def _forward(self, identity: bytes, h: Header, payload: np.ndarray, address: str) -> None:
-        sock = self._remotes.get(address)
-        if sock is None:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{address}")
-            self._remotes[address] = sock
-            self._poller.register(sock, zmq.POLLIN)
         nid = next(self._ids)
         self.pending[nid] = Pending(identity, h.message_id, None,
                                     self.snapshot.version, time.monotonic(), h, payload)
         self.outstanding[identity] += 1
         self.forwarded += 1
-        sock.send_multipart([frames.pack(Kind.REQUEST, nid, h.model_name, h.layer, h.expert,
-                                         h.rows, h.row_bytes, payload.size), payload],
-                            copy=False)
+        self._remotes.send(address, nid, h, payload)
 
-    def _from_remote(self, address: str, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                if len(parts) != 2:
-                    raise FrameError(FrameStatus.BAD_FRAME, f"{len(parts)} frames")
-                h = frames.unpack(parts[0].bytes, len(parts[1].buffer))
-            except FrameError as exc:
-                self.refused["BAD_PEER_FRAME"] += 1
-                log.warning("a frame from the peer agent at %s refused: %s", address, exc)
-                continue
-            p = self.pending.pop(h.message_id, None)
-            if p is None or p.device is not None:
-                self.refused["UNKNOWN_RESULT"] += 1
-                continue
-            self.outstanding[p.sender] -= 1
-            kind = Kind.ERROR if h.kind == Kind.ERROR else Kind.RESPONSE
-            self._send(p.sender, frames.pack(kind, p.message_id, h.model_name, h.layer,
-                                             h.expert, h.rows, h.row_bytes,
-                                             len(parts[1].buffer), FrameStatus(h.status),
-                                             credits=1), parts[1])
+    def _from_remote(self, h: Header, payload: zmq.Frame) -> None:
+        p = self.pending.pop(h.message_id, None)
+        if p is None or p.device is not None:
+            self.refused["UNKNOWN_RESULT"] += 1
+            return
+        self.outstanding[p.sender] -= 1
+        kind = Kind.ERROR if h.kind == Kind.ERROR else Kind.RESPONSE
+        self._send(p.sender, frames.pack(kind, p.message_id, h.model_name, h.layer, h.expert,
+                                         h.rows, h.row_bytes, len(payload.buffer),
+                                         FrameStatus(h.status), credits=1), payload)
 
     # -- control ---------------------------------------------------------------------------
     def attach(self, device_id: int, rx: str, tx: str) -> None:
@@ -429,6 +406,5 @@ class Nic:
                 port.close_bells()
             self.ports.clear()
             self._bells.close()
-            for sock in self._remotes.values():
-                sock.close(0)
+            self._remotes.close()
             self.sock.close(0)
