@@ -19,7 +19,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-SOURCE_DIRS = ("gpu_kernels", "host_client", "dpu_agent", "dpu_offload", "proto", "bench")
+SOURCE_DIRS = ("gpu_kernels", "host_client", "dpu_agent", "dpu_offload", "nic", "dma_engine",
+               "proto", "bench")
+"""What a result's source hash covers: every package of the product (tested to be all of them)
+and the benchmarks."""
 
 
 def _sources() -> list[Path]:

@@ -106,3 +106,10 @@ def test_ab_runs_the_sides_in_turn_and_reports_each_metric(tmp_path: Path) -> No
                             text=True, timeout=120)
     assert failed.returncode != 0 and "bench/fake.py" in failed.stderr and "broken" in \
         failed.stderr
+
+
+def test_the_source_hash_covers_every_package() -> None:
+    from bench.common import SOURCE_DIRS
+
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert packages <= set(SOURCE_DIRS), sorted(packages - set(SOURCE_DIRS))
