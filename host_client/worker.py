@@ -11,6 +11,7 @@ passes through the agent, and no RPC is made per message.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 from prometheus_client import Counter
 from threadpoolctl import ThreadpoolController
@@ -32,6 +34,7 @@ from host_client.client import AgentClient
 from host_client.memory import ExpertSlot
 from host_client.registration import AttachedDevice
 
+log = logging.getLogger("host_client.worker")
 PACKETS_REFUSED = Counter("dpu_worker_packets_refused", "Activation packets that failed their "
                           "checksum in an expert worker's rx ring.", ["device"])
 FFN_CACHE_EXPERTS = 512
@@ -46,6 +49,9 @@ BELL_WAIT_SECONDS = 0.05
 """The longest sleep on the doorbell (the loop then looks for a reconnection and a stop)."""
 REASON_BYTES = 1024
 """An error answer's reason is cut to this many bytes."""
+STOP_SECONDS = 5.0
+"""The longest ``close`` waits for the agent to stop steering to the device (a worker told to
+stop must stop: the agent also detaches the rings when the session ends or its lease lapses)."""
 
 
 def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
@@ -358,8 +364,11 @@ class ExpertWorker:
         try:
             self.client.stub.ServeActivations(pb.ServeActivationsRequest(
                 session_id=self.client.session_id, device_id=self.dev.device_id,
-                serve=False), timeout=self.client.rpc_timeout)
-        except Exception:  # noqa: BLE001 - the session may be gone already
+                serve=False), timeout=min(self.client.rpc_timeout, STOP_SECONDS))
+        except grpc.RpcError as exc:  # the session may be gone already: the NIC detaches then
+            log.warning("device %d: the NIC was not told to stop serving it: %s %s",
+                        self.dev.device_id, exc.code(), exc.details())
+        except ValueError:  # the client's channel is closed: so is its session
             pass
         self._ffn.clear()
         self._inputs.clear()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -359,6 +361,23 @@ def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> Non
             with pytest.raises(ActivationError) as err:
                 s.receive()
             assert err.value.status == FrameStatus.NO_ROUTE
+
+
+def test_a_worker_stops_within_its_bound_when_the_agent_does_not_answer(
+        qwen_ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from host_client import worker as worker_module
+
+    with serving(qwen_ckpt) as (agent, _client, _model, _devs, worker):
+        assert agent.proc is not None
+        os.kill(agent.proc.pid, signal.SIGSTOP)  # alive, answering nothing
+        try:
+            t0 = time.monotonic()
+            worker.close()
+            took = time.monotonic() - t0
+        finally:
+            os.kill(agent.proc.pid, signal.SIGCONT)
+        assert took < worker_module.STOP_SECONDS + 3, took
+        assert "was not told to stop serving it: StatusCode.DEADLINE_EXCEEDED" in caplog.text
 
 
 @contextlib.contextmanager
