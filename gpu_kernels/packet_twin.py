@@ -6,8 +6,8 @@ The NIC stand-in writes every routed message into a worker's rx ring and reads e
 from its tx ring through these functions, and the CPU reference device's worker does the
 other half; interpreted NumPy cost ~100 us per 8 KiB message in each (measured,
 docs/ACTIVATIONS.md), which is what the hardware they stand for spends nothing on. The loops
-read like the kernels: one packet at a time, checksum terms summed word by word
-(``dpu_offload.checksum``'s formula; tests hold the two equal).
+read like the kernels: one packet at a time, its checksum by ``dpu_offload.checksum``'s
+compiled loop.
 
 Publication order is the ABI's: payload and header first, then a full fence, then ``seq``
 (a compiled loop may reorder its own stores, so the fence sits between two compiled calls);
@@ -20,6 +20,7 @@ import numpy as np
 from numba import njit
 
 from dpu_offload import abi
+from dpu_offload.checksum import words_checksum
 from dpu_offload.jit import keep_cache
 from dpu_offload.ring import Ring, store_fence
 
@@ -38,24 +39,6 @@ _MID, _OFF, _TOTAL, _SLOT, _SEQ = (_W64[k] for k in ("message_id", "offset", "to
 _LEN, _FLAGS, _SUM, _MODEL, _STATUS = (_W32[k] for k in ("length", "flags", "checksum", "model",
                                                          "status"))
 _LAST = int(abi.PacketFlags.LAST)
-_MASK32 = 0xFFFFFFFF
-
-
-@njit(cache=True, nogil=True)
-def _checksum(words: np.ndarray, first: np.uint64) -> np.uint64:
-    """``checksum.chunk_checksum`` of ``words`` (``uint32[n]``) whose first word is word
-    ``first`` of its object. Unsigned 64-bit arithmetic masked to 32 bits throughout."""
-    mask = np.uint64(_MASK32)
-    total = np.uint64(0)
-    for i in range(words.size):
-        h = np.uint64(words[i]) ^ (((first + np.uint64(i)) * np.uint64(0x9E3779B1)) & mask)
-        h ^= h >> np.uint64(16)
-        h = (h * np.uint64(0x85EBCA6B)) & mask
-        h ^= h >> np.uint64(13)
-        h = (h * np.uint64(0xC2B2AE35)) & mask
-        h ^= h >> np.uint64(16)
-        total += h
-    return (total & mask) ^ (np.uint64(words.size) & mask)
 
 
 @njit(cache=True, nogil=True)
@@ -86,7 +69,7 @@ def _write(raw: np.ndarray, data: np.ndarray, pos: int, message_id: np.uint64, m
         w64[i, _OFF] = at
         w32[i, _LEN] = n
         w32[i, _FLAGS] = flags | _LAST if p == packets - 1 else 0
-        w32[i, _SUM] = _checksum(w32[i, _HEADER // 4:(_HEADER + n) // 4], at // np.uint64(4))
+        w32[i, _SUM] = words_checksum(w32[i, _HEADER // 4:(_HEADER + n) // 4], at // np.uint64(4))
         w32[i, _LAYER_EXPERT] = (layer & 0xFFFF) | (expert & 0xFFFF) << 16
         w32[i, _MODEL] = model
         w32[i, _STATUS] = status
@@ -138,8 +121,8 @@ def _land(raw: np.ndarray, pos: int, packets: int, dst: np.ndarray) -> tuple[int
         # Unsigned throughout, and no sum that could wrap: off <= dst.size, n <= dst.size - off.
         fits = (n <= np.uint64(room) and n % np.uint64(16) == 0 and off % np.uint64(16) == 0
                 and off <= np.uint64(dst.size) and n <= np.uint64(dst.size) - off)
-        if not fits or _checksum(w32[i, _HEADER // 4:_HEADER // 4 + n // np.uint64(4)],
-                                 off // np.uint64(4)) != np.uint64(w32[i, _SUM]):
+        if not fits or words_checksum(w32[i, _HEADER // 4:_HEADER // 4 + n // np.uint64(4)],
+                                      off // np.uint64(4)) != np.uint64(w32[i, _SUM]):
             refused += 1
             continue
         _copy(dst[off:off + n], raw[i, _HEADER:_HEADER + n])

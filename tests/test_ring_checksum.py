@@ -1,4 +1,5 @@
-"""Ring publication semantics and the chunk checksum's properties."""
+"""Ring publication semantics and the chunk checksum's properties (its compiled loop against
+the formula written out in NumPy)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,41 @@ def test_bad_header_refused(field: str, value: int, msg: str) -> None:
     r.header[field] = value
     with pytest.raises(RingError, match=msg):
         Ring(r.buffer, abi.RingKind.WORK)
+
+
+def _reference_checksum(data: bytes, offset: int) -> int:
+    """The module docstring's formula as a NumPy expression (what the compiled loop must
+    equal)."""
+    words = np.frombuffer(data, "<u4")
+    g = (np.arange(words.size, dtype=np.uint64) + np.uint64(offset // 4)).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h = words ^ (g * np.uint32(0x9E3779B1))
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return (int(h.sum(dtype=np.uint64)) & 0xFFFFFFFF) ^ (words.size & 0xFFFFFFFF)
+
+
+@given(data=st.binary(max_size=4096), offset=st.integers(0, 2**42), skew=st.integers(0, 3))
+@settings(max_examples=300, deadline=None)
+def test_the_compiled_checksum_is_the_formula(data: bytes, offset: int, skew: int) -> None:
+    data = data[:len(data) // 4 * 4]
+    offset -= offset % 4  # word offsets past 2**32 wrap as the formula's uint32 g does
+    buf = bytearray(skew) + bytearray(data)  # any alignment of the caller's buffer
+    chunk = np.frombuffer(buf, np.uint8)[skew:]
+    assert chunk_checksum(chunk, offset) == _reference_checksum(data, offset)
+    assert chunk_checksum(memoryview(bytes(data)), offset) == _reference_checksum(data, offset)
+
+
+def test_the_checksum_refuses_what_is_not_words() -> None:
+    with pytest.raises(ValueError, match="4-byte multiples"):
+        chunk_checksum(np.zeros(6, np.uint8), 0)
+    with pytest.raises(ValueError, match="4-byte multiples"):
+        chunk_checksum(np.zeros(8, np.uint8), 2)
+    with pytest.raises(ValueError, match="non-negative"):
+        chunk_checksum(np.zeros(8, np.uint8), -4)
 
 
 def test_checksum_catches_every_single_bit_flip() -> None:
