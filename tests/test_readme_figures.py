@@ -52,6 +52,13 @@ def cache() -> str:
             f"{olmoe['mean_fraction_of_min']['reuse']:.3f}")
 
 
+def cpu_delivery() -> str:
+    r = results("delivery-cpu")["small-4.7MB/engine"]
+    return (f"{r['agent_delivery_gbps']:.1f} GB/s, acquire-to-ready p50 "
+            f"{r['acquire_to_ready_p50_ms']:.2f} ms, inference-process CPU "
+            f"{r['client_cpu_s_per_gb']:.3f} s per GB")
+
+
 def placement() -> str:
     cases = {(c["gpus"], c["replicas"]): c for c in results("placement")["cases"]}
     big = cases[(64, 64)]
@@ -96,6 +103,7 @@ ROWS: dict[str, Callable[[], str]] = {
         "activations-cuda-thread"),
     "steering lookups": lambda: f"{results('steering')['lookups_per_second'] / 1e6:.2f} M/s",
     "placement rebalance (58 layers x 256 experts)": placement,
+    "delivery on the CPU reference device": cpu_delivery,
     "cluster rebalance 3 -> 4 agents": lambda: (
         f"{results('cluster')['peers']['rebalance_converge_s'] * 1e3:.0f} ms"),
 }
