@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 from dpu_agent.cluster import planner
-from dpu_agent.cluster.peer import PeerFetchError, PeerServer
-from dpu_agent.cluster.peer import fetch as peer_fetch
+from dpu_agent.cluster.peer import PeerFetchError, PeerLinks, PeerServer
 from dpu_agent.cluster.placement import ClusterPlacement, PlacementError
 from dpu_agent.cluster.store import ClusterStore
 from dpu_agent.weights.arena import Arena
@@ -242,6 +242,8 @@ def test_peer_fetch_verifies_chunks_and_falls_back(qwen_ckpt: Path) -> None:
     truth = WeightCache(Arena(8 << 20), 1 << 16, LruPolicy())
     caches = [WeightCache(Arena(8 << 20), 1 << 16, LruPolicy()) for _ in range(3)]
     servers = [PeerServer(c, "127.0.0.1:0") for c in caches[:2]]
+    links = PeerLinks()
+    peer_fetch = links.fetch
     try:
         good = truth.acquire(entry)
         expected = truth.arena.view(good.offset, entry.blob_bytes).copy()
@@ -262,7 +264,20 @@ def test_peer_fetch_verifies_chunks_and_falls_back(qwen_ckpt: Path) -> None:
         np.testing.assert_array_equal(caches[2].arena.view(got.offset, entry.blob_bytes),
                                       expected)
         assert caches[2].stats.source_failures == 1 and caches[2].stats.peer_bytes == 0
+        # A peer that takes the request and never answers: timed out, its link dropped (a late
+        # answer must not pass for the next request's), the next peer serves.
+        silent = zmq.Context.instance().socket(zmq.ROUTER)
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        dest[:] = 0
+        with pytest.raises(PeerFetchError, match=r"no answer in 0\.2 s"):
+            peer_fetch(entry.key, dest, [f"127.0.0.1:{port}"], 1 << 16, timeout=0.2)
+        assert silent.poll(1000)  # it did get the request
+        sums = peer_fetch(entry.key, dest, [f"127.0.0.1:{port}", servers[1].address], 1 << 16,
+                          timeout=0.2)
+        np.testing.assert_array_equal(dest, expected)
+        silent.close(0)
     finally:
+        links.close()
         for s in servers:
             s.close()
         for c in (truth, *caches):

@@ -58,6 +58,7 @@ class ClusterAgent:
         self.store = ClusterStore(list(settings.etcd_endpoints), settings.prefix,
                                   tls=(settings.etcd_ca, settings.etcd_cert, settings.etcd_key))
         self.server = peer.PeerServer(core.cache, settings.peer_address)
+        self.links = peer.PeerLinks()
         self.rates = peer.SourceRates(settings.peer_fetch)
         self.grpc_address = grpc_address
         self.activations_address = activations_address
@@ -160,6 +161,7 @@ class ClusterAgent:
                 for key in keys:
                     self.core.cache.release(key)
             self.held.clear()
+            self.links.close()
         if self._lease is not None:
             try:
                 self._lease.revoke()
@@ -273,7 +275,7 @@ class ClusterAgent:
 
         def from_peer(dest: object) -> list[int]:
             return self.rates.timed("peer", entry.blob_bytes,
-                                    lambda: peer.fetch(key, dest, peers, chunk))
+                                    lambda: self.links.fetch(key, dest, peers, chunk))
 
         try:
             if use_peer:
