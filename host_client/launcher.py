@@ -69,7 +69,8 @@ class AgentProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        """SIGTERM, then after ``timeout`` its stacks and SIGKILL (:func:`stop_process`);
+        returns the exit code."""
         if self.proc is None:
             return None
         stop_process(self.proc, timeout)

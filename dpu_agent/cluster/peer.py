@@ -92,8 +92,9 @@ class PeerLinks:
     """This agent's connections to other agents' peer servers: one DEALER socket per address,
     kept between fetches (a fresh one cost ~1 ms of connecting per expert on loopback). One
     request at a time on a socket; a socket whose answer did not come, or came malformed, is
-    closed, so a late answer is never read as the next one's. One caller at a time (the cluster
-agent calls it under its lock: a ZeroMQ socket may change threads only across a barrier)."""
+    closed, so a late answer is never read as the next one's. One caller at a time (the
+    cluster agent calls it under its lock: a ZeroMQ socket may change threads only across a
+    barrier)."""
 
     def __init__(self) -> None:
         self._socks: dict[str, zmq.Socket] = {}
