@@ -26,10 +26,12 @@ the copy-engine mechanism (one GPU serves several registered devices here, and p
 kernels would compete for SMs).
 
 With ``--prefetch K`` the offload path also reports each layer's routing to the agent
-(ReportRouting, one gRPC call per layer) and has it prefetch the K experts its next-layer
-predictor expects the following layer to select into the same device's slots: a prefetched
-expert its layer then asks for counts as a hit (ready or on its way when needed), and the
-tokens per second show what prediction is worth against the bandwidth its misses waste.
+(``report_visit``: ROUTE entries on the device's request ring, no gRPC call; before the
+twenty-second session a ReportRouting call per layer) and has it prefetch the K experts its
+next-layer predictor expects the following layer to select into the same device's slots: a
+prefetched expert its layer then asks for counts as a hit (ready or on its way when needed),
+and the tokens per second show what prediction is worth against the bandwidth its misses
+waste.
 
 Usage: python bench/decode.py [--device cpu|cuda] [--arch qwen3-30b-a3b]
                               [--gpu-cache-fraction 0.1 0.25 0.5] [--trace FILE] [--tokens N]
@@ -350,8 +352,8 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     handles.clear()
                     handles.update(zip(experts, got, strict=True))
                     if prefetch:
-                        session.report_routing("m", [(layer, dict.fromkeys(experts, 1))],
-                                               prefetch_to=dev, prefetch_top_k=prefetch)
+                        session.report_visit(dev, "m", layer, dict.fromkeys(experts, 1),
+                                             prefetch=prefetch)
 
                 waits: dict[int, Any] = {}
 

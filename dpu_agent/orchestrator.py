@@ -52,6 +52,7 @@ from dpu_offload.shm import sweep_stale
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.nic import ActivationNic
+    from dpu_agent.weights.layouts import ModelLayout
 
 log = logging.getLogger("dpu_agent")
 
@@ -230,6 +231,25 @@ class Orchestrator:
     def prefetch_for(self, owner: tuple[str, int], key: ExpertKey) -> None:
         self.prefetch(self._owner(owner), owner[1], [key])
 
+    def check_routed(self, key: ExpertKey) -> None:
+        layout = self._layout(key.model)
+        if key.layer not in layout.moe_layers:
+            raise invalid(f"layer {key.layer} is not an MoE layer of {key.model!r}")
+        if key.expert >= layout.experts_per_layer:
+            raise invalid(f"expert {key.expert} out of range for {key.model!r} "
+                          f"({layout.experts_per_layer} per layer)")
+
+    def route_for(self, owner: tuple[str, int], model: str, layer: int,
+                  tokens: dict[int, int], prefetch: int) -> None:
+        self.report_routing(model, [(layer, tokens)],
+                            (self._owner(owner), owner[1], prefetch) if prefetch else None)
+
+    def _layout(self, model: str) -> ModelLayout:
+        catalog = self.models.get(model)
+        if catalog is None:
+            raise not_found(f"model {model!r} is not loaded")
+        return catalog.layout
+
     def release(self, session: Session, device_id: int, key: ExpertKey) -> None:
         self.device(session, device_id)
         if not session.drop_ref(device_id, key):
@@ -241,19 +261,20 @@ class Orchestrator:
         show each visit to the cache policy. With ``prefetch = (session, device_id, k)``, queue
         the k experts the predictor expects the MoE layer after the last step's to select;
         returns how many."""
-        catalog = self.models.get(model)
-        if catalog is None:
-            raise not_found(f"model {model!r} is not loaded")
-        layers = set(catalog.layout.moe_layers)
+        layout = self._layout(model)
+        layers = set(layout.moe_layers)
         for layer, counts in steps:
             if layer not in layers:
                 raise invalid(f"layer {layer} is not an MoE layer of {model!r}")
-            bad = [e for e in counts if e >= catalog.layout.experts_per_layer]
+            bad = [e for e in counts if e >= layout.experts_per_layer]
             if bad:
                 raise invalid(f"expert {bad[0]} out of range for {model!r} "
-                              f"({catalog.layout.experts_per_layer} per layer)")
+                              f"({layout.experts_per_layer} per layer)")
         if prefetch is not None:
             self.device(prefetch[0], prefetch[1])
+            if prefetch[2] > layout.experts_per_layer:
+                raise invalid(f"prefetch of {prefetch[2]} experts: a layer of {model!r} has "
+                              f"{layout.experts_per_layer}")
         for layer, counts in steps:
             self.cache.observe(self.routing, model, layer, counts)
         if prefetch is None or not steps:

@@ -267,6 +267,18 @@ class RequestOp(IntEnum):
     """Drop one reference taken by an ACQUIRE of the same expert."""
     PREFETCH = 3
     """Deliver the expert ahead of use; no reference is taken."""
+    ROUTE = 4
+    """One expert a MoE layer's routing selected (``count`` tokens chose it): a visit of the
+    layer is its consecutive ROUTE entries, the last flagged :attr:`RequestFlags.LAST`; the
+    agent folds the visit into its routing statistics and, with ``prefetch`` k > 0 on the last
+    entry, prefetches into this device the k experts it expects the next MoE layer to select."""
+
+
+class RequestFlags(IntEnum):
+    """Bits of a request entry's ``flags``; any other bit is refused (INVALID_ARGUMENT)."""
+
+    LAST = 1
+    """ROUTE: the entry ends its layer's visit."""
 
 
 class RequestStatus(IntEnum):
@@ -308,9 +320,9 @@ class SlotState(IntEnum):
 REQUEST_DTYPE = np.dtype(
     {
         "names": ["request_id", "opcode", "flags", "model", "layer", "expert", "posted_ns",
-                  "seq"],
-        "formats": ["<u8", "<u2", "<u2", "<u4", "<u4", "<u4", "<u8", "<u8"],
-        "offsets": [0, 8, 10, 12, 16, 20, 24, 56],
+                  "count", "prefetch", "seq"],
+        "formats": ["<u8", "<u2", "<u2", "<u4", "<u4", "<u4", "<u8", "<u4", "<u2", "<u8"],
+        "offsets": [0, 8, 10, 12, 16, 20, 24, 32, 36, 56],
         "itemsize": 64,
     }
 )
@@ -319,7 +331,9 @@ REQUEST_DTYPE = np.dtype(
 channel; the reply to the entry at ring position ``p`` is ``replies[p % capacity]``.
 ``posted_ns``: the client's CLOCK_MONOTONIC when it posted (nanoseconds), a diagnostic only: the
 agent measures how long entries wait to be served from it (one clock on one host; a BlueField
-reads another clock, and a client can write anything: never trusted beyond the metric)."""
+reads another clock, and a client can write anything: never trusted beyond the metric).
+``count`` and ``prefetch`` are ROUTE's (tokens that chose the expert; experts of the next layer
+to prefetch, on the visit's last entry), 0 in every other entry."""
 
 REPLY_DTYPE = np.dtype(
     {

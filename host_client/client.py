@@ -70,6 +70,8 @@ class AgentClient(AgentSession):
                  rpc_timeout: float = 60.0, tls: TlsFiles | None = None) -> None:
         self.prefetches_refused = 0
         """Prefetches posted without waiting that the agent refused."""
+        self.visits_refused = 0
+        """Entries of :meth:`report_visit` the agent refused."""
         self._placements: dict[int, pb.PlacementProgress] = {}
         self._models: dict[str, str] = {}
         self._model_index: dict[str, int] = {}
@@ -284,6 +286,31 @@ class AgentClient(AgentSession):
     def _prefetch_answered(self, reply: np.void) -> None:
         if refusal_of(reply) is not None:
             self.prefetches_refused += 1
+
+    def report_visit(self, dev: AttachedDevice, model: str, layer: int,
+                     tokens: dict[int, int], prefetch: int = 0) -> None:
+        """One MoE layer's routing, through ``dev``'s data-plane channel (no gRPC call; it
+        returns at once): ``tokens[e]`` tokens chose expert ``e``. The agent folds it into its
+        routing statistics in order with this device's acquires and, with ``prefetch`` k > 0,
+        prefetches into ``dev`` the k experts it expects the next MoE layer to select. A hint:
+        a refusal is only counted in ``visits_refused`` (:meth:`report_routing` is the gRPC
+        form, for several visits at once or from outside a device's path)."""
+        if not tokens or min(tokens.values()) <= 0 or min(tokens) < 0 or prefetch < 0:
+            raise ValueError(f"a visit needs experts >= 0 each chosen by >= 1 token and a "
+                             f"prefetch >= 0; got {tokens} and {prefetch}")
+        index, experts = self._index(model), list(tokens)
+        last = len(experts) - 1
+        dev.channel.post(
+            [(abi.RequestOp.ROUTE, index, ExpertKey(model, layer, e)) for e in experts],
+            on_reply=self._visit_answered,
+            routes=[(abi.RequestFlags.LAST if j == last else 0, tokens[e],
+                     prefetch if j == last else 0) for j, e in enumerate(experts)])
+        if prefetch:
+            dev.device.doorbell.ring()
+
+    def _visit_answered(self, reply: np.void) -> None:
+        if refusal_of(reply) is not None:
+            self.visits_refused += 1
 
     def apply_placement(self, model: str, assignment: list[list[list[int]]]
                         ) -> pb.ApplyPlacementResponse:

@@ -68,11 +68,15 @@ class ClientChannel:
 
     def post(self, entries: list[tuple[abi.RequestOp, int, ExpertKey]],
              on_reply: Callable[[np.void], None] | None = None,
-             timeout: float = 5.0) -> list[int]:
+             timeout: float = 5.0, routes: list[tuple[int, int, int]] | None = None
+             ) -> list[int]:
         """Publish ``(op, model index, key)`` entries with one fence; returns their ring
-        positions. ``on_reply`` gets each reply a sweep takes (None: a handle will take it).
+        positions. ``routes`` gives ROUTE entries their ``(flags, count, prefetch)``, one per
+        entry. ``on_reply`` gets each reply a sweep takes (None: a handle will take it).
         AgentUnavailable when the agent does not make room within ``timeout`` seconds."""
         n = len(entries)
+        if routes is not None and len(routes) != n:
+            raise ValueError(f"{len(routes)} route fields for {n} entries")
         if n > self.capacity:
             raise ValueError(f"{n} requests in one post; the channel holds {self.capacity}")
         records = np.zeros(n, abi.REQUEST_DTYPE)
@@ -90,8 +94,9 @@ class ClientChannel:
             first = self.view.requests.produced
             now = time.monotonic_ns()
             for j, (op, model, key) in enumerate(entries):
-                records[j] = (self._next_id + j, int(op), 0, model, key.layer, key.expert, now,
-                              0)
+                flags, count, prefetch = routes[j] if routes is not None else (0, 0, 0)
+                records[j] = (self._next_id + j, int(op), flags, model, key.layer, key.expert,
+                              now, count, prefetch, 0)
             self._next_id += n
             positions = list(range(first, first + n))
             for p in positions:

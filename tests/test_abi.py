@@ -80,6 +80,8 @@ def test_constants_match() -> None:
             assert c[f"DPU_{prefix}_{member.name}"] == member, (prefix, member)
     assert c["DPU_DESC_VERIFY"] == abi.DescriptorFlags.VERIFY
     assert c["DPU_REPLY_RESIDENT"] == abi.ReplyFlags.RESIDENT
+    for member in abi.RequestFlags:
+        assert c[f"DPU_REQFLAG_{member.name}"] == member
     assert c["DPU_REGION_READABLE"] == abi.RegionFlags.READABLE
     assert c["DPU_REGION_WRITABLE"] == abi.RegionFlags.WRITABLE
     for member in abi.PacketFlags:

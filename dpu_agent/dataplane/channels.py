@@ -37,6 +37,9 @@ class DeviceChannel:
         self._buffer = SharedBuffer(unique_name("dpu-channel"), total, create=True)
         self.view = Channel.format(self._buffer.array, capacity)
         self.last_request_id = 0
+        self.visit: tuple[str, int, dict[int, int]] | None = None
+        """The open ROUTE visit: (model, layer, {expert: tokens}) taken so far, until its LAST
+        entry (at most a layer's experts: an expert appears once)."""
         self.closed = False
         self.fault = ""
         """Why the channel stopped being served (its header was overwritten), or empty."""

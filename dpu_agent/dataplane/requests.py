@@ -1,7 +1,9 @@
 """Serving a channel's request ring: each entry is untrusted; it is checked, turned into a call
 of the agent's core, and answered in the reply table with a status that names what was wrong.
 A refused request changes nothing. An ACQUIRE whose expert must first be read into the arena
-is finished on a fill thread, so the loop keeps serving.
+is finished on a fill thread, so the loop keeps serving. ROUTE entries gather a layer's visit on
+the channel; its last entry folds the visit into the routing statistics (and may prefetch), in
+order with the channel's acquires.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from concurrent.futures import Executor
 from typing import Protocol
 
 from dpu_agent.dataplane.channels import DeviceChannel
-from dpu_agent.errors import AgentError, ErrorKind, not_found
+from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.weights.cache import WouldBlock
 from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
@@ -21,9 +23,13 @@ log = logging.getLogger("dpu_agent.dataplane")
 
 MAX_WAIT_NS = 10 * 10**9
 """A posting time further back than this is not believed (a client's clock field)."""
-_ID, _OP, _MODEL, _LAYER, _EXPERT, _POSTED = (
-    abi.REQUEST_DTYPE.names.index(f) for f in ("request_id", "opcode", "model", "layer",
-                                               "expert", "posted_ns"))
+MAX_ROUTE_TOKENS = 2**20
+"""The most tokens one ROUTE entry may say chose its expert (a step's batch is far smaller)."""
+_ID, _OP, _FLAGS, _MODEL, _LAYER, _EXPERT, _POSTED, _COUNT, _PREFETCH = (
+    abi.REQUEST_DTYPE.names.index(f) for f in ("request_id", "opcode", "flags", "model",
+                                               "layer", "expert", "posted_ns", "count",
+                                               "prefetch"))
+_KNOWN_FLAGS = sum(abi.RequestFlags)
 
 
 class Grant(Protocol):
@@ -42,6 +48,10 @@ class RequestCore(Protocol):
     def acquire_for(self, owner: tuple[str, int], key: ExpertKey, wait: bool) -> Grant: ...
     def release_for(self, owner: tuple[str, int], key: ExpertKey) -> None: ...
     def prefetch_for(self, owner: tuple[str, int], key: ExpertKey) -> None: ...
+    def check_routed(self, key: ExpertKey) -> None:
+        """Raise AgentError unless ``key``'s layer is a MoE layer and its expert in range."""
+    def route_for(self, owner: tuple[str, int], model: str, layer: int,
+                  tokens: dict[int, int], prefetch: int) -> None: ...
 
 
 def _status(kind: ErrorKind) -> abi.RequestStatus:
@@ -98,11 +108,19 @@ class RequestServer:
         op = req[_OP]
         if op not in abi.RequestOp._value2member_map_:
             self._refuse(channel, position, rid, abi.RequestStatus.BAD_OPCODE,
-                         f"request opcode {op} is not ACQUIRE, RELEASE or PREFETCH")
+                         f"request opcode {op} is not ACQUIRE, RELEASE, PREFETCH or ROUTE")
+            return
+        if req[_FLAGS] & ~_KNOWN_FLAGS or (op != abi.RequestOp.ROUTE and (
+                req[_FLAGS] or req[_COUNT] or req[_PREFETCH])):
+            self._refuse(channel, position, rid, abi.RequestStatus.INVALID_ARGUMENT,
+                         f"flags {req[_FLAGS]:#x} / count {req[_COUNT]} / prefetch "
+                         f"{req[_PREFETCH]}: ROUTE's alone (flag LAST only)")
             return
         try:
             key = ExpertKey(self.core.model_name(req[_MODEL]), req[_LAYER], req[_EXPERT])
-            if op == abi.RequestOp.ACQUIRE:
+            if op == abi.RequestOp.ROUTE:
+                self._route(channel, position, rid, key, req)
+            elif op == abi.RequestOp.ACQUIRE:
                 try:
                     grant = self.core.acquire_for(channel.owner, key, False)
                 except WouldBlock:
@@ -121,6 +139,33 @@ class RequestServer:
             log.exception("request %d on channel %s failed", rid, channel.name)
             self._refuse(channel, position, rid, abi.RequestStatus.UNAVAILABLE,
                          f"the agent failed serving request {rid}: {exc}")
+
+    def _route(self, channel: DeviceChannel, position: int, rid: int, key: ExpertKey,
+               req: tuple[int, ...]) -> None:
+        """One ROUTE entry: checked, added to the channel's open visit (replied OK), and on
+        the visit's LAST entry the visit is folded in (and its prefetch queued); the reply to
+        the last entry says how that went. A visit of another layer while one is open drops the
+        open one (its entries folded nothing) and is refused."""
+        count, last = req[_COUNT], bool(req[_FLAGS] & abi.RequestFlags.LAST)
+        if not 0 < count <= MAX_ROUTE_TOKENS:
+            raise invalid(f"ROUTE count {count}: tokens must be 1..{MAX_ROUTE_TOKENS}")
+        if req[_PREFETCH] and not last:
+            raise invalid(f"ROUTE prefetch {req[_PREFETCH]} on an entry that does not end "
+                          "its visit (flag LAST)")
+        self.core.check_routed(key)
+        visit = channel.visit
+        if visit is not None and (visit[0], visit[1]) != (key.model, key.layer):
+            channel.visit = None
+            raise precondition(f"visit of layer {visit[1]} dropped: a ROUTE of layer "
+                               f"{key.layer} came before its LAST")
+        tokens = visit[2] if visit is not None else {}
+        if key.expert in tokens:
+            raise invalid(f"expert {key.expert} twice in one visit of layer {key.layer}")
+        tokens[key.expert] = count
+        channel.visit = None if last else (key.model, key.layer, tokens)
+        if last:
+            self.core.route_for(channel.owner, key.model, key.layer, tokens, req[_PREFETCH])
+        channel.reply(position, rid, abi.RequestStatus.OK)
 
     def _acquire_filling(self, channel: DeviceChannel, position: int, rid: int,
                          key: ExpertKey) -> None:

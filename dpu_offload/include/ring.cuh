@@ -54,6 +54,8 @@ typedef unsigned long long uint64_t;
 #define DPU_REQ_ACQUIRE 1u
 #define DPU_REQ_RELEASE 2u
 #define DPU_REQ_PREFETCH 3u
+#define DPU_REQ_ROUTE 4u
+#define DPU_REQFLAG_LAST 1u
 #define DPU_SLOT_FREE 0u
 #define DPU_SLOT_FILLING 1u
 #define DPU_SLOT_READY 2u
@@ -144,7 +146,9 @@ typedef struct {
     uint32_t layer;
     uint32_t expert;
     uint64_t posted_ns;  // the client's CLOCK_MONOTONIC at posting: a diagnostic only
-    uint8_t reserved[56 - 32];
+    uint32_t count;      // ROUTE: tokens that chose the expert
+    uint16_t prefetch;   // ROUTE, last entry of a visit: next-layer experts to prefetch
+    uint8_t reserved[56 - 38];
     uint64_t seq;
 } dpu_request;
 

@@ -51,6 +51,7 @@ def live(qwen_ckpt: Path) -> Iterator[tuple[AgentProcess, AgentClient, object]]:
 texts = st.one_of(st.just(""), st.just("fz"), st.just("nope"), st.text(max_size=80))
 u32 = st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1))
 u64 = st.one_of(st.integers(0, 1 << 20), st.integers(0, 2**64 - 1))
+u16 = st.integers(0, 2**16 - 1)
 keys = st.builds(pb.ExpertKey, model=texts, layer=u32, expert=u32)
 
 
@@ -277,7 +278,8 @@ request_entries = st.lists(st.fixed_dictionaries({
     "opcode": st.one_of(st.sampled_from(list(abi.RequestOp)), st.integers(0, 2**16 - 1)),
     "model": st.one_of(st.integers(0, 2), u32), "layer": st.one_of(st.integers(0, 3), u32),
     "expert": st.one_of(st.integers(0, 4), st.integers(6, 2**32 - 1)),
-    "flags": st.integers(0, 2**16 - 1), "reuse": st.booleans(),
+    "flags": st.one_of(st.integers(0, 1), st.integers(0, 2**16 - 1)), "reuse": st.booleans(),
+    "count": st.one_of(st.integers(0, 3), u32), "prefetch": st.one_of(st.integers(0, 7), u16),
     "posted_ns": st.one_of(st.just(0), st.integers(0, 2**64 - 1))}), min_size=1, max_size=8)
 
 
@@ -285,7 +287,7 @@ request_entries = st.lists(st.fixed_dictionaries({
 @given(entries=request_entries)
 def test_fuzz_request_ring(channel_live, entries: list[dict[str, int]]) -> None:
     """Hostile request-ring entries (unknown ops, models, layers, experts; reused ids; any
-    posting time;
+    posting time; ROUTE visits with any flags, token counts and prefetch, broken off anywhere;
     releases of what is not held): every one is answered with a known status (a message when
     refused), the sentinel slot's bytes and state never change, the agent keeps serving, and
     whatever was granted is released again."""
@@ -300,7 +302,8 @@ def test_fuzz_request_ring(channel_live, entries: list[dict[str, int]]) -> None:
         positions.append(ring.produced)
         assert ring.push({"request_id": rid, "opcode": e["opcode"], "flags": e["flags"],
                           "model": e["model"], "layer": e["layer"], "expert": e["expert"],
-                          "posted_ns": e["posted_ns"]})
+                          "posted_ns": e["posted_ns"], "count": e["count"],
+                          "prefetch": e["prefetch"]})
     dev.channel._next_id = base + len(entries) + 1
     dev.channel._bell.ring()  # as every client does after it published entries
     granted = []
