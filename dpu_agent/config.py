@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.cluster.settings import ClusterSettings, parse_endpoint
+from dpu_offload import futex
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,8 +63,6 @@ def _str(v: Any) -> str:
 MAX_ADMIN_NAMES = 64
 MAX_POLL_SPIN_US = 100_000
 ENGINE_POLL = ("auto", "always", "doze")
-ENGINE_POLL_MIN_CPUS = 8
-"""``transfer.engine_poll = "auto"`` polls on machines with at least this many CPUs."""
 
 
 def _names(v: Any) -> tuple[str, ...]:
@@ -134,14 +133,14 @@ class TransferSettings:
     """How the DMA-engine process waits for work (``ENGINE_POLL``): ``always`` polls its rings
     without sleeping while it serves a device (a core of its own, as the DMA engine it stands
     for is hardware), ``doze`` sleeps on its doorbell 2 ms after work, ``auto`` polls where the
-    machine has ``ENGINE_POLL_MIN_CPUS`` CPUs or more."""
+    machine has cores to spare (``dpu_offload.futex.SPARE_CORES``: 8 CPUs or more)."""
     link_concurrency: int = _key(_int, 4, live=True)
 
     @property
     def engine_polls(self) -> bool:
         """Whether the DMA-engine process polls without sleeping (``engine_poll``)."""
         if self.engine_poll == "auto":
-            return (os.cpu_count() or 1) >= ENGINE_POLL_MIN_CPUS
+            return futex.SPARE_CORES
         return self.engine_poll == "always"
 
 

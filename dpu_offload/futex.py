@@ -7,9 +7,18 @@ word. Elsewhere than Linux, ``wait`` naps ``timeout`` and ``wake`` does nothing.
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import sys
 import time
+
+SPARE_CORES = (os.cpu_count() or 1) >= 8
+"""Whether this machine has cores to spare for polling (8 CPUs or more): there the processes
+that stand for hardware (the NIC stand-in, the DMA engine) and the inference process's own
+waits for activations poll a while after work instead of sleeping at once; on a small machine
+(CI's 2 cores) a poller starves the very process it waits for."""
+SPARE_CORE_SPIN_SECONDS = 0.002 if SPARE_CORES else 0.0
+"""How long those pollers keep polling after work (or a request) before they sleep."""
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared between processes: no FUTEX_PRIVATE_FLAG

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -39,7 +38,7 @@ PACKETS_REFUSED = Counter("dpu_worker_packets_refused", "Activation packets that
                           "checksum in an expert worker's rx ring.", ["device"])
 FFN_CACHE_EXPERTS = 512
 """Experts whose FFN (weights widened or made contiguous) a worker keeps ready."""
-IDLE_SPIN_SECONDS = 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
+IDLE_SPIN_SECONDS = futex.SPARE_CORE_SPIN_SECONDS
 """After a message the receiver polls its rx ring this long before napping between polls (on
 a machine with a core to spare: on a small one spinning starves the NIC), then sleeps on
 the rx ring's doorbell (``dpu_offload.port_bell``, which the NIC rings after writing)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -41,7 +40,7 @@ PACKET_RETRIES = 2
 """Times a message whose rx packets failed the worker's check is written again before it is
 answered WORKER_FAILED."""
 SWEEP_SECONDS = 0.05
-SPIN_SECONDS = 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
+SPIN_SECONDS = futex.SPARE_CORE_SPIN_SECONDS
 """The loop polls without pausing this long after work moved, on a machine with a core to
 spare for it (as the hardware it stands for); on a small one spinning starves the worker."""
 NAP_SECONDS = 50e-6
