@@ -14,9 +14,9 @@ import time
 
 SPARE_CORES = (os.cpu_count() or 1) >= 8
 """Whether this machine has cores to spare for polling (8 CPUs or more): there the processes
-that stand for hardware (the NIC stand-in, the DMA engine) and the inference process's own
-waits for activations poll a while after work instead of sleeping at once; on a small machine
-(CI's 2 cores) a poller starves the very process it waits for."""
+that stand for hardware (the NIC stand-in, the DMA engine) and an expert worker's receiver poll
+a while after work instead of sleeping at once; on a small machine (CI's 2 cores) a poller
+starves the very process it waits for."""
 SPARE_CORE_SPIN_SECONDS = 0.002 if SPARE_CORES else 0.0
 """How long those pollers keep polling after work (or a request) before they sleep."""
 
