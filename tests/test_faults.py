@@ -184,9 +184,10 @@ def test_agent_sigkill_client_notices_fails_and_recovers(qwen_ckpt: Path) -> Non
 
 def test_graceful_restart_is_survived_like_a_kill(qwen_ckpt: Path) -> None:
     """SIGTERM (what systemctl restart sends) ends the event stream cleanly: the client must
-    take that as the agent going away, idle while it is down (under 1 % of a core, its threads
+    take that as the agent going away, idle while it is down (under 5 % of a core, its threads
     together, the device's consumer included; its event thread once spun at 100 % on the
-    ended stream) and recover exactly as after SIGKILL."""
+    ended stream; idle they take ~0.5 %, and 2 % was seen once on a loaded 2-core VM) and
+    recover exactly as after SIGKILL."""
     truth = checkpoint_bytes(qwen_ckpt)
     r = _Restartable(qwen_ckpt, "qt", 4)
     try:
@@ -200,7 +201,7 @@ def test_graceful_restart_is_survived_like_a_kill(qwen_ckpt: Path) -> None:
         cpu0, t0 = sum(_thread_cpu(t) for t in mine), time.monotonic()
         time.sleep(3.0)
         busy = (sum(_thread_cpu(t) for t in mine) - cpu0) / (time.monotonic() - t0)
-        assert busy < 0.01, f"the client's threads used {busy:.1%} of a core while down"
+        assert busy < 0.05, f"the client's threads used {busy:.1%} of a core while down"
         r.restart()
         slot = r.client.acquire(r.dev, ExpertKey("qt", 0, 1)).wait(10)
         for role, name in _names(slot.key).items():
