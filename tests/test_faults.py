@@ -186,7 +186,7 @@ def test_graceful_restart_is_survived_like_a_kill(qwen_ckpt: Path) -> None:
     """SIGTERM (what systemctl restart sends) ends the event stream cleanly: the client must
     take that as the agent going away, idle while it is down (under 5 % of a core, its threads
     together, the device's consumer included; its event thread once spun at 100 % on the
-    ended stream; idle they take ~0.5 %, and 2 % was seen once on a loaded 2-core VM) and
+    ended stream; they stay under 1 % as a rule, 2 % was seen once on a loaded 2-core VM) and
     recover exactly as after SIGKILL."""
     truth = checkpoint_bytes(qwen_ckpt)
     r = _Restartable(qwen_ckpt, "qt", 4)
