@@ -4,6 +4,8 @@ model's experts, and the logits and ``generate()`` output equal to the untouched
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from host_client import AgentClient, CpuReferenceDevice
@@ -98,8 +100,9 @@ def test_a_model_loaded_without_its_experts_is_served(tmp_path, agent: AgentProc
 def test_generate_reports_its_routing_to_the_agent(tmp_path, agent: AgentProcess,
                                                    model_type: str) -> None:
     """``report_routing=True``: each forward's routing (every MoE layer's experts and their
-    tokens) reaches the agent's routing statistics from a background thread, one visit per
-    layer and forward (the agent's own counter), and the tokens are unchanged."""
+    tokens) reaches the agent's routing statistics through the device's channel with no gRPC
+    call, one visit per layer and forward (the agent's own counter), and the tokens are
+    unchanged."""
     from bench.common import scrape
 
     model = _model(model_type).eval()
@@ -115,13 +118,16 @@ def test_generate_reports_its_routing_to_the_agent(tmp_path, agent: AgentProcess
         offload = offload_experts(model, client, path, CpuReferenceDevice(), cache=EXPERTS,
                                   name=name, report_routing=True)
         before = scrape(agent).get(f"dpu_agent_routing_visits_total/{name}", 0.0)
+        calls = client.rpc_calls["ReportRouting"]
         with torch.no_grad():
             got = model.generate(ids, max_new_tokens=4, do_sample=False)
-        offload.close()
-        reporter = offload.reporter
-        assert reporter is not None and reporter.failed == reporter.dropped == 0
         visits = len(forwards) * len(offload.layers)
-        assert reporter.visits_sent == visits and 1 <= reporter.reports_sent <= len(forwards)
+        assert offload.visits_reported == visits and client.visits_refused == 0
+        assert client.rpc_calls["ReportRouting"] == calls
+        deadline = time.monotonic() + 10
+        while scrape(agent)[f"dpu_agent_routing_visits_total/{name}"] - before < visits:
+            assert time.monotonic() < deadline, "the agent did not fold every visit"
+            time.sleep(0.01)
         assert scrape(agent)[f"dpu_agent_routing_visits_total/{name}"] - before == visits
     assert torch.equal(got, want)
 

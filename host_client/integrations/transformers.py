@@ -46,7 +46,6 @@ from host_client.integrations.moe_modules import (
 )
 from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
 from host_client.registration import AttachedDevice
-from host_client.routing_reports import RoutingReporter
 
 __all__ = ["EXPERT_PARAMETERS", "ExpertOffload", "OffloadError", "expert_parameters",
            "experts_modules", "load_without_experts", "offload_experts", "scaled_input_blocks"]
@@ -122,30 +121,24 @@ class ExpertOffload:
     """Experts prefetched for the next MoE layer (``prefetch=True``)."""
     prefetch_used: int = 0
     """Of those, the ones the next layer's router then chose."""
-    reporter: RoutingReporter | None = None
-    """Sends each forward's routing to the agent (``report_routing=True``)."""
-    _hook: Any = field(default=None, init=False, repr=False)
-    """The model's forward hook that ends each forward's report."""
-
-    def close(self) -> None:
-        """Send the routing not yet reported and stop reporting (before the client closes)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self.reporter is not None:
-            self.reporter.close()
+    report_routing: bool = False
+    """Each MoE layer's routing goes to the agent (``report_routing=True``)."""
+    visits_reported: int = 0
+    """Layer visits reported (the client's ``visits_refused`` counts refusals)."""
 
 
 def _routed(offload: ExpertOffload, layer: int, indices: Any, num_experts: int) -> list[int]:
-    """The distinct experts of ``indices`` (a layer's routing, any shape), recorded with how
-    many tokens chose each for the routing report when there is one."""
+    """The distinct experts of ``indices`` (a layer's routing, any shape); with
+    ``report_routing``, reported to the agent with how many tokens chose each (ROUTE entries on
+    the device's channel, ahead of the layer's acquires: no gRPC call, no thread)."""
     import torch
 
     experts, tokens = torch.unique(indices, return_counts=True)
     counts = {e: n for e, n in zip(experts.tolist(), tokens.tolist(), strict=True)
               if 0 <= e < num_experts}
-    if offload.reporter is not None:
-        offload.reporter.record(layer, counts)
+    if offload.report_routing and counts:
+        offload.client.report_visit(offload.device, offload.model, layer, counts)
+        offload.visits_reported += 1
     return list(counts)
 
 
@@ -316,11 +309,10 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             (a hint: nothing is held, a refusal is only counted). ``prefetched`` and
             ``prefetch_used`` of the result say how it did. Layers whose block has no
             ``gate`` or ``router`` with a ``weight`` ``[E, H]`` prefetch nothing.
-        report_routing: after each forward of ``model``, send what its MoE layers chose
-            (experts and tokens per layer) to the agent from a background thread
-            (:class:`~host_client.routing_reports.RoutingReporter`): the agent's routing
-            statistics, which its arena cache policy and predictor learn from. Call
-            ``close()`` on the result before closing the client.
+        report_routing: each MoE layer reports what it chose (experts and tokens) to the
+            agent through the device's data-plane channel as it runs (``report_visit``: no
+            gRPC call, no thread): the agent's routing statistics, which its arena cache
+            policy, predictor and placement planner learn from.
 
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
@@ -335,7 +327,7 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
         dev = client.register_device(device, [SlotPoolSpec(info.expert_bytes,
                                                            max(per_layer, min(slots, total)))],
                                      delivery=delivery)
-    offload = ExpertOffload(client, info.model, dev)
+    offload = ExpertOffload(client, info.model, dev, report_routing=report_routing)
     blocks = dict(scaled_input_blocks(model))
     routed: dict[int, tuple[_Layer, str]] = {}
     """MoE layer -> its ``_Layer`` forward and its experts module's name."""
@@ -371,9 +363,6 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                            f"checkpoint {checkpoint}")
     if prefetch:
         _link_next_routers(model, sorted(offload.layers), routed)
-    if report_routing:
-        reporter = offload.reporter = RoutingReporter(client, info.model)
-        offload._hook = model.register_forward_hook(lambda *_: reporter.flush())
     return offload
 
 
