@@ -43,6 +43,7 @@ fuzz: $(STAMP)
 
 # docs/RELIABILITY.md from the fault tests (run now), the last fuzz log and load results.
 reliability: $(STAMP)
+	bash scripts/ensure_tools.sh
 	$(PY) bench/reliability_report.py
 
 lint: $(STAMP)
@@ -56,6 +57,7 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 bench: $(STAMP)
+	bash scripts/ensure_tools.sh
 	$(PY) bench/run_all.py
 
 wheels:

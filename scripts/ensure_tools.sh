@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian tools the test suite uses: promtool (package prometheus) for the metrics format check,
+# Debian tools the test suite and the benchmarks use: promtool (package prometheus) for the metrics format check,
 # systemd-analyze (package systemd) for the unit checks and etcd (package etcd-server) for
 # cluster mode. Installed when missing and
 # possible (root with apt); otherwise the tests that need them skip and say why.

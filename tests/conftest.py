@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
+from dpu_offload.keys import ExpertKey
+from host_client import AgentClient
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
+from host_client.registration import AttachedDevice
 
 settings.register_profile("ci", max_examples=60)
 settings.register_profile("fuzz", max_examples=10_000)
@@ -38,3 +42,17 @@ def agent() -> Iterator[AgentProcess]:
 
 checkpoint_bytes = read_tensor_bytes
 """Every tensor's bytes, read by the safetensors library (independent of the agent)."""
+
+
+def assert_prefetched(client: AgentClient, dev: AttachedDevice, hit: ExpertKey,
+                      miss: ExpertKey) -> None:
+    """Once the agent's transfers are done (10 s at most), ``hit`` is resident on ``dev`` (its
+    acquire starts no delivery: it was prefetched) and ``miss`` is not; both released after."""
+    deadline = time.monotonic() + 10
+    while client.status().transfers_in_flight or not client.status().experts_cached:
+        assert time.monotonic() < deadline, "the prefetch did not land"
+        time.sleep(0.02)
+    got, other = client.acquire(dev, hit), client.acquire(dev, miss)
+    assert got.wait(10) and got.resident, f"{hit} was not prefetched"
+    assert other.wait(10) and other.resident is False, f"{miss} was resident"
+    client.release_batch(dev, [hit, miss])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ from dpu_agent.weights.reuse import _learn
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
+from tests.conftest import assert_prefetched
 
 
 def _sticky_trace(layers: int, experts: int, tokens: int, stay: float, seed: int = 0
@@ -199,14 +199,7 @@ def test_the_agent_prefetches_what_a_recorded_trace_taught_it(qwen_ckpt: Path,
         dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(info.expert_bytes, 4)])
         l0, l1 = info.moe_layers[0], info.moe_layers[1]
         client.report_routing(model, [(l0, {2: 1})], prefetch_to=dev, prefetch_top_k=1)
-        deadline = time.monotonic() + 10
-        while client.status().transfers_in_flight or not client.status().experts_cached:
-            assert time.monotonic() < deadline, "the prefetch did not land"
-            time.sleep(0.02)
-        hit = client.acquire(dev, ExpertKey(model, l1, 5))
-        miss = client.acquire(dev, ExpertKey(model, l1, 0))
-        assert hit.wait(10) and hit.resident, "layer 1's expert 5 was not prefetched"
-        assert miss.wait(10) and miss.resident is False
+        assert_prefetched(client, dev, ExpertKey(model, l1, 5), ExpertKey(model, l1, 0))
 
 
 @settings(max_examples=60, deadline=None)

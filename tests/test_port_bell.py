@@ -20,6 +20,7 @@ from nic.ports import Port
 def _wait_in_child(name: str, result: mp.Queue) -> None:
     bell = PortBell.open(name)
     assert bell is not None
+    result.put("waiting")
     t0 = time.monotonic()
     woke = bell.wait(5.0)
     result.put((woke, time.monotonic() - t0))
@@ -32,7 +33,10 @@ def test_a_ring_wakes_a_consumer_asleep_in_another_process() -> None:
         result: mp.Queue = mp.get_context("spawn").Queue()
         child = mp.get_context("spawn").Process(target=_wait_in_child, args=(ring.name, result))
         child.start()
-        time.sleep(1.0)  # let it fall asleep
+        # Its start (a spawned interpreter) can take a second on a loaded machine: ring
+        # once it is about to wait, and a while after, so that it is asleep.
+        assert result.get(timeout=30) == "waiting"
+        time.sleep(1.0)
         ring.bell.ring()
         woke, slept = result.get(timeout=10)
         child.join(5)

@@ -19,6 +19,7 @@ from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
 from host_client.registration import AttachedDevice
+from tests.conftest import assert_prefetched
 
 MODEL = "qroute"
 
@@ -61,15 +62,7 @@ def test_visits_on_the_data_plane_teach_the_predictor_and_prefetch(
     client.report_visit(dev, MODEL, l0, {2: 1}, prefetch=1)
     assert sum(n for call, n in client.rpc_calls.items() if call != "KeepAlive") == calls
     wait_visits(agent, before + 61)
-    deadline = time.monotonic() + 10
-    while client.status().transfers_in_flight:
-        assert time.monotonic() < deadline, "the prefetch did not land"
-        time.sleep(0.02)
-    hit = client.acquire(dev, ExpertKey(MODEL, l1, 5))
-    miss = client.acquire(dev, ExpertKey(MODEL, l1, 0))
-    assert hit.wait(10) and hit.resident, "layer 1's expert 5 was not prefetched"
-    assert miss.wait(10) and miss.resident is False
-    client.release_batch(dev, [ExpertKey(MODEL, l1, 5), ExpertKey(MODEL, l1, 0)])
+    assert_prefetched(client, dev, ExpertKey(MODEL, l1, 5), ExpertKey(MODEL, l1, 0))
     assert client.visits_refused == 0
 
 
