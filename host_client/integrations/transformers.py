@@ -127,32 +127,32 @@ class ExpertOffload:
     """Layer visits reported (the client's ``visits_refused`` counts refusals)."""
 
 
-def _routed(offload: ExpertOffload, layer: int, indices: Any, num_experts: int) -> list[int]:
-    """The distinct experts of ``indices`` (a layer's routing, any shape); with
-    ``report_routing``, reported to the agent with how many tokens chose each (ROUTE entries on
-    the device's channel, ahead of the layer's acquires: no gRPC call, no thread)."""
+def _routed(indices: Any, num_experts: int) -> dict[int, int]:
+    """The distinct experts of ``indices`` (a layer's routing, any shape) -> how many tokens
+    chose each."""
     import torch
 
     experts, tokens = torch.unique(indices, return_counts=True)
-    counts = {e: n for e, n in zip(experts.tolist(), tokens.tolist(), strict=True)
-              if 0 <= e < num_experts}
-    if offload.report_routing and counts:
-        offload.client.report_visit(offload.device, offload.model, layer, counts)
-        offload.visits_reported += 1
-    return list(counts)
+    return {e: n for e, n in zip(experts.tolist(), tokens.tolist(), strict=True)
+            if 0 <= e < num_experts}
 
 
-def _acquire(offload: ExpertOffload, layer: int, routed: list[int], views: _PoolViews,
+def _acquire(offload: ExpertOffload, layer: int, routed: dict[int, int], views: _PoolViews,
              num_experts: int, meanwhile: Callable[[], None] | None = None
              ) -> tuple[list[ExpertKey], Any]:
-    """Acquire the ``routed`` experts of ``layer`` in one batch and wait for them (running
-    ``meanwhile`` once the batch is granted, before its bytes land); returns the keys (to
-    release) and ``slot_of``, ``int64[num_experts + 1]``: each routed expert's slot number in
-    the pool (``views.slots`` for the others)."""
+    """Acquire the ``routed`` experts of ``layer`` (expert -> tokens that chose it) in one
+    batch and wait for them (running ``meanwhile`` once the batch is granted, before its bytes
+    land); with ``report_routing``, the visit is reported once the batch is granted (ROUTE
+    entries on the device's channel: the agent folds it while the bytes land, off the grants'
+    path). Returns the keys (to release) and ``slot_of``, ``int64[num_experts + 1]``: each
+    routed expert's slot number in the pool (``views.slots`` for the others)."""
     import torch
 
     keys = [ExpertKey(offload.model, layer, e) for e in routed]
     handles = offload.client.acquire_batch(offload.device, keys)
+    if offload.report_routing and routed:
+        offload.client.report_visit(offload.device, offload.model, layer, routed)
+        offload.visits_reported += 1
     if meanwhile is not None:
         meanwhile()
     offload.client.wait_all(handles, 120)
@@ -219,7 +219,7 @@ class _Layer:
 
     def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
         off, module = self.offload, self.module
-        routed = _routed(off, self.layer, top_k_index, self.num_experts)
+        routed = _routed(top_k_index, self.num_experts)
         if self.previous is not None:
             off.prefetch_used += len(self.previous.predicted & set(routed))
             self.previous.predicted = set()
@@ -261,8 +261,7 @@ class _ScaledInputBlock:
         block, experts = self.block, self.experts
         tokens = hidden_states.reshape(-1, block.hidden_dim)
         scores, logits = block.router(tokens)  # [T, E]; 0 outside each token's top k
-        routed = _routed(self.offload, self.layer, torch.topk(logits, block.top_k, dim=1).indices,
-                         self.num_experts)
+        routed = _routed(torch.topk(logits, block.top_k, dim=1).indices, self.num_experts)
         keys, slot_of = _acquire(self.offload, self.layer, routed, self.views,
                                  self.num_experts)
         try:
@@ -310,9 +309,10 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             ``prefetch_used`` of the result say how it did. Layers whose block has no
             ``gate`` or ``router`` with a ``weight`` ``[E, H]`` prefetch nothing.
         report_routing: each MoE layer reports what it chose (experts and tokens) to the
-            agent through the device's data-plane channel as it runs (``report_visit``: no
-            gRPC call, no thread): the agent's routing statistics, which its arena cache
-            policy, predictor and placement planner learn from.
+            agent through the device's data-plane channel once its batch is granted
+            (``report_visit``: no gRPC call, no thread; the agent folds it while the bytes
+            land): the agent's routing statistics, which its arena cache policy, predictor
+            and placement planner learn from.
 
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
