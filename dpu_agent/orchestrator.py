@@ -30,6 +30,7 @@ from dpu_agent.models import Models
 from dpu_agent.planning.apply import PlacementExecutor
 from dpu_agent.planning.placement import warm_up as warm_up_planner
 from dpu_agent.planning.prediction import NextLayerPredictor
+from dpu_agent.planning.prediction import warm_up as warm_up_predictor
 from dpu_agent.planning.scheduler import Priority, Scheduler
 from dpu_agent.regions import Registrations
 from dpu_agent.registry import (
@@ -79,6 +80,7 @@ class Orchestrator:
         self.arena = Arena(config.arena.bytes)
         warm_up_routing()
         warm_up_planner()
+        warm_up_predictor()
         self.routing = RoutingStats()
         """The one store of routing statistics (the cache policy, the predictor and the
         placement planner read it)."""

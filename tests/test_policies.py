@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.cache_policies import replay, simulate
-from dpu_agent.planning.prediction import NextLayerPredictor
+from dpu_agent.planning.prediction import HISTORY_HORIZON, NextLayerPredictor, scores, top
 from dpu_agent.routing.stats import (
     FEATURES,
     HALF_LIVES,
@@ -160,6 +160,30 @@ def test_the_next_layer_predictor_learns_a_transition_and_falls_back_to_history(
     fresh.observe("m", 1, {4: 1, 6: 2})
     fresh.observe("m", 0, {2: 1})
     assert NextLayerPredictor(fresh).predict("m", 2) == (1, [4, 6])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(0, 12), st.integers(0, 41),
+       st.floats(0.0, 2.0), st.integers(0, 2**32 - 1))
+def test_the_compiled_prediction_is_the_formula(experts: int, before: int, chosen: int,
+                                                k: int, weight: float, seed: int) -> None:
+    """The predictor's compiled scores and top-k equal the formula written out in NumPy (the
+    next layer's history weighted, plus each chosen expert's normalised transition row, a
+    row narrower or wider than the next layer included) and a stable sort of the scores,
+    ties (rounded scores make many) to the lower index, only positive scores."""
+    rng = np.random.default_rng(seed)
+    features = np.round(rng.random((experts, FEATURES)), 1)
+    onward = np.round(rng.random((before, experts + int(rng.integers(-experts + 1, 4)))), 1)
+    picked = rng.choice(before, min(chosen, before), replace=False).astype(np.int64)
+    want = weight * (0.5 * features[:, LAST] + 0.5 * features[:, SHARE[HISTORY_HORIZON]])
+    rows = onward[picked]
+    votes = (rows / np.maximum(rows.sum(axis=1, keepdims=True), 1e-9)).sum(axis=0)
+    width = min(votes.size, want.size)
+    want[:width] += votes[:width]
+    got = scores(features, onward, picked, weight)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    order = [int(e) for e in np.argsort(-got, kind="stable")[:k] if got[e] > 0]
+    assert top(got, k).tolist() == order
 
 
 def test_prefetch_makes_more_experts_ready_than_demand_alone() -> None:

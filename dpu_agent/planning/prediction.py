@@ -11,11 +11,17 @@ per-model history can be learned from a recorded trace first (``RoutingStats.lea
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from dpu_agent.routing.stats import LAST, SHARE, RoutingStats
+from dpu_offload.jit import keep_cache
+
+keep_cache(__file__)
 
 HISTORY_HORIZON = 16.0
 """The next layer's share of selections over this many of its visits is half its history."""
+_SHARE = SHARE[HISTORY_HORIZON]
+"""Its column of a layer's features."""
 
 
 class NextLayerPredictor:
@@ -38,14 +44,61 @@ class NextLayerPredictor:
             return -1, []
         layer, chosen = stats.previous
         nxt = stats.next_layer(layer)
-        features = stats.layers[nxt].features
-        score = self.history_weight * (0.5 * features[:, LAST]
-                                       + 0.5 * features[:, SHARE[HISTORY_HORIZON]])
-        onward = stats.layers[layer].onward
-        if chosen.size:
-            rows = onward[chosen]
-            votes = (rows / np.maximum(rows.sum(axis=1, keepdims=True), 1e-9)).sum(axis=0)
-            width = min(votes.size, score.size)  # layers seen with fewer experts so far
-            score[:width] += votes[:width]
-        best = np.argsort(-score, kind="stable")[:k]
-        return nxt, [int(e) for e in best if score[e] > 0]
+        score = scores(stats.layers[nxt].features, stats.layers[layer].onward,
+                       chosen.astype(np.int64, copy=False), self.history_weight)
+        return nxt, [int(e) for e in top(score, k)]
+
+
+@njit(cache=True, nogil=True, boundscheck=True)
+def scores(features: np.ndarray, onward: np.ndarray, chosen: np.ndarray,
+           history_weight: float) -> np.ndarray:
+    """``float64[E]``: each expert of the next layer's score, its own history
+    (``history_weight`` x the mean of selected-at-its-last-visit and its share over
+    ``HISTORY_HORIZON`` visits; ``features``: that layer's ``float64[E, FEATURES]``) plus, for
+    each expert ``chosen`` at this layer, the share of its transitions that went to it
+    (``onward``: this layer's ``float64[E', E'']`` counts; a layer seen with fewer experts
+    so far votes for the experts it has seen). One compiled pass: the visit's prediction
+    runs on the agent's data-plane thread (a ROUTE visit's prefetch)."""
+    n = features.shape[0]
+    score = np.empty(n)
+    for e in range(n):
+        score[e] = history_weight * (0.5 * features[e, LAST] + 0.5 * features[e, _SHARE])
+    width = min(onward.shape[1], n)
+    for c in chosen:
+        total = 0.0
+        for e in range(onward.shape[1]):
+            total += onward[c, e]
+        total = max(total, 1e-9)
+        for e in range(width):
+            score[e] += onward[c, e] / total
+    return score
+
+
+@njit(cache=True, nogil=True, boundscheck=True)
+def top(score: np.ndarray, k: int) -> np.ndarray:
+    """``int64[<= k]``: the indices of the ``k`` highest positive scores, highest first, ties
+    to the lower index (what a stable sort of ``-score`` gives)."""
+    taken = np.zeros(score.shape[0], np.bool_)
+    out = np.empty(min(k, score.shape[0]), np.int64)
+    n = 0
+    while n < out.shape[0]:
+        best = -1
+        for e in range(score.shape[0]):
+            if not taken[e] and score[e] > 0 and (best < 0 or score[e] > score[best]):
+                best = e
+        if best < 0:
+            break
+        taken[best] = True
+        out[n] = best
+        n += 1
+    return out[:n]
+
+
+def warm_up() -> None:
+    """Compile (or load from Numba's cache) the predictor's compiled code on a scratch model,
+    so that no visit's prefetch pays for it on the agent's data-plane thread."""
+    stats = RoutingStats()
+    stats.declare("warm-up", (0, 1), 2)
+    for layer in (0, 1, 0):
+        stats.observe("warm-up", layer, {0: 1})
+    NextLayerPredictor(stats).predict("warm-up", 1)
