@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -234,12 +234,7 @@ class Orchestrator:
         self.prefetch(self._owner(owner), owner[1], [key])
 
     def check_routed(self, key: ExpertKey) -> None:
-        layout = self._layout(key.model)
-        if key.layer not in layout.moe_layers:
-            raise invalid(f"layer {key.layer} is not an MoE layer of {key.model!r}")
-        if key.expert >= layout.experts_per_layer:
-            raise invalid(f"expert {key.expert} out of range for {key.model!r} "
-                          f"({layout.experts_per_layer} per layer)")
+        _check_visit(key.model, self._layout(key.model), key.layer, (key.expert,))
 
     def route_for(self, owner: tuple[str, int], model: str, layer: int,
                   tokens: dict[int, int], prefetch: int) -> None:
@@ -264,14 +259,8 @@ class Orchestrator:
         the k experts the predictor expects the MoE layer after the last step's to select;
         returns how many."""
         layout = self._layout(model)
-        layers = set(layout.moe_layers)
         for layer, counts in steps:
-            if layer not in layers:
-                raise invalid(f"layer {layer} is not an MoE layer of {model!r}")
-            bad = [e for e in counts if e >= layout.experts_per_layer]
-            if bad:
-                raise invalid(f"expert {bad[0]} out of range for {model!r} "
-                              f"({layout.experts_per_layer} per layer)")
+            _check_visit(model, layout, layer, counts)
         if prefetch is not None:
             self.device(prefetch[0], prefetch[1])
             if prefetch[2] > layout.experts_per_layer:
@@ -356,3 +345,14 @@ class Orchestrator:
                 pass
         self._fills.shutdown(wait=False, cancel_futures=True)
         self.arena.close()
+
+
+def _check_visit(model: str, layout: ModelLayout, layer: int, experts: Iterable[int]) -> None:
+    """Raise INVALID_ARGUMENT unless ``layer`` is a MoE layer of ``model`` and every expert
+    is below its experts per layer (a routing visit, reported by ReportRouting or ROUTE)."""
+    if layer not in layout.moe_layers:
+        raise invalid(f"layer {layer} is not an MoE layer of {model!r}")
+    bad = [e for e in experts if e >= layout.experts_per_layer]
+    if bad:
+        raise invalid(f"expert {bad[0]} out of range for {model!r} "
+                      f"({layout.experts_per_layer} per layer)")

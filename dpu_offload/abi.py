@@ -274,6 +274,10 @@ class RequestOp(IntEnum):
     entry, prefetches into this device the k experts it expects the next MoE layer to select."""
 
 
+MAX_ROUTE_COUNT = 2**20
+"""The most tokens one ROUTE entry may say chose its expert (a step's batch is far smaller)."""
+
+
 class RequestFlags(IntEnum):
     """Bits of a request entry's ``flags``; any other bit is refused (INVALID_ARGUMENT)."""
 

@@ -87,6 +87,7 @@ def test_constants_match() -> None:
     for member in abi.PacketFlags:
         assert c[f"DPU_PACKET_{member.name}"] == member
     assert c["DPU_MAX_CHANNEL_SLOTS"] == abi.MAX_CHANNEL_SLOTS
+    assert c["DPU_MAX_ROUTE_COUNT"] == abi.MAX_ROUTE_COUNT
     assert c["DPU_SLOT_STATE_BITS"] == abi.SLOT_STATE_BITS
 
 

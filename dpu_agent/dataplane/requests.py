@@ -23,8 +23,6 @@ log = logging.getLogger("dpu_agent.dataplane")
 
 MAX_WAIT_NS = 10 * 10**9
 """A posting time further back than this is not believed (a client's clock field)."""
-MAX_ROUTE_TOKENS = 2**20
-"""The most tokens one ROUTE entry may say chose its expert (a step's batch is far smaller)."""
 _ID, _OP, _FLAGS, _MODEL, _LAYER, _EXPERT, _POSTED, _COUNT, _PREFETCH = (
     abi.REQUEST_DTYPE.names.index(f) for f in ("request_id", "opcode", "flags", "model",
                                                "layer", "expert", "posted_ns", "count",
@@ -147,8 +145,8 @@ class RequestServer:
         the last entry says how that went. A visit of another layer while one is open drops the
         open one (its entries folded nothing) and is refused."""
         count, last = req[_COUNT], bool(req[_FLAGS] & abi.RequestFlags.LAST)
-        if not 0 < count <= MAX_ROUTE_TOKENS:
-            raise invalid(f"ROUTE count {count}: tokens must be 1..{MAX_ROUTE_TOKENS}")
+        if not 0 < count <= abi.MAX_ROUTE_COUNT:
+            raise invalid(f"ROUTE count {count}: tokens must be 1..{abi.MAX_ROUTE_COUNT}")
         if req[_PREFETCH] and not last:
             raise invalid(f"ROUTE prefetch {req[_PREFETCH]} on an entry that does not end "
                           "its visit (flag LAST)")

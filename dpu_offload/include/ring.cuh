@@ -56,6 +56,7 @@ typedef unsigned long long uint64_t;
 #define DPU_REQ_PREFETCH 3u
 #define DPU_REQ_ROUTE 4u
 #define DPU_REQFLAG_LAST 1u
+#define DPU_MAX_ROUTE_COUNT 1048576u
 #define DPU_SLOT_FREE 0u
 #define DPU_SLOT_FILLING 1u
 #define DPU_SLOT_READY 2u
