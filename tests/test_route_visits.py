@@ -71,11 +71,11 @@ def post_raw(dev: AttachedDevice, **fields: int) -> tuple[abi.RequestStatus, str
     token, no flags) and wait for its reply: (status, message)."""
     ring = dev.channel.view.requests
     pos = ring.produced
-    dev.channel._next_id += 1
-    entry = {"request_id": dev.channel._next_id, "opcode": abi.RequestOp.ROUTE, "expert": 1,
-             "count": 1, **fields}
-    assert ring.push(entry)
+    rid = dev.channel._next_id
     dev.channel._next_id += 1  # the client's own ids continue above this one
+    entry = {"request_id": rid, "opcode": abi.RequestOp.ROUTE, "expert": 1, "count": 1,
+             **fields}
+    assert ring.push(entry)
     dev.channel._bell.ring()
     deadline = time.monotonic() + 5
     while (reply := dev.channel.view.reply_at(pos)) is None:
