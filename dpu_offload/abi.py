@@ -339,6 +339,12 @@ reads another clock, and a client can write anything: never trusted beyond the m
 ``count`` and ``prefetch`` are ROUTE's (tokens that chose the expert; experts of the next layer
 to prefetch, on the visit's last entry), 0 in every other entry."""
 
+MAX_ROUTE_PREFETCH = int(np.iinfo(REQUEST_DTYPE["prefetch"]).max)
+"""The most experts a ROUTE entry's ``prefetch`` can ask for (its field's range; the agent
+refuses more than the next layer has)."""
+MAX_KEY_FIELD = int(np.iinfo(REQUEST_DTYPE["layer"]).max)
+"""The largest ``layer`` or ``expert`` a request entry can carry."""
+
 REPLY_DTYPE = np.dtype(
     {
         "names": ["request_id", "status", "region_id", "slot_index", "state_index",

@@ -123,3 +123,13 @@ def test_hostile_route_entries_are_refused_and_fold_nothing(
     assert client.visits_refused == 0
     with pytest.raises(ValueError, match="chosen by >= 1 token"):
         client.report_visit(dev, MODEL, l1, {4: 0})
+    # Beyond what an entry's fields carry: refused in the client, nothing posted.
+    produced = dev.channel.view.requests.produced
+    for args, words_in_message in [((l1, {4: abi.MAX_ROUTE_COUNT + 1}), "at most 1048576"),
+                                   ((l1, {2**32: 1}), "experts at most 4294967295"),
+                                   ((2**32, {4: 1}), "layer 4294967296"),
+                                   ((l1, {4: 1}, 2**16), "prefetch 65536"),
+                                   ((-1, {4: 1}), "layer -1")]:
+        with pytest.raises(ValueError, match=words_in_message):
+            client.report_visit(dev, MODEL, *args)
+    assert dev.channel.view.requests.produced == produced

@@ -15,9 +15,10 @@ from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
 from host_client.launcher import AgentProcess
-from tests.arm64.conftest import arm64_env, arm64_interpreter
+from tests.arm64.conftest import STARTUP_SECONDS, arm64_env, arm64_interpreter
 
-pytestmark = pytest.mark.arm64
+# pytest-timeout counts the module fixture's start-up into the first test that uses it.
+pytestmark = [pytest.mark.arm64, pytest.mark.timeout(STARTUP_SECONDS + 180)]
 
 
 def test_interpreter_is_really_aarch64() -> None:
@@ -59,7 +60,8 @@ def test_health_and_metrics(arm_agent: AgentProcess) -> None:
 
 
 def test_graceful_sigterm_exits_zero() -> None:
-    agent = AgentProcess(env=arm64_env(), interpreter=arm64_interpreter(), startup_timeout=180)
+    agent = AgentProcess(env=arm64_env(), interpreter=arm64_interpreter(),
+                         startup_timeout=STARTUP_SECONDS)
     agent.start()
     with AgentClient(agent.address, rpc_timeout=60) as client:
         assert client.status().version
