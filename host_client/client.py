@@ -19,7 +19,6 @@ stream, recovery after the agent's death) is ``host_client.session``'s.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from host_client.errors import (
 )
 from host_client.handles import AcquireHandle, LandedCheck
 from host_client.memory import ExpertSlot, SlotPoolSpec
+from host_client.placement import PlacementCalls
 from host_client.registration import (
     DELIVERIES,
     AttachedDevice,
@@ -43,7 +43,6 @@ from host_client.registration import (
     detach,
     link_peers,
 )
-from host_client.session import AgentSession
 
 __all__ = ["AgentClient"]
 
@@ -53,7 +52,7 @@ def _nothing() -> None:
     pass
 
 
-class AgentClient(AgentSession):
+class AgentClient(PlacementCalls):
     """A session with one agent, and what it is for: models, devices, experts, placement.
 
     Args:
@@ -72,14 +71,12 @@ class AgentClient(AgentSession):
         """Prefetches posted without waiting that the agent refused."""
         self.visits_refused = 0
         """Entries of :meth:`report_visit` the agent refused."""
-        self._placements: dict[int, pb.PlacementProgress] = {}
         self._models: dict[str, str] = {}
         self._model_index: dict[str, int] = {}
         """Model name -> the index request-ring entries name it by (from LoadModel)."""
         self._manifests: dict[ExpertKey, pb.ExpertManifest] = {}
         self._linked = False
         """Whether link_peers was called (it is redone after a reconnect)."""
-        self.devices: dict[int, AttachedDevice] = {}
         super().__init__(address, client_name=client_name, lease_seconds=lease_seconds,
                          connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, tls=tls)
 
@@ -319,49 +316,6 @@ class AgentClient(AgentSession):
         if refusal_of(reply) is not None:
             self.visits_refused += 1
 
-    def apply_placement(self, model: str, assignment: list[list[list[int]]]
-                        ) -> pb.ApplyPlacementResponse:
-        """Place ``assignment[moe layer position][expert]`` -> device ids, make-before-break;
-        progress arrives as ``placement_progress`` events (see :meth:`placement_progress`)."""
-        resp = self.stub.ApplyPlacement(pb.ApplyPlacementRequest(
-            session_id=self.session_id, model=model,
-            layers=[pb.LayerPlacement(experts=[pb.DeviceList(device_ids=d) for d in row])
-                    for row in assignment]), timeout=self.rpc_timeout)
-        self._ring_all()
-        return resp
-
-    def rebalance(self, model: str, replicas: int = 0) -> pb.RebalanceResponse:
-        """Re-plan ``model`` over this session's devices from reported routing and apply it."""
-        resp = self.stub.Rebalance(pb.RebalanceRequest(
-            session_id=self.session_id, model=model, replicas=replicas),
-            timeout=self.rpc_timeout)
-        self._ring_all()
-        return resp
-
-    def _ring_all(self) -> None:
-        """Wake every device's consumer: the agent has work for them it was not asked for
-        through their channels."""
-        for dev in self.devices.values():
-            dev.device.doorbell.ring()
-
-    def wait_placement(self, placement_id: int, timeout: float = 60.0) -> pb.PlacementProgress:
-        """Block until every new copy of a placement is verified or failed; returns the final
-        progress. TimeoutError after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            p = self.placement_progress(placement_id)
-            if p is not None and p.done + p.failed == p.total:
-                return p
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"placement {placement_id} unfinished after {timeout} s: "
-                                   f"{p}")
-            time.sleep(0.01)
-
-    def placement_progress(self, placement_id: int) -> pb.PlacementProgress | None:
-        """The latest progress event seen for a placement."""
-        with self._lock:
-            return self._placements.get(placement_id)
-
     def release(self, dev: AttachedDevice, key: ExpertKey, wait: bool = True) -> None:
         """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns once the
         request is posted (the agent serves a channel's requests in order, so a later acquire
@@ -395,36 +349,12 @@ class AgentClient(AgentSession):
             dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in posted],
                              on_reply=check)
 
-    def report_routing(self, model: str, steps: list[tuple[int, dict[int, int]]],
-                       prefetch_to: AttachedDevice | None = None, prefetch_top_k: int = 0
-                       ) -> None:
-        """Tell the agent which experts the last steps selected: (layer, {expert: tokens});
-        optionally have it prefetch the likeliest experts of the next MoE layer."""
-        self.stub.ReportRouting(pb.ReportRoutingRequest(
-            session_id=self.session_id, model=model,
-            steps=[pb.RoutingStep(layer=layer, experts=list(c), tokens=list(c.values()))
-                   for layer, c in steps],
-            prefetch_top_k=prefetch_top_k if prefetch_to is not None else 0,
-            prefetch_device_id=prefetch_to.device_id if prefetch_to is not None else 0),
-            timeout=self.rpc_timeout)
-        if prefetch_to is not None:
-            prefetch_to.device.doorbell.ring()
-
     def status(self) -> pb.StatusResponse:
         """The agent's state: this session (every session for an administrator's
         certificate), models, arena and cache counters, transfers in flight."""
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.rpc_timeout)
 
     # -- the session's hooks -----------------------------------------------------------------
-    def _on_event(self, event: pb.Event) -> None:
-        if event.HasField("placement_progress"):
-            p = event.placement_progress
-            with self._lock:  # progress only grows: never let an older count replace a newer
-                seen = self._placements.get(p.placement_id)
-                if seen is None or p.done + p.failed + p.dropped >= \
-                        seen.done + seen.failed + seen.dropped:
-                    self._placements[p.placement_id] = p
-
     def _restore(self) -> None:
         """Reload the models this client loaded and re-register every device with fresh rings
         and pools."""
