@@ -8,8 +8,9 @@ compared with the one before it only within one machine's run).
             [--rounds N] [--metric PATH ...] -- bench/delivery.py --device cuda ...
         runs the benchmark from each side in turn, ``--rounds`` times; after each run reads the
         results JSON the benchmark wrote in that side's bench/results (the newest) and prints,
-        for every results entry, each ``--metric`` (a key of the entry, dotted for nested
-        ones) per round and side, then the medians. Sides default to this tree; ``--env-a`` /
+        for every results entry (and the results themselves, for a flat record), each
+        ``--metric`` (a key of the entry, dotted for nested ones) per round and side, then
+        the medians. Sides default to this tree; ``--env-a`` /
         ``--env-b`` set variables for one side only (an agent setting:
         ``DPU_AGENT_TRANSFER_ENGINE_POLL=doze``).
 """
@@ -104,7 +105,12 @@ def main() -> int:
     for r in range(args.rounds):
         for side, (tree, env) in sides.items():
             data = run_side(tree, command, env)
-            for name, entry in data.get("results", {}).items():
+            results = data.get("results", {})
+            # A metric is looked up in each entry of the results, and in the results
+            # themselves (benchmarks whose results are one flat record).
+            entries = {"(results)": results,
+                       **{n: e for n, e in results.items() if isinstance(e, dict)}}
+            for name, entry in entries.items():
                 for metric in metrics:
                     value = _dig(entry, metric)
                     if isinstance(value, int | float):

@@ -5,7 +5,8 @@ the end.
 
 Reports p50 / p99 round trip for 8 KiB, 256 KiB and 4 MiB messages, messages per second, the
 CPU the agent and the NIC process spent per message (the agent's target: 0; it only programs
-the NIC), the transport alone (a worker that echoes), then one MoE layer with DeepSeek-V3
+the NIC), the transport alone (a worker that echoes), the floor under both (a bare ZeroMQ
+socket pair of two processes echoing the same 8 KiB frames), then one MoE layer with DeepSeek-V3
 widths (hidden 7168, top-8, 128 tokens; 16 experts with a 256-wide FFN so that it fits a CPU)
 checked against a dense float64 reference. Targets (issue 23): 8 KiB p50 <= 200 us on an
 H200 worker (<= 500 us on the CPU reference device); >= 5x lower p50 than the baseline at
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import tempfile
 import time
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import zmq
 from google.protobuf import wrappers_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -254,6 +257,44 @@ def _echo_trips(client: AgentClient, checkpoint: str, layer: int, hidden: int, a
     return {"p50_us": median(times) * 1e6, "p99_us": pct(times, 99) * 1e6}
 
 
+def _echo_router(conn: multiprocessing.connection.Connection) -> None:
+    """A bare ROUTER socket on a loopback port (sent through ``conn``) that returns every
+    message unchanged, until killed."""
+    sock = zmq.Context().socket(zmq.ROUTER)
+    conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
+def socket_floor(repeats: int) -> dict[str, float]:
+    """p50 / p99 us of an 8 KiB round trip between this process and a bare echoing ZeroMQ
+    socket in another (a 64-byte header frame and the payload, as a REQUEST): the one hop
+    each way that senders and the NIC stand-in take, with nothing else on it."""
+    ctx = multiprocessing.get_context("spawn")  # this process has gRPC's threads: no fork
+    ours, theirs = ctx.Pipe()
+    echo = ctx.Process(target=_echo_router, args=(theirs,), daemon=True)
+    echo.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        while not ours.poll(0.1):
+            if not echo.is_alive():
+                raise RuntimeError(f"the echo socket's process exited ({echo.exitcode})")
+        sock.connect(f"tcp://127.0.0.1:{ours.recv()}")
+        frames = [bytes(64), np.zeros(8 << 10, np.uint8)]
+        times = []
+        for i in range(repeats + 20):
+            t0 = time.perf_counter()
+            sock.send_multipart(frames, copy=False)
+            sock.recv_multipart(copy=False)
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+    finally:
+        sock.close(0)
+        echo.kill()
+        echo.join()
+    return {"p50_us": median(times) * 1e6, "p99_us": pct(times, 99) * 1e6}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -298,10 +339,11 @@ def main() -> int:
             worker.close()
             transport = transport_only(agent, str(rt_root), layer, rt_hidden, address,
                                        args.repeats or REPEATS["8KiB"], make_device())
-    print(f"   8KiB transport only (echo worker): p50 {transport['p50_us']:.0f} us",
-          file=sys.stderr)
+    floor = socket_floor(args.repeats or REPEATS["8KiB"])
+    print(f"   8KiB transport only (echo worker): p50 {transport['p50_us']:.0f} us; a bare "
+          f"ZeroMQ socket pair: p50 {floor['p50_us']:.0f} us", file=sys.stderr)
     result = {"round_trips": trips, "moe_layer": layer_result, "hidden": hidden,
-              "transport_8KiB": transport,
+              "transport_8KiB": transport, "socket_floor_8KiB": floor,
               "targets": {"8KiB_p50_us": 200, "4MiB_speedup": 5}}
     fig, ax = figure()
     names = list(SIZES)

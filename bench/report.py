@@ -228,6 +228,11 @@ def activations(d: dict[str, Any]) -> list[Row]:
     if t:
         rows.append(("8 KiB round trip to an echo worker (transport only)",
                      f"{t['p50_us']:.0f} us", f"p99 {t['p99_us']:.0f} us", "", "", None))
+    f = d["results"].get("socket_floor_8KiB")
+    if f:
+        rows.append(("8 KiB round trip through a bare ZeroMQ socket pair (two processes, TCP "
+                     "loopback): the floor under the two above",
+                     f"{f['p50_us']:.0f} us", f"p99 {f['p99_us']:.0f} us", "", "", None))
     m = d["results"]["moe_layer"]
     rows.append((f"MoE layer through the path: {m['tokens']} tokens x top-{m['top_k']}, hidden "
                  f"{m['hidden']}, dispatch + experts + combine", f"{m['seconds'] * 1e3:.0f} ms",

@@ -92,16 +92,19 @@ def test_ab_runs_the_sides_in_turn_and_reports_each_metric(tmp_path: Path) -> No
         "if os.environ.get('FAIL'): sys.exit('broken')\n"
         "v = float(os.environ['V'])\n"
         "open('bench/results/fake.json', 'w').write(json.dumps("
-        "{'source_hash': 'x', 'results': {'row': {'m': v, 'n': {'deep': 2 * v}}}}))\n")
+        "{'source_hash': 'x', 'results': {'row': {'m': v, 'n': {'deep': 2 * v}}, "
+        "'flat': 4 * v}}))\n")
     run = [sys.executable, str(ROOT / "bench" / "ab.py"), "run", "--a", str(tmp_path), "--b",
            str(tmp_path), "--env-a", "V=1", "--env-b", "V=3", "--rounds", "2",
-           "--metric", "m", "--metric", "n.deep", "--", "bench/fake.py"]
+           "--metric", "m", "--metric", "n.deep", "--metric", "flat", "--",
+           "bench/fake.py"]
     out = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {tuple(line.split()[:3]): line for line in out.stdout.splitlines()}
     assert rows["row", "m", "A:"].endswith("median    1.0000")
     assert rows["row", "m", "B:"].endswith("median    3.0000")
     assert rows["row", "n.deep", "B:"].split()[3:5] == ["6.0000", "6.0000"]
+    assert rows["(results)", "flat", "A:"].endswith("median    4.0000")  # a flat record
     failed = subprocess.run([*run[:9], "--env-b", "FAIL=1", *run[11:]], capture_output=True,
                             text=True, timeout=120)
     assert failed.returncode != 0 and "bench/fake.py" in failed.stderr and "broken" in \
