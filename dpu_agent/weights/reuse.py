@@ -40,14 +40,15 @@ def _lowest(p: np.ndarray, held: np.ndarray) -> int:
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _first(low: np.ndarray, distance: np.ndarray) -> int:
-    """The position of least ``low / distance`` (the first of equals)."""
+def _first(low: np.ndarray, distance: np.ndarray, now: int) -> tuple[int, float]:
+    """The position ``at`` of least ``low / distance[now]`` (the first of equals) and that
+    value (inf at position 0 when every ``low`` is inf)."""
     best, at = np.inf, 0
     for i in range(low.size):
-        v = low[i] / distance[i]
+        v = low[i] / distance[now, i]
         if v < best:
             best, at = v, i
-    return at
+    return at, best
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
@@ -299,22 +300,21 @@ class LearnedReusePolicy:
     def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
                ) -> ExpertKey | None:
         allowed = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
-        names = {k.model for k in allowed} if incoming is None else {incoming.model}
+        names = (incoming.model,) if incoming is not None else {k.model for k in allowed}
         best, best_v = None, math.inf
         for name in names:
             model = self._models.get(name)
             if model is None or not model.by_at:
                 continue
             now = model.at.get(incoming.layer if incoming is not None else model.current, 0)
-            distance = model.distance[now]
-            at = _first(model.low, distance)
+            at, v = _first(model.low, model.distance, now)
             number = model.by_at[at]
             low = model.layers[number].low
             if low is not None and (name, number, low[1]) in allowed:  # the usual case
-                v = low[0] / distance[at]
                 if v < best_v:
                     best, best_v = ExpertKey(name, number, low[1]), v
                 continue
+            distance = model.distance[now]
             ratio = model.low / distance
             exact: dict[int, int] = {}  # position -> its layer's least likely allowed expert
             while True:
