@@ -46,7 +46,7 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
     their step starts (the hit rate without prefetch), ``wasted``: the fraction of prefetched
     experts evicted before any use, ``prefetched_per_step``, and ``policy_s_per_access``:
     the time of every call into the policy, per needed expert, of which
-    ``data_path_s_per_access`` the calls an acquire makes (access, victim, insert, remove: the
+    ``data_path_s_per_access`` the calls an acquire makes (access, evict, insert: the
     agent's data-plane loop) and ``observe_s_per_access`` the policy's update from each
     routing observation (ReportRouting, on the agent's control thread); beside it,
     ``fold_s_per_access``: folding each step into the agent's routing statistics, which the
@@ -68,11 +68,10 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
         t0 = clock()  # the candidates are the cache's work, not the policy's
         try:
             if len(resident) >= size:
-                victim = policy.victim(candidates, key)
+                victim = policy.evict(candidates, key)
                 if victim is None:
                     return False
                 resident.discard(victim)
-                policy.on_remove(victim)
                 if victim in unused:
                     unused.discard(victim)
                     wasted += 1

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.weights.arena import ARENA_ALIGN, Arena
-from dpu_agent.weights.cache import CacheFullError, WeightCache, WouldBlock
+from dpu_agent.weights.cache import CachedExpert, CacheFullError, WeightCache, WouldBlock
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, make_policy
 from dpu_offload.checksum import blob_checksums, terms_sum
@@ -91,6 +93,71 @@ def test_concurrent_hits_misses_evictions_serve_true_bytes(tmp_path: Path, polic
     try:
         assert not errors, errors[:5]
         assert cache.stats.evictions > 0 and cache.stats.hits > 0
+        assert cache.pinned() == 0
+    finally:
+        arena.close()
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["acquire"] * 3 + ["release"] * 2
+                                          + ["peek", "invalidate"]),
+                          st.integers(0, 4)), min_size=1, max_size=40)
+
+
+@pytest.fixture(scope="module")
+def five_experts(tmp_path_factory: pytest.TempPathFactory) -> list:
+    root = make_checkpoint(tmp_path_factory.mktemp("five") / "m",
+                           CheckpointSpec("mixtral", layers=1, experts=5, hidden=64,
+                                          intermediate=32))
+    return list(build_catalog(root).experts.values())
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@settings(max_examples=100, deadline=None)
+@given(ops=_OPS)
+@example(ops=[("acquire", 0), ("release", 0), ("acquire", 0), ("acquire", 1), ("acquire", 2),
+              ("acquire", 3)])  # a hit pins an expert nobody held
+@example(ops=[("acquire", 0), ("release", 0), ("peek", 0), ("acquire", 1), ("acquire", 2),
+              ("acquire", 3)])  # so does a peek
+def test_an_eviction_takes_only_a_filled_unpinned_expert(five_experts: list, policy: str,
+                                                         ops: list[tuple[str, int]]) -> None:
+    """Any sequence of acquires, releases, peeks and invalidations on a cache of 3 of 5
+    experts: an acquire that needs room evicts an expert nobody holds (what is pinned stays
+    resident, its bytes unchanged), and fails with CacheFullError, changing nothing, when all
+    3 are held."""
+    arena = Arena(3 * five_experts[0].blob_bytes)
+    cache = WeightCache(arena, 64 << 10, make_policy(policy, RoutingStats()))
+    held: dict[int, list[CachedExpert]] = {j: [] for j in range(5)}  # the pins this test holds
+    truth = [None] * 5
+    try:
+        for op, i in ops:
+            entry = five_experts[i]
+            if op == "acquire":
+                before = cache.resident
+                try:
+                    got = cache.acquire(entry)
+                except CacheFullError:
+                    pinned = {j for j in range(5) if held[j]}
+                    assert len(pinned) == 3 and i not in pinned and cache.resident == before
+                    continue
+                held[i].append(got)
+            elif op == "peek":
+                got = cache.peek(entry.key)
+                if got is not None:
+                    held[i].append(got)
+            elif op == "release" and held[i]:
+                held[i].pop()
+                cache.release(entry.key)
+            elif op == "invalidate" and not held[i]:
+                cache.invalidate(entry.key)
+            for j, copies in held.items():  # read only: a pin held stays in place
+                for c in copies:
+                    view = arena.view(c.offset, five_experts[j].blob_bytes)
+                    if truth[j] is None:
+                        truth[j] = view.copy()
+                    assert np.array_equal(view, truth[j]), f"expert {j} is pinned, was evicted"
+        for j, copies in held.items():
+            for _ in copies:
+                cache.release(five_experts[j].key)
         assert cache.pinned() == 0
     finally:
         arena.close()

@@ -77,11 +77,10 @@ def test_the_victim_is_a_candidate_and_the_layer_far_away_goes_first() -> None:
     for key in keys:
         policy.on_insert(key)
     allowed = {k for k in keys if k.layer != 1}
-    victim = policy.victim(allowed, ExpertKey("m", 0, 7))
+    victim = policy.evict(allowed, ExpertKey("m", 0, 7))
     assert victim in allowed
-    assert policy.victim(set(), ExpertKey("m", 0, 7)) is None
-    policy.on_remove(victim)
-    assert policy.victim({victim}, ExpertKey("m", 0, 7)) == victim  # not resident: still named
+    assert policy.evict(set(), ExpertKey("m", 0, 7)) is None
+    assert policy.evict({victim}, ExpertKey("m", 0, 7)) == victim  # forgotten: still named
 
 
 def test_it_beats_lru_and_lfu_on_skewed_drifting_routing() -> None:
@@ -110,7 +109,7 @@ def test_every_policy_takes_the_incoming_key() -> None:
         a, b = ExpertKey("m", 0, 0), ExpertKey("m", 1, 1)
         policy.on_insert(a)
         policy.observe(stats.observe("m", 0, {0: 1}))
-        assert policy.victim([a], b) == a, name
+        assert policy.evict({a}, b) == a, name
 
 
 def test_one_store_of_routing_statistics_on_one_clock() -> None:
@@ -260,12 +259,13 @@ def test_a_visit_folds_in_as_the_features_are_defined(visits: int) -> None:
     layer.load[:] = load = rng.random(6)
     layer.visits = visits
     chosen = np.array([4, 1], np.intp)
-    returned = layer.visit(chosen, np.array([3.0, 2.0]))
+    returned, table = layer.visit(chosen, np.array([3.0, 2.0]))
     selected = np.zeros(6)
     selected[chosen] = 1.0
     np.testing.assert_array_equal(returned[:, FEATURES], selected)
     np.testing.assert_array_equal(returned[:, :FEATURES], before)
     after = layer.features
+    np.testing.assert_array_equal(table[:, :FEATURES], after)
     np.testing.assert_array_equal(after[:, 0], 1.0)
     np.testing.assert_array_equal(after[:, LAST], selected)
     for h in HALF_LIVES:

@@ -168,17 +168,17 @@ class LayerStats:
             self._onward_unit = 1.0
         _count_pairs(self.onward, chosen, following, self._onward_unit)
 
-    def visit(self, chosen: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def visit(self, chosen: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Fold in a visit that selected ``chosen`` (``intp[k]``, distinct) with ``tokens``
-        (``float64[k]``, tokens per chosen expert). Returns the features before it with a
-        last column: whether this visit selected each expert (``float64[E, FEATURES + 1]``;
-        valid until the layer's next visit)."""
-        before = self._buffers[self._current]
-        _fold(before, self._buffers[1 - self._current], _STEPS, self.visits, chosen, tokens,
-              self.load)
+        (``float64[k]``, tokens per chosen expert). Returns (before, after), each
+        ``float64[E, FEATURES + 1]`` and valid until the layer's next visit: the features
+        before it with a last column, whether this visit selected each expert; and the
+        features after it (``features``) in the first ``FEATURES`` columns."""
+        before, after = self._buffers[self._current], self._buffers[1 - self._current]
+        _fold(before, after, _STEPS, self.visits, chosen, tokens, self.load)
         self._current = 1 - self._current
         self.visits += 1
-        return before
+        return before, after
 
 
 class Visit(NamedTuple):
@@ -190,6 +190,8 @@ class Visit(NamedTuple):
         chosen: ``intp[k]``, the distinct experts it selected.
         before: ``float64[E, FEATURES + 1]``: the features before the visit, and whether it
             selected each expert (valid until the layer's next visit).
+        after: ``float64[E, FEATURES + 1]``: the features after it in the first ``FEATURES``
+            columns (the layer's ``features``; valid until its next visit).
     """
 
     model: str
@@ -197,6 +199,7 @@ class Visit(NamedTuple):
     stats: LayerStats
     chosen: np.ndarray
     before: np.ndarray
+    after: np.ndarray
 
 
 class ModelStats:
@@ -269,13 +272,13 @@ class RoutingStats:
             here = stats.layers.get(layer)
             if here is None or width > here.experts:
                 here = stats.layer(layer, width)
-            before = here.visit(chosen, counts)
+            before, after = here.visit(chosen, counts)
             previous = stats.previous
             if previous is not None and chosen.size and previous[1].size \
                     and stats.next_layer(previous[0]) == layer:
                 stats.layers[previous[0]].followed_by(previous[1], chosen, here.experts)
             stats.previous = (layer, chosen)
-        return Visit(model, layer, here, chosen, before)
+        return Visit(model, layer, here, chosen, before, after)
 
     def learn(self, model: str, steps: Iterable[RoutingStep], experts: int) -> int:
         """Fold in a recorded trace (``steps`` in decode order) as if reported: steps naming a

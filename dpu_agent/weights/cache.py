@@ -88,6 +88,8 @@ class WeightCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._resident: dict[ExpertKey, CachedExpert] = {}
+        self._evictable: set[ExpertKey] = set()
+        """The resident experts that are filled and unpinned: what an eviction may take."""
         self._shards = ShardReader()
         self.degraded: dict[str, str] = {}
         """model -> why some of its experts cannot be read (a shard changed under the agent);
@@ -113,6 +115,7 @@ class WeightCache:
                 raise WouldBlock(f"{key} is not resident in the arena")
             if cached is not None:
                 cached.pins += 1
+                self._evictable.discard(key)
                 self.stats.hits += 1
                 self.policy.on_access(key)
                 fill = False
@@ -136,17 +139,20 @@ class WeightCache:
             offset = self.arena.alloc(nbytes)
             if offset is not None:
                 return offset
-            victims = [k for k, c in self._resident.items() if c.pins == 0 and c.ready.is_set()]
-            victim = self.policy.victim(victims, key)
+            victim = self.policy.evict(self._evictable, key)
             if victim is None:
                 raise CacheFullError(f"arena of {self.arena.size} bytes cannot hold {nbytes} "
                                      "more: every resident expert is pinned")
-            self._drop(victim)
+            self._drop(victim, evicted=True)
             self.stats.evictions += 1
 
-    def _drop(self, key: ExpertKey) -> None:
+    def _drop(self, key: ExpertKey, evicted: bool = False) -> None:
+        """Free an unpinned resident expert (``evicted``: the policy chose it and has
+        forgotten it already)."""
         cached = self._resident.pop(key)
-        self.policy.on_remove(key)
+        self._evictable.discard(key)
+        if not evicted:
+            self.policy.on_remove(key)
         self.arena.free(cached.offset)
 
     def peek(self, key: ExpertKey) -> CachedExpert | None:
@@ -157,6 +163,7 @@ class WeightCache:
             if cached is None or not cached.ready.is_set() or cached.error is not None:
                 return None
             cached.pins += 1
+            self._evictable.discard(key)
             return cached
 
     def _fill(self, cached: CachedExpert, source: FillSource | None) -> None:
@@ -224,9 +231,13 @@ class WeightCache:
                 cached = next((c for c in self._orphans if c.entry.key == key), None)
             if cached is not None and cached.pins > 0:
                 cached.pins -= 1
-                if cached.pins == 0 and cached in self._orphans:
+                if cached.pins > 0:
+                    return
+                if cached in self._orphans:
                     self._orphans.remove(cached)
                     self.arena.free(cached.offset)
+                elif cached.ready.is_set() and cached.error is None:
+                    self._evictable.add(key)
 
     def observe(self, routing: RoutingStats, model: str, layer: int,
                 tokens: Mapping[int, int]) -> None:
@@ -248,6 +259,7 @@ class WeightCache:
                 self._drop(key)
             else:
                 self._resident.pop(key)
+                self._evictable.discard(key)
                 self.policy.on_remove(key)
                 self._orphans.append(cached)
 

@@ -1,16 +1,16 @@
 """Eviction policies of the weight cache, behind one interface.
 
 A policy only orders keys; the cache decides what is evictable (unpinned, resident). Every
-policy sees the same events: inserts, accesses, removals, and each visit of a MoE layer that
-routing reported (already folded into the agent's routing statistics, which the policies that
-``reads_routing`` read: :func:`make_policy`).
+policy sees the same events: inserts, accesses, evictions it chose, removals for other reasons,
+and each visit of a MoE layer that routing reported (already folded into the agent's routing
+statistics, which the policies that ``reads_routing`` read: :func:`make_policy`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from dpu_agent.routing.stats import SHARE, RoutingStats, Visit
@@ -23,14 +23,25 @@ class EvictionPolicy(Protocol):
 
     name: str
 
-    def on_insert(self, key: ExpertKey) -> None: ...
-    def on_access(self, key: ExpertKey) -> None: ...
-    def on_remove(self, key: ExpertKey) -> None: ...
+    def on_insert(self, key: ExpertKey) -> None:
+        """``key`` became resident."""
+        ...
+
+    def on_access(self, key: ExpertKey) -> None:
+        """``key``, resident (inserted, not evicted or removed since), was used again."""
+        ...
+
+    def on_remove(self, key: ExpertKey) -> None:
+        """``key`` left the cache other than by ``evict`` (a failed fill, an invalidation)."""
+        ...
+
     def observe(self, visit: Visit) -> None: ...
-    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
-               ) -> ExpertKey | None:
+
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
+              ) -> ExpertKey | None:
         """The key to evict among ``candidates`` to make room for ``incoming`` (None if
-        unknown), or None when there is none."""
+        unknown), already forgotten as ``on_remove`` would; None when there is none.
+        ``candidates`` is only read, during the call."""
         ...
 
 
@@ -54,10 +65,12 @@ class LruPolicy:
     def observe(self, visit: Visit) -> None:
         pass
 
-    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
-               ) -> ExpertKey | None:
-        allowed = set(candidates)
-        return next((k for k in self._order if k in allowed), None)
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
+              ) -> ExpertKey | None:
+        key = next((k for k in self._order if k in candidates), None)
+        if key is not None:
+            self.on_remove(key)
+        return key
 
 
 class LfuPolicy:
@@ -83,10 +96,13 @@ class LfuPolicy:
     def observe(self, visit: Visit) -> None:
         pass
 
-    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
-               ) -> ExpertKey | None:
-        return min(candidates, key=lambda k: (self._count[k], self._tick.get(k, 0)),
-                   default=None)
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
+              ) -> ExpertKey | None:
+        key = min(candidates, key=lambda k: (self._count[k], self._tick.get(k, 0)),
+                  default=None)
+        if key is not None:
+            self.on_remove(key)
+        return key
 
 
 class RoutingAwarePolicy:
@@ -135,8 +151,8 @@ class RoutingAwarePolicy:
         p = min(max((share * mass + self._prior * 1e-3) / (mass + self._prior), 1e-9), 1.0)
         return d + n * (1.0 - p) / p if p < 1.0 else float(d)
 
-    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
-               ) -> ExpertKey | None:
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
+              ) -> ExpertKey | None:
         best, best_t = None, -math.inf
         for k in candidates:
             t = self.expected_steps(k)

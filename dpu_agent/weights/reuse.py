@@ -2,16 +2,16 @@
 selects each expert, learned online from the routing the agent observes, and the layer-cyclic
 distance to that visit.
 
-Built for cost as much as for hit rate (docs/PERFORMANCE.md, "Expert cache"): a visit is one
-compiled least-squares update and prediction (Numba; no per-expert Python), an eviction one
-vectorised pass over the layers plus a compiled search of one layer's resident experts.
+Built for cost as much as for hit rate (docs/PERFORMANCE.md, "Expert cache"): the state of a
+model is a few arrays (one row per MoE layer in decode order), a visit is one compiled
+least-squares update and prediction, an eviction one compiled search over the layers and one
+compiled update of the victim's row, an insert one compiled update, a hit no array work at all.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 from numba import njit
@@ -40,34 +40,69 @@ def _lowest(p: np.ndarray, held: np.ndarray) -> int:
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _first(low: np.ndarray, distance: np.ndarray, now: int) -> tuple[int, float]:
-    """The position ``at`` of least ``low / distance[now]`` (the first of equals) and that
-    value (inf at position 0 when every ``low`` is inf)."""
-    best, at = np.inf, 0
-    for i in range(low.size):
-        v = low[i] / distance[now, i]
+def _set_low(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int
+             ) -> None:
+    """``low[at]``, ``low_e[at]``: the lowest ``p`` of row ``at``'s held experts and which
+    (inf, -1 when none is held)."""
+    e = _lowest(p[at], held[at])
+    low_e[at] = e
+    low[at] = np.inf if e < 0 else p[at, e]
+
+
+
+
+@njit(cache=True, nogil=True, boundscheck=True)
+def _hold(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int,
+          e: int) -> None:
+    """Expert ``e`` of row ``at`` is resident."""
+    held[at, e] = True
+    if p[at, e] < low[at] or (p[at, e] == low[at] and e < low_e[at]):
+        low[at] = p[at, e]
+        low_e[at] = e
+
+
+@njit(cache=True, nogil=True, boundscheck=True)
+def _free(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int,
+          e: int) -> None:
+    """Expert ``e`` of row ``at`` is not resident any more."""
+    held[at, e] = False
+    if low_e[at] == e:
+        _set_low(p, held, low, low_e, at)
+
+
+@njit(cache=True, nogil=True, boundscheck=True)
+def _take(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, now: int
+          ) -> tuple[int, int, float]:
+    """The held expert of least ``p / d`` (row ``at``, expert ``e``), ``d`` the steps from
+    filling the layer at row ``now`` (0 if negative) until row ``at``'s layer comes round
+    (``n`` for itself), the first of equals, made not held; returns (at, e, p / d), (-1, -1,
+    inf) when none is held."""
+    n = low.size
+    now = max(now, 0)
+    best, at = np.inf, -1
+    for i in range(n):
+        d = (i - now) % n
+        v = low[i] / (d if d else n)
         if v < best:
             best, at = v, i
-    return at, best
+    if at < 0:
+        return -1, -1, best
+    e = low_e[at]
+    _free(p, held, low, low_e, at, e)
+    return at, e, best
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _by_chance(p: np.ndarray, held: np.ndarray) -> np.ndarray:
-    """``intp[held]``: the held experts, lowest ``p`` first (equals in expert order)."""
-    experts = np.flatnonzero(held)
-    return experts[np.argsort(p[experts], kind="mergesort")]
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _predict(features: np.ndarray, weights: np.ndarray, held: np.ndarray, p: np.ndarray
-             ) -> int:
-    """``p = clip(features @ weights, _FLOOR, 1)`` (``float64[E]``); returns ``_lowest``."""
+def _predict(features: np.ndarray, weights: np.ndarray, p: np.ndarray, held: np.ndarray,
+             low: np.ndarray, low_e: np.ndarray, at: int) -> None:
+    """Row ``at`` of ``p``: ``clip(features[:, :K] @ weights, _FLOOR, 1)`` for the layer's
+    experts (``features``: ``float64[E, >= K]``); then its ``low``."""
     for e in range(features.shape[0]):
         v = 0.0
         for f in range(K):
             v += features[e, f] * weights[f]
-        p[e] = min(max(v, _FLOOR), 1.0)
-    return _lowest(p, held)
+        p[at, e] = min(max(v, _FLOOR), 1.0)
+    _set_low(p, held, low, low_e, at)
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
@@ -114,105 +149,89 @@ def _learn(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float, weights:
 
 @njit(cache=True, nogil=True, boundscheck=True)
 def _learn_predict(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float,
-                   weights: np.ndarray, features: np.ndarray, held: np.ndarray, p: np.ndarray
-                   ) -> int:
+                   weights: np.ndarray, features: np.ndarray, p: np.ndarray, held: np.ndarray,
+                   low: np.ndarray, low_e: np.ndarray, at: int) -> None:
     """``_learn`` then ``_predict``."""
     _learn(acc, x, forget, ridge, weights)
-    return _predict(features, weights, held, p)
-
-
-class _Layer:
-    """One MoE layer's state.
-
-    Attributes:
-        stats: the layer's routing statistics (the agent's one store).
-        p: ``float64[E]``, per expert the predicted chance that the next visit selects it, made
-            at the layer's last visit (or when it grew).
-        held: ``bool[E]``, the experts of the layer in the cache.
-        low: (p, expert) of the resident expert least likely to be selected next.
-    """
-
-    def __init__(self, stats: LayerStats) -> None:
-        self.stats = stats
-        self.p = np.zeros(0)
-        self.held = np.zeros(0, np.bool_)
-        self.low: tuple[float, int] | None = None
-
-    def grow(self) -> None:
-        """Room for every expert of the statistics (new ones: not held)."""
-        experts = self.stats.experts
-        if experts > self.p.size:
-            self.p = np.zeros(experts)
-            self.held = np.concatenate([self.held, np.zeros(experts - self.held.size, np.bool_)])
-
-    def predict(self, weights: np.ndarray) -> None:
-        """``p`` of every expert from the features now (a layer that grew, between visits)."""
-        self.grow()
-        self._set_low(_predict(self.stats.features, weights, self.held, self.p))
-
-    def learn(self, acc: np.ndarray, before: np.ndarray, forget: float, ridge: float,
-              weights: np.ndarray) -> None:
-        """``_learn`` from a visit of this layer, then ``predict`` (one compiled call)."""
-        self.grow()
-        self._set_low(_learn_predict(acc, before, forget, ridge, weights, self.stats.features,
-                                     self.held, self.p))
-
-    def refresh_low(self) -> None:
-        self._set_low(_lowest(self.p, self.held))
-
-    def _set_low(self, e: int) -> None:
-        self.low = None if e < 0 else (float(self.p[e]), e)
-
-    def by_chance(self) -> list[int]:
-        """The held experts, least likely to be selected next first."""
-        return _by_chance(self.p, self.held).tolist()
+    _predict(features, weights, p, held, low, low_e, at)
 
 
 class _Model:
-    """A model's fit and its MoE layers in decode order.
+    """A model's fit and its MoE layers' state, one row per layer in decode order.
 
     Attributes:
         acc: ``float64[K + 1, K + 1]``: the forgetting sum over visits of ``x^T x`` of the
             visited layer (features and target), so ``acc[:K, :K]`` is the Gram matrix and
             ``acc[:K, K]`` the moment of the least-squares fit.
         weights: ``float64[K]``, the fit.
-        layers: layer number -> state; ``at``: layer number -> position in decode order;
-            ``by_at``: the layer numbers in decode order.
-        current: the layer last visited or filled (where distances count from when an
-            eviction names no incoming expert).
-        low: ``float64[n]``, per position the ``p`` of the layer's least likely resident expert
-            (inf: none resident).
-        distance: ``float64[n, n]``, ``distance[now, at]``: steps from filling the layer at
-            ``now`` until the layer at ``at`` comes round (``n`` for itself).
+        name: the model's name.
+        by_at: the layer numbers in decode order; ``at``: layer number -> its row;
+            ``stats``: per row the layer's routing statistics (the agent's one store);
+            ``width``: per row the experts ``p`` holds a prediction for; ``keys``: per row
+            the key of each of them.
+        p: ``float64[n, W]``: per expert the predicted chance that its layer's next visit
+            selects it, made at the layer's last visit (or when the layer grew).
+        held: ``bool[n, W]``: the experts in the cache.
+        low, low_e: ``float64[n]``, ``intp[n]``: per row the lowest ``p`` of a held expert
+            and which (inf, -1: none held).
+        current: the row last visited or filled (where distances count from when an eviction
+            names no incoming expert of this model), -1 before any.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.acc = np.zeros((K + 1, K + 1))
         self.weights = np.zeros(K)
-        self.layers: dict[int, _Layer] = {}
-        self.at: dict[int, int] = {}
         self.by_at: list[int] = []
+        self.at: dict[int, int] = {}
+        self.stats: list[LayerStats] = []
+        self.width: list[int] = []
+        self.keys: list[list[ExpertKey]] = []
+        self.p = np.zeros((0, 0))
+        self.held = np.zeros((0, 0), np.bool_)
         self.low = np.zeros(0)
-        self.distance = np.zeros((0, 0))
+        self.low_e = np.zeros(0, np.intp)
         self.current = -1
 
-    def layer(self, number: int, stats: LayerStats) -> _Layer:
-        state = self.layers.get(number)
-        if state is None:
-            state = self.layers[number] = _Layer(stats)
-            self.by_at = sorted(self.layers)
+    def place(self, number: int, stats: LayerStats) -> int:
+        """The row of layer ``number``, made (rows re-ordered) or widened to every expert of
+        ``stats``; new experts get a prediction from the current fit, not held."""
+        at = self.at.get(number)
+        if at is None:
+            old, current = self.at, self.by_at[self.current] if self.current >= 0 else None
+            self.by_at = sorted([*old, number])
             self.at = {la: i for i, la in enumerate(self.by_at)}
-            n = len(self.by_at)
-            steps = (np.arange(n)[None, :] - np.arange(n)[:, None]) % n
-            self.distance = np.where(steps == 0, n, steps).astype(np.float64)
-            self.low = np.full(n, math.inf)
-            for la, s in self.layers.items():
-                self.publish(la, s)
-        return state
+            rows = [old.get(la, -1) for la in self.by_at]
+            self.stats = [stats if r < 0 else self.stats[r] for r in rows]
+            self.width = [0 if r < 0 else self.width[r] for r in rows]
+            self.keys = [[] if r < 0 else self.keys[r] for r in rows]
+            self.current = -1 if current is None else self.at[current]
+            self._reshape(rows, self.p.shape[1])
+            at = self.at[number]
+        experts = self.stats[at].experts
+        if experts > self.width[at]:
+            if experts > self.p.shape[1]:
+                self._reshape(list(range(len(self.by_at))), experts)
+            self.width[at] = experts
+            self.keys[at] = [ExpertKey(self.name, number, e) for e in range(experts)]
+            _predict(self.stats[at].features, self.weights, self.p, self.held, self.low,
+                     self.low_e, at)
+        return at
 
-    def publish(self, number: int, state: _Layer) -> None:
-        """Copy the layer's lowest resident ``p`` into ``low``."""
-        self.low[self.at[number]] = math.inf if state.low is None else state.low[0]
+    def _reshape(self, rows: list[int], width: int) -> None:
+        """New arrays of ``len(rows)`` rows and ``width`` columns, row i copied from old row
+        ``rows[i]`` (none: nothing predicted or held)."""
+        p = np.zeros((len(rows), width))
+        held = np.zeros((len(rows), width), np.bool_)
+        for i, r in enumerate(rows):
+            if r >= 0:
+                p[i, : self.p.shape[1]] = self.p[r]
+                held[i, : self.held.shape[1]] = self.held[r]
+        self.p, self.held = p, held
+        self.low = np.full(len(rows), math.inf)
+        self.low_e = np.full(len(rows), -1, np.intp)
+        for i in range(len(rows)):
+            _set_low(self.p, self.held, self.low, self.low_e, i)
 
 
 class LearnedReusePolicy:
@@ -239,106 +258,86 @@ class LearnedReusePolicy:
         self._stats = stats
         self._forget = forget
         self._ridge = ridge
-        self._models: dict[str, _Model] = defaultdict(_Model)
+        self._models: dict[str, _Model] = {}
 
-    def _layer(self, model: _Model, key: ExpertKey) -> _Layer:
-        """The policy's state of ``key``'s layer, its statistics grown to hold ``key`` (new
-        experts get a prediction from the current fit)."""
-        layer = model.layers.get(key.layer)
-        if layer is None or key.expert >= layer.p.size:
-            stats = self._stats.layer(key.model, key.layer, key.expert + 1)
-            layer = model.layer(key.layer, stats)
-            if layer.p.size < stats.experts:
-                layer.predict(model.weights)
-        return layer
+    def _row(self, key: ExpertKey) -> tuple[_Model, int]:
+        """``key``'s model and row, the layer's statistics grown to hold ``key``."""
+        model = self._models.get(key.model)
+        if model is None:
+            model = self._models[key.model] = _Model(key.model)
+        stats = self._stats.layer(key.model, key.layer, key.expert + 1)
+        return model, model.place(key.layer, stats)
 
     def on_insert(self, key: ExpertKey) -> None:
         name, number, e = key
-        model = self._models[name]
-        layer = model.layers.get(number)
-        if layer is None or e >= layer.p.size:
-            layer = self._layer(model, key)
-        layer.held[e] = True
-        p = float(layer.p[e])
-        if layer.low is None or p < layer.low[0]:
-            layer.low = (p, e)
-            model.low[model.at[number]] = p
-        model.current = number
+        model = self._models.get(name)
+        at = model.at.get(number) if model is not None else None
+        if at is None or e >= model.width[at]:
+            model, at = self._row(key)
+        _hold(model.p, model.held, model.low, model.low_e, at, e)
+        model.current = at
 
-    on_access = on_insert
+    def on_access(self, key: ExpertKey) -> None:
+        model = self._models.get(key[0])
+        if model is not None:
+            model.current = model.at.get(key[1], model.current)
 
     def on_remove(self, key: ExpertKey) -> None:
         name, number, e = key
         model = self._models.get(name)
-        layer = model.layers.get(number) if model is not None else None
-        if layer is None or e >= layer.held.size or not layer.held[e]:
-            return
-        layer.held[e] = False
-        if layer.low is not None and layer.low[1] == e:
-            layer.refresh_low()
-            model.publish(number, layer)
+        at = model.at.get(number) if model is not None else None
+        if at is not None and e < model.width[at]:
+            _free(model.p, model.held, model.low, model.low_e, at, e)
 
     def predicted(self, key: ExpertKey) -> float:
         """The chance that the next visit of ``key``'s layer selects it (0 if never seen)."""
         model = self._models.get(key.model)
-        layer = model.layers.get(key.layer) if model is not None else None
-        if layer is None or key.expert >= layer.p.size:
+        at = model.at.get(key.layer) if model is not None else None
+        if at is None or key.expert >= model.width[at]:
             return 0.0
-        return float(layer.p[key.expert])
+        return float(model.p[at, key.expert])
 
     def observe(self, visit: Visit) -> None:
         """One visit of a layer (already folded into the routing statistics): the fit learns
         what the features before it said about what it selected; the layer's predictions are
-        made anew from the features after it."""
-        model = self._models[visit.model]
-        layer = model.layer(visit.layer, visit.stats)
-        # Other layers keep the prediction of their own last visit.
-        layer.learn(model.acc, visit.before, self._forget, self._ridge, model.weights)
-        model.publish(visit.layer, layer)
-        model.current = visit.layer
+        made anew from the features after it (other layers keep those of their own last
+        visit)."""
+        model = self._models.get(visit.model)
+        at = model.at.get(visit.layer) if model is not None else None
+        if at is None or visit.stats.experts > model.width[at]:
+            model, at = self._row(ExpertKey(visit.model, visit.layer, visit.stats.experts - 1))
+        _learn_predict(model.acc, visit.before, self._forget, self._ridge, model.weights,
+                       visit.after, model.p, model.held, model.low, model.low_e, at)
+        model.current = at
 
-    def victim(self, candidates: Iterable[ExpertKey], incoming: ExpertKey | None = None
-               ) -> ExpertKey | None:
-        allowed = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
-        names = (incoming.model,) if incoming is not None else {k.model for k in allowed}
-        best, best_v = None, math.inf
-        for name in names:
-            model = self._models.get(name)
-            if model is None or not model.by_at:
-                continue
-            now = model.at.get(incoming.layer if incoming is not None else model.current, 0)
-            at, v = _first(model.low, model.distance, now)
-            number = model.by_at[at]
-            low = model.layers[number].low
-            if low is not None and (name, number, low[1]) in allowed:  # the usual case
-                if v < best_v:
-                    best, best_v = ExpertKey(name, number, low[1]), v
-                continue
-            distance = model.distance[now]
-            ratio = model.low / distance
-            exact: dict[int, int] = {}  # position -> its layer's least likely allowed expert
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
+              ) -> ExpertKey | None:
+        best: tuple[_Model, int, int] | None = None
+        best_v = math.inf
+        for name, model in self._models.items():
+            now = model.current
+            if incoming is not None and incoming[0] == name:
+                now = model.at.get(incoming[1], now)
+            skipped: list[tuple[int, int]] = []  # not allowed: set aside while searching
             while True:
-                at = int(ratio.argmin())
-                v = float(ratio[at])
+                at, e, v = _take(model.p, model.held, model.low, model.low_e, now)
+                if at < 0:
+                    break
+                if v < best_v and model.keys[at][e] in candidates:
+                    if best is not None:  # better than the last model's: that one stays
+                        _hold(best[0].p, best[0].held, best[0].low, best[0].low_e, best[1],
+                              best[2])
+                    best, best_v = (model, at, e), v
+                    break
+                skipped.append((at, e))
                 if v >= best_v:
                     break
-                number = model.by_at[at]
-                e = exact.get(at)
-                if e is None:
-                    layer = model.layers[number]
-                    assert layer.low is not None
-                    e = layer.low[1]
-                    # A key is a tuple: a plain one finds it in ``allowed`` at less cost.
-                    if (name, number, e) not in allowed:  # held now: the next least likely
-                        e = exact[at] = next((e for e in layer.by_chance()
-                                              if (name, number, e) in allowed), -1)
-                        ratio[at] = math.inf if e < 0 else float(layer.p[e] / distance[at])
-                        continue  # others may now come first
-                best, best_v = ExpertKey(name, number, e), v
-                break
+            for at, e in skipped:
+                _hold(model.p, model.held, model.low, model.low_e, at, e)
         if best is None:  # keys the policy never saw inserted
-            best = next(iter(allowed), None)
-        return best
+            return next(iter(candidates), None)
+        model, at, e = best
+        return model.keys[at][e]
 
 
 def warm_up() -> None:
@@ -352,5 +351,5 @@ def warm_up() -> None:
         policy.observe(stats.observe("warm-up", layer, {0: 1}))
     for key in keys:
         policy.on_insert(key)
-    policy.on_remove(policy.victim(set(keys[1:]), keys[0]) or keys[1])
-    policy.victim({keys[2]}, keys[0])
+    policy.on_remove(policy.evict(set(keys[1:]), keys[0]) or keys[1])
+    policy.evict({keys[2]}, keys[0])
