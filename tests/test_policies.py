@@ -83,6 +83,20 @@ def test_the_victim_is_a_candidate_and_the_layer_far_away_goes_first() -> None:
     assert policy.evict({victim}, ExpertKey("m", 0, 7)) == victim  # forgotten: still named
 
 
+def test_a_miss_of_one_model_evicts_another_models_least_likely_expert() -> None:
+    """Two models share the arena: when only the other model's experts can go, the victim is
+    the one least likely to be selected at its layer's next visit (not any of them)."""
+    stats = RoutingStats()
+    policy = LearnedReusePolicy(stats)
+    for _ in range(40):  # model a's layer 0 selects experts 0-5 at every visit, never 6
+        policy.observe(stats.observe("a", 0, {e: 1 for e in range(6)}))
+    keys = [ExpertKey("a", 0, e) for e in range(7)]
+    for key in keys:
+        policy.on_insert(key)
+    assert policy.evict(set(keys), ExpertKey("b", 3, 0)) == ExpertKey("a", 0, 6)
+    assert policy.evict(set(keys[:6]), ExpertKey("b", 3, 0)) in keys[:6]
+
+
 def test_it_beats_lru_and_lfu_on_skewed_drifting_routing() -> None:
     """The shipped generator (Zipf popularity per layer, ranks drifting), layer-cyclic."""
     steps = list(generate_trace(4, 16, 2, 400, seed=3))
