@@ -83,7 +83,7 @@ def test_concurrent_hits_misses_evictions_serve_true_bytes(tmp_path: Path, polic
                 errors.append(f"{e.key}: wrong checksums")
             if c.expected != terms_sum(truth[e.key]):
                 errors.append(f"{e.key}: wrong expected sum")
-            cache.release(e.key)
+            cache.release(c)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
@@ -118,12 +118,15 @@ def five_experts(tmp_path_factory: pytest.TempPathFactory) -> list:
               ("acquire", 3)])  # a hit pins an expert nobody held
 @example(ops=[("acquire", 0), ("release", 0), ("peek", 0), ("acquire", 1), ("acquire", 2),
               ("acquire", 3)])  # so does a peek
+@example(ops=[("acquire", 0), ("invalidate", 0), ("acquire", 0), ("release", 0), ("acquire", 1),
+              ("acquire", 2), ("acquire", 3)])  # the first pin's release is not the refill's
 def test_an_eviction_takes_only_a_filled_unpinned_expert(five_experts: list, policy: str,
                                                          ops: list[tuple[str, int]]) -> None:
     """Any sequence of acquires, releases, peeks and invalidations on a cache of 3 of 5
     experts: an acquire that needs room evicts an expert nobody holds (what is pinned stays
-    resident, its bytes unchanged), and fails with CacheFullError, changing nothing, when all
-    3 are held."""
+    where it is, its bytes unchanged, an invalidated copy too until its last pin goes), and
+    fails with CacheFullError, changing nothing, when the arena is all pinned; once every pin
+    is given back, the arena holds exactly the resident experts."""
     arena = Arena(3 * five_experts[0].blob_bytes)
     cache = WeightCache(arena, 64 << 10, make_policy(policy, RoutingStats()))
     held: dict[int, list[CachedExpert]] = {j: [] for j in range(5)}  # the pins this test holds
@@ -136,8 +139,8 @@ def test_an_eviction_takes_only_a_filled_unpinned_expert(five_experts: list, pol
                 try:
                     got = cache.acquire(entry)
                 except CacheFullError:
-                    pinned = {j for j in range(5) if held[j]}
-                    assert len(pinned) == 3 and i not in pinned and cache.resident == before
+                    pinned = {id(c) for copies in held.values() for c in copies}
+                    assert len(pinned) == 3 and cache.resident == before
                     continue
                 held[i].append(got)
             elif op == "peek":
@@ -145,9 +148,8 @@ def test_an_eviction_takes_only_a_filled_unpinned_expert(five_experts: list, pol
                 if got is not None:
                     held[i].append(got)
             elif op == "release" and held[i]:
-                held[i].pop()
-                cache.release(entry.key)
-            elif op == "invalidate" and not held[i]:
+                cache.release(held[i].pop())
+            elif op == "invalidate":
                 cache.invalidate(entry.key)
             for j, copies in held.items():  # read only: a pin held stays in place
                 for c in copies:
@@ -155,10 +157,11 @@ def test_an_eviction_takes_only_a_filled_unpinned_expert(five_experts: list, pol
                     if truth[j] is None:
                         truth[j] = view.copy()
                     assert np.array_equal(view, truth[j]), f"expert {j} is pinned, was evicted"
-        for j, copies in held.items():
-            for _ in copies:
-                cache.release(five_experts[j].key)
+        for copies in held.values():
+            for c in copies:
+                cache.release(c)
         assert cache.pinned() == 0
+        assert arena.used_bytes == cache.resident * five_experts[0].blob_bytes
     finally:
         arena.close()
 
@@ -176,10 +179,10 @@ def test_acquire_without_waiting_serves_hits_only(tmp_path: Path) -> None:
             cache.acquire(e0, wait=False)
         assert (cache.resident, cache.stats.misses, cache.stats.hits) == (0, 0, 0)
         filled = cache.acquire(e0)
-        cache.release(e0.key)
+        cache.release(filled)
         hit = cache.acquire(e0, wait=False)
         assert hit is filled and cache.pinned() == 1 and cache.stats.hits == 1
-        cache.release(e0.key)
+        cache.release(hit)
         cache.acquire(e1)  # a fill in progress is not a hit either
         cache._resident[e1.key].ready.clear()
         with pytest.raises(WouldBlock):

@@ -251,7 +251,7 @@ def test_peer_fetch_verifies_chunks_and_falls_back(qwen_ckpt: Path) -> None:
             c.acquire(entry)
         bad = caches[0].peek(entry.key)
         caches[0].arena.view(bad.offset, entry.blob_bytes)[70_000] ^= 0x40
-        caches[0].release(entry.key)
+        caches[0].release(bad)
         dest = np.zeros(entry.blob_bytes, np.uint8)
         with pytest.raises(PeerFetchError, match="chunk 1 failed its checksum"):
             peer_fetch(entry.key, dest, [servers[0].address], 1 << 16)

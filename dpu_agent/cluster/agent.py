@@ -22,7 +22,7 @@ from dpu_agent.cluster.placement import ClusterPlacement, PlacementError, check,
 from dpu_agent.cluster.settings import ClusterSettings
 from dpu_agent.cluster.store import ClusterStore, ClusterUnavailable, Member
 from dpu_agent.errors import AgentError
-from dpu_agent.weights.cache import CacheFullError
+from dpu_agent.weights.cache import CachedExpert, CacheFullError
 from dpu_offload.keys import ExpertKey
 
 if TYPE_CHECKING:
@@ -66,8 +66,8 @@ class ClusterAgent:
         self.actual: dict[str, dict[str, set[ExpertKey]]] = {}
         """agent id -> model -> experts it reports holding."""
         self.members: dict[str, Member] = {}
-        self.held: dict[str, set[ExpertKey]] = {}
-        """model -> experts this agent holds (one cache pin each)."""
+        self.held: dict[str, dict[ExpertKey, CachedExpert]] = {}
+        """model -> experts this agent holds -> the arena copy it pins (one pin each)."""
         self.reconciles = 0
         self.replans = 0
         self.fetch_failures = 0
@@ -157,9 +157,9 @@ class ClusterAgent:
         if self._cancel_watch is not None:
             self._cancel_watch()
         with self._lock:
-            for keys in self.held.values():
-                for key in keys:
-                    self.core.cache.release(key)
+            for copies in self.held.values():
+                for cached in copies.values():
+                    self.core.cache.release(cached)
             self.held.clear()
             self.links.close()
         if self._lease is not None:
@@ -252,13 +252,14 @@ class ClusterAgent:
             log.error("cluster: cannot load %s from %s: %s", p.model, p.path, exc.message)
             return
         want = {k for k in p.keys_of(self.id) if k in catalog.experts}
-        have = self.held.setdefault(p.model, set())
-        for key in sorted(want - have):
-            if self._fetch(key):
-                have.add(key)
+        have = self.held.setdefault(p.model, {})
+        for key in sorted(want - have.keys()):
+            cached = self._fetch(key)
+            if cached is not None:
+                have[key] = cached
         # Make before break across agents: a copy goes only once every live agent meant to
         # hold it reports holding it, so peers can still fetch from here meanwhile.
-        self._drop(p.model, {k for k in have - want if all(
+        self._drop(p.model, {k for k in have.keys() - want if all(
             k in self.actual.get(a, {}).get(p.model, ()) for a in p.holders_of(k)
             if a in self.members)})
         report = {"version": p.version, "held": sorted([k.layer, k.expert] for k in have)}
@@ -266,7 +267,9 @@ class ClusterAgent:
             self.store.put_json(self.store.key("actual", self.id, p.model), report, self._lease)
             self._reported[p.model] = report
 
-    def _fetch(self, key: ExpertKey) -> bool:
+    def _fetch(self, key: ExpertKey) -> CachedExpert | None:
+        """Fill ``key`` into the arena (from a peer agent or the checkpoint) and pin it; None
+        when it cannot be held."""
         entry = self.core.expert(key)
         peers = [self.members[a].peer for a, models in sorted(self.actual.items())
                  if a != self.id and a in self.members and key in models.get(key.model, ())]
@@ -279,21 +282,18 @@ class ClusterAgent:
 
         try:
             if use_peer:
-                self.core.cache.acquire(entry, from_peer)
-            else:
-                self.rates.timed("storage", entry.blob_bytes,
-                                 lambda: self.core.cache.acquire(entry).checksums)
+                return self.core.cache.acquire(entry, from_peer)
+            return self.rates.timed("storage", entry.blob_bytes,
+                                    lambda: self.core.cache.acquire(entry))
         except (CacheFullError, OSError) as exc:
             self.fetch_failures += 1
             log.error("cluster: cannot hold %s: %s", key, exc)
-            return False
-        return True
+            return None
 
     def _drop(self, model: str, keys: set[ExpertKey]) -> None:
         for key in keys:
-            self.core.cache.release(key)
+            self.core.cache.release(self.held[model].pop(key))
             self.core.cache.invalidate(key)
-            self.held[model].discard(key)
 
     # -- queries --------------------------------------------------------------------------------
     def remote_holders(self) -> dict[ExpertKey, str]:

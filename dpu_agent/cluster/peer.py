@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import zmq
@@ -22,6 +23,8 @@ import zmq
 from dpu_agent.weights.cache import WeightCache
 from dpu_offload.checksum import chunk_checksum
 from dpu_offload.keys import ExpertKey
+
+T = TypeVar("T")
 
 log = logging.getLogger("dpu_agent.cluster")
 
@@ -80,7 +83,7 @@ class PeerServer:
                                           *(blob[i:i + step] for i in range(0, n, step))])
                 self.served_bytes += n
             finally:
-                self.cache.release(key)
+                self.cache.release(cached)
 
     def close(self) -> None:
         self._stop.set()
@@ -178,7 +181,7 @@ class SourceRates:
         peer, storage = self.rates.get("peer"), self.rates.get("storage")
         return peer is None or storage is None or peer >= storage
 
-    def timed(self, source: str, nbytes: int, fn: Callable[[], list[int]]) -> list[int]:
+    def timed(self, source: str, nbytes: int, fn: Callable[[], T]) -> T:
         start = time.perf_counter()
         out = fn()
         rate = nbytes / max(time.perf_counter() - start, 1e-9)

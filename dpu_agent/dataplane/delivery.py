@@ -141,7 +141,7 @@ class Deliveries:
             source = "arena"
 
             def let_go() -> None:
-                self.cache.release(entry.key)
+                self.cache.release(cached)
 
         def done(t: Transfer) -> None:
             let_go()

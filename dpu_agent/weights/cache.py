@@ -99,7 +99,8 @@ class WeightCache:
     def acquire(self, entry: ExpertEntry, source: FillSource | None = None,
                 wait: bool = True) -> CachedExpert:
         """Return the expert resident and pinned, filling it first on a miss (from ``source``
-        when given and it succeeds, else from the checkpoint files).
+        when given and it succeeds, else from the checkpoint files). The caller gives the pin
+        back with :meth:`release` of what this returned.
 
         Blocks the calling thread during a fill (call it from a worker thread); with
         ``wait=False`` only a resident, filled expert is returned (a hit never blocks).
@@ -130,7 +131,7 @@ class WeightCache:
             self._fill(cached, source)
         cached.ready.wait()
         if cached.error is not None:
-            self.release(key)
+            self.release(cached)
             raise cached.error
         return cached
 
@@ -157,7 +158,7 @@ class WeightCache:
 
     def peek(self, key: ExpertKey) -> CachedExpert | None:
         """Pin the expert if it is resident and filled (no fill, no hit counted); the caller
-        releases it. None when it is not here."""
+        releases what this returned. None when it is not here."""
         with self._lock:
             cached = self._resident.get(key)
             if cached is None or not cached.ready.is_set() or cached.error is not None:
@@ -223,21 +224,23 @@ class WeightCache:
             raise ShardChanged(t.file or Path("?"), "differs from manifest",
                                f"{entry.key} chunk {bad}, in {t.role}")
 
-    def release(self, key: ExpertKey) -> None:
-        """Unpin once (a transfer that read the blob has completed)."""
+    def release(self, cached: CachedExpert) -> None:
+        """Unpin once the copy that :meth:`acquire` or :meth:`peek` returned (a transfer that
+        read it has completed): that copy, not whichever holds its key now (after an
+        invalidation the key may have been filled again)."""
         with self._lock:
-            cached = self._resident.get(key)
-            if cached is None:
-                cached = next((c for c in self._orphans if c.entry.key == key), None)
-            if cached is not None and cached.pins > 0:
-                cached.pins -= 1
-                if cached.pins > 0:
-                    return
-                if cached in self._orphans:
-                    self._orphans.remove(cached)
-                    self.arena.free(cached.offset)
-                elif cached.ready.is_set() and cached.error is None:
-                    self._evictable.add(key)
+            if cached.pins <= 0:
+                return
+            cached.pins -= 1
+            if cached.pins > 0:
+                return
+            key = cached.entry.key
+            if cached in self._orphans:
+                self._orphans.remove(cached)
+                self.arena.free(cached.offset)
+            elif self._resident.get(key) is cached and cached.ready.is_set() \
+                    and cached.error is None:
+                self._evictable.add(key)
 
     def observe(self, routing: RoutingStats, model: str, layer: int,
                 tokens: Mapping[int, int]) -> None:
