@@ -49,8 +49,6 @@ def _set_low(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray
     low[at] = np.inf if e < 0 else p[at, e]
 
 
-
-
 @njit(cache=True, nogil=True, boundscheck=True)
 def _hold(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int,
           e: int) -> None:
@@ -166,7 +164,6 @@ class _Model:
         weights: ``float64[K]``, the fit.
         name: the model's name.
         by_at: the layer numbers in decode order; ``at``: layer number -> its row;
-            ``stats``: per row the layer's routing statistics (the agent's one store);
             ``width``: per row the experts ``p`` holds a prediction for; ``keys``: per row
             the key of each of them.
         p: ``float64[n, W]``: per expert the predicted chance that its layer's next visit
@@ -184,7 +181,6 @@ class _Model:
         self.weights = np.zeros(K)
         self.by_at: list[int] = []
         self.at: dict[int, int] = {}
-        self.stats: list[LayerStats] = []
         self.width: list[int] = []
         self.keys: list[list[ExpertKey]] = []
         self.p = np.zeros((0, 0))
@@ -195,26 +191,26 @@ class _Model:
 
     def place(self, number: int, stats: LayerStats) -> int:
         """The row of layer ``number``, made (rows re-ordered) or widened to every expert of
-        ``stats``; new experts get a prediction from the current fit, not held."""
+        ``stats`` (the layer's routing statistics, the agent's one store); new experts get a
+        prediction from the current fit, not held."""
         at = self.at.get(number)
         if at is None:
             old, current = self.at, self.by_at[self.current] if self.current >= 0 else None
             self.by_at = sorted([*old, number])
             self.at = {la: i for i, la in enumerate(self.by_at)}
             rows = [old.get(la, -1) for la in self.by_at]
-            self.stats = [stats if r < 0 else self.stats[r] for r in rows]
             self.width = [0 if r < 0 else self.width[r] for r in rows]
             self.keys = [[] if r < 0 else self.keys[r] for r in rows]
             self.current = -1 if current is None else self.at[current]
             self._reshape(rows, self.p.shape[1])
             at = self.at[number]
-        experts = self.stats[at].experts
+        experts = stats.experts
         if experts > self.width[at]:
             if experts > self.p.shape[1]:
                 self._reshape(list(range(len(self.by_at))), experts)
             self.width[at] = experts
             self.keys[at] = [ExpertKey(self.name, number, e) for e in range(experts)]
-            _predict(self.stats[at].features, self.weights, self.p, self.held, self.low,
+            _predict(stats.features, self.weights, self.p, self.held, self.low,
                      self.low_e, at)
         return at
 
@@ -351,5 +347,6 @@ def warm_up() -> None:
         policy.observe(stats.observe("warm-up", layer, {0: 1}))
     for key in keys:
         policy.on_insert(key)
-    policy.on_remove(policy.evict(set(keys[1:]), keys[0]) or keys[1])
+    policy.evict(set(keys[1:]), keys[0])
     policy.evict({keys[2]}, keys[0])
+    policy.on_remove(keys[0])
