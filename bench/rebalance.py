@@ -5,7 +5,9 @@
    verified, against bytes moved / the delivery bandwidth measured in the same run.
 2. Prefetch: a generated routing trace replayed through acquire/release on one device whose
    slots hold a quarter of the experts, without and with routing-driven prefetch
-   (ReportRouting with prefetch_top_k). Reports hit rates and the extra bytes prefetch moved.
+   (ReportRouting with prefetch_top_k). Reports hit rates (an acquire that started no
+   delivery: the expert was in its slot or on its way there) and the extra bytes prefetch
+   moved.
 
 Usage: python bench/rebalance.py [--device cpu|cuda] [--json]
 """
@@ -80,10 +82,10 @@ def prefetch_case(address: str, root: Path, kind: str, prefetch: bool) -> dict[s
             layer = model.moe_layers[step.layer]
             batch = [ExpertKey("m", layer, e) for e in sorted(set(step.experts))]
             handles = client.acquire_batch(dev, batch)
-            hits += sum(h.done() for h in handles)
-            total += len(handles)
             for h in handles:
                 h.wait(60)
+            hits += sum(bool(h.resident) for h in handles)
+            total += len(handles)
             for k in batch:
                 client.release(dev, k)
             counts = {e: step.experts.count(e) for e in set(step.experts)}
