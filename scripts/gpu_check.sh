@@ -34,9 +34,19 @@ for s in $STAGES; do
   fuzz)
     stage "hypothesis: descriptors and packets, CUDA kernels against their twins"
     # The first line says where and what ran; bench/reliability_report.py counts from this log.
-    python3 -c "import datetime, cupy; from bench.common import source_hash; print('# fuzz-gpu', datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d'), cupy.cuda.runtime.getDeviceProperties(0)['name'].decode(), 'source', source_hash(), 'profile', '${GPU_FUZZ_PROFILE:-fuzz}')" > "$LOG/fuzz-gpu.log"
+    # GPU_FUZZ_APPEND=1 adds to the log an earlier call began (one profile over two calls),
+    # refused unless that log's first line names this source and profile.
+    line=$(python3 -c "import datetime, cupy; from bench.common import source_hash; print('# fuzz-gpu', datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d'), cupy.cuda.runtime.getDeviceProperties(0)['name'].decode(), 'source', source_hash(), 'profile', '${GPU_FUZZ_PROFILE:-fuzz}')")
+    if [ "${GPU_FUZZ_APPEND:-0}" = 1 ]; then
+      first=$(head -1 "$LOG/fuzz-gpu.log" 2>/dev/null)
+      [ "${first#* source }" = "${line#* source }" ] \
+        || { echo "gpu-check: GPU_FUZZ_APPEND=1 but $LOG/fuzz-gpu.log is not this source's and profile's" >&2; exit 2; }
+    else
+      echo "$line" > "$LOG/fuzz-gpu.log"
+    fi
     HYPOTHESIS_PROFILE="${GPU_FUZZ_PROFILE:-fuzz}" timeout "${FUZZ_TIMEOUT:-540}" \
-      python3 -m pytest -q -p no:cacheprovider --timeout-method=thread --timeout "${FUZZ_TIMEOUT:-540}" tests/fuzz/test_fuzz_gpu.py tests/fuzz/test_fuzz_gpu_packets.py tests/fuzz/test_fuzz_gpu_serve.py \
+      python3 -m pytest -q -p no:cacheprovider --timeout-method=thread --timeout "${FUZZ_TIMEOUT:-540}" \
+      ${GPU_FUZZ_TARGETS:-tests/fuzz/test_fuzz_gpu.py tests/fuzz/test_fuzz_gpu_packets.py tests/fuzz/test_fuzz_gpu_serve.py} \
       --hypothesis-show-statistics 2>&1 | tee -a "$LOG/fuzz-gpu.log" | tail -12
     [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   demo)
