@@ -357,8 +357,9 @@ def agent_requests(d: dict[str, Any]) -> list[Row]:
 
 def slot_pool(d: dict[str, Any]) -> list[Row]:
     """The agent's cost of finding a slot, by pool size (bench/slot_pool.py)."""
-    return [(f"allocate in a pool of {n} slots, filling / evicting",
-             f"{r['fill_us']:.1f} / {r['evict_us']:.1f} us", f"a lookup {r['lookup_us']:.2f} us",
+    return [(f"allocate in a pool of {n} slots, filling / evicting ({r['policy']} policy)",
+             f"{r['fill_us']:.1f} / {r['evict_us']:.1f} us",
+             f"a lookup {r['lookup_us']:.2f} us; evicting by LRU {r['evict_lru_us']:.1f} us",
              "", "", None) for n, r in d["results"].items()]
 
 

@@ -7,8 +7,10 @@ floor of any per-request work.
     python bench/slot_pool.py [--sizes 64 256 1536 4096] [--calls 2000] [--no-save]
 
 Reported per size, microseconds per call: ``fill`` (allocating into a pool with free slots,
-lowest first) and ``evict`` (the pool full, every slot idle: the least recently released is
-taken).
+lowest first) and ``evict`` (the pool full, every slot idle: the pool's eviction policy names
+the victim), with the agent's default policy (``reuse``, no routing reported: every expert
+equally likely, so the layer furthest from its next visit goes) and with LRU
+(``evict_lru``).
 """
 
 from __future__ import annotations
@@ -21,35 +23,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, write
+from dpu_agent.config import AgentConfig
+from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.slots import SlotPool
+from dpu_agent.weights.policies import make_policy
+from dpu_agent.weights.reuse import warm_up
 from dpu_offload.keys import ExpertKey
 
 
-def measure(slots: int, calls: int) -> dict[str, float]:
+def measure(slots: int, calls: int, policy: str) -> dict[str, float]:
     """Microseconds per ``allocate`` filling a pool of ``slots`` and then evicting from it
-    (``calls`` evictions), and per dictionary lookup of a held key."""
-    pool = SlotPool(1, 4096, slots)
+    (``calls`` evictions; each slot filled, READY and released, as a decode leaves them), and
+    per dictionary lookup of a held key."""
     keys = [ExpertKey("m", i // 128, i % 128) for i in range(slots + calls)]
-    t0 = time.perf_counter()
-    for key in keys[:slots]:
-        idx = pool.allocate(key, 0)
-        assert idx is not None
-        pool.mark_ready(idx)
-        pool.idle[idx] = 0  # released: an eviction candidate
-    fill = (time.perf_counter() - t0) / slots
-    t0 = time.perf_counter()
-    for key in keys[slots:]:
-        idx = pool.allocate(key, 0)
-        assert idx is not None
-        pool.mark_ready(idx)
-        pool.idle[idx] = 0
-    evict = (time.perf_counter() - t0) / calls
+    stats = RoutingStats()
+    stats.declare("m", range(keys[-1].layer + 1), 128)  # as LoadModel does
+    pool = SlotPool(1, 4096, slots, policy=make_policy(policy, stats))
+
+    def fill(batch: list[ExpertKey]) -> float:
+        t0 = time.perf_counter()
+        for key in batch:
+            idx = pool.allocate(key)
+            assert idx is not None
+            pool.mark_ready(idx)
+            pool.let_go(idx)
+        return (time.perf_counter() - t0) / len(batch)
+
+    filling = fill(keys[:slots])
+    evict = fill(keys[slots:])
     held = keys[slots + calls - 1]
     t0 = time.perf_counter()
     for _ in range(calls):
         pool.by_key.get(held)
     lookup = (time.perf_counter() - t0) / calls
-    return {"fill_us": fill * 1e6, "evict_us": evict * 1e6, "lookup_us": lookup * 1e6}
+    return {"fill_us": filling * 1e6, "evict_us": evict * 1e6, "lookup_us": lookup * 1e6}
 
 
 def main() -> int:
@@ -61,10 +68,16 @@ def main() -> int:
     args = ap.parse_args()
     if min(args.sizes) < 1 or args.calls < 1:
         ap.error("--sizes and --calls must be positive")
-    results = {str(n): measure(n, args.calls) for n in args.sizes}
-    for n, r in results.items():
-        print(f"{n:>5} slots: fill {r['fill_us']:5.1f} us, evict {r['evict_us']:5.1f} us per "
-              f"allocate (a lookup {r['lookup_us']:.2f} us)")
+    warm_up()  # the compiled policy loaded, as the agent does at start
+    default = AgentConfig().cache.policy
+    results = {}
+    for n in args.sizes:
+        r = results[str(n)] = measure(n, args.calls, default)
+        r["policy"] = default
+        r["evict_lru_us"] = measure(n, args.calls, "lru")["evict_us"]
+        print(f"{n:>5} slots: fill {r['fill_us']:5.1f} us, evict {r['evict_us']:5.1f} us "
+              f"({default}; LRU {r['evict_lru_us']:.1f}) per allocate (a lookup "
+              f"{r['lookup_us']:.2f} us)")
     if not args.no_save:
         data = envelope("slot_pool", results,
                         command="python bench/slot_pool.py " + " ".join(sys.argv[1:]))

@@ -105,7 +105,8 @@ class ArenaSettings:
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """``[cache]``: the arena's eviction policy (``weights.policies.POLICIES``)."""
+    """``[cache]``: the eviction policy (``weights.policies.POLICIES``) of the arena and of
+    each slot pool a device registers."""
 
     policy: str = _key(_str, "reuse")
 

@@ -38,13 +38,13 @@ from dpu_agent.registry import (
     Device,
     Session,
 )
-from dpu_agent.routing.stats import RoutingStats
+from dpu_agent.routing.stats import RoutingStats, Visit
 from dpu_agent.sessions import SessionTable
 from dpu_agent.state import StateStore
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
-from dpu_agent.weights.policies import make_policy
+from dpu_agent.weights.policies import EvictionPolicy, make_policy
 from dpu_agent.weights.reuse import warm_up as warm_up_routing
 from dpu_offload import abi
 from dpu_offload.flows import FlowTable
@@ -241,6 +241,19 @@ class Orchestrator:
         self.report_routing(model, [(layer, tokens)],
                             (self._owner(owner), owner[1], prefetch) if prefetch else None)
 
+    def slot_policy(self) -> EvictionPolicy:
+        """A new slot pool's eviction policy: the configured one (``cache.policy``), reading
+        the agent's routing statistics."""
+        return make_policy(self.config.cache.policy, self.routing)
+
+    def _show_pools(self, visit: Visit) -> None:
+        """A visit to every slot pool's policy, each under its session's lock."""
+        for session in list(self.sessions.values()):
+            with session.lock:
+                for dev in session.devices.values():
+                    for pool in dev.pools.values():
+                        pool.observe(visit)
+
     def _layout(self, model: str) -> ModelLayout:
         catalog = self.models.get(model)
         if catalog is None:
@@ -267,7 +280,7 @@ class Orchestrator:
                 raise invalid(f"prefetch of {prefetch[2]} experts: a layer of {model!r} has "
                               f"{layout.experts_per_layer}")
         for layer, counts in steps:
-            self.cache.observe(self.routing, model, layer, counts)
+            self._show_pools(self.cache.observe(self.routing, model, layer, counts))
         if prefetch is None or not steps:
             return 0
         session, device_id, k = prefetch

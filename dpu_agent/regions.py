@@ -19,6 +19,7 @@ from dpu_agent.dataplane.queues import DeviceQueue, check_ring
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.registry import Delivery, Device, DeviceKind, RegionKind, Session
 from dpu_agent.slots import SlotPool
+from dpu_agent.weights.policies import EvictionPolicy
 from dpu_offload import abi
 from dpu_offload.abi import SlotState
 from dpu_offload.blob import BLOB_ALIGN
@@ -67,6 +68,8 @@ class RegistrationCore(Protocol):
     def device(self, session: Session, device_id: int) -> Device: ...
     def exports(self) -> set[str | bytes]: ...
     def devices_changed(self) -> None: ...
+    def slot_policy(self) -> EvictionPolicy:
+        """A new slot pool's eviction policy (the configured one)."""
 
 
 class Registrations:
@@ -141,7 +144,8 @@ class Registrations:
         rid = session.next_region_id
         pool = SlotPool(rid, spec.slot_bytes, spec.slot_count, ipc_handle=spec.ipc_handle,
                         shm_name=spec.shm_name, channel=dev.channel,
-                        state_base=_state_range(dev, spec.slot_count))
+                        state_base=_state_range(dev, spec.slot_count),
+                        policy=self.core.slot_policy())
         if dev.delivery == Delivery.DMA_ENGINE:
             self._check_own(session, "slot pool", spec.shm_name, spec.ipc_handle)
             self.core.plane.engine.add_pool(dev, pool)

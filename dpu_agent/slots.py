@@ -1,15 +1,18 @@
 """A device's expert slots: one pool per size class, each slot's state, generation, the
 expert it holds and the references on it. The one place of the reference rule (a slot nobody
-holds goes idle, an eviction candidate) and of the slot-state table's mirror (the channel)."""
+holds goes idle, an eviction candidate) and of the slot-state table's mirror (the channel).
+Which idle slot a miss takes is the pool's eviction policy's choice (the arena's policies,
+``dpu_agent.weights.policies``: the agent gives each pool the configured one)."""
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.routing.stats import Visit
+from dpu_agent.weights.policies import EvictionPolicy, LruPolicy
 from dpu_offload.abi import SlotState
 from dpu_offload.channel import split_word, state_word
 from dpu_offload.keys import ExpertKey
@@ -42,10 +45,13 @@ class SlotPool:
     checksums: list[tuple[int, ...]] = field(default_factory=list)
     """Per slot, the chunk checksums of the blob it holds (to verify copies made from it)."""
     by_key: dict[ExpertKey, int] = field(default_factory=dict)
-    idle: OrderedDict[int, int] = field(default_factory=OrderedDict)
-    """READY or LANDED slots nobody holds through the agent, least recently released first:
-    eviction candidates, each with the client's ``touches`` count of the slot when it was
-    queued (a slot the client hit since, by a pin, gets a second chance)."""
+    idle: dict[int, int] = field(default_factory=dict)
+    """READY or LANDED slots nobody holds through the agent: eviction candidates, each with the
+    client's ``touches`` count of the slot when it went idle (a slot the client hit since, by
+    a pin, was used again: the policy hears so before it is passed over once)."""
+    policy: EvictionPolicy = field(default_factory=LruPolicy)
+    """Names the idle slot a miss takes; sees every expert the pool takes in, uses and
+    drops (and, where it reads routing, each reported visit: :meth:`observe`)."""
     generation: list[int] = field(default_factory=list)
     """Per slot, how many deliveries it was given (the slot-state table's generation)."""
     granted: list[bool] = field(default_factory=list)
@@ -59,6 +65,8 @@ class SlotPool:
 
     def __post_init__(self) -> None:
         n = self.slot_count
+        self._candidates: dict[ExpertKey, int] = {}
+        """The idle slots by the expert they hold (what the policy chooses among)."""
         self._free = list(range(n))
         """Min-heap of the slots made FREE (entries whose slot was taken since are skipped):
         the lowest free slot in O(log n), where a scan of ``state`` costs the whole pool on
@@ -103,10 +111,14 @@ class SlotPool:
     # The reference rule, in one place: a slot someone holds through the agent is never an
     # eviction candidate; one nobody holds is, once its delivery settled (READY or LANDED).
     def hold(self, idx: int, refs: int = 1) -> None:
-        """Take ``refs`` references on slot ``idx``; a held slot leaves the eviction queue."""
+        """Take ``refs`` references on slot ``idx`` (a use of its expert); a held slot is no
+        eviction candidate."""
         self.refs[idx] += refs
-        if self.refs[idx]:
-            self.idle.pop(idx, None)
+        key = self.keys[idx]
+        if key is not None:
+            self.policy.on_access(key)
+            if self.refs[idx] and self.idle.pop(idx, None) is not None:
+                del self._candidates[key]
 
     def let_go(self, idx: int) -> bool:
         """Drop one reference on slot ``idx`` (queued for eviction if that was the last and its
@@ -118,16 +130,18 @@ class SlotPool:
         return True
 
     def _idle_if_unheld(self, idx: int) -> None:
-        if self.refs[idx] == 0 and self.state[idx] in _SETTLED:
+        key = self.keys[idx]
+        if self.refs[idx] == 0 and self.state[idx] in _SETTLED and key is not None:
             self.idle[idx] = self._touches(idx)
+            self._candidates[key] = idx
 
     def _touches(self, idx: int) -> int:
         return 0 if self.channel is None else self.channel.touches(self.state_base + idx)
 
     def allocate(self, key: ExpertKey, refs: int = 1) -> int | None:
         """A slot for ``key`` in FILLING state with ``refs`` references; None when every slot
-        is held or pinned. Free slots first, then idle ones, least recently used first: an idle
-        slot the client hit (pinned) since it was queued goes to the back once."""
+        is held, pinned or may still be checked. Free slots first, lowest first; then the idle
+        slot the policy names."""
         pinned = []
         try:
             while self._free:
@@ -140,16 +154,47 @@ class SlotPool:
         finally:
             for idx in pinned:
                 heapq.heappush(self._free, idx)
-        for _ in range(2 * len(self.idle)):
-            idx, seen = self.idle.popitem(last=False)
-            touches = self._touches(idx)
-            if touches == seen and not self.checking(idx):
-                old = self.keys[idx]
-                if self._claim(idx, key, refs):
-                    del self.by_key[old]  # type: ignore[arg-type]
+        return self._evict_for(key, refs)
+
+    def _evict_for(self, key: ExpertKey, refs: int) -> int | None:
+        """The idle slot the policy names for ``key``, claimed. A victim the client hit by a
+        pin since it went idle is reported used and passed over (named again only once every
+        other idle slot was); one whose check may still run (:meth:`checking`) or that a
+        client pins as it is claimed stays, passed over for this call."""
+        passed: list[tuple[ExpertKey, int]] = []
+        second: list[tuple[ExpertKey, int]] = []
+        try:
+            for again in (False, True):
+                while self._candidates:
+                    victim = self.policy.evict(self._candidates.keys(), key)
+                    if victim is None:
+                        break
+                    idx = self._candidates.pop(victim)
+                    touches = self._touches(idx)
+                    if not again and touches != self.idle[idx]:
+                        self.idle[idx] = touches
+                        self.policy.on_insert(victim)
+                        self.policy.on_access(victim)
+                        second.append((victim, idx))
+                        continue
+                    if self.checking(idx) or not self._claim(idx, key, refs):
+                        self.policy.on_insert(victim)
+                        passed.append((victim, idx))
+                        continue
+                    del self.by_key[victim]
+                    del self.idle[idx]
                     return idx
-            self.idle[idx] = touches
+                self._candidates.update(second)
+                second.clear()
+        finally:
+            self._candidates.update(passed)
+            self._candidates.update(second)
         return None
+
+    def observe(self, visit: Visit) -> None:
+        """A reported visit of a MoE layer (its arrays valid for this call), for a policy
+        that reads routing."""
+        self.policy.observe(visit)
 
     def _claim(self, idx: int, key: ExpertKey, refs: int) -> bool:
         """Give slot ``idx`` to a delivery of ``key`` (FILLING, the next generation, ``refs``
@@ -172,6 +217,7 @@ class SlotPool:
         self.generation[idx] += 1
         self.granted[idx] = False
         self._publish(idx)
+        self.policy.on_insert(key)
         return True
 
     def mark_ready(self, idx: int) -> None:
@@ -216,7 +262,9 @@ class SlotPool:
         key = self.keys[idx]
         if key is not None and self.by_key.get(key) == idx:
             del self.by_key[key]
-        self.idle.pop(idx, None)
+            self.policy.on_remove(key)
+        if self.idle.pop(idx, None) is not None and self._candidates.get(key) == idx:
+            del self._candidates[key]
         if self.state[idx] != SlotState.FREE:
             heapq.heappush(self._free, idx)
         self.state[idx] = SlotState.FREE

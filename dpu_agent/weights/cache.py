@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpu_agent.routing.stats import RoutingStats
+from dpu_agent.routing.stats import RoutingStats, Visit
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.catalog import ExpertEntry
 from dpu_agent.weights.policies import EvictionPolicy
@@ -243,13 +243,16 @@ class WeightCache:
                 self._evictable.add(key)
 
     def observe(self, routing: RoutingStats, model: str, layer: int,
-                tokens: Mapping[int, int]) -> None:
+                tokens: Mapping[int, int]) -> Visit:
         """Fold a visit of a MoE layer into ``routing`` (``tokens[e]``: tokens that selected
         expert e) and show it to the policy, under the cache's lock: visits reach the policy in
         the order they were folded in (its view of the layer's features before the visit is
-        valid only until the next)."""
+        valid only until the next). Returns the visit with copies of its arrays (for the slot
+        pools' policies, which see it after the lock)."""
         with self._lock:
-            self.policy.observe(routing.observe(model, layer, tokens))
+            visit = routing.observe(model, layer, tokens)
+            self.policy.observe(visit)
+            return visit._replace(before=visit.before.copy(), after=visit.after.copy())
 
     def invalidate(self, key: ExpertKey) -> None:
         """Forget an expert's arena copy (it failed verification) so the next acquire refills

@@ -311,8 +311,8 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
         report_routing: each MoE layer reports what it chose (experts and tokens) to the
             agent through the device's data-plane channel once its batch is granted
             (``report_visit``: no gRPC call, no thread; the agent folds it while the bytes
-            land): the agent's routing statistics, which its arena cache policy, predictor
-            and placement planner learn from.
+            land): the agent's routing statistics, which its cache policies (the arena's and
+            the slot pool's), predictor and placement planner learn from.
 
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
