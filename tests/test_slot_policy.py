@@ -92,10 +92,10 @@ def test_a_pinned_victim_stays_and_the_next_is_taken() -> None:
 LAYERS, EXPERTS, TOP_K = 4, 16, 2
 
 
-def _replay(policy: str, root: Path) -> float:
+def _replay(policy: str, root: Path, report: bool = True) -> float:
     """A generated decode (60 tokens) through a real agent whose slot pool holds a quarter of
-    the experts, each layer's visit reported on the ring: the fraction of acquires that started
-    no delivery."""
+    the experts, each layer's visit reported on the ring (``report``): the fraction of acquires
+    that started no delivery."""
     settings = f'[cache]\npolicy = "{policy}"\n'
     with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
         model = client.load_model(str(root), "m")
@@ -111,14 +111,19 @@ def _replay(policy: str, root: Path) -> float:
             hits += sum(bool(h.resident) for h in handles)
             total += len(handles)
             client.release_batch(dev, batch)
-            client.report_visit(dev, "m", layer, {e: step.experts.count(e)
-                                                  for e in set(step.experts)})
+            if report:
+                client.report_visit(dev, "m", layer, {e: step.experts.count(e)
+                                                      for e in set(step.experts)})
         return hits / total
 
 
 def test_the_default_policy_keeps_more_of_a_decode_than_lru() -> None:
+    """Reported visits reach the pool's policy: with them it keeps more than without, and more
+    than LRU (0.548, 0.438 and 0.417 when written)."""
     with tempfile.TemporaryDirectory() as tmp:
         root = make_checkpoint(Path(tmp) / "m", CheckpointSpec(
             "qwen3-moe", layers=LAYERS, experts=EXPERTS, hidden=64, intermediate=32))
         reuse, lru = _replay("reuse", root), _replay("lru", root)
+        unreported = _replay("reuse", root, report=False)
     assert reuse > lru + 0.05, (reuse, lru)
+    assert reuse > unreported + 0.05, (reuse, unreported)
