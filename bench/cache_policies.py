@@ -1,7 +1,8 @@
 """Replay a routing trace through the weight cache's eviction policies.
 
 Per cache size (in experts): hit rate of every policy in ``POLICIES`` (LRU, LFU, the
-routing-aware and the learned-reuse policy), of Belady's MIN (the offline optimum, as the
+routing-aware and the learned-reuse policy; the default one also without routing reported,
+``reuse_unreported``), of Belady's MIN (the offline optimum, as the
 ceiling) and of a MIN that foresees one token (the ceiling of policies that predict each
 layer's next visit), and each policy's own time per access. Each step's distinct experts are
 accessed together (they cannot evict each other); the step is then reported to the policies as
@@ -35,22 +36,26 @@ from dpu_offload.keys import ExpertKey
 
 MODEL = "trace"
 DEFAULT_POLICY = AgentConfig().cache.policy
+UNREPORTED = f"{DEFAULT_POLICY}_unreported"
+"""The default policy's row replayed without ReportRouting (it sees only acquires)."""
 
 
-def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int = 0
-           ) -> dict[str, float]:
-    """Replay ``steps`` through a cache of ``size`` experts evicting by ``policy_name``; with
-    ``prefetch``, after each step the ``prefetch`` experts :class:`NextLayerPredictor`
-    expects the next MoE layer to select are fetched too (as ReportRouting with
-    ``prefetch_top_k`` does). Returns ``ready``: the fraction of needed experts resident when
-    their step starts (the hit rate without prefetch), ``wasted``: the fraction of prefetched
-    experts evicted before any use, ``prefetched_per_step``, and ``policy_s_per_access``:
-    the time of every call into the policy, per needed expert, of which
-    ``data_path_s_per_access`` the calls an acquire makes (access, evict, insert: the
-    agent's data-plane loop) and ``observe_s_per_access`` the policy's update from each
-    routing observation (ReportRouting, on the agent's control thread); beside it,
-    ``fold_s_per_access``: folding each step into the agent's routing statistics, which the
-    agent does whatever its policy (the predictor and the planner read them)."""
+def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int = 0,
+           report: bool = True) -> dict[str, float]:
+    """Replay ``steps`` through a cache of ``size`` experts evicting by ``policy_name``; each
+    step reported to the policy as routing unless ``report`` is false (a client that does not
+    call ReportRouting: the policy sees only acquires); with ``prefetch`` (needs ``report``),
+    after each step the ``prefetch`` experts :class:`NextLayerPredictor` expects the next MoE
+    layer to select are fetched too (as ReportRouting with ``prefetch_top_k`` does). Returns
+    ``ready``: the fraction of needed experts resident when their step starts (the hit rate
+    without prefetch), ``wasted``: the fraction of prefetched experts evicted before any use,
+    ``prefetched_per_step``, and ``policy_s_per_access``: the time of every call into the
+    policy, per needed expert, of which ``data_path_s_per_access`` the calls an acquire makes
+    (access, evict, insert: the agent's data-plane loop) and ``observe_s_per_access`` the
+    policy's update from each routing observation (ReportRouting, on the agent's control
+    thread); beside it, ``fold_s_per_access``: folding each step into the agent's routing
+    statistics, which the agent does whatever its policy (the predictor and the planner read
+    them)."""
     stats = RoutingStats()
     policy = make_policy(policy_name, stats)
     predictor = NextLayerPredictor(stats)
@@ -93,6 +98,8 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
                 spent += clock() - t0
             else:
                 admit(key, want)
+        if not report:
+            continue
         counts: dict[int, int] = defaultdict(int)
         for e in step.experts:
             counts[e] += 1
@@ -119,11 +126,12 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
             "fold_s_per_access": folding / max(1, need)}
 
 
-def simulate(steps: list[RoutingStep], policy_name: str, size: int
+def simulate(steps: list[RoutingStep], policy_name: str, size: int, report: bool = True
              ) -> tuple[float, float, float, float]:
     """(hit rate, the policy's own time per access in seconds, of which on the data path, the
-    routing fold's time per access) of one policy at one cache size, demand fetches only."""
-    r = replay(steps, policy_name, size)
+    routing fold's time per access) of one policy at one cache size, demand fetches only;
+    ``report``: as :func:`replay`'s."""
+    r = replay(steps, policy_name, size, report=report)
     return (r["ready"], r["policy_s_per_access"], r["data_path_s_per_access"],
             r["fold_s_per_access"])
 
@@ -187,11 +195,12 @@ def run(steps: list[RoutingStep], sizes: list[int], prefetch: list[int]) -> dict
         cost[name] = sum(costs) / len(costs) * 1e6
         data_path[name] = sum(paths) / len(paths) * 1e6
         fold += [f * 1e6 for f in folds]
+    rates[UNREPORTED] = [simulate(steps, DEFAULT_POLICY, s, report=False)[0] for s in sizes]
     rates["min"] = [simulate_min(steps, s) for s in sizes]
     layers = len({s.layer for s in steps})
     rates["min_one_token"] = [simulate_min(steps, s, layers) for s in sizes]
     of_min = {name: sum(r / m for r, m in zip(rates[name], rates["min"], strict=True) if m)
-              / len(sizes) for name in [*POLICIES, "min_one_token"]}
+              / len(sizes) for name in [*POLICIES, UNREPORTED, "min_one_token"]}
     ahead = {str(k): [replay(steps, DEFAULT_POLICY, s, k) for s in sizes] for k in prefetch}
     return {"sizes": sizes, "distinct_experts": len({(s.layer, e) for s in steps
                                                      for e in s.experts}),

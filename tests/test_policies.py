@@ -97,6 +97,35 @@ def test_a_miss_of_one_model_evicts_another_models_least_likely_expert() -> None
     assert policy.evict(set(keys[:6]), ExpertKey("b", 3, 0)) in keys[:6]
 
 
+def test_without_reported_routing_a_layer_loses_its_least_recently_used_first() -> None:
+    """No visit reported (a client that does not report routing): every prediction is the
+    same, so in a layer the least recently inserted or used expert goes, whatever its number;
+    the layer order still decides between layers (the one decode needs last goes first)."""
+    policy = LearnedReusePolicy(RoutingStats())
+    keys = [ExpertKey("m", 0, e) for e in (5, 1, 3, 0)]
+    for key in keys:
+        policy.on_insert(key)
+    policy.on_access(keys[0])  # 5 used again: 1 is now the least recently used
+    assert policy.evict(set(keys), ExpertKey("m", 0, 7)) == keys[1]
+    policy.on_access(keys[2])  # 3 used: 0 is next, then 5
+    assert policy.evict(set(keys) - {keys[1]}, ExpertKey("m", 0, 7)) == keys[3]
+    assert policy.evict({keys[0], keys[2]}, ExpertKey("m", 0, 7)) == keys[0]
+    for e in (2, 4):
+        policy.on_insert(ExpertKey("m", 1, e))
+    policy.on_insert(ExpertKey("m", 2, 6))
+    # filling layer 1 of the next token: layer 0 comes round in 2 steps, layer 2 in 1
+    assert policy.evict({ExpertKey("m", 0, 3), ExpertKey("m", 2, 6)},
+                        ExpertKey("m", 1, 0)) == ExpertKey("m", 0, 3)
+
+
+def test_on_one_layer_without_reported_routing_it_is_lru() -> None:
+    """A one-layer trace replayed with no visits reported is LRU's hit rate exactly."""
+    steps = list(generate_trace(1, 32, 4, 300, seed=5))
+    for size in (8, 16):
+        assert simulate(steps, "reuse", size, report=False)[0] == \
+            simulate(steps, "lru", size, report=False)[0]
+
+
 def test_it_beats_lru_and_lfu_on_skewed_drifting_routing() -> None:
     """The shipped generator (Zipf popularity per layer, ranks drifting), layer-cyclic."""
     steps = list(generate_trace(4, 16, 2, 400, seed=3))

@@ -5,7 +5,8 @@ distance to that visit.
 Built for cost as much as for hit rate (docs/PERFORMANCE.md, "Expert cache"): the state of a
 model is a few arrays (one row per MoE layer in decode order), a visit is one compiled
 least-squares update and prediction, an eviction one compiled search over the layers and one
-compiled update of the victim's row, an insert one compiled update, a hit no array work at all.
+compiled update of the victim's row, an insert one compiled update, a hit one stamp of the
+policy's clock (and a compiled search of its row when it was the row's next victim).
 """
 
 from __future__ import annotations
@@ -30,51 +31,52 @@ _FLOOR = 1e-4
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _lowest(p: np.ndarray, held: np.ndarray) -> int:
-    """The held expert of lowest ``p`` (the first of equals), -1 when none is held."""
+def _lowest(p: np.ndarray, stamp: np.ndarray, held: np.ndarray) -> int:
+    """The held expert of lowest ``p``, of equals the least recently used (lowest
+    ``stamp``); -1 when none is held."""
     low = -1
     for e in range(p.size):
-        if held[e] and (low < 0 or p[e] < p[low]):
+        if held[e] and (low < 0 or p[e] < p[low] or (p[e] == p[low] and stamp[e] < stamp[low])):
             low = e
     return low
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _set_low(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int
-             ) -> None:
+def _set_low(p: np.ndarray, stamp: np.ndarray, held: np.ndarray, low: np.ndarray,
+             low_e: np.ndarray, at: int) -> None:
     """``low[at]``, ``low_e[at]``: the lowest ``p`` of row ``at``'s held experts and which
     (inf, -1 when none is held)."""
-    e = _lowest(p[at], held[at])
+    e = _lowest(p[at], stamp[at], held[at])
     low_e[at] = e
     low[at] = np.inf if e < 0 else p[at, e]
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _hold(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int,
-          e: int) -> None:
+def _hold(p: np.ndarray, stamp: np.ndarray, held: np.ndarray, low: np.ndarray,
+          low_e: np.ndarray, at: int, e: int) -> None:
     """Expert ``e`` of row ``at`` is resident."""
     held[at, e] = True
-    if p[at, e] < low[at] or (p[at, e] == low[at] and e < low_e[at]):
+    if p[at, e] < low[at] or (p[at, e] == low[at] and stamp[at, e] < stamp[at, low_e[at]]):
         low[at] = p[at, e]
         low_e[at] = e
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _free(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int,
-          e: int) -> None:
+def _free(p: np.ndarray, stamp: np.ndarray, held: np.ndarray, low: np.ndarray,
+          low_e: np.ndarray, at: int, e: int) -> None:
     """Expert ``e`` of row ``at`` is not resident any more."""
     held[at, e] = False
     if low_e[at] == e:
-        _set_low(p, held, low, low_e, at)
+        _set_low(p, stamp, held, low, low_e, at)
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _take(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, now: int
-          ) -> tuple[int, int, float]:
+def _take(p: np.ndarray, stamp: np.ndarray, held: np.ndarray, low: np.ndarray,
+          low_e: np.ndarray, now: int) -> tuple[int, int, float]:
     """The held expert of least ``p / d`` (row ``at``, expert ``e``), ``d`` the steps from
     filling the layer at row ``now`` (0 if negative) until row ``at``'s layer comes round
-    (``n`` for itself), the first of equals, made not held; returns (at, e, p / d), (-1, -1,
-    inf) when none is held."""
+    (``n`` for itself), of equals in a row the least recently used, made not held; returns
+    (at, e, p / d), (-1, -1, inf) when none is held."""
     n = low.size
     now = max(now, 0)
     best, at = np.inf, -1
@@ -86,13 +88,13 @@ def _take(p: np.ndarray, held: np.ndarray, low: np.ndarray, low_e: np.ndarray, n
     if at < 0:
         return -1, -1, best
     e = low_e[at]
-    _free(p, held, low, low_e, at, e)
+    _free(p, stamp, held, low, low_e, at, e)
     return at, e, best
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
-def _predict(features: np.ndarray, weights: np.ndarray, p: np.ndarray, held: np.ndarray,
-             low: np.ndarray, low_e: np.ndarray, at: int) -> None:
+def _predict(features: np.ndarray, weights: np.ndarray, p: np.ndarray, stamp: np.ndarray,
+             held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int) -> None:
     """Row ``at`` of ``p``: ``clip(features[:, :K] @ weights, _FLOOR, 1)`` for the layer's
     experts (``features``: ``float64[E, >= K]``); then its ``low``."""
     for e in range(features.shape[0]):
@@ -100,7 +102,7 @@ def _predict(features: np.ndarray, weights: np.ndarray, p: np.ndarray, held: np.
         for f in range(K):
             v += features[e, f] * weights[f]
         p[at, e] = min(max(v, _FLOOR), 1.0)
-    _set_low(p, held, low, low_e, at)
+    _set_low(p, stamp, held, low, low_e, at)
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
@@ -147,11 +149,11 @@ def _learn(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float, weights:
 
 @njit(cache=True, nogil=True, boundscheck=True)
 def _learn_predict(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float,
-                   weights: np.ndarray, features: np.ndarray, p: np.ndarray, held: np.ndarray,
-                   low: np.ndarray, low_e: np.ndarray, at: int) -> None:
+                   weights: np.ndarray, features: np.ndarray, p: np.ndarray, stamp: np.ndarray,
+                   held: np.ndarray, low: np.ndarray, low_e: np.ndarray, at: int) -> None:
     """``_learn`` then ``_predict``."""
     _learn(acc, x, forget, ridge, weights)
-    _predict(features, weights, p, held, low, low_e, at)
+    _predict(features, weights, p, stamp, held, low, low_e, at)
 
 
 class _Model:
@@ -168,11 +170,14 @@ class _Model:
             the key of each of them.
         p: ``float64[n, W]``: per expert the predicted chance that its layer's next visit
             selects it, made at the layer's last visit (or when the layer grew).
+        stamp: ``int64[n, W]``: per expert the policy's clock at its last insert or use (of
+            equal ``p`` the lowest goes first: least recently used).
         held: ``bool[n, W]``: the experts in the cache.
         low, low_e: ``float64[n]``, ``intp[n]``: per row the lowest ``p`` of a held expert
             and which (inf, -1: none held).
         current: the row last visited or filled (where distances count from when an eviction
             names no incoming expert of this model), -1 before any.
+        rows: ``(p, stamp, held, low, low_e)``, the arguments the compiled functions take.
     """
 
     def __init__(self, name: str) -> None:
@@ -184,9 +189,11 @@ class _Model:
         self.width: list[int] = []
         self.keys: list[list[ExpertKey]] = []
         self.p = np.zeros((0, 0))
+        self.stamp = np.zeros((0, 0), np.int64)
         self.held = np.zeros((0, 0), np.bool_)
         self.low = np.zeros(0)
         self.low_e = np.zeros(0, np.intp)
+        self.rows = (self.p, self.stamp, self.held, self.low, self.low_e)
         self.current = -1
 
     def place(self, number: int, stats: LayerStats) -> int:
@@ -210,24 +217,25 @@ class _Model:
                 self._reshape(list(range(len(self.by_at))), experts)
             self.width[at] = experts
             self.keys[at] = [ExpertKey(self.name, number, e) for e in range(experts)]
-            _predict(stats.features, self.weights, self.p, self.held, self.low,
-                     self.low_e, at)
+            _predict(stats.features, self.weights, *self.rows, at)
         return at
 
     def _reshape(self, rows: list[int], width: int) -> None:
         """New arrays of ``len(rows)`` rows and ``width`` columns, row i copied from old row
         ``rows[i]`` (none: nothing predicted or held)."""
         p = np.zeros((len(rows), width))
+        stamp = np.zeros((len(rows), width), np.int64)
         held = np.zeros((len(rows), width), np.bool_)
+        old = self.p.shape[1]
         for i, r in enumerate(rows):
             if r >= 0:
-                p[i, : self.p.shape[1]] = self.p[r]
-                held[i, : self.held.shape[1]] = self.held[r]
-        self.p, self.held = p, held
+                p[i, :old], stamp[i, :old], held[i, :old] = self.p[r], self.stamp[r], self.held[r]
+        self.p, self.stamp, self.held = p, stamp, held
         self.low = np.full(len(rows), math.inf)
         self.low_e = np.full(len(rows), -1, np.intp)
+        self.rows = (self.p, self.stamp, self.held, self.low, self.low_e)
         for i in range(len(rows)):
-            _set_low(self.p, self.held, self.low, self.low_e, i)
+            _set_low(*self.rows, i)
 
 
 class LearnedReusePolicy:
@@ -244,7 +252,9 @@ class LearnedReusePolicy:
     in ``d`` steps counted from the layer being filled (``n`` for that layer itself: its other
     experts are not needed before the next token). The victim minimises ``p / d``: a slot held
     for an expert far away must pay for the wait with a higher chance of use. With one MoE layer
-    it orders by ``p`` alone.
+    it orders by ``p`` alone. Of equal ``p`` in a layer (every expert before any visit is
+    reported, and the many a fit clips to its floor) the least recently used goes first, so a
+    client that reports no routing gets LRU within each layer and the layer order across them.
     """
 
     name = "reuse"
@@ -255,6 +265,7 @@ class LearnedReusePolicy:
         self._forget = forget
         self._ridge = ridge
         self._models: dict[str, _Model] = {}
+        self._clock = 0
 
     def _row(self, key: ExpertKey) -> tuple[_Model, int]:
         """``key``'s model and row, the layer's statistics grown to hold ``key``."""
@@ -270,20 +281,30 @@ class LearnedReusePolicy:
         at = model.at.get(number) if model is not None else None
         if at is None or e >= model.width[at]:
             model, at = self._row(key)
-        _hold(model.p, model.held, model.low, model.low_e, at, e)
+        self._clock += 1
+        model.stamp[at, e] = self._clock
+        _hold(*model.rows, at, e)
         model.current = at
 
     def on_access(self, key: ExpertKey) -> None:
-        model = self._models.get(key[0])
-        if model is not None:
-            model.current = model.at.get(key[1], model.current)
+        name, number, e = key
+        model = self._models.get(name)
+        at = model.at.get(number) if model is not None else None
+        if at is None:
+            return
+        model.current = at
+        if e < model.width[at]:
+            self._clock += 1
+            model.stamp[at, e] = self._clock
+            if model.low_e[at] == e:  # the row's lowest may be another of equal p now
+                _set_low(*model.rows, at)
 
     def on_remove(self, key: ExpertKey) -> None:
         name, number, e = key
         model = self._models.get(name)
         at = model.at.get(number) if model is not None else None
         if at is not None and e < model.width[at]:
-            _free(model.p, model.held, model.low, model.low_e, at, e)
+            _free(*model.rows, at, e)
 
     def predicted(self, key: ExpertKey) -> float:
         """The chance that the next visit of ``key``'s layer selects it (0 if never seen)."""
@@ -303,7 +324,7 @@ class LearnedReusePolicy:
         if at is None or visit.stats.experts > model.width[at]:
             model, at = self._row(ExpertKey(visit.model, visit.layer, visit.stats.experts - 1))
         _learn_predict(model.acc, visit.before, self._forget, self._ridge, model.weights,
-                       visit.after, model.p, model.held, model.low, model.low_e, at)
+                       visit.after, *model.rows, at)
         model.current = at
 
     def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
@@ -316,20 +337,19 @@ class LearnedReusePolicy:
                 now = model.at.get(incoming[1], now)
             skipped: list[tuple[int, int]] = []  # not allowed: set aside while searching
             while True:
-                at, e, v = _take(model.p, model.held, model.low, model.low_e, now)
+                at, e, v = _take(*model.rows, now)
                 if at < 0:
                     break
                 if v < best_v and model.keys[at][e] in candidates:
                     if best is not None:  # better than the last model's: that one stays
-                        _hold(best[0].p, best[0].held, best[0].low, best[0].low_e, best[1],
-                              best[2])
+                        _hold(*best[0].rows, best[1], best[2])
                     best, best_v = (model, at, e), v
                     break
                 skipped.append((at, e))
                 if v >= best_v:
                     break
             for at, e in skipped:
-                _hold(model.p, model.held, model.low, model.low_e, at, e)
+                _hold(*model.rows, at, e)
         if best is None:  # keys the policy never saw inserted
             return next(iter(candidates), None)
         model, at, e = best
