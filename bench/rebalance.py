@@ -4,10 +4,10 @@
    ApplyPlacement (make-before-break). Reports the time from ApplyPlacement to every new copy
    verified, against bytes moved / the delivery bandwidth measured in the same run.
 2. Prefetch: a generated routing trace replayed through acquire/release on one device whose
-   slots hold a quarter of the experts, without and with routing-driven prefetch
-   (ReportRouting with prefetch_top_k). Reports hit rates (an acquire that started no
-   delivery: the expert was in its slot or on its way there) and the extra bytes prefetch
-   moved.
+   slots hold a quarter of the experts, each layer's visit reported on the device's ring,
+   without and with routing-driven prefetch (the visit's prefetch count). Reports hit rates
+   (an acquire that started no delivery: the expert was in its slot or on its way there) and
+   the extra bytes prefetch moved.
 
 Usage: python bench/rebalance.py [--device cpu|cuda] [--json]
 """
@@ -19,16 +19,19 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, write
-from dpu_agent.routing.traces import generate_trace
+from dpu_agent.routing.traces import RoutingStep, generate_trace
 from dpu_offload.keys import ExpertKey
+from dpu_offload.v1 import agent_pb2 as pb
 from host_client import AgentClient, CpuReferenceDevice, Device, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess
+from host_client.registration import AttachedDevice
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 2
 
@@ -71,26 +74,40 @@ def rebalance_case(client: AgentClient, model, kind: str) -> dict[str, float]:
             "bound_s": nbytes / bandwidth, "ratio_to_bound": elapsed / (nbytes / bandwidth)}
 
 
+def replay_decode(client: AgentClient, dev: AttachedDevice, model: pb.LoadModelResponse,
+                  steps: Iterable[RoutingStep], report: bool = True, prefetch: int = 0
+                  ) -> tuple[int, int]:
+    """Replay routing ``steps`` (``layer``: the index of a MoE layer of ``model``) on ``dev``
+    as a decode does: each step's experts acquired as one batch, waited for and released; with
+    ``report``, the visit then reported on the device's ring (and ``prefetch`` experts of the
+    next layer prefetched). Returns (acquires that started no delivery: the expert was in
+    its slot or on its way there, acquires)."""
+    hits = total = 0
+    for step in steps:
+        layer = model.moe_layers[step.layer]
+        batch = [ExpertKey(model.model, layer, e) for e in sorted(set(step.experts))]
+        handles = client.acquire_batch(dev, batch)
+        for h in handles:
+            h.wait(60)
+        hits += sum(bool(h.resident) for h in handles)
+        total += len(handles)
+        client.release_batch(dev, batch)
+        if report:
+            client.report_visit(dev, model.model, layer,
+                                {e: step.experts.count(e) for e in set(step.experts)},
+                                prefetch=prefetch)
+    return hits, total
+
+
 def prefetch_case(address: str, root: Path, kind: str, prefetch: bool) -> dict[str, float]:
     with AgentClient(address, client_name="bench-prefetch") as client:
         model = client.load_model(str(root), "m")
         dev = client.register_device(make_device(kind, 2),
                                      [SlotPoolSpec(model.expert_bytes, LAYERS * EXPERTS // 4)])
         before = client.status()
-        hits = total = 0
-        for step in generate_trace(LAYERS, EXPERTS, TOP_K, 60, seed=3):
-            layer = model.moe_layers[step.layer]
-            batch = [ExpertKey("m", layer, e) for e in sorted(set(step.experts))]
-            handles = client.acquire_batch(dev, batch)
-            for h in handles:
-                h.wait(60)
-            hits += sum(bool(h.resident) for h in handles)
-            total += len(handles)
-            for k in batch:
-                client.release(dev, k)
-            counts = {e: step.experts.count(e) for e in set(step.experts)}
-            client.report_routing("m", [(layer, counts)], prefetch_to=dev if prefetch else None,
-                                  prefetch_top_k=TOP_K if prefetch else 0)
+        hits, total = replay_decode(client, dev, model,
+                                    generate_trace(LAYERS, EXPERTS, TOP_K, 60, seed=3),
+                                    prefetch=TOP_K if prefetch else 0)
         after = client.status()
         deliveries = (after.cache_hits + after.cache_misses) - (before.cache_hits +
                                                                before.cache_misses)

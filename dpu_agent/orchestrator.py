@@ -44,7 +44,7 @@ from dpu_agent.state import StateStore
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.cache import WeightCache
 from dpu_agent.weights.catalog import ExpertEntry, ModelCatalog
-from dpu_agent.weights.policies import EvictionPolicy, make_policy
+from dpu_agent.weights.policies import EvictionPolicy, make_policy, reads_routing
 from dpu_agent.weights.reuse import warm_up as warm_up_routing
 from dpu_offload import abi
 from dpu_offload.flows import FlowTable
@@ -279,8 +279,11 @@ class Orchestrator:
             if prefetch[2] > layout.experts_per_layer:
                 raise invalid(f"prefetch of {prefetch[2]} experts: a layer of {model!r} has "
                               f"{layout.experts_per_layer}")
+        pools_read = reads_routing(self.config.cache.policy)
         for layer, counts in steps:
-            self._show_pools(self.cache.observe(self.routing, model, layer, counts))
+            visit = self.cache.observe(self.routing, model, layer, counts, keep=pools_read)
+            if visit is not None:
+                self._show_pools(visit)
         if prefetch is None or not steps:
             return 0
         session, device_id, k = prefetch

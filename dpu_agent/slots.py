@@ -45,10 +45,11 @@ class SlotPool:
     checksums: list[tuple[int, ...]] = field(default_factory=list)
     """Per slot, the chunk checksums of the blob it holds (to verify copies made from it)."""
     by_key: dict[ExpertKey, int] = field(default_factory=dict)
-    idle: dict[int, int] = field(default_factory=dict)
-    """READY or LANDED slots nobody holds through the agent: eviction candidates, each with the
-    client's ``touches`` count of the slot when it went idle (a slot the client hit since, by
-    a pin, was used again: the policy hears so before it is passed over once)."""
+    idle: dict[ExpertKey, tuple[int, int]] = field(default_factory=dict)
+    """The eviction candidates, by the expert they hold (what the policy chooses among): READY
+    or LANDED slots nobody holds through the agent, each as (slot, the client's ``touches``
+    count of the slot when it went idle: a slot the client hit since, by a pin, was used
+    again, and the policy hears so before it is passed over once)."""
     policy: EvictionPolicy = field(default_factory=LruPolicy)
     """Names the idle slot a miss takes; sees every expert the pool takes in, uses and
     drops (and, where it reads routing, each reported visit: :meth:`observe`)."""
@@ -65,8 +66,6 @@ class SlotPool:
 
     def __post_init__(self) -> None:
         n = self.slot_count
-        self._candidates: dict[ExpertKey, int] = {}
-        """The idle slots by the expert they hold (what the policy chooses among)."""
         self._free = list(range(n))
         """Min-heap of the slots made FREE (entries whose slot was taken since are skipped):
         the lowest free slot in O(log n), where a scan of ``state`` costs the whole pool on
@@ -117,8 +116,8 @@ class SlotPool:
         key = self.keys[idx]
         if key is not None:
             self.policy.on_access(key)
-            if self.refs[idx] and self.idle.pop(idx, None) is not None:
-                del self._candidates[key]
+            if self.refs[idx] and self.is_idle(idx):
+                del self.idle[key]
 
     def let_go(self, idx: int) -> bool:
         """Drop one reference on slot ``idx`` (queued for eviction if that was the last and its
@@ -132,8 +131,12 @@ class SlotPool:
     def _idle_if_unheld(self, idx: int) -> None:
         key = self.keys[idx]
         if self.refs[idx] == 0 and self.state[idx] in _SETTLED and key is not None:
-            self.idle[idx] = self._touches(idx)
-            self._candidates[key] = idx
+            self.idle[key] = (idx, self._touches(idx))
+
+    def is_idle(self, idx: int) -> bool:
+        """Whether slot ``idx`` is an eviction candidate."""
+        key = self.keys[idx]
+        return key is not None and self.idle.get(key, (-1,))[0] == idx
 
     def _touches(self, idx: int) -> int:
         return 0 if self.channel is None else self.channel.touches(self.state_base + idx)
@@ -161,34 +164,32 @@ class SlotPool:
         pin since it went idle is reported used and passed over (named again only once every
         other idle slot was); one whose check may still run (:meth:`checking`) or that a
         client pins as it is claimed stays, passed over for this call."""
-        passed: list[tuple[ExpertKey, int]] = []
-        second: list[tuple[ExpertKey, int]] = []
+        passed: list[tuple[ExpertKey, tuple[int, int]]] = []
+        second: list[tuple[ExpertKey, tuple[int, int]]] = []
         try:
             for again in (False, True):
-                while self._candidates:
-                    victim = self.policy.evict(self._candidates.keys(), key)
+                while self.idle:
+                    victim = self.policy.evict(self.idle.keys(), key)
                     if victim is None:
                         break
-                    idx = self._candidates.pop(victim)
+                    idx, seen = entry = self.idle.pop(victim)
                     touches = self._touches(idx)
-                    if not again and touches != self.idle[idx]:
-                        self.idle[idx] = touches
+                    if not again and touches != seen:
                         self.policy.on_insert(victim)
                         self.policy.on_access(victim)
-                        second.append((victim, idx))
+                        second.append((victim, (idx, touches)))
                         continue
                     if self.checking(idx) or not self._claim(idx, key, refs):
                         self.policy.on_insert(victim)
-                        passed.append((victim, idx))
+                        passed.append((victim, entry))
                         continue
                     del self.by_key[victim]
-                    del self.idle[idx]
                     return idx
-                self._candidates.update(second)
+                self.idle.update(second)
                 second.clear()
         finally:
-            self._candidates.update(passed)
-            self._candidates.update(second)
+            self.idle.update(passed)
+            self.idle.update(second)
         return None
 
     def observe(self, visit: Visit) -> None:
@@ -263,8 +264,8 @@ class SlotPool:
         if key is not None and self.by_key.get(key) == idx:
             del self.by_key[key]
             self.policy.on_remove(key)
-        if self.idle.pop(idx, None) is not None and self._candidates.get(key) == idx:
-            del self._candidates[key]
+        if self.is_idle(idx):
+            del self.idle[key]
         if self.state[idx] != SlotState.FREE:
             heapq.heappush(self._free, idx)
         self.state[idx] = SlotState.FREE

@@ -240,13 +240,13 @@ def test_references_decide_eviction(pool: SlotPool) -> None:
     does not (it is queued when it lands)."""
     a, b = ExpertKey("m", 0, 0), ExpertKey("m", 0, 1)
     ia = _fill(pool, a)
-    assert ia in pool.idle
+    assert pool.is_idle(ia)
     pool.hold(ia, 2)
-    assert ia not in pool.idle and pool.refs[ia] == 2
-    assert pool.let_go(ia) and ia not in pool.idle
-    assert pool.let_go(ia) and ia in pool.idle
+    assert not pool.is_idle(ia) and pool.refs[ia] == 2
+    assert pool.let_go(ia) and not pool.is_idle(ia)
+    assert pool.let_go(ia) and pool.is_idle(ia)
     assert not pool.let_go(ia), "nobody holds it: nothing to drop"
     ib = pool.allocate(b)
-    assert ib is not None and pool.let_go(ib) and ib not in pool.idle  # still FILLING
+    assert ib is not None and pool.let_go(ib) and not pool.is_idle(ib)  # still FILLING
     pool.mark_ready(ib)
-    assert ib in pool.idle
+    assert pool.is_idle(ib)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.rebalance import EXPERTS, LAYERS, TOP_K, replay_decode
 from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.routing.traces import generate_trace
 from dpu_agent.slots import SlotPool
@@ -63,7 +64,7 @@ def test_a_miss_whose_layer_has_nothing_idle_evicts_by_the_policy(policy: str,
     gone = {ExpertKey("m", la, e) for la in range(3) for e in (0, 1)} - set(pool.by_key)
     assert len(gone) == 1 and next(iter(gone)).layer == evicted_layer
     assert pool.keys[held[2]] == ExpertKey("m", 1, 2)
-    assert len(pool._candidates) == len(pool.idle) == 3
+    assert len(pool.idle) == 3 and all(pool.is_idle(i) for i, _ in pool.idle.values())
 
 
 def test_a_pinned_victim_stays_and_the_next_is_taken() -> None:
@@ -86,10 +87,7 @@ def test_a_pinned_victim_stays_and_the_next_is_taken() -> None:
     assert idx is not None and refused
     assert refused[0] in pool.by_key  # kept its slot
     assert set(pool.by_key) == {refused[0], ExpertKey("m", 2, 0)}
-    assert set(pool._candidates) == {refused[0]}
-
-
-LAYERS, EXPERTS, TOP_K = 4, 16, 2
+    assert set(pool.idle) == {refused[0]}
 
 
 def _replay(policy: str, root: Path, report: bool = True) -> float:
@@ -101,19 +99,8 @@ def _replay(policy: str, root: Path, report: bool = True) -> float:
         model = client.load_model(str(root), "m")
         dev = client.register_device(CpuReferenceDevice(),
                                      [SlotPoolSpec(model.expert_bytes, LAYERS * EXPERTS // 4)])
-        hits = total = 0
-        for step in generate_trace(LAYERS, EXPERTS, TOP_K, 60, seed=3):
-            layer = model.moe_layers[step.layer]
-            batch = [ExpertKey("m", layer, e) for e in sorted(set(step.experts))]
-            handles = client.acquire_batch(dev, batch)
-            for h in handles:
-                h.wait(60)
-            hits += sum(bool(h.resident) for h in handles)
-            total += len(handles)
-            client.release_batch(dev, batch)
-            if report:
-                client.report_visit(dev, "m", layer, {e: step.experts.count(e)
-                                                      for e in set(step.experts)})
+        hits, total = replay_decode(client, dev, model,
+                                    generate_trace(LAYERS, EXPERTS, TOP_K, 60, seed=3), report)
         return hits / total
 
 

@@ -243,15 +243,17 @@ class WeightCache:
                 self._evictable.add(key)
 
     def observe(self, routing: RoutingStats, model: str, layer: int,
-                tokens: Mapping[int, int]) -> Visit:
+                tokens: Mapping[int, int], keep: bool = True) -> Visit | None:
         """Fold a visit of a MoE layer into ``routing`` (``tokens[e]``: tokens that selected
         expert e) and show it to the policy, under the cache's lock: visits reach the policy in
         the order they were folded in (its view of the layer's features before the visit is
-        valid only until the next). Returns the visit with copies of its arrays (for the slot
-        pools' policies, which see it after the lock)."""
+        valid only until the next). With ``keep``, returns the visit with copies of its arrays
+        (for the slot pools' policies, which see it after the lock); else None."""
         with self._lock:
             visit = routing.observe(model, layer, tokens)
             self.policy.observe(visit)
+            if not keep:
+                return None
             return visit._replace(before=visit.before.copy(), after=visit.after.copy())
 
     def invalidate(self, key: ExpertKey) -> None:

@@ -166,8 +166,14 @@ POLICIES: dict[str, type] = {"lru": LruPolicy, "lfu": LfuPolicy, "routing": Rout
 """Config name -> policy class."""
 
 
+def reads_routing(name: str) -> bool:
+    """Whether the policy named ``name`` (a key of ``POLICIES``) reads routing statistics
+    and reported visits."""
+    return getattr(POLICIES[name], "reads_routing", False)
+
+
 def make_policy(name: str, stats: RoutingStats) -> EvictionPolicy:
     """The policy named ``name`` (a key of ``POLICIES``), reading ``stats`` if it reads
     routing."""
     cls = POLICIES[name]
-    return cls(stats) if getattr(cls, "reads_routing", False) else cls()
+    return cls(stats) if reads_routing(name) else cls()
