@@ -9,7 +9,8 @@ compared with the one before it only within one machine's run).
         runs the benchmark from each side in turn, ``--rounds`` times; after each run reads the
         results JSON the benchmark wrote in that side's bench/results (the newest) and prints,
         for every results entry (and the results themselves, for a flat record), each
-        ``--metric`` (a key of the entry, dotted for nested ones) per round and side, then
+        ``--metric`` (a key of the entry, dotted for nested ones, a number for a list's item:
+        ``runs.0.offload.tokens_per_s``) per round and side, then
         the medians. Sides default to this tree; ``--env-a`` /
         ``--env-b`` set variables for one side only (an agent setting:
         ``DPU_AGENT_TRANSFER_ENGINE_POLL=doze``).
@@ -52,10 +53,14 @@ def _env(pairs: list[str]) -> dict[str, str]:
 
 
 def _dig(entry: Any, path: str) -> Any:
+    """``entry`` at the dotted ``path`` (a number indexes a list), None where it has none."""
     for part in path.split("."):
-        if not isinstance(entry, dict) or part not in entry:
+        if isinstance(entry, list) and part.isdigit() and int(part) < len(entry):
+            entry = entry[int(part)]
+        elif isinstance(entry, dict) and part in entry:
+            entry = entry[part]
+        else:
             return None
-        entry = entry[part]
     return entry
 
 

@@ -92,11 +92,12 @@ def test_ab_runs_the_sides_in_turn_and_reports_each_metric(tmp_path: Path) -> No
         "if os.environ.get('FAIL'): sys.exit('broken')\n"
         "v = float(os.environ['V'])\n"
         "open('bench/results/fake.json', 'w').write(json.dumps("
-        "{'source_hash': 'x', 'results': {'row': {'m': v, 'n': {'deep': 2 * v}}, "
-        "'flat': 4 * v}}))\n")
+        "{'source_hash': 'x', 'results': {'row': {'m': v, 'n': {'deep': 2 * v}, "
+        "'runs': [{'t': 5 * v}]}, 'flat': 4 * v}}))\n")
     run = [sys.executable, str(ROOT / "bench" / "ab.py"), "run", "--a", str(tmp_path), "--b",
            str(tmp_path), "--env-a", "V=1", "--env-b", "V=3", "--rounds", "2",
-           "--metric", "m", "--metric", "n.deep", "--metric", "flat", "--",
+           "--metric", "m", "--metric", "n.deep", "--metric", "flat", "--metric", "runs.0.t",
+           "--metric", "runs.1.t", "--",
            "bench/fake.py"]
     out = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -105,6 +106,8 @@ def test_ab_runs_the_sides_in_turn_and_reports_each_metric(tmp_path: Path) -> No
     assert rows["row", "m", "B:"].endswith("median    3.0000")
     assert rows["row", "n.deep", "B:"].split()[3:5] == ["6.0000", "6.0000"]
     assert rows["(results)", "flat", "A:"].endswith("median    4.0000")  # a flat record
+    assert rows["row", "runs.0.t", "B:"].endswith("median   15.0000")  # a list's item
+    assert ("row", "runs.1.t", "A:") not in rows  # no such item: no row
     failed = subprocess.run([*run[:9], "--env-b", "FAIL=1", *run[11:]], capture_output=True,
                             text=True, timeout=120)
     assert failed.returncode != 0 and "bench/fake.py" in failed.stderr and "broken" in \
