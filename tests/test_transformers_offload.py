@@ -99,9 +99,9 @@ def test_a_model_loaded_without_its_experts_is_served(tmp_path, agent: AgentProc
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "llama4_text"])
 def test_generate_reports_its_routing_to_the_agent(tmp_path, agent: AgentProcess,
                                                    model_type: str) -> None:
-    """``report_routing=True``: each forward's routing (every MoE layer's experts and their
-    tokens) reaches the agent's routing statistics through the device's channel with no gRPC
-    call, one visit per layer and forward (the agent's own counter), and the tokens are
+    """``report_routing`` (the default): each forward's routing (every MoE layer's experts and
+    their tokens) reaches the agent's routing statistics through the device's channel with no
+    gRPC call, one visit per layer and forward (the agent's own counter), and the tokens are
     unchanged."""
     from bench.common import scrape
 
@@ -116,7 +116,7 @@ def test_generate_reports_its_routing_to_the_agent(tmp_path, agent: AgentProcess
     name = f"rr-{model_type}"
     with AgentClient(agent.address) as client:
         offload = offload_experts(model, client, path, CpuReferenceDevice(), cache=EXPERTS,
-                                  name=name, report_routing=True)
+                                  name=name)
         before = scrape(agent).get(f"dpu_agent_routing_visits_total/{name}", 0.0)
         calls = client.rpc_calls["ReportRouting"]
         with torch.no_grad():
@@ -129,6 +129,25 @@ def test_generate_reports_its_routing_to_the_agent(tmp_path, agent: AgentProcess
             assert time.monotonic() < deadline, "the agent did not fold every visit"
             time.sleep(0.01)
         assert scrape(agent)[f"dpu_agent_routing_visits_total/{name}"] - before == visits
+    assert torch.equal(got, want)
+
+
+def test_report_routing_off_reports_nothing(tmp_path, agent: AgentProcess) -> None:
+    """``report_routing=False``: no visit is posted, the agent folds none, tokens unchanged."""
+    from bench.common import scrape
+
+    model = _model("qwen3_moe").eval()
+    model.save_pretrained(tmp_path / "m")
+    ids = torch.tensor([[3, 17, 42, 5]])
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=3, do_sample=False)
+    with AgentClient(agent.address) as client:
+        offload = offload_experts(model, client, tmp_path / "m", CpuReferenceDevice(),
+                                  cache=EXPERTS, name="rr-off", report_routing=False)
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert offload.visits_reported == 0
+        assert scrape(agent).get("dpu_agent_routing_visits_total/rr-off", 0.0) == 0.0
     assert torch.equal(got, want)
 
 
