@@ -357,10 +357,17 @@ def agent_requests(d: dict[str, Any]) -> list[Row]:
 
 def slot_pool(d: dict[str, Any]) -> list[Row]:
     """The agent's cost of finding a slot, by pool size (bench/slot_pool.py)."""
-    return [(f"allocate in a pool of {n} slots, filling / evicting ({r['policy']} policy)",
-             f"{r['fill_us']:.1f} / {r['evict_us']:.1f} us",
-             f"a lookup {r['lookup_us']:.2f} us; evicting by LRU {r['evict_lru_us']:.1f} us",
-             "", "", None) for n, r in d["results"].items()]
+    rows: list[Row] = []
+    for n, r in d["results"].items():
+        rows.append((f"allocate in a pool of {n} slots, filling / evicting ({r['policy']} "
+                     "policy)", f"{r['fill_us']:.1f} / {r['evict_us']:.1f} us",
+                     f"a lookup {r['lookup_us']:.2f} us; evicting by LRU "
+                     f"{r['evict_lru_us']:.1f} us", "", "", None))
+        if "batch_us" in r:
+            rows.append((f"acquire in a pool of {n} slots, a layer's {r['batch']} experts held "
+                         f"at once ({r['policy']} policy)", f"{r['batch_us']:.1f} us",
+                         f"LRU {r['batch_lru_us']:.1f} us", "", "", None))
+    return rows
 
 
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [

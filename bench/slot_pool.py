@@ -10,12 +10,15 @@ Reported per size, microseconds per call: ``fill`` (allocating into a pool with 
 lowest first) and ``evict`` (the pool full, every slot idle: the pool's eviction policy names
 the victim), with the agent's default policy (``reuse``, no routing reported: every expert
 equally likely, so the layer furthest from its next visit goes) and with LRU
-(``evict_lru``).
+(``evict_lru``); and ``batch`` / ``batch_lru``: per acquire of a decode at batch > 1, where
+each layer's ``--batch`` experts (hits and misses) are all held while the misses evict, then
+released (layers of 128 experts, random routing).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
@@ -59,15 +62,52 @@ def measure(slots: int, calls: int, policy: str) -> dict[str, float]:
     return {"fill_us": filling * 1e6, "evict_us": evict * 1e6, "lookup_us": lookup * 1e6}
 
 
+def measure_batch(slots: int, calls: int, policy: str, batch: int) -> float:
+    """Microseconds per acquire (a hit's hold or a miss's allocate) when each layer's
+    ``batch`` distinct experts of 128, chosen at random, are all held before any is released,
+    over ``calls`` acquires after the pool first filled."""
+    stats = RoutingStats()
+    layers = max(2, -(-2 * slots // 128))  # the model twice the pool
+    stats.declare("m", range(layers), 128)
+    pool = SlotPool(1, 4096, slots, policy=make_policy(policy, stats))
+    rng = random.Random(0)
+    spent, timed, filled, layer = 0.0, 0, 0, 0
+    while timed < calls:
+        keys = [ExpertKey("m", layer, e) for e in rng.sample(range(128), batch)]
+        t0 = time.perf_counter()
+        held = []
+        for key in keys:
+            idx = pool.by_key.get(key)
+            if idx is None:
+                idx = pool.allocate(key)
+                assert idx is not None
+                pool.mark_ready(idx)
+            else:
+                pool.hold(idx)
+            held.append(idx)
+        if filled >= slots:
+            spent += time.perf_counter() - t0
+            timed += batch
+        filled += batch
+        for idx in held:
+            pool.let_go(idx)
+        layer = (layer + 1) % layers
+    return spent / timed * 1e6
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1536, 4096])
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=64,
+                    help="experts a layer holds at once in the batched case (<= 128)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     if min(args.sizes) < 1 or args.calls < 1:
         ap.error("--sizes and --calls must be positive")
+    if not 1 <= args.batch <= min(128, min(args.sizes)):
+        ap.error("--batch must be in [1, min(128, the smallest size)]")
     warm_up()  # the compiled policy loaded, as the agent does at start
     default = AgentConfig().cache.policy
     results = {}
@@ -75,9 +115,13 @@ def main() -> int:
         r = results[str(n)] = measure(n, args.calls, default)
         r["policy"] = default
         r["evict_lru_us"] = measure(n, args.calls, "lru")["evict_us"]
+        r["batch"] = args.batch
+        r["batch_us"] = measure_batch(n, args.calls, default, args.batch)
+        r["batch_lru_us"] = measure_batch(n, args.calls, "lru", args.batch)
         print(f"{n:>5} slots: fill {r['fill_us']:5.1f} us, evict {r['evict_us']:5.1f} us "
               f"({default}; LRU {r['evict_lru_us']:.1f}) per allocate (a lookup "
-              f"{r['lookup_us']:.2f} us)")
+              f"{r['lookup_us']:.2f} us); batches of {args.batch}: {r['batch_us']:.1f} us "
+              f"per acquire (LRU {r['batch_lru_us']:.1f})")
     if not args.no_save:
         data = envelope("slot_pool", results,
                         command="python bench/slot_pool.py " + " ".join(sys.argv[1:]))

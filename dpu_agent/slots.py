@@ -2,7 +2,10 @@
 expert it holds and the references on it. The one place of the reference rule (a slot nobody
 holds goes idle, an eviction candidate) and of the slot-state table's mirror (the channel).
 Which idle slot a miss takes is the pool's eviction policy's choice (the arena's policies,
-``dpu_agent.weights.policies``: the agent gives each pool the configured one)."""
+``dpu_agent.weights.policies``: the agent gives each pool the configured one), and the policy
+knows exactly the idle slots' experts: one enters it when its slot goes idle (a use just
+ended) and leaves it when held again, evicted or dropped, so a victim is never searched for
+among slots in use (a batch of B misses would cost O(B) each)."""
 
 from __future__ import annotations
 
@@ -51,8 +54,9 @@ class SlotPool:
     count of the slot when it went idle: a slot the client hit since, by a pin, was used
     again, and the policy hears so before it is passed over once)."""
     policy: EvictionPolicy = field(default_factory=LruPolicy)
-    """Names the idle slot a miss takes; sees every expert the pool takes in, uses and
-    drops (and, where it reads routing, each reported visit: :meth:`observe`)."""
+    """Names the idle slot a miss takes; holds exactly the experts of ``idle`` (inserted as
+    their slot goes idle, removed as it is held, evicted or freed) and, where it reads
+    routing, sees each reported visit (:meth:`observe`)."""
     generation: list[int] = field(default_factory=list)
     """Per slot, how many deliveries it was given (the slot-state table's generation)."""
     granted: list[bool] = field(default_factory=list)
@@ -114,10 +118,9 @@ class SlotPool:
         eviction candidate."""
         self.refs[idx] += refs
         key = self.keys[idx]
-        if key is not None:
-            self.policy.on_access(key)
-            if self.refs[idx] and self.is_idle(idx):
-                del self.idle[key]
+        if key is not None and self.refs[idx] and self.is_idle(idx):
+            del self.idle[key]
+            self.policy.on_remove(key)
 
     def let_go(self, idx: int) -> bool:
         """Drop one reference on slot ``idx`` (queued for eviction if that was the last and its
@@ -132,6 +135,7 @@ class SlotPool:
         key = self.keys[idx]
         if self.refs[idx] == 0 and self.state[idx] in _SETTLED and key is not None:
             self.idle[key] = (idx, self._touches(idx))
+            self.policy.on_insert(key)
 
     def is_idle(self, idx: int) -> bool:
         """Whether slot ``idx`` is an eviction candidate."""
@@ -161,9 +165,10 @@ class SlotPool:
 
     def _evict_for(self, key: ExpertKey, refs: int) -> int | None:
         """The idle slot the policy names for ``key``, claimed. A victim the client hit by a
-        pin since it went idle is reported used and passed over (named again only once every
+        pin since it went idle counts as used and is passed over (named again only once every
         other idle slot was); one whose check may still run (:meth:`checking`) or that a
-        client pins as it is claimed stays, passed over for this call."""
+        client pins as it is claimed stays, passed over for this call. Those set aside leave
+        ``idle`` and the policy while the search goes on and come back (as used) after it."""
         passed: list[tuple[ExpertKey, tuple[int, int]]] = []
         second: list[tuple[ExpertKey, tuple[int, int]]] = []
         try:
@@ -175,22 +180,25 @@ class SlotPool:
                     idx, seen = entry = self.idle.pop(victim)
                     touches = self._touches(idx)
                     if not again and touches != seen:
-                        self.policy.on_insert(victim)
-                        self.policy.on_access(victim)
                         second.append((victim, (idx, touches)))
                         continue
                     if self.checking(idx) or not self._claim(idx, key, refs):
-                        self.policy.on_insert(victim)
                         passed.append((victim, entry))
                         continue
                     del self.by_key[victim]
                     return idx
-                self.idle.update(second)
-                second.clear()
+                self._back_to_idle(second)
         finally:
-            self.idle.update(passed)
-            self.idle.update(second)
+            self._back_to_idle(passed)
+            self._back_to_idle(second)
         return None
+
+    def _back_to_idle(self, entries: list[tuple[ExpertKey, tuple[int, int]]]) -> None:
+        """Idle slots set aside during a search, candidates again (emptied)."""
+        for key, entry in entries:
+            self.idle[key] = entry
+            self.policy.on_insert(key)
+        entries.clear()
 
     def observe(self, visit: Visit) -> None:
         """A reported visit of a MoE layer (its arrays valid for this call), for a policy
@@ -218,7 +226,6 @@ class SlotPool:
         self.generation[idx] += 1
         self.granted[idx] = False
         self._publish(idx)
-        self.policy.on_insert(key)
         return True
 
     def mark_ready(self, idx: int) -> None:
@@ -261,11 +268,11 @@ class SlotPool:
         """Forget the slot's expert. The slot-state word keeps its last value (a FAILED stays
         visible) until the next :meth:`allocate` bumps the generation."""
         key = self.keys[idx]
-        if key is not None and self.by_key.get(key) == idx:
-            del self.by_key[key]
-            self.policy.on_remove(key)
         if self.is_idle(idx):
             del self.idle[key]
+            self.policy.on_remove(key)
+        if key is not None and self.by_key.get(key) == idx:
+            del self.by_key[key]
         if self.state[idx] != SlotState.FREE:
             heapq.heappush(self._free, idx)
         self.state[idx] = SlotState.FREE

@@ -8,13 +8,16 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.rebalance import EXPERTS, LAYERS, TOP_K, replay_decode
 from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.routing.traces import generate_trace
 from dpu_agent.slots import SlotPool
-from dpu_agent.weights.policies import make_policy
+from dpu_agent.weights.policies import LearnedReusePolicy, LruPolicy, make_policy
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
@@ -65,6 +68,45 @@ def test_a_miss_whose_layer_has_nothing_idle_evicts_by_the_policy(policy: str,
     assert len(gone) == 1 and next(iter(gone)).layer == evicted_layer
     assert pool.keys[held[2]] == ExpertKey("m", 1, 2)
     assert len(pool.idle) == 3 and all(pool.is_idle(i) for i, _ in pool.idle.values())
+
+
+def _known(policy: LruPolicy | LearnedReusePolicy) -> set[ExpertKey]:
+    """The experts the policy would choose among."""
+    if isinstance(policy, LruPolicy):
+        return set(policy._order)
+    return {model.keys[at][e] for model in policy._models.values()
+            for at, e in zip(*np.nonzero(model.held), strict=True)}
+
+
+@pytest.mark.parametrize("policy", ["reuse", "lru"])
+@settings(deadline=None)  # the first example compiles the policy
+@given(ops=st.lists(st.tuples(st.sampled_from(["use", "release", "fail"]),
+                              st.integers(0, 2), st.integers(0, 3)), max_size=60))
+def test_the_policy_knows_exactly_the_idle_slots(policy: str,
+                                                 ops: list[tuple[str, int, int]]) -> None:
+    """Whatever the order of fills, hits, releases and failures, the pool's policy orders
+    exactly its idle slots' experts: a victim is never searched for among slots in use (with
+    a layer's batch held, that search cost O(batch) per miss)."""
+    pool = _pool(policy, 5)
+    held: list[int] = []
+    for op, layer, expert in ops:
+        key = ExpertKey("m", layer, expert)
+        idx = pool.by_key.get(key)
+        if op == "use":
+            if idx is None:
+                idx = pool.allocate(key)
+                if idx is None:  # every slot in use
+                    continue
+                pool.mark_ready(idx)
+            else:
+                pool.hold(idx)
+            held.append(idx)
+        elif op == "release" and held:
+            assert pool.let_go(held.pop(layer % len(held)))
+        elif op == "fail" and idx is not None and pool.refs[idx] == 0:
+            pool.fail(idx, 1)
+        assert _known(pool.policy) == set(pool.idle)
+        assert all(pool.is_idle(i) and pool.refs[i] == 0 for i, _ in pool.idle.values())
 
 
 def test_a_pinned_victim_stays_and_the_next_is_taken() -> None:
