@@ -62,6 +62,23 @@ def measure(slots: int, calls: int, policy: str) -> dict[str, float]:
     return {"fill_us": filling * 1e6, "evict_us": evict * 1e6, "lookup_us": lookup * 1e6}
 
 
+def hold_layer(pool: SlotPool, keys: list[ExpertKey]) -> list[int]:
+    """One MoE layer's experts all held, as a decode step holds them: a hit's slot held, a
+    miss's allocated (evicting as the pool's policy names) and made READY; returns the slots,
+    still held."""
+    slots = []
+    for key in keys:
+        idx = pool.by_key.get(key)
+        if idx is None:
+            idx = pool.allocate(key)
+            assert idx is not None, f"no slot for {key}: every slot is held"
+            pool.mark_ready(idx)
+        else:
+            pool.hold(idx)
+        slots.append(idx)
+    return slots
+
+
 def measure_batch(slots: int, calls: int, policy: str, batch: int) -> float:
     """Microseconds per acquire (a hit's hold or a miss's allocate) when each layer's
     ``batch`` distinct experts of 128, chosen at random, are all held before any is released,
@@ -75,16 +92,7 @@ def measure_batch(slots: int, calls: int, policy: str, batch: int) -> float:
     while timed < calls:
         keys = [ExpertKey("m", layer, e) for e in rng.sample(range(128), batch)]
         t0 = time.perf_counter()
-        held = []
-        for key in keys:
-            idx = pool.by_key.get(key)
-            if idx is None:
-                idx = pool.allocate(key)
-                assert idx is not None
-                pool.mark_ready(idx)
-            else:
-                pool.hold(idx)
-            held.append(idx)
+        held = hold_layer(pool, keys)
         if filled >= slots:
             spent += time.perf_counter() - t0
             timed += batch

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.rebalance import EXPERTS, LAYERS, TOP_K, replay_decode
+from bench.slot_pool import hold_layer
 from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.routing.traces import generate_trace
 from dpu_agent.slots import SlotPool
@@ -33,18 +34,7 @@ def _pool(policy: str, slots: int) -> SlotPool:
 def _use(pool: SlotPool, layer: int, experts: list[int]) -> list[int]:
     """One layer of a decode step: its experts held (hit or filled and READY); returns their
     slots, still held."""
-    slots = []
-    for e in experts:
-        key = ExpertKey("m", layer, e)
-        idx = pool.by_key.get(key)
-        if idx is None:
-            idx = pool.allocate(key)
-            assert idx is not None
-            pool.mark_ready(idx)
-        else:
-            pool.hold(idx)
-        slots.append(idx)
-    return slots
+    return hold_layer(pool, [ExpertKey("m", layer, e) for e in experts])
 
 
 def _release(pool: SlotPool, slots: list[int]) -> None:
