@@ -98,7 +98,7 @@ ROWS: dict[str, Callable[[], str]] = {
         "transformers-decode-olmoe-1b-7b-cuda-prefetch"),
     "arena cache hit rate": cache,
     "activation round trip p50 through the agent": lambda: activations("activations-cpu"),
-    "same, GPU worker (resident receiver; H200)": lambda: activations("activations-cuda"),
+    "same, GPU worker (resident receiver)": lambda: activations("activations-cuda"),
     "same, GPU worker, its thread driving the kernels": lambda: activations(
         "activations-cuda-thread"),
     "steering lookups": lambda: f"{results('steering')['lookups_per_second'] / 1e6:.2f} M/s",
