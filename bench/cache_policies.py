@@ -60,64 +60,86 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
     policy = make_policy(policy_name, stats)
     predictor = NextLayerPredictor(stats)
     resident: set[ExpertKey] = set()
+    idle: set[ExpertKey] = set()  # resident and not in use: what the policy knows (as the agent's)
     unused: set[ExpertKey] = set()
     need = ready = fetched = wasted = 0
     spent = observing = folding = 0.0
     clock = time.perf_counter
 
-    def admit(key: ExpertKey, keep: set[ExpertKey]) -> bool:
-        """Make room for ``key`` (never evicting ``keep``) and insert it; False when every
-        resident expert is kept (the step alone overfills the cache: served uncached)."""
+    def admit(key: ExpertKey) -> bool:
+        """Make room for ``key`` (evicting an idle expert) and hold it; False when none is idle
+        (the step alone overfills the cache: served uncached)."""
         nonlocal wasted, spent
-        candidates = resident - keep if len(resident) >= size else resident
-        t0 = clock()  # the candidates are the cache's work, not the policy's
+        t0 = clock()
         try:
             if len(resident) >= size:
-                victim = policy.evict(candidates, key)
+                victim = policy.evict(idle, key)
                 if victim is None:
                     return False
                 resident.discard(victim)
+                idle.discard(victim)
                 if victim in unused:
                     unused.discard(victim)
                     wasted += 1
             resident.add(key)
-            policy.on_insert(key)
             return True
         finally:
             spent += clock() - t0
 
+    def hold(keys: list[ExpertKey]) -> None:
+        """Resident ``keys`` are in use: not evictable until released."""
+        nonlocal spent
+        t0 = clock()
+        for key in keys:
+            idle.discard(key)
+            policy.on_remove(key)
+        spent += clock() - t0
+
+    def release(keys: list[ExpertKey]) -> None:
+        """The step is done with ``keys``: each is idle again, and a use for the policy."""
+        nonlocal spent
+        t0 = clock()
+        for key in keys:
+            idle.add(key)
+            policy.on_insert(key)
+        spent += clock() - t0
+
     for step in steps:
         want = {ExpertKey(MODEL, step.layer, e) for e in step.experts}
-        for key in sorted(want):
-            need += 1
-            if key in resident:
-                ready += 1
-                unused.discard(key)
-                t0 = clock()
-                policy.on_access(key)
-                spent += clock() - t0
-            else:
-                admit(key, want)
-        if not report:
-            continue
-        counts: dict[int, int] = defaultdict(int)
-        for e in step.experts:
-            counts[e] += 1
-        t0 = clock()
-        visit = stats.observe(MODEL, step.layer, counts)
-        t1 = clock()
-        policy.observe(visit)
-        observing += clock() - t1
-        folding += t1 - t0
-        if not prefetch:
-            continue
-        nxt, guess = predictor.predict(MODEL, prefetch)
-        ahead = {ExpertKey(MODEL, nxt, e) for e in guess}
-        for key in sorted(ahead - resident):
-            if not admit(key, want | ahead):
-                break
-            unused.add(key)
-            fetched += 1
+        # The step's resident experts are held before its misses evict (a batch's hits are
+        # pinned first), and all of them until its layer is done with them.
+        held = sorted(want & resident)
+        need += len(want)
+        ready += len(held)
+        unused -= want
+        hold(held)
+        held += [key for key in sorted(want - resident) if admit(key)]
+        if report:
+            counts: dict[int, int] = defaultdict(int)
+            for e in step.experts:
+                counts[e] += 1
+            t0 = clock()
+            visit = stats.observe(MODEL, step.layer, counts)
+            t1 = clock()
+            policy.observe(visit)
+            observing += clock() - t1
+            folding += t1 - t0
+        ahead: list[ExpertKey] = []
+        if report and prefetch:  # the agent prefetches while the step's bytes still land
+            nxt, guess = predictor.predict(MODEL, prefetch)
+            wanted = [ExpertKey(MODEL, nxt, e) for e in sorted(guess)]
+            ahead = [key for key in wanted if key in resident and key not in held]
+            hold(ahead)  # each copied to the device from the arena: pinned meanwhile
+            for key in wanted:
+                if key in resident:
+                    continue
+                if not admit(key):
+                    break
+                ahead.append(key)
+                unused.add(key)
+                fetched += 1
+        release(sorted(held))
+        release(ahead)
     return {"ready": ready / max(1, need), "wasted": wasted / max(1, fetched),
             "prefetched_per_step": fetched / max(1, len(steps)),
             "policy_s_per_access": (spent + observing) / max(1, need),

@@ -7,9 +7,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import settings
 
+from dpu_agent.weights.policies import EvictionPolicy, LfuPolicy, LruPolicy
+from dpu_agent.weights.reuse import LearnedReusePolicy
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
@@ -56,3 +59,15 @@ def assert_prefetched(client: AgentClient, dev: AttachedDevice, hit: ExpertKey,
     assert got.wait(10) and got.resident, f"{hit} was not prefetched"
     assert other.wait(10) and other.resident is False, f"{miss} was resident"
     client.release_batch(dev, [hit, miss])
+
+
+def policy_candidates(policy: EvictionPolicy) -> set[ExpertKey]:
+    """The experts an LRU, LFU or learned-reuse policy knows as evictable (what it would
+    choose among)."""
+    if isinstance(policy, LruPolicy):
+        return set(policy._order)
+    if isinstance(policy, LfuPolicy):
+        return set(policy._tick)
+    assert isinstance(policy, LearnedReusePolicy)
+    return {model.keys[at][e] for model in policy._models.values()
+            for at, e in zip(*np.nonzero(model.held), strict=True)}

@@ -22,6 +22,7 @@ from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, make_policy
 from dpu_offload.checksum import blob_checksums, terms_sum
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from tests.conftest import policy_candidates
 
 
 def test_allocator_survives_churn_and_coalesces() -> None:
@@ -126,7 +127,8 @@ def test_an_eviction_takes_only_a_filled_unpinned_expert(five_experts: list, pol
     experts: an acquire that needs room evicts an expert nobody holds (what is pinned stays
     where it is, its bytes unchanged, an invalidated copy too until its last pin goes), and
     fails with CacheFullError, changing nothing, when the arena is all pinned; once every pin
-    is given back, the arena holds exactly the resident experts."""
+    is given back, the arena holds exactly the resident experts. After every step the policy
+    knows exactly the evictable experts (a victim is never searched for among pinned ones)."""
     arena = Arena(3 * five_experts[0].blob_bytes)
     cache = WeightCache(arena, 64 << 10, make_policy(policy, RoutingStats()))
     held: dict[int, list[CachedExpert]] = {j: [] for j in range(5)}  # the pins this test holds
@@ -151,6 +153,8 @@ def test_an_eviction_takes_only_a_filled_unpinned_expert(five_experts: list, pol
                 cache.release(held[i].pop())
             elif op == "invalidate":
                 cache.invalidate(entry.key)
+            if policy != "routing":  # it keeps no set: it ranks the candidates it is given
+                assert policy_candidates(cache.policy) == cache.evictable
             for j, copies in held.items():  # read only: a pin held stays in place
                 for c in copies:
                     view = arena.view(c.offset, five_experts[j].blob_bytes)

@@ -97,17 +97,23 @@ def test_a_miss_of_one_model_evicts_another_models_least_likely_expert() -> None
     assert policy.evict(set(keys[:6]), ExpertKey("b", 3, 0)) in keys[:6]
 
 
+def use(policy: LearnedReusePolicy, key: ExpertKey) -> None:
+    """``key`` used again, as a cache tells its policy: held (not evictable), then let go."""
+    policy.on_remove(key)
+    policy.on_insert(key)
+
+
 def test_without_reported_routing_a_layer_loses_its_least_recently_used_first() -> None:
     """No visit reported (a client that does not report routing): every prediction is the
-    same, so in a layer the least recently inserted or used expert goes, whatever its number;
+    same, so in a layer the expert whose last use ended longest ago goes, whatever its number;
     the layer order still decides between layers (the one decode needs last goes first)."""
     policy = LearnedReusePolicy(RoutingStats())
     keys = [ExpertKey("m", 0, e) for e in (5, 1, 3, 0)]
     for key in keys:
         policy.on_insert(key)
-    policy.on_access(keys[0])  # 5 used again: 1 is now the least recently used
+    use(policy, keys[0])  # 5 used again: 1 is now the least recently used
     assert policy.evict(set(keys), ExpertKey("m", 0, 7)) == keys[1]
-    policy.on_access(keys[2])  # 3 used: 0 is next, then 5
+    use(policy, keys[2])  # 3 used: 0 is next, then 5
     assert policy.evict(set(keys) - {keys[1]}, ExpertKey("m", 0, 7)) == keys[3]
     assert policy.evict({keys[0], keys[2]}, ExpertKey("m", 0, 7)) == keys[0]
     for e in (2, 4):

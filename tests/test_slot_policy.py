@@ -8,7 +8,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,11 +17,12 @@ from bench.slot_pool import hold_layer
 from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.routing.traces import generate_trace
 from dpu_agent.slots import SlotPool
-from dpu_agent.weights.policies import LearnedReusePolicy, LruPolicy, make_policy
+from dpu_agent.weights.policies import make_policy
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess
+from tests.conftest import policy_candidates
 
 
 def _pool(policy: str, slots: int) -> SlotPool:
@@ -60,14 +60,6 @@ def test_a_miss_whose_layer_has_nothing_idle_evicts_by_the_policy(policy: str,
     assert len(pool.idle) == 3 and all(pool.is_idle(i) for i, _ in pool.idle.values())
 
 
-def _known(policy: LruPolicy | LearnedReusePolicy) -> set[ExpertKey]:
-    """The experts the policy would choose among."""
-    if isinstance(policy, LruPolicy):
-        return set(policy._order)
-    return {model.keys[at][e] for model in policy._models.values()
-            for at, e in zip(*np.nonzero(model.held), strict=True)}
-
-
 @pytest.mark.parametrize("policy", ["reuse", "lru"])
 @settings(deadline=None)  # the first example compiles the policy
 @given(ops=st.lists(st.tuples(st.sampled_from(["use", "release", "fail"]),
@@ -95,7 +87,7 @@ def test_the_policy_knows_exactly_the_idle_slots(policy: str,
             assert pool.let_go(held.pop(layer % len(held)))
         elif op == "fail" and idx is not None and pool.refs[idx] == 0:
             pool.fail(idx, 1)
-        assert _known(pool.policy) == set(pool.idle)
+        assert policy_candidates(pool.policy) == set(pool.idle)
         assert all(pool.is_idle(i) and pool.refs[i] == 0 for i, _ in pool.idle.values())
 
 

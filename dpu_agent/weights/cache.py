@@ -89,7 +89,9 @@ class WeightCache:
         self._lock = threading.Lock()
         self._resident: dict[ExpertKey, CachedExpert] = {}
         self._evictable: set[ExpertKey] = set()
-        """The resident experts that are filled and unpinned: what an eviction may take."""
+        """The resident experts that are filled and unpinned: what an eviction may take, and
+        exactly what the policy knows (in as an expert's last pin goes, out as it is pinned,
+        evicted or dropped), so its choice never walks past experts in use."""
         self._shards = ShardReader()
         self.degraded: dict[str, str] = {}
         """model -> why some of its experts cannot be read (a shard changed under the agent);
@@ -115,17 +117,14 @@ class WeightCache:
             if not wait and (cached is None or not cached.ready.is_set()):
                 raise WouldBlock(f"{key} is not resident in the arena")
             if cached is not None:
-                cached.pins += 1
-                self._evictable.discard(key)
+                self._pin(cached)
                 self.stats.hits += 1
-                self.policy.on_access(key)
                 fill = False
             else:
                 self.stats.misses += 1
                 offset = self._allocate(entry.blob_bytes, key)
                 cached = CachedExpert(entry, offset, pins=1)
                 self._resident[key] = cached
-                self.policy.on_insert(key)
                 fill = True
         if fill:
             self._fill(cached, source)
@@ -151,10 +150,18 @@ class WeightCache:
         """Free an unpinned resident expert (``evicted``: the policy chose it and has
         forgotten it already)."""
         cached = self._resident.pop(key)
-        self._evictable.discard(key)
+        self._evictable.remove(key)
         if not evicted:
             self.policy.on_remove(key)
         self.arena.free(cached.offset)
+
+    def _pin(self, cached: CachedExpert) -> None:
+        """One more pin on a resident expert; an evictable one leaves the policy's view."""
+        cached.pins += 1
+        key = cached.entry.key
+        if key in self._evictable:
+            self._evictable.remove(key)
+            self.policy.on_remove(key)
 
     def peek(self, key: ExpertKey) -> CachedExpert | None:
         """Pin the expert if it is resident and filled (no fill, no hit counted); the caller
@@ -163,8 +170,7 @@ class WeightCache:
             cached = self._resident.get(key)
             if cached is None or not cached.ready.is_set() or cached.error is not None:
                 return None
-            cached.pins += 1
-            self._evictable.discard(key)
+            self._pin(cached)
             return cached
 
     def _fill(self, cached: CachedExpert, source: FillSource | None) -> None:
@@ -199,7 +205,6 @@ class WeightCache:
             with self._lock:
                 if self._resident.get(cached.entry.key) is cached:
                     self._resident.pop(cached.entry.key)
-                    self.policy.on_remove(cached.entry.key)
                     self.arena.free(cached.offset)
         finally:
             self.stats.fill_seconds += time.perf_counter() - start
@@ -241,6 +246,7 @@ class WeightCache:
             elif self._resident.get(key) is cached and cached.ready.is_set() \
                     and cached.error is None:
                 self._evictable.add(key)
+                self.policy.on_insert(key)
 
     def observe(self, routing: RoutingStats, model: str, layer: int,
                 tokens: Mapping[int, int], keep: bool = True) -> Visit | None:
@@ -267,9 +273,13 @@ class WeightCache:
                 self._drop(key)
             else:
                 self._resident.pop(key)
-                self._evictable.discard(key)
-                self.policy.on_remove(key)
                 self._orphans.append(cached)
+
+    @property
+    def evictable(self) -> frozenset[ExpertKey]:
+        """The experts an eviction may take now (filled, unpinned): the policy's candidates."""
+        with self._lock:
+            return frozenset(self._evictable)
 
     @property
     def resident(self) -> int:

@@ -1,9 +1,11 @@
 """Eviction policies of the weight cache, behind one interface.
 
-A policy only orders keys; the cache decides what is evictable (unpinned, resident). Every
-policy sees the same events: inserts, accesses, evictions it chose, removals for other reasons,
-and each visit of a MoE layer that routing reported (already folded into the agent's routing
-statistics, which the policies that ``reads_routing`` read: :func:`make_policy`).
+A policy only orders keys; the cache (the arena's or a slot pool) decides what is evictable
+and tells the policy exactly that set: a key is inserted as it becomes evictable (filled and
+its last user done with it: each insert is a use) and removed as it is used again, evicted or
+dropped, so ``evict`` never searches past keys in use. Every policy also sees each visit of a
+MoE layer that routing reported (already folded into the agent's routing statistics, which the
+policies that ``reads_routing`` read: :func:`make_policy`).
 """
 
 from __future__ import annotations
@@ -24,15 +26,12 @@ class EvictionPolicy(Protocol):
     name: str
 
     def on_insert(self, key: ExpertKey) -> None:
-        """``key`` became resident."""
-        ...
-
-    def on_access(self, key: ExpertKey) -> None:
-        """``key``, resident (inserted, not evicted or removed since), was used again."""
+        """``key`` became evictable: resident, and its use (the fill, a hit) just ended."""
         ...
 
     def on_remove(self, key: ExpertKey) -> None:
-        """``key`` left the cache other than by ``evict`` (a failed fill, an invalidation)."""
+        """``key`` stopped being evictable other than by ``evict`` (used again, invalidated,
+        dropped)."""
         ...
 
     def observe(self, visit: Visit) -> None: ...
@@ -56,8 +55,6 @@ class LruPolicy:
     def on_insert(self, key: ExpertKey) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
-
-    on_access = on_insert
 
     def on_remove(self, key: ExpertKey) -> None:
         self._order.pop(key, None)
@@ -87,8 +84,6 @@ class LfuPolicy:
         self._clock += 1
         self._count[key] += 1
         self._tick[key] = self._clock
-
-    on_access = on_insert
 
     def on_remove(self, key: ExpertKey) -> None:
         self._tick.pop(key, None)
@@ -129,8 +124,6 @@ class RoutingAwarePolicy:
 
     def on_insert(self, key: ExpertKey) -> None:
         pass
-
-    on_access = on_insert
 
     def on_remove(self, key: ExpertKey) -> None:
         pass

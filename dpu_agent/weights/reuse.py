@@ -5,8 +5,8 @@ distance to that visit.
 Built for cost as much as for hit rate (docs/PERFORMANCE.md, "Expert cache"): the state of a
 model is a few arrays (one row per MoE layer in decode order), a visit is one compiled
 least-squares update and prediction, an eviction one compiled search over the layers and one
-compiled update of the victim's row, an insert one compiled update, a hit one stamp of the
-policy's clock (and a compiled search of its row when it was the row's next victim).
+compiled update of the victim's row, an insert (an expert's use ended: it may be evicted) or a
+removal (used again, dropped) one compiled update.
 """
 
 from __future__ import annotations
@@ -170,9 +170,9 @@ class _Model:
             the key of each of them.
         p: ``float64[n, W]``: per expert the predicted chance that its layer's next visit
             selects it, made at the layer's last visit (or when the layer grew).
-        stamp: ``int64[n, W]``: per expert the policy's clock at its last insert or use (of
-            equal ``p`` the lowest goes first: least recently used).
-        held: ``bool[n, W]``: the experts in the cache.
+        stamp: ``int64[n, W]``: per expert the policy's clock at its last insert, the end of
+            its last use (of equal ``p`` the lowest goes first: least recently used).
+        held: ``bool[n, W]``: the experts the cache may evict (resident, not in use).
         low, low_e: ``float64[n]``, ``intp[n]``: per row the lowest ``p`` of a held expert
             and which (inf, -1: none held).
         current: the row last visited or filled (where distances count from when an eviction
@@ -285,19 +285,6 @@ class LearnedReusePolicy:
         model.stamp[at, e] = self._clock
         _hold(*model.rows, at, e)
         model.current = at
-
-    def on_access(self, key: ExpertKey) -> None:
-        name, number, e = key
-        model = self._models.get(name)
-        at = model.at.get(number) if model is not None else None
-        if at is None:
-            return
-        model.current = at
-        if e < model.width[at]:
-            self._clock += 1
-            model.stamp[at, e] = self._clock
-            if model.low_e[at] == e:  # the row's lowest may be another of equal p now
-                _set_low(*model.rows, at)
 
     def on_remove(self, key: ExpertKey) -> None:
         name, number, e = key
