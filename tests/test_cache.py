@@ -21,8 +21,11 @@ from dpu_agent.weights.cache import CachedExpert, CacheFullError, WeightCache, W
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, make_policy
 from dpu_offload.checksum import blob_checksums, terms_sum
+from dpu_offload.keys import ExpertKey
+from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
-from tests.conftest import policy_candidates
+from host_client.launcher import AgentProcess
+from tests.conftest import checkpoint_bytes, policy_candidates
 
 
 def test_allocator_survives_churn_and_coalesces() -> None:
@@ -168,6 +171,38 @@ def test_an_eviction_takes_only_a_filled_unpinned_expert(five_experts: list, pol
         assert arena.used_bytes == cache.resident * five_experts[0].blob_bytes
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
+def test_a_batch_finds_in_the_arena_what_it_asks_for_after_its_misses(tmp_path: Path,
+                                                                      policy: str) -> None:
+    """A batch whose arena misses come before experts it finds in the arena (a real agent, an
+    arena of 8 experts): its fills evict neither of those, so only the misses are read from
+    the checkpoint, and every slot holds the checkpoint's bytes. (Filled as the loop met them,
+    the four misses evicted the four experts the batch asked for next: 16 reads, not 12.)"""
+    root = make_checkpoint(tmp_path / "m", CheckpointSpec("qwen3-moe", layers=1, experts=12,
+                                                          hidden=512, intermediate=512))
+    truth = checkpoint_bytes(root)
+    blob = next(iter(build_catalog(root).experts.values())).blob_bytes
+    arena = 8 * (-(-blob // ARENA_ALIGN) * ARENA_ALIGN)
+    with AgentProcess(f'[arena]\nbytes = {arena}\n[cache]\npolicy = "{policy}"\n') as agent, \
+            AgentClient(agent.address) as client:
+        model = client.load_model(str(root), "m")
+        warm = client.register_device(CpuReferenceDevice(0), [SlotPoolSpec(model.expert_bytes, 8)])
+        cold = client.register_device(CpuReferenceDevice(1), [SlotPoolSpec(model.expert_bytes, 8)])
+        keys = [ExpertKey("m", 0, e) for e in range(12)]
+        for key in keys[:8]:  # one at a time: the arena holds 0-7, 0 used longest ago
+            client.acquire(warm, key).wait(10)
+            client.release(warm, key)
+        assert client.status().cache_misses == 8
+        batch = keys[8:] + keys[:4]
+        slots = [h.wait(10) for h in client.acquire_batch(cold, batch)]
+        assert client.status().cache_misses == 12
+        for slot in slots:
+            for role in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.layers.0.mlp.experts.{slot.key.expert}.{role}.weight"
+                assert slot.raw(role).tobytes() == truth[name], (slot.key, role)
+        client.release_batch(cold, batch)
 
 
 def test_acquire_without_waiting_serves_hits_only(tmp_path: Path) -> None:

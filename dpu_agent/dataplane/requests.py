@@ -1,7 +1,9 @@
 """Serving a channel's request ring: each entry is untrusted; it is checked, turned into a call
 of the agent's core, and answered in the reply table with a status that names what was wrong.
 A refused request changes nothing. An ACQUIRE whose expert must first be read into the arena
-is finished on a fill thread, so the loop keeps serving. ROUTE entries gather a layer's visit on
+is finished on a fill thread, so the loop keeps serving; the fills of what the loop took at once
+(a client's batch) start after its other entries are served, so the experts the batch finds in
+the arena are pinned before any of its fills evicts. ROUTE entries gather a layer's visit on
 the channel; its last entry folds the visit into the routing statistics (and may prefetch), in
 order with the channel's acquires.
 """
@@ -83,8 +85,11 @@ class RequestServer:
             return 0
         taken = time.monotonic_ns()
         rows = batch.tolist()  # plain tuples: a field of a NumPy record costs a microsecond
+        fills: list[tuple[int, int, ExpertKey]] = []
         for j, row in enumerate(rows):
-            self._one(channel, first + j, row)
+            self._one(channel, first + j, row, fills)
+        for position, rid, key in fills:
+            self.fills.submit(self._acquire_filling, channel, position, rid, key)
         # A diagnostic, client-written: only plausible times count.
         waits = [taken - row[_POSTED] for row in rows
                  if row[_POSTED] and 0 <= taken - row[_POSTED] < MAX_WAIT_NS]
@@ -94,8 +99,10 @@ class RequestServer:
             self.served_ns += len(waits) * (time.monotonic_ns() - taken)
         return int(batch.size)
 
-    def _one(self, channel: DeviceChannel, position: int, req: tuple[int, ...]) -> None:
-        """Serve one entry (``REQUEST_DTYPE`` fields, in order)."""
+    def _one(self, channel: DeviceChannel, position: int, req: tuple[int, ...],
+             fills: list[tuple[int, int, ExpertKey]]) -> None:
+        """Serve one entry (``REQUEST_DTYPE`` fields, in order); an ACQUIRE that needs an arena
+        fill is added to ``fills`` (position, request id, key) instead."""
         rid = req[_ID]
         if rid <= channel.last_request_id:
             self._refuse(channel, position, rid, abi.RequestStatus.REQUEST_REUSED,
@@ -122,7 +129,7 @@ class RequestServer:
                 try:
                     grant = self.core.acquire_for(channel.owner, key, False)
                 except WouldBlock:
-                    self.fills.submit(self._acquire_filling, channel, position, rid, key)
+                    fills.append((position, rid, key))
                     return
                 self._granted(channel, position, rid, grant)
             elif op == abi.RequestOp.RELEASE:
