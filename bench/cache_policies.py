@@ -86,22 +86,18 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
         finally:
             spent += clock() - t0
 
-    def hold(keys: list[ExpertKey]) -> None:
-        """Resident ``keys`` are in use: not evictable until released."""
+    def mark(keys: list[ExpertKey], in_use: bool) -> None:
+        """Resident ``keys`` held (not evictable until let go) or let go (idle again, and a
+        use for the policy)."""
         nonlocal spent
         t0 = clock()
         for key in keys:
-            idle.discard(key)
-            policy.on_remove(key)
-        spent += clock() - t0
-
-    def release(keys: list[ExpertKey]) -> None:
-        """The step is done with ``keys``: each is idle again, and a use for the policy."""
-        nonlocal spent
-        t0 = clock()
-        for key in keys:
-            idle.add(key)
-            policy.on_insert(key)
+            if in_use:
+                idle.discard(key)
+                policy.on_remove(key)
+            else:
+                idle.add(key)
+                policy.on_insert(key)
         spent += clock() - t0
 
     for step in steps:
@@ -112,7 +108,7 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
         need += len(want)
         ready += len(held)
         unused -= want
-        hold(held)
+        mark(held, in_use=True)
         held += [key for key in sorted(want - resident) if admit(key)]
         if report:
             counts: dict[int, int] = defaultdict(int)
@@ -129,7 +125,7 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
             nxt, guess = predictor.predict(MODEL, prefetch)
             wanted = [ExpertKey(MODEL, nxt, e) for e in sorted(guess)]
             ahead = [key for key in wanted if key in resident and key not in held]
-            hold(ahead)  # each copied to the device from the arena: pinned meanwhile
+            mark(ahead, in_use=True)  # each copied to the device from the arena: pinned meanwhile
             for key in wanted:
                 if key in resident:
                     continue
@@ -138,8 +134,8 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
                 ahead.append(key)
                 unused.add(key)
                 fetched += 1
-        release(sorted(held))
-        release(ahead)
+        mark(sorted(held), in_use=False)
+        mark(ahead, in_use=False)
     return {"ready": ready / max(1, need), "wasted": wasted / max(1, fetched),
             "prefetched_per_step": fetched / max(1, len(steps)),
             "policy_s_per_access": (spent + observing) / max(1, need),
