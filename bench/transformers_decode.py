@@ -5,7 +5,9 @@ layers reduced to fit the machine, saved with ``save_pretrained`` and loaded int
 one run, tokens per second of ``generate()`` at batch 1 and 8 for:
 
 - ``resident``: every expert in device memory, with the fastest experts implementation
-  transformers offers here (``batched_mm``, ``grouped_mm`` and ``eager`` are each timed);
+  transformers offers here (``batched_mm``, ``grouped_mm`` and ``eager`` are each timed; one
+  that runs out of device memory, as ``batched_mm`` does for Mixtral at batch 8 on 80 GB, is
+  recorded unavailable);
 - ``offload``: ``offload_experts`` at each GPU expert-cache fraction (routing from the model's
   own router), its outputs compared with the resident run's; each fraction first runs once
   untimed, so the arena holds the experts (the timed runs measure GPU-pool misses served from
@@ -166,9 +168,15 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
                 resident[impl] = {"unavailable": str(exc)[:200]}  # type: ignore[dict-item]
                 continue
             resident[impl], outputs[impl] = {}, {}
-            for b in batches:
-                resident[impl][b], outputs[impl][b] = timed_generate(model, b, prompt, new,
-                                                                     replay)
+            try:
+                for b in batches:
+                    resident[impl][b], outputs[impl][b] = timed_generate(model, b, prompt,
+                                                                         new, replay)
+            except torch.OutOfMemoryError as exc:  # batched_mm gathers weights per token
+                resident[impl] = {  # type: ignore[dict-item]
+                    "unavailable": f"out of device memory at batch {b}: {str(exc)[:160]}"}
+                del outputs[impl]
+                torch.cuda.empty_cache()
         best = max((i for i in resident if "unavailable" not in resident[i]),
                    key=lambda i: resident[i][batches[0]])
         expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
