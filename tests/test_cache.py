@@ -20,6 +20,7 @@ from dpu_agent.weights.arena import ARENA_ALIGN, Arena
 from dpu_agent.weights.cache import CachedExpert, CacheFullError, WeightCache, WouldBlock
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, make_policy
+from dpu_offload.blob import align_up
 from dpu_offload.checksum import blob_checksums, terms_sum
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -184,7 +185,7 @@ def test_a_batch_finds_in_the_arena_what_it_asks_for_after_its_misses(tmp_path: 
                                                           hidden=512, intermediate=512))
     truth = checkpoint_bytes(root)
     blob = next(iter(build_catalog(root).experts.values())).blob_bytes
-    arena = 8 * (-(-blob // ARENA_ALIGN) * ARENA_ALIGN)
+    arena = 8 * align_up(blob, ARENA_ALIGN)
     with AgentProcess(f'[arena]\nbytes = {arena}\n[cache]\npolicy = "{policy}"\n') as agent, \
             AgentClient(agent.address) as client:
         model = client.load_model(str(root), "m")

@@ -31,6 +31,7 @@ from dpu_agent.weights.arena import ARENA_ALIGN
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy, make_policy
 from dpu_agent.weights.reuse import _learn
+from dpu_offload.blob import align_up
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
@@ -365,7 +366,7 @@ def test_the_harness_replays_what_a_real_agents_arena_does(tmp_path: Path, polic
                                                           hidden=128, intermediate=128))
     blob = next(iter(build_catalog(root).experts.values())).blob_bytes
     size = 24
-    settings = (f'[arena]\nbytes = {size * (-(-blob // ARENA_ALIGN) * ARENA_ALIGN)}\n'
+    settings = (f'[arena]\nbytes = {size * align_up(blob, ARENA_ALIGN)}\n'
                 f'[cache]\npolicy = "{policy}"\n')
     with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
         model = client.load_model(str(root), "m")
