@@ -12,7 +12,7 @@ import pytest
 from hypothesis import settings
 
 from dpu_agent.weights.policies import EvictionPolicy, LfuPolicy, LruPolicy
-from dpu_agent.weights.reuse import LearnedReusePolicy
+from dpu_agent.weights.reuse import HELD, LearnedReusePolicy
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes
@@ -70,4 +70,4 @@ def policy_candidates(policy: EvictionPolicy) -> set[ExpertKey]:
         return set(policy._tick)
     assert isinstance(policy, LearnedReusePolicy)
     return {model.keys[at][e] for model in policy._models.values()
-            for at, e in zip(*np.nonzero(model.held), strict=True)}
+            for at, e in zip(*np.nonzero(model.grid[HELD]), strict=True)}
