@@ -31,7 +31,7 @@ from dpu_agent.config import AgentConfig
 from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.routing.traces import RoutingStep, generate_trace, read_trace
-from dpu_agent.weights.policies import POLICIES, make_policy
+from dpu_agent.weights.policies import POLICIES, Evictable, make_policy
 from dpu_offload.keys import ExpertKey
 
 MODEL = "trace"
@@ -60,7 +60,7 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
     policy = make_policy(policy_name, stats)
     predictor = NextLayerPredictor(stats)
     resident: set[ExpertKey] = set()
-    idle: set[ExpertKey] = set()  # resident and not in use: what the policy knows (as the agent's)
+    idle: Evictable[None] = Evictable(policy)  # resident, not in use (as the agent's arena)
     unused: set[ExpertKey] = set()
     need = ready = fetched = wasted = 0
     spent = observing = folding = 0.0
@@ -73,11 +73,11 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
         t0 = clock()
         try:
             if len(resident) >= size:
-                victim = policy.evict(idle, key)
-                if victim is None:
+                taken = idle.evict(key)
+                if taken is None:
                     return False
+                victim = taken[0]
                 resident.discard(victim)
-                idle.discard(victim)
                 if victim in unused:
                     unused.discard(victim)
                     wasted += 1
@@ -94,10 +94,8 @@ def replay(steps: list[RoutingStep], policy_name: str, size: int, prefetch: int 
         for key in keys:
             if in_use:
                 idle.discard(key)
-                policy.on_remove(key)
             else:
-                idle.add(key)
-                policy.on_insert(key)
+                idle.add(key, None)
         spent += clock() - t0
 
     for step in steps:

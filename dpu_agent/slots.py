@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.routing.stats import Visit
-from dpu_agent.weights.policies import EvictionPolicy, LruPolicy
+from dpu_agent.weights.policies import Evictable, EvictionPolicy, LruPolicy
 from dpu_offload.abi import SlotState
 from dpu_offload.channel import split_word, state_word
 from dpu_offload.keys import ExpertKey
@@ -48,15 +48,9 @@ class SlotPool:
     checksums: list[tuple[int, ...]] = field(default_factory=list)
     """Per slot, the chunk checksums of the blob it holds (to verify copies made from it)."""
     by_key: dict[ExpertKey, int] = field(default_factory=dict)
-    idle: dict[ExpertKey, tuple[int, int]] = field(default_factory=dict)
-    """The eviction candidates, by the expert they hold (what the policy chooses among): READY
-    or LANDED slots nobody holds through the agent, each as (slot, the client's ``touches``
-    count of the slot when it went idle: a slot the client hit since, by a pin, was used
-    again, and the policy hears so before it is passed over once)."""
     policy: EvictionPolicy = field(default_factory=LruPolicy)
-    """Names the idle slot a miss takes; holds exactly the experts of ``idle`` (inserted as
-    their slot goes idle, removed as it is held, evicted or freed) and, where it reads
-    routing, sees each reported visit (:meth:`observe`)."""
+    """Names the idle slot a miss takes; knows exactly the experts of ``idle`` and, where it
+    reads routing, sees each reported visit (:meth:`observe`)."""
     generation: list[int] = field(default_factory=list)
     """Per slot, how many deliveries it was given (the slot-state table's generation)."""
     granted: list[bool] = field(default_factory=list)
@@ -70,6 +64,11 @@ class SlotPool:
 
     def __post_init__(self) -> None:
         n = self.slot_count
+        self.idle: Evictable[tuple[int, int]] = Evictable(self.policy)
+        """The eviction candidates, by the expert they hold (what the policy chooses among):
+        READY or LANDED slots nobody holds through the agent, each as (slot, the client's
+        ``touches`` count of the slot when it went idle: a slot the client hit since, by a
+        pin, was used again, and the policy hears so before it is passed over once)."""
         self._free = list(range(n))
         """Min-heap of the slots made FREE (entries whose slot was taken since are skipped):
         the lowest free slot in O(log n), where a scan of ``state`` costs the whole pool on
@@ -119,8 +118,7 @@ class SlotPool:
         self.refs[idx] += refs
         key = self.keys[idx]
         if key is not None and self.refs[idx] and self.is_idle(idx):
-            del self.idle[key]
-            self.policy.on_remove(key)
+            self.idle.discard(key)
 
     def let_go(self, idx: int) -> bool:
         """Drop one reference on slot ``idx`` (queued for eviction if that was the last and its
@@ -134,13 +132,13 @@ class SlotPool:
     def _idle_if_unheld(self, idx: int) -> None:
         key = self.keys[idx]
         if self.refs[idx] == 0 and self.state[idx] in _SETTLED and key is not None:
-            self.idle[key] = (idx, self._touches(idx))
-            self.policy.on_insert(key)
+            self.idle.add(key, (idx, self._touches(idx)))
 
     def is_idle(self, idx: int) -> bool:
         """Whether slot ``idx`` is an eviction candidate."""
         key = self.keys[idx]
-        return key is not None and self.idle.get(key, (-1,))[0] == idx
+        entry = None if key is None else self.idle.get(key)
+        return entry is not None and entry[0] == idx
 
     def _touches(self, idx: int) -> int:
         return 0 if self.channel is None else self.channel.touches(self.state_base + idx)
@@ -173,11 +171,9 @@ class SlotPool:
         second: list[tuple[ExpertKey, tuple[int, int]]] = []
         try:
             for again in (False, True):
-                while self.idle:
-                    victim = self.policy.evict(self.idle.keys(), key)
-                    if victim is None:
-                        break
-                    idx, seen = entry = self.idle.pop(victim)
+                while (taken := self.idle.evict(key)) is not None:
+                    victim, entry = taken
+                    idx, seen = entry
                     touches = self._touches(idx)
                     if not again and touches != seen:
                         second.append((victim, (idx, touches)))
@@ -196,8 +192,7 @@ class SlotPool:
     def _back_to_idle(self, entries: list[tuple[ExpertKey, tuple[int, int]]]) -> None:
         """Idle slots set aside during a search, candidates again (emptied)."""
         for key, entry in entries:
-            self.idle[key] = entry
-            self.policy.on_insert(key)
+            self.idle.add(key, entry)
         entries.clear()
 
     def observe(self, visit: Visit) -> None:
@@ -269,8 +264,7 @@ class SlotPool:
         visible) until the next :meth:`allocate` bumps the generation."""
         key = self.keys[idx]
         if self.is_idle(idx):
-            del self.idle[key]
-            self.policy.on_remove(key)
+            self.idle.discard(key)
         if key is not None and self.by_key.get(key) == idx:
             del self.by_key[key]
         if self.state[idx] != SlotState.FREE:

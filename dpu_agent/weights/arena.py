@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from dpu_offload.blob import BLOB_ALIGN
+from dpu_offload.blob import BLOB_ALIGN, align_up
 from dpu_offload.shm import SharedBuffer, unique_name
 
 ARENA_ALIGN = BLOB_ALIGN
@@ -46,7 +46,7 @@ class Arena:
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a fresh block of at least ``nbytes``; None when no free block fits."""
-        need = max(ARENA_ALIGN, -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN)
+        need = max(ARENA_ALIGN, align_up(nbytes, ARENA_ALIGN))
         with self._lock:
             for start in self._free_starts:
                 size = self._free_sizes[start]

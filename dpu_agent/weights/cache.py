@@ -20,7 +20,7 @@ import numpy as np
 from dpu_agent.routing.stats import RoutingStats, Visit
 from dpu_agent.weights.arena import Arena
 from dpu_agent.weights.catalog import ExpertEntry
-from dpu_agent.weights.policies import EvictionPolicy
+from dpu_agent.weights.policies import Evictable, EvictionPolicy
 from dpu_agent.weights.safetensors_file import ShardChanged, ShardReader
 from dpu_offload.checksum import blob_checksums, blob_sum
 from dpu_offload.keys import ExpertKey
@@ -88,7 +88,7 @@ class WeightCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._resident: dict[ExpertKey, CachedExpert] = {}
-        self._evictable: set[ExpertKey] = set()
+        self._evictable: Evictable[None] = Evictable(policy)
         """The resident experts that are filled and unpinned: what an eviction may take, and
         exactly what the policy knows (in as an expert's last pin goes, out as it is pinned,
         evicted or dropped), so its choice never walks past experts in use."""
@@ -139,29 +139,23 @@ class WeightCache:
             offset = self.arena.alloc(nbytes)
             if offset is not None:
                 return offset
-            victim = self.policy.evict(self._evictable, key)
+            victim = self._evictable.evict(key)
             if victim is None:
                 raise CacheFullError(f"arena of {self.arena.size} bytes cannot hold {nbytes} "
                                      "more: every resident expert is pinned")
-            self._drop(victim, evicted=True)
+            self._drop(victim[0])
             self.stats.evictions += 1
 
-    def _drop(self, key: ExpertKey, evicted: bool = False) -> None:
-        """Free an unpinned resident expert (``evicted``: the policy chose it and has
-        forgotten it already)."""
+    def _drop(self, key: ExpertKey) -> None:
+        """Free an unpinned resident expert."""
         cached = self._resident.pop(key)
-        self._evictable.remove(key)
-        if not evicted:
-            self.policy.on_remove(key)
+        self._evictable.discard(key)
         self.arena.free(cached.offset)
 
     def _pin(self, cached: CachedExpert) -> None:
         """One more pin on a resident expert; an evictable one leaves the policy's view."""
         cached.pins += 1
-        key = cached.entry.key
-        if key in self._evictable:
-            self._evictable.remove(key)
-            self.policy.on_remove(key)
+        self._evictable.discard(cached.entry.key)
 
     def peek(self, key: ExpertKey) -> CachedExpert | None:
         """Pin the expert if it is resident and filled (no fill, no hit counted); the caller
@@ -245,8 +239,7 @@ class WeightCache:
                 self.arena.free(cached.offset)
             elif self._resident.get(key) is cached and cached.ready.is_set() \
                     and cached.error is None:
-                self._evictable.add(key)
-                self.policy.on_insert(key)
+                self._evictable.add(key, None)
 
     def observe(self, routing: RoutingStats, model: str, layer: int,
                 tokens: Mapping[int, int], keep: bool = True) -> Visit | None:

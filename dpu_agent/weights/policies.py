@@ -1,9 +1,10 @@
 """Eviction policies of the weight cache, behind one interface.
 
 A policy only orders keys; the cache (the arena's or a slot pool) decides what is evictable
-and tells the policy exactly that set: a key is inserted as it becomes evictable (filled and
-its last user done with it: each insert is a use) and removed as it is used again, evicted or
-dropped, so ``evict`` never searches past keys in use. Every policy also sees each visit of a
+and keeps it in an :class:`Evictable`, which tells the policy exactly that set: a key is
+inserted as it becomes evictable (filled and its last user done with it: each insert is a use)
+and removed as it is used again, evicted or dropped, so ``evict`` never searches past keys in
+use. Every policy also sees each visit of a
 MoE layer that routing reported (already folded into the agent's routing statistics, which the
 policies that ``reads_routing`` read: :func:`make_policy`).
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from dpu_agent.routing.stats import SHARE, RoutingStats, Visit
 from dpu_agent.weights.reuse import LearnedReusePolicy
@@ -152,6 +154,52 @@ class RoutingAwarePolicy:
             if t > best_t:
                 best, best_t = k, t
         return best
+
+
+V = TypeVar("V")
+
+
+class Evictable(Generic[V]):
+    """The keys a cache may evict now, each with a value of the cache's, and the policy that
+    orders them, kept in step: the policy is told of a key as it enters (``on_insert``, a use
+    just ended) and as it leaves other than by :meth:`evict` (``on_remove``)."""
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self._values: dict[ExpertKey, V] = {}
+
+    def add(self, key: ExpertKey, value: V) -> None:
+        """``key`` became evictable (or, already so, was used again), with ``value``."""
+        self._values[key] = value
+        self.policy.on_insert(key)
+
+    def discard(self, key: ExpertKey) -> None:
+        """``key`` is not evictable any more (held again, invalidated, dropped); no-op if it
+        was not."""
+        if key in self._values:
+            del self._values[key]
+            self.policy.on_remove(key)
+
+    def evict(self, incoming: ExpertKey | None = None) -> tuple[ExpertKey, V] | None:
+        """The key the policy names to make room for ``incoming``, and its value, both
+        removed; None when nothing is evictable."""
+        victim = self.policy.evict(self._values.keys(), incoming)
+        return None if victim is None else (victim, self._values.pop(victim))
+
+    def get(self, key: ExpertKey) -> V | None:
+        return self._values.get(key)
+
+    def values(self) -> list[V]:
+        return list(self._values.values())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __iter__(self) -> Iterator[ExpertKey]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 POLICIES: dict[str, type] = {"lru": LruPolicy, "lfu": LfuPolicy, "routing": RoutingAwarePolicy,
