@@ -179,15 +179,25 @@ def test_engine_death_fails_in_flight_and_is_restarted(
     assert metric(agent, "dpu_agent_engine_restarts_total") == restarts + 1
 
 
-def test_a_hung_engine_is_killed_and_its_transfers_fail(qwen_ckpt: Path) -> None:
+@pytest.mark.parametrize("given", ["at start", "by SIGHUP"])
+def test_a_hung_engine_is_killed_and_its_transfers_fail(qwen_ckpt: Path, given: str) -> None:
     """An engine that stops (SIGSTOP) without dying holds its transfers past the transfer
     timeout: the agent kills it rather than cancel them under it (a late SIGNAL or copy could
     land in a slot given to another delivery), the waiters get CANCELLED, and a fresh engine
-    serves the same expert, verified."""
-    settings = ('[arena]\nbytes = "64MiB"\n[transfer]\ntimeout_seconds = 1\n'
-                '[metrics]\nlisten_address = "127.0.0.1:0"\n')
+    serves the same expert, verified. The timeout is live: set by SIGHUP (from 30 s), it
+    applies to the data plane at once."""
+    base = '[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n'
+    one_second = base + "[transfer]\ntimeout_seconds = 1\n"
     truth = checkpoint_bytes(qwen_ckpt)
-    with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
+    with (AgentProcess(one_second if given == "at start" else base) as agent,
+          AgentClient(agent.address) as client):
+        if given == "by SIGHUP":
+            agent.config_path.write_text(one_second)
+            agent.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while "transfer.timeout_seconds: 30 -> 1" not in agent.log():
+                assert time.monotonic() < deadline, agent.log()
+                time.sleep(0.05)
         model = client.load_model(str(qwen_ckpt), "qwen-hung")
         dev = client.register_device(CpuReferenceDevice(3),
                                      [SlotPoolSpec(model.expert_bytes, 4)], delivery="engine")
@@ -272,8 +282,10 @@ def test_an_acquire_waits_for_an_unheld_slot_still_landing(
     """The pool's one slot has a delivery in flight that nobody holds (a prefetch; likewise an
     acquire released before the agent saw its copy complete, which the engine's own LANDED
     makes possible): an acquire of another expert is not refused as if every slot were held;
-    it waits for the slot to land, evicts it and gets the right bytes."""
+    it waits in the agent's loop (parked, counted) for the slot to land, evicts it and gets
+    the right bytes."""
     truth = checkpoint_bytes(qwen_ckpt)
+    parked = metric(agent, "dpu_agent_dataplane_parked_requests_total")
     model = client.load_model(str(qwen_ckpt), "qwen-one")
     dev = client.register_device(CpuReferenceDevice(5), [SlotPoolSpec(model.expert_bytes, 1)],
                                  delivery="engine")
@@ -295,7 +307,8 @@ def test_an_acquire_waits_for_an_unheld_slot_still_landing(
             time.sleep(0.005)
         handle = client.acquire(dev, wanted)
         time.sleep(0.3)
-        assert handle.refusal is None and not handle.done()
+        assert handle.refusal is None and not handle.done() and not handle.granted()
+        assert metric(agent, "dpu_agent_dataplane_parked_requests_total") == parked + 1
     finally:
         os.kill(pid, signal.SIGCONT)
     slot = handle.wait(10)

@@ -23,7 +23,14 @@ from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
 
 LANDING_POLL_SECONDS = 0.001
-"""An acquire that waits for an unheld slot to land looks again this often."""
+"""An acquire that waits for an unheld slot to land looks again this often (a fill thread's;
+the data-plane loop parks such a request instead and retries it as deliveries complete)."""
+
+
+class WaitForLanding(WouldBlock):
+    """``acquire(..., wait=False)`` found every slot that fits held or still landing: a slot
+    will be free once a delivery in flight lands (or its check ends). Raised before anything
+    changed; retrying once a completion or a verdict was taken up may succeed."""
 
 
 @dataclass(frozen=True)
@@ -77,24 +84,27 @@ class SlotGrants:
         self.deliveries = deliveries
         self.queue = queue
         self._fills = fills
-        self._transfer_timeout = transfer_timeout
+        self.transfer_timeout = transfer_timeout
+        """Seconds an acquire waits for an unheld slot to land (``transfer.timeout_seconds``,
+        live)."""
 
     def acquire(self, session: Session, device_id: int, key: ExpertKey, wait: bool = True
                 ) -> SlotGrant:
         """Grant a slot holding ``key`` on the device (one reference), starting its delivery
         if needed. With ``wait=False`` the call never blocks: where the delivery would need
-        an arena fill, or a slot another delivery is still landing in, it raises WouldBlock, its
-        reservation undone (an idle slot it evicted for ``key`` stays free: the retry on a
-        worker thread would evict it too). With ``wait=True``, where every fitting slot is held
-        or still landing, it waits (up to the transfer timeout) for an unheld one to land."""
-        deadline = time.monotonic() + self._transfer_timeout
+        an arena fill it raises WouldBlock, its reservation undone (an idle slot it evicted
+        for ``key`` stays free: the retry on a worker thread would evict it too); where it
+        would need a slot another delivery is still landing in, WaitForLanding. With
+        ``wait=True``, where every fitting slot is held or still landing, it waits (up to the
+        transfer timeout) for an unheld one to land."""
+        deadline = time.monotonic() + self.transfer_timeout
         while True:
             try:
                 dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs=1)
                 break
             except SlotsLanding as exc:
                 if not wait:
-                    raise WouldBlock(exc.message) from exc
+                    raise WaitForLanding(exc.message) from exc
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(LANDING_POLL_SECONDS)

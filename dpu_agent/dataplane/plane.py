@@ -56,7 +56,7 @@ class DataPlane:
         self.bell = Bell.create("dpu-bell")
         """The doorbell clients ring after posting (its name goes to every session)."""
         self.deliveries = Deliveries(cache, chunk_bytes, fills, alive, self.bell.ring)
-        self.requests = RequestServer(core, fills)
+        self.requests = RequestServer(core, fills, transfer_timeout)
         self.engine = EngineDevices(*arena, devices, self._engine_died, self.bell.name,
                                     engine_polls)
         """Devices the DMA-engine process serves (it starts when the first registers; it rings
@@ -67,6 +67,16 @@ class DataPlane:
         self._devices = devices
         self._transfer_timeout = transfer_timeout
         self._landed_checked = 0.0
+
+    @property
+    def transfer_timeout(self) -> float:
+        """Seconds a transfer may go without completing, and a parked ACQUIRE may wait for a
+        slot to land (``transfer.timeout_seconds``, live)."""
+        return self._transfer_timeout
+
+    @transfer_timeout.setter
+    def transfer_timeout(self, seconds: float) -> None:
+        self._transfer_timeout = self.requests.landing_timeout = seconds
 
     def start(self) -> None:
         self.loop.start()
@@ -79,10 +89,12 @@ class DataPlane:
     def _doze_limit(self) -> float:
         """How long the loop may sleep on the doorbell: not at all while a device consumer's
         completions are awaited (they come without a ring), ``LANDED_CHECK_SECONDS`` while only
-        consumers' verdicts are."""
+        consumers' verdicts are, or an ACQUIRE is parked."""
         if self.deliveries.tracker.unrung:
             return 0.0
-        return LANDED_CHECK_SECONDS if self.deliveries.awaiting_verdicts else DOZE_SECONDS
+        if self.deliveries.awaiting_verdicts or self.requests.parked:
+            return LANDED_CHECK_SECONDS
+        return DOZE_SECONDS
 
     def _engine_died(self, devices: set[Device]) -> None:
         """The DMA engine died: its devices' transfers in flight end CANCELLED (their slots go
@@ -114,13 +126,12 @@ class DataPlane:
                       "stuck or gone)", t.transfer_id, limit)
 
     def _poll_once(self) -> tuple[int, int]:
-        """One pass of the loop: every channel's requests, then every queue's backlog and
-        completions. Returns (requests, completions) handled."""
+        """One pass of the loop: every queue's backlog and completions, the consumers'
+        verdicts when due, the parked ACQUIREs, then every channel's requests (completions
+        first: a slot whose copy completed is evictable for the requests that follow).
+        Returns (requests answered, completions handled)."""
         requests = completions = 0
         devices = self._devices()
-        for dev in devices:
-            if dev.channel is not None and not dev.channel.closed:
-                requests += self.requests.serve(dev.channel)
         for q in (dev.queue for dev in devices if dev.queue is not None):
             try:
                 q.flush()
@@ -132,7 +143,12 @@ class DataPlane:
                 completions += int(recs.size)
                 self.deliveries.tracker.complete_many(recs)
         now = time.monotonic()
-        if now - self._landed_checked > LANDED_CHECK_SECONDS:
+        verdicts = now - self._landed_checked > LANDED_CHECK_SECONDS
+        if verdicts:
             self._landed_checked = now
             self.deliveries.check_landed()
+        requests += self.requests.retry_parked(bool(completions) or verdicts)
+        for dev in devices:
+            if dev.channel is not None and not dev.channel.closed:
+                requests += self.requests.serve(dev.channel)
         return requests, completions

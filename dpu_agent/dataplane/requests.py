@@ -3,7 +3,10 @@ of the agent's core, and answered in the reply table with a status that names wh
 A refused request changes nothing. An ACQUIRE whose expert must first be read into the arena
 is finished on a fill thread, so the loop keeps serving; the fills of what the loop took at once
 (a client's batch) start after its other entries are served, so the experts the batch finds in
-the arena are pinned before any of its fills evicts. ROUTE entries gather a layer's visit on
+the arena are pinned before any of its fills evicts. An ACQUIRE that finds every slot that fits
+held or still landing is parked: the loop tries it again after it took up completions or
+verdicts (and at least every ``RETRY_SECONDS``), and refuses it RESOURCE_EXHAUSTED if no slot
+came within the transfer timeout. ROUTE entries gather a layer's visit on
 the channel; its last entry folds the visit into the routing statistics (and may prefetch), in
 order with the channel's acquires.
 """
@@ -13,9 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Protocol
 
 from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.dataplane.grants import WaitForLanding
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.weights.cache import WouldBlock
 from dpu_offload import abi
@@ -30,6 +35,21 @@ _ID, _OP, _FLAGS, _MODEL, _LAYER, _EXPERT, _POSTED, _COUNT, _PREFETCH = (
                                                "layer", "expert", "posted_ns", "count",
                                                "prefetch"))
 _KNOWN_FLAGS = sum(abi.RequestFlags)
+RETRY_SECONDS = 0.001
+"""A parked ACQUIRE is tried again at least this often (a check's grace period ends
+unannounced)."""
+
+
+@dataclass
+class Parked:
+    """An ACQUIRE waiting in the loop for a slot to land."""
+
+    channel: DeviceChannel
+    position: int
+    request_id: int
+    key: ExpertKey
+    deadline: float
+    """Monotonic seconds after which it is refused."""
 
 
 class Grant(Protocol):
@@ -64,11 +84,20 @@ class RequestServer:
     Args:
         core: the agent's core.
         fills: where an ACQUIRE that needs an arena fill finishes.
+        landing_timeout: seconds a parked ACQUIRE waits for a slot to land.
     """
 
-    def __init__(self, core: RequestCore, fills: Executor) -> None:
+    def __init__(self, core: RequestCore, fills: Executor, landing_timeout: float) -> None:
         self.core = core
         self.fills = fills
+        self.landing_timeout = landing_timeout
+        self.parked: list[Parked] = []
+        """ACQUIREs waiting for a slot to land, oldest first."""
+        self.parked_total = 0
+        """ACQUIREs ever parked."""
+        self._retried = 0.0
+        self._released = False
+        """Whether a RELEASE was served since the parked ACQUIREs were last tried."""
         self.refused = 0
         """Requests answered with an error status."""
         self.timed = 0
@@ -102,7 +131,8 @@ class RequestServer:
     def _one(self, channel: DeviceChannel, position: int, req: tuple[int, ...],
              fills: list[tuple[int, int, ExpertKey]]) -> None:
         """Serve one entry (``REQUEST_DTYPE`` fields, in order); an ACQUIRE that needs an arena
-        fill is added to ``fills`` (position, request id, key) instead."""
+        fill is added to ``fills`` (position, request id, key) instead, one that must wait for
+        a slot to land is parked."""
         rid = req[_ID]
         if rid <= channel.last_request_id:
             self._refuse(channel, position, rid, abi.RequestStatus.REQUEST_REUSED,
@@ -126,14 +156,10 @@ class RequestServer:
             if op == abi.RequestOp.ROUTE:
                 self._route(channel, position, rid, key, req)
             elif op == abi.RequestOp.ACQUIRE:
-                try:
-                    grant = self.core.acquire_for(channel.owner, key, False)
-                except WouldBlock:
-                    fills.append((position, rid, key))
-                    return
-                self._granted(channel, position, rid, grant)
+                self._acquire(channel, position, rid, key, fills)
             elif op == abi.RequestOp.RELEASE:
                 self.core.release_for(channel.owner, key)
+                self._released = True
                 channel.reply(position, rid, abi.RequestStatus.OK)
             else:
                 self.core.prefetch_for(channel.owner, key)
@@ -144,6 +170,55 @@ class RequestServer:
             log.exception("request %d on channel %s failed", rid, channel.name)
             self._refuse(channel, position, rid, abi.RequestStatus.UNAVAILABLE,
                          f"the agent failed serving request {rid}: {exc}")
+
+    def retry_parked(self, landed: bool) -> int:
+        """Try the parked ACQUIREs again, oldest first, if a slot may have come free since
+        (``landed``: completions or verdicts were taken up; a RELEASE was served) or
+        ``RETRY_SECONDS`` passed; one past its deadline is refused. Returns how many were
+        answered."""
+        now = time.monotonic()
+        if not self.parked or not (landed or self._released
+                                   or now - self._retried >= RETRY_SECONDS):
+            return 0
+        self._retried, self._released = now, False
+        waiting, self.parked = self.parked, []
+        for p in waiting:
+            if not p.channel.closed:
+                self._acquire(p.channel, p.position, p.request_id, p.key, None, p.deadline)
+        return len(waiting) - len(self.parked)
+
+    def _acquire(self, channel: DeviceChannel, position: int, rid: int, key: ExpertKey,
+                 fills: list[tuple[int, int, ExpertKey]] | None,
+                 deadline: float | None = None) -> None:
+        """Serve an ACQUIRE without blocking: granted, refused, parked (every slot that fits
+        is landing, and ``deadline`` is ahead; None: a new request, parked for the landing
+        timeout), or handed to a fill thread (added to ``fills``, or submitted at once when
+        None)."""
+        try:
+            grant = self.core.acquire_for(channel.owner, key, False)
+        except WaitForLanding as exc:
+            now = time.monotonic()
+            if deadline is None:
+                self.parked_total += 1
+                deadline = now + self.landing_timeout
+            if now < deadline:
+                self.parked.append(Parked(channel, position, rid, key, deadline))
+            else:
+                self._refuse(channel, position, rid, abi.RequestStatus.RESOURCE_EXHAUSTED,
+                             f"{exc} for {self.landing_timeout} s")
+        except WouldBlock:
+            if fills is None:
+                self.fills.submit(self._acquire_filling, channel, position, rid, key)
+            else:
+                fills.append((position, rid, key))
+        except AgentError as exc:
+            self._refuse(channel, position, rid, _status(exc.kind), exc.message)
+        except Exception as exc:
+            log.exception("acquire %d of %s failed", rid, key)
+            self._refuse(channel, position, rid, abi.RequestStatus.UNAVAILABLE,
+                         f"the agent failed serving request {rid}: {exc}")
+        else:
+            self._granted(channel, position, rid, grant)
 
     def _route(self, channel: DeviceChannel, position: int, rid: int, key: ExpertKey,
                req: tuple[int, ...]) -> None:

@@ -69,6 +69,10 @@ class AgentCollector(Collector):
                                   "Request-ring entries answered with an error status.",
                                   value=core.plane.requests.refused)
         served = core.plane.requests
+        yield CounterMetricFamily("dpu_agent_dataplane_parked_requests",
+                                  "ACQUIRE entries that found every fitting slot held or "
+                                  "landing and waited in the loop for one.",
+                                  value=served.parked_total)
         yield CounterMetricFamily("dpu_agent_dataplane_timed_requests",
                                   "Request-ring entries with a plausible posting time.",
                                   value=served.timed)
