@@ -186,6 +186,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             agent_threads: Counter[str] = Counter()
             engine = child_pid(agent.proc.pid, "dma_engine")
             rpc.clear()
+            parked = scrape(agent).get("dpu_agent_dataplane_parked_requests_total", 0.0)
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
                 # Reading another process's /proc costs this one ~1 ms: outside the client's
@@ -203,6 +204,8 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 cpu_engine += (proc_cpu_seconds(engine) - e0) if engine else 0.0
                 nbytes_total += half * model.expert_bytes
                 bw.append(half * model.expert_bytes / dt / 1e9)
+            parked = scrape(agent).get("dpu_agent_dataplane_parked_requests_total",
+                                       0.0) - parked
             log(f"{name}: bandwidth {bw}")
             step_cpu = {step: s / (repeats * half) * 1e6 for step, s in phases.items()}
             batch_rpc = rpc[:]
@@ -241,6 +244,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "experts_per_batch": half,
                 "agent_delivery_gbps": median(bw),
                 "agent_delivery_gbps_all": bw,
+                "parked_acquires_per_batch": parked / repeats,
                 "acquire_batch_rpc_p50_ms": median(batch_rpc) * 1e3,
                 "acquire_to_ready_p50_ms": median(lat) * 1e3,
                 "acquire_to_ready_p99_ms": pct(lat, 99) * 1e3,
@@ -400,7 +404,9 @@ def main() -> int:
                       f" | spinning: grant {r['stage_grant_p50_ms']:.3f} landed "
                       f"{r['stage_landed_p50_ms']:.3f} ready {r['stage_ready_p50_ms']:.3f} ms"
                       f" (agent: requests waited {r.get('agent_request_wait_us', 0):.0f} us,"
-                      f" served in {r.get('agent_request_service_us', 0):.0f} us)"
+                      f" served in {r.get('agent_request_service_us', 0):.0f} us; acquires"
+                      f" parked for a landing slot {r.get('parked_acquires_per_batch', 0):.1f}"
+                      " per batch)"
                       f"  cpu client {r['client_cpu_s_per_gb']:.4f} agent "
                       f"{r['agent_cpu_s_per_gb']:.4f} engine {r['engine_cpu_s_per_gb']:.4f} s/GB"
                       f" (client threads: " + ", ".join(

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 TARGETS: dict[str, tuple[str, ...]] = {
-    "dpu_agent.dataplane.requests": ("RequestServer.serve", "RequestServer._one"),
+    "dpu_agent.dataplane.requests": ("RequestServer.serve", "RequestServer._one",
+                                     "RequestServer.retry_parked",
+                                     "RequestServer._acquire_filling"),
     "dpu_agent.dataplane.plane": ("DataPlane._poll_once",),
     "dpu_agent.dataplane.delivery": ("Deliveries.deliver",),
     "dpu_agent.dataplane.transfers": ("TransferPlan.descriptors", "TransferTracker.complete_many"),
@@ -47,6 +49,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
 IDLE: dict[str, Callable[[Any], bool]] = {
     "Target.serve": lambda r: r == (0, 0),
     "RequestServer.serve": lambda r: r == 0,
+    "RequestServer.retry_parked": lambda r: r == 0,
     "DataPlane._poll_once": lambda r: r == (0, 0),
     "DeviceChannel.take_requests": lambda r: r[1].size == 0,
 }
