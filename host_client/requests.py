@@ -73,7 +73,9 @@ class ClientChannel:
         """Publish ``(op, model index, key)`` entries with one fence; returns their ring
         positions. ``routes`` gives ROUTE entries their ``(flags, count, prefetch)``, one per
         entry. ``on_reply`` gets each reply a sweep takes (None: a handle will take it).
-        AgentUnavailable when the agent does not make room within ``timeout`` seconds."""
+        Replies that came for earlier posts' callbacks are handed over after the entries are
+        published (the agent's work first). AgentUnavailable when the agent does not make room
+        within ``timeout`` seconds."""
         n = len(entries)
         if routes is not None and len(routes) != n:
             raise ValueError(f"{len(routes)} route fields for {n} entries")
@@ -82,8 +84,8 @@ class ClientChannel:
         records = np.zeros(n, abi.REQUEST_DTYPE)
         deadline = time.monotonic() + timeout
         with self._lock:
-            self._call_back_locked()
             while not self._has_room_locked(n):
+                self._call_back_locked()
                 self._sweep_locked()  # replies handles have not taken yet hold their entries
                 if self._has_room_locked(n):
                     break
@@ -106,6 +108,9 @@ class ClientChannel:
             self.view.requests.push_many(records)
         if self._bell is not None:
             self._bell.ring()
+        if self._callbacks:
+            with self._lock:
+                self._call_back_locked()
         return positions
 
     def remember(self, key: ExpertKey, reply: np.void) -> None:

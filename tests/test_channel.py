@@ -119,3 +119,28 @@ def test_a_post_reuses_a_reply_entry_only_after_its_reply_was_taken() -> None:
     assert [int(client.take(p)["slot_index"]) for p in new] == new
     client.close()
     agent.close()
+
+
+def test_a_post_publishes_its_entries_before_earlier_replies_callbacks_run() -> None:
+    """Replies that came for an earlier post's callbacks (a layer's RELEASEs) are handed over
+    after the next post's entries are in the ring, not before: the agent sees a layer's
+    ACQUIREs without waiting for the client's bookkeeping of the previous layer."""
+    from dpu_agent.dataplane.channels import DeviceChannel
+    from dpu_offload.keys import ExpertKey
+    from host_client.requests import ClientChannel
+
+    agent = DeviceChannel(("s", 1), capacity=16)
+    client = ClientChannel(agent.name, agent.size)
+    key = ExpertKey("m", 0, 1)
+    seen_produced: list[int] = []
+    client.post([(abi.RequestOp.RELEASE, 0, key)] * 3,
+                on_reply=lambda reply: seen_produced.append(client.view.requests.produced))
+    first, batch = agent.take_requests()
+    for j in range(batch.size):
+        agent.reply(first + j, int(batch[j]["request_id"]), abi.RequestStatus.OK)
+    assert seen_produced == []  # nothing hands replies over until the client posts again
+    acquires = client.post([(abi.RequestOp.ACQUIRE, 0, key)] * 2)
+    assert acquires == [3, 4]
+    assert seen_produced == [5, 5, 5]  # every callback ran, each after the ACQUIREs were out
+    client.close()
+    agent.close()

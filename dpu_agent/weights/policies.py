@@ -165,25 +165,25 @@ class Evictable(Generic[V]):
     just ended) and as it leaves other than by :meth:`evict` (``on_remove``)."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
-        self.policy = policy
+        self._policy = policy
         self._values: dict[ExpertKey, V] = {}
 
     def add(self, key: ExpertKey, value: V) -> None:
         """``key`` became evictable (or, already so, was used again), with ``value``."""
         self._values[key] = value
-        self.policy.on_insert(key)
+        self._policy.on_insert(key)
 
     def discard(self, key: ExpertKey) -> None:
         """``key`` is not evictable any more (held again, invalidated, dropped); no-op if it
         was not."""
         if key in self._values:
             del self._values[key]
-            self.policy.on_remove(key)
+            self._policy.on_remove(key)
 
     def evict(self, incoming: ExpertKey | None = None) -> tuple[ExpertKey, V] | None:
         """The key the policy names to make room for ``incoming``, and its value, both
         removed; None when nothing is evictable."""
-        victim = self.policy.evict(self._values.keys(), incoming)
+        victim = self._policy.evict(self._values.keys(), incoming)
         return None if victim is None else (victim, self._values.pop(victim))
 
     def get(self, key: ExpertKey) -> V | None:
@@ -191,9 +191,6 @@ class Evictable(Generic[V]):
 
     def values(self) -> list[V]:
         return list(self._values.values())
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._values
 
     def __iter__(self) -> Iterator[ExpertKey]:
         return iter(self._values)
