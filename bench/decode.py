@@ -107,10 +107,15 @@ def routing(trace: Path | None, layers: int, experts: int, top_k: int, tokens: i
     return out
 
 
-def delivered_bytes(agent: AgentProcess) -> float:
-    """Bytes the agent has delivered to devices so far, from every source."""
-    return sum(v for k, v in scrape(agent).items()
-               if k.startswith("dpu_agent_delivered_bytes_total"))
+def agent_total(agent: AgentProcess, counter: str) -> float:
+    """The agent's ``counter`` so far, summed over its labels (``dpu_agent_delivered_bytes_total``:
+    bytes delivered to devices from every source)."""
+    return sum(v for k, v in scrape(agent).items() if k.split("/")[0] == counter)
+
+
+DELIVERED = "dpu_agent_delivered_bytes_total"
+PARKED = "dpu_agent_dataplane_parked_requests_total"
+"""ACQUIREs that waited in the agent's loop for a slot to land (a prefetch's, say)."""
 
 
 class Decoder:
@@ -378,13 +383,15 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 beside.pop("outputs")
                 prof = cProfile.Profile() if profile else None
                 calls = sum(session.rpc_calls.values()) - session.rpc_calls["KeepAlive"]
-                delivered = delivered_bytes(agent)
+                delivered = agent_total(agent, DELIVERED)
+                parked = agent_total(agent, PARKED)
                 with prof or contextlib.nullcontext():
                     off = decoder.run(fetch, release, tokens, begin)
+                off["parked_acquires_per_token"] = (agent_total(agent, PARKED) - parked) / tokens
                 time.sleep(0.05)  # prefetches still landing count as moved bytes too
                 # The bytes the agent moved: the misses' and, with prefetch, every prefetch's
                 # (used or wasted); the bound charges them all.
-                moved = delivered_bytes(agent) - delivered
+                moved = agent_total(agent, DELIVERED) - delivered
                 off["resident_beside_agent"] = beside
                 off["grpc_calls_per_token"] = (sum(session.rpc_calls.values()) - calls
                                                - session.rpc_calls["KeepAlive"]) / tokens
@@ -499,6 +506,10 @@ def print_table(r: dict[str, Any]) -> None:
               f"{run['bound_tokens_per_s']:5.1f}  "
               f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
               f"{run['offload_vs_bound']:7.2f}  {run['offload_vs_http']:6.2f}", file=sys.stderr)
+    if any(run["offload"].get("parked_acquires_per_token") for run in r["runs"]):
+        print(" acquires parked for a landing slot per token: " + "; ".join(
+            f"{run['fraction']:.0%} {run['offload'].get('parked_acquires_per_token', 0):.2f}"
+            for run in r["runs"]), file=sys.stderr)
     if r.get("repeats", 1) > 1:
         print(" offload tok/s of each run (the median above): " + "; ".join(
             f"{run['fraction']:.0%} " + " / ".join(

@@ -105,7 +105,7 @@ class RequestServer:
         self.waited_ns = 0
         """Sum over timed requests of posting -> taken by the loop (nanoseconds)."""
         self.served_ns = 0
-        """Sum over timed requests of taken -> answered (or handed to a fill thread)."""
+        """Sum over timed requests of taken -> answered (or handed to a fill thread, or parked)."""
 
     def serve(self, channel: DeviceChannel) -> int:
         """Take and answer what ``channel`` has posted; returns how many requests."""

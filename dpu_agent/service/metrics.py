@@ -81,8 +81,9 @@ class AgentCollector(Collector):
                                   "requests (the client's clock: a diagnostic).",
                                   value=served.waited_ns / 1e9)
         yield CounterMetricFamily("dpu_agent_dataplane_request_service_seconds",
-                                  "Taken by the loop to answered, summed over timed requests "
-                                  "(a batch's time counted once per entry).",
+                                  "Taken by the loop to answered (or handed to a fill thread, "
+                                  "or parked), summed over timed requests (a batch's time "
+                                  "counted once per entry).",
                                   value=served.served_ns / 1e9)
         yield CounterMetricFamily("dpu_agent_dataplane_completions",
                                   "Completion entries the data-plane loop folded.",
