@@ -254,10 +254,18 @@ def metrics(agent: AgentProcess) -> dict[tuple[str, tuple], float]:
 
 
 def test_activation_metrics(qwen_ckpt: Path) -> None:
+    from tests.test_config_metrics import dashboard_metrics_missing
+
     with AgentProcess(SETTINGS + METRICS) as agent:
         _raw(agent, b"\0" * 64, b"")
+        status, _ = _raw(agent, frames.pack(frames.Kind.REQUEST, 1, "absent", 0, 0, 1, 16, 16),
+                         b"\0" * 16)
         values = metrics(agent)
+        assert dashboard_metrics_missing(agent.metrics_port, "dpu_agent_activation_") == []
+    assert status == frames.FrameStatus.UNKNOWN_EXPERT
     assert values[("dpu_agent_activation_refused_total", (("reason", "BAD_FRAME"),))] == 1
+    assert values[("dpu_agent_activation_refused_total", (("reason", "UNKNOWN_EXPERT"),))] == 1
+    assert values[("dpu_agent_activation_messages_total", (("kind", "REQUEST"),))] == 1
     assert values[("dpu_agent_activation_outstanding", ())] == 0
 
 

@@ -214,7 +214,7 @@ def test_foreign_keys_are_ignored_and_counted(etcd: EtcdProcess, store: ClusterS
 def test_grafana_cluster_panels_use_exported_metrics(etcd: EtcdProcess,
                                                       store: ClusterStore) -> None:
     with AgentProcess(settings(etcd.endpoint, "dash", prefix=store.prefix)) as agent:
-        assert dashboard_metrics_missing(agent.metrics_port, cluster=True) == []
+        assert dashboard_metrics_missing(agent.metrics_port, "dpu_agent_cluster_") == []
 
 
 def test_duplicate_agent_id_is_refused(etcd: EtcdProcess, store: ClusterStore) -> None:

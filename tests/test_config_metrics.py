@@ -161,9 +161,14 @@ def test_grpc_server_metrics_follow_grafana_names(agent: AgentProcess) -> None:
                  grpc_method="GetStatus") >= 1
 
 
-def dashboard_metrics_missing(metrics_port: int, cluster: bool) -> list[str]:
+APART = ("dpu_agent_cluster_", "dpu_agent_activation_")
+"""Metric families an agent exports only when so configured (cluster mode, activations)."""
+
+
+def dashboard_metrics_missing(metrics_port: int, part: str = "") -> list[str]:
     """Metric names the Grafana dashboard queries that the agent scraped at ``metrics_port``
-    does not export: the cluster panels' names when ``cluster``, every other name else."""
+    does not export: the names that start with ``part`` (one of ``APART``), or, when it is
+    empty, every name outside ``APART``."""
     import json
     import re
 
@@ -181,14 +186,16 @@ def dashboard_metrics_missing(metrics_port: int, cluster: bool) -> list[str]:
             r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]', "", expr))) - functions
         names = {n for n in names if n.startswith(("dpu_agent_", "grpc_server_"))}
         assert names, expr
-        missing += [f"{n} (in {expr!r})" for n in names
-                    if n.startswith("dpu_agent_cluster_") == cluster and n not in exported]
+        mine = [n for n in names
+                if (n.startswith(part) if part else not n.startswith(APART))]
+        missing += [f"{n} (in {expr!r})" for n in mine if n not in exported]
     return missing
 
 
 def test_grafana_dashboard_uses_only_exported_metrics(agent: AgentProcess) -> None:
-    """The cluster panels are checked against a cluster agent in tests/test_cluster.py."""
-    assert dashboard_metrics_missing(agent.metrics_port, cluster=False) == []
+    """The cluster and activation panels are checked against agents so configured
+    (tests/test_cluster.py, tests/test_activations.py)."""
+    assert dashboard_metrics_missing(agent.metrics_port) == []
 
 
 def test_promtool_accepts_the_scrape(agent: AgentProcess) -> None:
