@@ -98,7 +98,7 @@ class Orchestrator:
         self.plane = DataPlane(self, self.cache, config.transfer.chunk_bytes, self._fills,
                                lambda sid: sid in self.sessions, self._devices,
                                (self.arena.name, self.arena.size, ARENA_REGION_ID),
-                               config.transfer.timeout_seconds, config.transfer.poll_spin_us / 1e6,
+                               self.transfer_timeout, config.transfer.poll_spin_us / 1e6,
                                config.transfer.engine_polls)
         self.draining = False
         self._device_list: tuple[Device, ...] | None = None
@@ -106,7 +106,7 @@ class Orchestrator:
         data-plane loop reads it on every pass)."""
         self.scheduler = Scheduler(config.transfer.link_concurrency)
         self.grants = SlotGrants(self, self.plane.deliveries, self.scheduler, self._fills,
-                                 config.transfer.timeout_seconds)
+                                 self.transfer_timeout)
         self.placements = PlacementExecutor(self)
         self.registrations = Registrations(self, config.sessions.max_devices)
         self.predictor = NextLayerPredictor(self.routing)
@@ -215,6 +215,10 @@ class Orchestrator:
             self.grants.start_background(session, device_id, key, Priority.PREFETCH,
                                          order=key.layer)
         return len(keys)
+
+    def transfer_timeout(self) -> float:
+        """``transfer.timeout_seconds`` as configured now (live: a SIGHUP changes it)."""
+        return float(self.config.transfer.timeout_seconds)
 
     # -- the channel's requests (dataplane/requests.py calls these by owner) ---------------
     def _owner(self, owner: tuple[str, int]) -> Session:

@@ -75,18 +75,17 @@ class SlotGrants:
         deliveries: where a fresh slot's delivery is posted.
         queue: background deliveries' scheduler.
         fills: where a background delivery's end is reported to ``queue``.
-        transfer_timeout: seconds an acquire waits for an unheld slot to land.
+        transfer_timeout: seconds an acquire waits for an unheld slot to land (read at each
+            acquire: ``transfer.timeout_seconds`` is live).
     """
 
     def __init__(self, core: GrantCore, deliveries: Deliveries, queue: BackgroundQueue,
-                 fills: Executor, transfer_timeout: float) -> None:
+                 fills: Executor, transfer_timeout: Callable[[], float]) -> None:
         self.core = core
         self.deliveries = deliveries
         self.queue = queue
         self._fills = fills
-        self.transfer_timeout = transfer_timeout
-        """Seconds an acquire waits for an unheld slot to land (``transfer.timeout_seconds``,
-        live)."""
+        self._transfer_timeout = transfer_timeout
 
     def acquire(self, session: Session, device_id: int, key: ExpertKey, wait: bool = True
                 ) -> SlotGrant:
@@ -97,7 +96,7 @@ class SlotGrants:
         would need a slot another delivery is still landing in, WaitForLanding. With
         ``wait=True``, where every fitting slot is held or still landing, it waits (up to the
         transfer timeout) for an unheld one to land."""
-        deadline = time.monotonic() + self.transfer_timeout
+        deadline = time.monotonic() + self._transfer_timeout()
         while True:
             try:
                 dev, pool, idx, entry, fresh = self._reserve(session, device_id, key, refs=1)

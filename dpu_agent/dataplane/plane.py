@@ -43,7 +43,8 @@ class DataPlane:
         alive: whether a session id is still open.
         devices: every registered device, as the loop should poll them now.
         arena: (shared-memory name, bytes, region id) of the arena the DMA engine maps.
-        transfer_timeout: seconds a transfer may go without completing.
+        transfer_timeout: seconds a transfer may go without completing, and a parked ACQUIRE
+            may wait for a slot to land (read at each use: ``transfer.timeout_seconds`` is live).
         spin: seconds the loop polls after work before it sleeps (``transfer.poll_spin_us``).
         engine_polls: whether the DMA-engine process polls without sleeping while it serves a
             device (``transfer.engine_poll``).
@@ -51,7 +52,7 @@ class DataPlane:
 
     def __init__(self, core: RequestCore, cache: WeightCache, chunk_bytes: int, fills: Executor,
                  alive: Callable[[str], bool], devices: Callable[[], tuple[Device, ...]],
-                 arena: tuple[str, int, int], transfer_timeout: float,
+                 arena: tuple[str, int, int], transfer_timeout: Callable[[], float],
                  spin: float = SPIN_SECONDS, engine_polls: bool = False) -> None:
         self.bell = Bell.create("dpu-bell")
         """The doorbell clients ring after posting (its name goes to every session)."""
@@ -67,16 +68,6 @@ class DataPlane:
         self._devices = devices
         self._transfer_timeout = transfer_timeout
         self._landed_checked = 0.0
-
-    @property
-    def transfer_timeout(self) -> float:
-        """Seconds a transfer may go without completing, and a parked ACQUIRE may wait for a
-        slot to land (``transfer.timeout_seconds``, live)."""
-        return self._transfer_timeout
-
-    @transfer_timeout.setter
-    def transfer_timeout(self, seconds: float) -> None:
-        self._transfer_timeout = self.requests.landing_timeout = seconds
 
     def start(self) -> None:
         self.loop.start()
@@ -108,7 +99,7 @@ class DataPlane:
         cancelled; a DMA engine that holds one is killed instead (its transfers are cancelled
         as it is restarted, in the same sweep), so that no copy or SIGNAL of a cancelled
         delivery can land after its slot was given to another."""
-        limit = self._transfer_timeout
+        limit = self._transfer_timeout()
         now = time.monotonic()
 
         def stuck(t: Transfer) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -84,10 +85,12 @@ class RequestServer:
     Args:
         core: the agent's core.
         fills: where an ACQUIRE that needs an arena fill finishes.
-        landing_timeout: seconds a parked ACQUIRE waits for a slot to land.
+        landing_timeout: seconds a parked ACQUIRE waits for a slot to land (read at each
+            parking).
     """
 
-    def __init__(self, core: RequestCore, fills: Executor, landing_timeout: float) -> None:
+    def __init__(self, core: RequestCore, fills: Executor,
+                 landing_timeout: Callable[[], float]) -> None:
         self.core = core
         self.fills = fills
         self.landing_timeout = landing_timeout
@@ -200,12 +203,12 @@ class RequestServer:
             now = time.monotonic()
             if deadline is None:
                 self.parked_total += 1
-                deadline = now + self.landing_timeout
+                deadline = now + self.landing_timeout()
             if now < deadline:
                 self.parked.append(Parked(channel, position, rid, key, deadline))
             else:
                 self._refuse(channel, position, rid, abi.RequestStatus.RESOURCE_EXHAUSTED,
-                             f"{exc} for {self.landing_timeout} s")
+                             f"{exc} for {self.landing_timeout()} s")
         except WouldBlock:
             if fills is None:
                 self.fills.submit(self._acquire_filling, channel, position, rid, key)

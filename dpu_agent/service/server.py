@@ -195,8 +195,6 @@ class AgentServer:
             s: replace(getattr(self.config, s), **given) for s, given in by_section.items()})
         self.core.config = self.config
         self.core.scheduler.link_concurrency = self.config.transfer.link_concurrency
-        self.core.plane.transfer_timeout = self.core.grants.transfer_timeout = float(
-            self.config.transfer.timeout_seconds)
         ignored = [f"{s}.{k}" for s, k in differ if (s, k) not in LIVE_SETTINGS]
         if ignored:
             log.warning("SIGHUP: %s need a restart to change", ", ".join(ignored))
