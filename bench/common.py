@@ -195,6 +195,16 @@ def scrape(agent: Any) -> dict[str, float]:
     return out
 
 
+def agent_total(agent: Any, counter: str) -> float:
+    """The agent's ``counter`` so far (a full sample name, ``..._total``), summed over its
+    labels."""
+    return sum(v for k, v in scrape(agent).items() if k.split("/")[0] == counter)
+
+
+PARKED = "dpu_agent_dataplane_parked_requests_total"
+"""ACQUIREs that waited in the agent's loop for a slot to land (a prefetch's, say)."""
+
+
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds so far of the threads of ``pid``, summed by thread name (this process's
     Python threads by their ``threading`` name, others by their kernel name), at nanosecond

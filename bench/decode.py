@@ -58,13 +58,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
+    PARKED,
+    agent_total,
     chunk_server,
     envelope,
     figure,
     host_to_device_rate,
     http_fetch,
     save_figure,
-    scrape,
     write,
 )
 from dpu_agent.routing.traces import generate_trace, read_trace
@@ -107,15 +108,8 @@ def routing(trace: Path | None, layers: int, experts: int, top_k: int, tokens: i
     return out
 
 
-def agent_total(agent: AgentProcess, counter: str) -> float:
-    """The agent's ``counter`` so far, summed over its labels (``dpu_agent_delivered_bytes_total``:
-    bytes delivered to devices from every source)."""
-    return sum(v for k, v in scrape(agent).items() if k.split("/")[0] == counter)
-
-
 DELIVERED = "dpu_agent_delivered_bytes_total"
-PARKED = "dpu_agent_dataplane_parked_requests_total"
-"""ACQUIREs that waited in the agent's loop for a slot to land (a prefetch's, say)."""
+"""Bytes the agent delivered to devices, by source."""
 
 
 class Decoder:

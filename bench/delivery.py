@@ -33,6 +33,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
+    PARKED,
+    agent_total,
     child_pid,
     chunk_server,
     envelope,
@@ -186,7 +188,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             agent_threads: Counter[str] = Counter()
             engine = child_pid(agent.proc.pid, "dma_engine")
             rpc.clear()
-            parked = scrape(agent).get("dpu_agent_dataplane_parked_requests_total", 0.0)
+            parked = agent_total(agent, PARKED)
             for r in range(repeats):
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
                 # Reading another process's /proc costs this one ~1 ms: outside the client's
@@ -204,8 +206,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 cpu_engine += (proc_cpu_seconds(engine) - e0) if engine else 0.0
                 nbytes_total += half * model.expert_bytes
                 bw.append(half * model.expert_bytes / dt / 1e9)
-            parked = scrape(agent).get("dpu_agent_dataplane_parked_requests_total",
-                                       0.0) - parked
+            parked = agent_total(agent, PARKED) - parked
             log(f"{name}: bandwidth {bw}")
             step_cpu = {step: s / (repeats * half) * 1e6 for step, s in phases.items()}
             batch_rpc = rpc[:]
