@@ -54,17 +54,17 @@ class CpuBackend:
         self._buffers: dict[str, SharedBuffer] = {}
 
     def map_arena(self, name: str, size: int) -> int:
-        return self._map(name, size)
+        return self._map(name, size, populate=False)  # sparse: filled as experts are read
 
     def open_pool(self, spec: dict[str, Any]) -> int:
         if not spec.get("shm"):
             raise ValueError("a CPU reference slot pool needs its shared-memory name")
-        return self._map(spec["shm"], int(spec["size"]))
+        return self._map(spec["shm"], int(spec["size"]), populate=True)
 
-    def _map(self, name: str, size: int) -> int:
+    def _map(self, name: str, size: int, populate: bool) -> int:
         buf = self._buffers.get(name)
         if buf is None:
-            buf = self._buffers[name] = SharedBuffer(name, size)
+            buf = self._buffers[name] = SharedBuffer(name, size, populate=populate)
         return buf.address
 
     def close_pool(self, base: int) -> None:

@@ -20,6 +20,8 @@ SHM_DIR = "/dev/shm"
 FIFO_SUFFIX = ".bell"
 """A segment's doorbell FIFO is its name with this suffix (``dpu_offload.port_bell``)."""
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Linux's; elsewhere pages are backed as they are first touched."""
 
 
 class SharedBufferError(RuntimeError):
@@ -112,9 +114,15 @@ class SharedBuffer:
         size: bytes.
         array: ``uint8[size]`` NumPy view of the mapping.
         owner: whether this process created it (and unlinks it on :meth:`unlink`).
+
+    ``populate``: back every page now (``MAP_POPULATE``: the creator's pages are allocated, an
+    opener's mapped), as device memory is backed when allocated, so the first write into a
+    page does not pay a page fault on the data path. Only for memory that will all be used (a
+    slot pool), never for a sparse one (the arena is filled as experts are read).
     """
 
-    def __init__(self, name: str, size: int | None = None, *, create: bool = False) -> None:
+    def __init__(self, name: str, size: int | None = None, *, create: bool = False,
+                 populate: bool = False) -> None:
         if not _NAME_RE.match(name):
             raise SharedBufferError(f"invalid shared memory name {name!r}")
         path = os.path.join(SHM_DIR, name)
@@ -143,8 +151,8 @@ class SharedBuffer:
                 raise SharedBufferError(
                     f"shared memory {name!r} holds {actual} bytes, {size} expected")
             self.size = size if size is not None else actual
-            self._mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
-                                   mmap.PROT_READ | mmap.PROT_WRITE)
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            self._mmap = mmap.mmap(fd, self.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)

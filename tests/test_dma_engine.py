@@ -4,6 +4,8 @@ SIGNAL the engine may not write is refused with its own status, writing nothing.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,6 +22,7 @@ from dpu_offload.channel import split_word, state_word
 from dpu_offload.checksum import blob_checksums, blob_sum
 from dpu_offload.ring import Ring
 from dpu_offload.shm import SharedBuffer, unique_name
+from host_client import CpuReferenceDevice
 
 CHUNK = 4096
 ARENA, POOL = 0, 1
@@ -217,3 +220,39 @@ def test_a_polling_engine_never_sleeps_while_it_serves_a_device(rig: Rig, polls:
         with engine.lock:
             engine.targets.clear()
         bell.unlink()
+
+
+def _resident_bytes(address: int) -> int:
+    """Resident bytes (``Rss`` in /proc/self/smaps) of this process's mapping at ``address``."""
+    lines = iter(open("/proc/self/smaps").read().splitlines())
+    for line in lines:
+        start = line.split("-", 1)[0]
+        if " " not in start and start.isalnum() and int(start, 16) == address:
+            for field in lines:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_POPULATE is Linux's")
+def test_a_slot_pool_is_backed_when_allocated_and_the_arena_as_it_fills() -> None:
+    """A CPU reference pool is all backed when the client allocates it and when the engine maps
+    it, as device memory is (a first write would otherwise fault on the data path); the arena,
+    filled as experts are read, is mapped without backing it."""
+    nbytes = 4 << 20
+    device = CpuReferenceDevice()
+    name = unique_name("test-backed-pool")
+    pool = device.allocate(nbytes, shared=name)
+    arena = SharedBuffer(unique_name("test-sparse-arena"), nbytes, create=True)
+    backend = CpuBackend()
+    try:
+        assert os.stat(f"/dev/shm/{name}").st_blocks * 512 >= nbytes
+        assert _resident_bytes(int(pool.ctypes.data)) >= nbytes
+        assert _resident_bytes(backend.open_pool({"shm": name, "size": nbytes})) >= nbytes
+        assert os.stat(f"/dev/shm/{arena.name}").st_blocks == 0
+        assert _resident_bytes(backend.map_arena(arena.name, nbytes)) == 0
+    finally:
+        backend.close()
+        arena.close()
+        arena.unlink()
+        os.unlink(f"/dev/shm/{name}")
