@@ -3,6 +3,8 @@ order, reply reuse, the futex wake, and the stream wait's CPU twin."""
 
 from __future__ import annotations
 
+import multiprocessing
+import random
 import threading
 import time
 
@@ -75,6 +77,56 @@ def test_a_sleeping_waiter_is_woken_by_a_publication_when_counted(counted: bool)
         assert seen[0] - published < 0.5  # woken, not timed out
     else:
         assert seen[0] - published > 1.0  # no wake system call was made
+
+
+def _publish_rounds(channel: str, clock: str, rounds: int) -> None:
+    """Another process's publisher: for each round the waiter opens (``clock[1]``), slot-state
+    word 3 becomes READY of that round's generation 0-3 ms later, its time in ``clock[0]``."""
+    from dpu_offload.shm import SharedBuffer
+
+    buf, times = SharedBuffer(channel), SharedBuffer(clock)
+    ch, t = Channel(buf.array), np.ndarray((2,), "<f8", buffer=times.array)
+    for i in range(1, rounds + 1):
+        while t[1] < i:
+            time.sleep(0)
+        time.sleep(random.uniform(0, 0.003))
+        t[0] = time.monotonic()
+        ch.publish_state(3, i, abi.SlotState.READY)
+
+
+def test_no_wake_is_lost_between_processes() -> None:
+    """The client's sleep (``ClientChannel.sleep``: counted in ``sleepers``, then the futex)
+    against publications from another process at random moments, 300 rounds: every round ends
+    by a wake or by a word already changed, none by sleeping out its 2 s nap (a lost wake)."""
+    from dpu_agent.dataplane.channels import DeviceChannel
+    from dpu_offload.shm import SharedBuffer, unique_name
+    from host_client.requests import ClientChannel
+
+    rounds, nap = 300, 2.0
+    agent = DeviceChannel(("s", 1), capacity=16)
+    client = ClientChannel(agent.name, agent.size)
+    clock = SharedBuffer(unique_name("test-clock"), 16, create=True)
+    t = np.ndarray((2,), "<f8", buffer=clock.array)
+    publisher = multiprocessing.get_context("spawn").Process(
+        target=_publish_rounds, args=(agent.name, clock.name, rounds))
+    publisher.start()
+    late = []
+    try:
+        view = client.view
+        for i in range(1, rounds + 1):
+            agent.store_word(3, state_word(i, abi.SlotState.FILLING))
+            value = int(view.words[3])
+            t[1] = i
+            while int(view.words[3]) == value:
+                client.sleep(view.word_address(3), value, nap)
+            late.append(time.monotonic() - t[0])
+        publisher.join(10)
+        assert publisher.exitcode == 0
+    finally:
+        publisher.kill()
+        clock.unlink()
+        agent.close()
+    assert len(late) == rounds and max(late) < nap / 2, sorted(late)[-5:]
 
 
 @pytest.mark.parametrize("final,expect", [(abi.SlotState.READY, 0), (abi.SlotState.FAILED, 1)])
