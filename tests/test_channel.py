@@ -118,6 +118,7 @@ def test_no_wake_is_lost_between_processes() -> None:
             value = int(view.words[3])
             t[1] = i
             while int(view.words[3]) == value:
+                assert publisher.is_alive(), f"the publisher died in round {i}"
                 client.sleep(view.word_address(3), value, nap)
             late.append(time.monotonic() - t[0])
         publisher.join(10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from dpu_offload import abi
 from dpu_offload.channel import split_word, state_word
 from dpu_offload.checksum import blob_checksums, blob_sum
 from dpu_offload.ring import Ring
-from dpu_offload.shm import SharedBuffer, unique_name
+from dpu_offload.shm import SHM_DIR, SharedBuffer, unique_name
 from host_client import CpuReferenceDevice
 
 CHUNK = 4096
@@ -224,7 +225,7 @@ def test_a_polling_engine_never_sleeps_while_it_serves_a_device(rig: Rig, polls:
 
 def _resident_bytes(address: int) -> int:
     """Resident bytes (``Rss`` in /proc/self/smaps) of this process's mapping at ``address``."""
-    lines = iter(open("/proc/self/smaps").read().splitlines())
+    lines = iter(Path("/proc/self/smaps").read_text().splitlines())
     for line in lines:
         start = line.split("-", 1)[0]
         if " " not in start and start.isalnum() and int(start, 16) == address:
@@ -246,13 +247,13 @@ def test_a_slot_pool_is_backed_when_allocated_and_the_arena_as_it_fills() -> Non
     arena = SharedBuffer(unique_name("test-sparse-arena"), nbytes, create=True)
     backend = CpuBackend()
     try:
-        assert os.stat(f"/dev/shm/{name}").st_blocks * 512 >= nbytes
+        assert os.stat(os.path.join(SHM_DIR, name)).st_blocks * 512 >= nbytes
         assert _resident_bytes(int(pool.ctypes.data)) >= nbytes
         assert _resident_bytes(backend.open_pool({"shm": name, "size": nbytes})) >= nbytes
-        assert os.stat(f"/dev/shm/{arena.name}").st_blocks == 0
+        assert os.stat(os.path.join(SHM_DIR, arena.name)).st_blocks == 0
         assert _resident_bytes(backend.map_arena(arena.name, nbytes)) == 0
     finally:
         backend.close()
         arena.close()
         arena.unlink()
-        os.unlink(f"/dev/shm/{name}")
+        os.unlink(os.path.join(SHM_DIR, name))
