@@ -371,13 +371,13 @@ def slot_pool(d: dict[str, Any]) -> list[Row]:
 
 
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
-    ("Delivery, arena to GPU (H200)", "delivery-cuda", delivery, "delivery-cuda.png"),
+    ("Delivery, arena to GPU", "delivery-cuda", delivery, "delivery-cuda.png"),
     ("The agent's CPU per request, DMA-engine delivery (copies out of the way)",
      "agent-requests-cpu-engine", agent_requests, ""),
     ("The agent's CPU per request, device-pull delivery (a consumer that never runs)",
      "agent-requests-cpu-pull", agent_requests, ""),
     ("The agent's cost of finding a slot for a delivery", "slot-pool-cpu", slot_pool, ""),
-    ("Dispatch / combine kernels (H200)", "moe_kernels-cuda", moe_kernels, ""),
+    ("Dispatch / combine kernels", "moe_kernels-cuda", moe_kernels, ""),
     ("Cache policies, Mixtral trace", "cache-mixtral-8x7b-humaneval-sample", cache,
      "cache-mixtral-8x7b-humaneval-sample.png"),
     ("Cache policies, OLMoE trace", "cache-olmoe-1b-7b-layer0-gsm8k", cache,
@@ -396,24 +396,24 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Activations (GPU worker, its thread driving the packet kernels and the FFN)",
      "activations-cuda-thread", activations, "activations-cuda-thread.png"),
     ("Load", "load", load_bench, ""),
-    ("Decode with offloaded experts, Qwen3-30B-A3B shapes (H200)", "decode-qwen3-30b-a3b-cuda",
+    ("Decode with offloaded experts, Qwen3-30B-A3B shapes", "decode-qwen3-30b-a3b-cuda",
      decode, "decode-qwen3-30b-a3b-cuda.png"),
-    ("Decode, Qwen3-30B-A3B shapes, the DMA-engine process delivering (H200)",
+    ("Decode, Qwen3-30B-A3B shapes, the DMA-engine process delivering",
      "decode-qwen3-30b-a3b-cuda-engine", decode, "decode-qwen3-30b-a3b-cuda-engine.png"),
-    ("Decode, Qwen3-30B-A3B shapes, 128 experts per layer, DMA engine (H200)",
+    ("Decode, Qwen3-30B-A3B shapes, 128 experts per layer, DMA engine",
      "decode-qwen3-30b-a3b-cuda-engine-128experts", decode,
      "decode-qwen3-30b-a3b-cuda-engine-128experts.png"),
-    ("Decode with offloaded experts, DeepSeek-V3 expert shapes (H200)",
+    ("Decode with offloaded experts, DeepSeek-V3 expert shapes",
      "decode-deepseek-v3-lite-cuda", decode, "decode-deepseek-v3-lite-cuda.png"),
-    ("Decode, DeepSeek-V3 expert shapes, the DMA-engine process delivering (H200)",
+    ("Decode, DeepSeek-V3 expert shapes, the DMA-engine process delivering",
      "decode-deepseek-v3-lite-cuda-engine", decode, "decode-deepseek-v3-lite-cuda-engine.png"),
-    ("transformers generate(), Qwen3-30B-A3B shapes, offload_experts (H200)",
+    ("transformers generate(), Qwen3-30B-A3B shapes, offload_experts",
      "transformers-decode-qwen3-30b-a3b-cuda", transformers_decode,
      "transformers-decode-qwen3-30b-a3b-cuda.png"),
-    ("transformers generate(), OLMoE-1B-7B shapes, the OLMoE routing trace replayed (H200)",
+    ("transformers generate(), OLMoE-1B-7B shapes, the OLMoE routing trace replayed",
      "transformers-decode-olmoe-1b-7b-cuda-olmoe-1b-7b-layer0-gsm8k", transformers_decode,
      "transformers-decode-olmoe-1b-7b-cuda-olmoe-1b-7b-layer0-gsm8k.png"),
-    ("transformers generate(), Mixtral-8x7B shapes, the Mixtral routing trace replayed (H200)",
+    ("transformers generate(), Mixtral-8x7B shapes, the Mixtral routing trace replayed",
      "transformers-decode-mixtral-8x7b-cuda-mixtral-8x7b-humaneval-sample", transformers_decode,
      "transformers-decode-mixtral-8x7b-cuda-mixtral-8x7b-humaneval-sample.png"),
     ("Loading a transformers model without its experts", "transformers-load",
@@ -434,11 +434,13 @@ def main() -> int:
            "baseline measured in the same run.", ""]
     for title, name, fn, plot in SECTIONS:
         d = load(name)
-        out += [f"## {title}", ""]
         if d is None:
-            out += [f"No results yet (`{name}.json`).", ""]
+            out += [f"## {title}", "", f"No results yet (`{name}.json`).", ""]
             continue
         m = d["machine"]
+        if m.get("gpu"):
+            title += f" ({m['gpu']})"
+        out += [f"## {title}", ""]
         where = m.get("gpu") or m.get("cpu") or m["arch"]
         stale = " **stale**" if d["source_hash"] != current else ""
         if stale and "source_files" in d:

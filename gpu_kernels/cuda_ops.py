@@ -224,7 +224,8 @@ a 9.4 MB slot in tens of microseconds."""
 
 
 def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions: Any,
-                         timeout_s: float, results: Any, scratch: Any, stream: Any) -> None:
+                         timeout_s: float, results: Any, scratch: Any, stream: Any,
+                         blocks_per_slot: int = BATCH_BLOCKS_PER_SLOT) -> None:
     """Enqueue on ``stream`` the checks of ``n`` posted ACQUIREs of a DMA-engine device in one
     launch, before the agent answered them: each waits for its reply, takes the granted slot
     from it (bounds-checked against ``regions``, the device's ``abi.REGION_DTYPE`` table in
@@ -234,9 +235,10 @@ def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions:
     ended), ``largest_n16`` the largest ``n16`` among them (it sizes the grid). ``results``
     (``uint32[n]``) get each request's outcome (an index into ``WAIT_OUTCOMES``; no verdict
     unless every block of the slot saw it land); ``scratch`` (``uint32[4 * n]`` device words,
-    zero, left zero) must not be in use by another launch at the same time. Twin:
-    ``reference.verify_granted_batch``."""
-    blocks = max(1, min(BATCH_BLOCKS_PER_SLOT, -(-largest_n16 // (BATCH_THREADS * 64))))
+    zero, left zero) must not be in use by another launch at the same time;
+    ``blocks_per_slot`` caps the blocks that sum one slot (each sums at least
+    ``BATCH_THREADS * 64`` vectors). Twin: ``reference.verify_granted_batch``."""
+    blocks = max(1, min(blocks_per_slot, -(-largest_n16 // (BATCH_THREADS * 64))))
     launch.kernel("ready", "dpu_verify_granted_batch")(
         (blocks, n), (BATCH_THREADS,),
         (np.uint64(checks_address), regions, np.uint64(int(timeout_s * 1e9)),
