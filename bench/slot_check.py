@@ -2,8 +2,10 @@
 READY, the part of an acquire's latency that runs in the inference process's own kernel
 (``dpu_verify_granted_batch`` in gpu_kernels/ready.cu, launched when the ACQUIREs are posted).
 
-For slots of 4.7 / 9.4 / 44 MB, one slot and a batch of eight, at each ``--blocks`` (the
-blocks that sum one slot), two figures:
+For slots of 4.7 / 9.4 / 44 MB, one slot and a batch of eight, in each way of launching it
+(``cuda_ops.verify_granted_batch``): ``wait-first`` (the client's: one small block per slot
+waits, then the whole GPU sums) and ``resident-B`` for each ``--blocks`` B (B blocks per slot
+resident from the launch, each slot summed by them as it lands), two figures:
 - ``landed_to_ready_us``: the check is launched against FILLING slots and left waiting
   (``--idle-ms``, as it waits for the copies); the host then writes LANDED into the mapped
   slot-state words and spins until every slot reads READY; wall time from the store to the
@@ -14,7 +16,7 @@ Baseline in the same run: ``cupy.sum`` over the same bytes as uint32 (``reduce_u
 device's plain read rate through a library reduction. Every check must publish READY (the
 slots hold bytes whose expected sum is right); any other outcome fails the run.
 
-Usage: python bench/slot_check.py [--blocks 8 32 64] [--repeats 15] [--json]
+Usage: python bench/slot_check.py [--blocks 8 64] [--repeats 15] [--json]
 """
 
 from __future__ import annotations
@@ -90,19 +92,19 @@ class Bench:
         self.results.fill(0xFFFFFFFF)
         self.cp.cuda.Device().synchronize()
 
-    def _launch(self, n: int, blocks: int) -> None:
+    def _launch(self, n: int, blocks: int | None) -> None:
         from gpu_kernels import cuda_ops
 
         cuda_ops.verify_granted_batch(self.params_at, n, self.nbytes // 16, self.regions, 5.0,
                                       self.results, self.scratch, self.stream,
-                                      blocks_per_slot=blocks)
+                                      resident_blocks=blocks)
 
     def _verdicts(self, n: int) -> None:
         got = self.results[:n].get().tolist()
         if got != [0] * n:
             raise SystemExit(f"slot_check: outcomes {got}, expected READY (0) for every slot")
 
-    def landed_to_ready(self, n: int, blocks: int, idle_s: float) -> float:
+    def landed_to_ready(self, n: int, blocks: int | None, idle_s: float) -> float:
         """Seconds from the host's LANDED stores to the last slot reading READY."""
         self._arm(n, abi.SlotState.FILLING)
         self._launch(n, blocks)
@@ -121,7 +123,7 @@ class Bench:
         self._verdicts(n)
         return took
 
-    def sum_time(self, n: int, blocks: int) -> float:
+    def sum_time(self, n: int, blocks: int | None) -> float:
         """Seconds of the check on slots already LANDED, between CUDA events."""
         self._arm(n, abi.SlotState.LANDED)
         a, b = self.cp.cuda.Event(), self.cp.cuda.Event()
@@ -144,6 +146,11 @@ class Bench:
         return self.cp.cuda.get_elapsed_time(a, b) / 1e3
 
 
+def modes(blocks: list[int]) -> list[tuple[str, int | None]]:
+    """(name, ``resident_blocks``) of each way of launching the check measured."""
+    return [("wait-first", None), *((f"resident-{b}", b) for b in blocks)]
+
+
 def measure(cp: Any, shape: str, blocks: list[int], repeats: int, idle_s: float
             ) -> dict[str, Any]:
     bench = Bench(cp, SHAPES[shape], seed=len(shape))
@@ -153,14 +160,13 @@ def measure(cp: Any, shape: str, blocks: list[int], repeats: int, idle_s: float
             bench.reduce_time(n)  # warm
             row: dict[str, Any] = {
                 "reduce_us": median([bench.reduce_time(n) for _ in range(repeats)]) * 1e6}
-            for b in blocks:
+            for mode, b in modes(blocks):
                 bench.sum_time(n, b)
                 sums = [bench.sum_time(n, b) for _ in range(repeats)]
                 ready = [bench.landed_to_ready(n, b, idle_s) for _ in range(repeats)]
-                used = max(1, min(b, -(-(bench.nbytes // 16) // (512 * 64))))
-                row[str(b)] = {"blocks_used": used, "sum_us": median(sums) * 1e6,
-                               "landed_to_ready_us": median(ready) * 1e6,
-                               "landed_to_ready_p90_us": pct(ready, 90) * 1e6}
+                row[mode] = {"sum_us": median(sums) * 1e6,
+                             "landed_to_ready_us": median(ready) * 1e6,
+                             "landed_to_ready_p90_us": pct(ready, 90) * 1e6}
             out[f"slots_{n}"] = row
         return out
     finally:
@@ -172,9 +178,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda"], default="cuda",
                     help="the check is a CUDA kernel (its twin's pace is the CPU's)")
-    ap.add_argument("--blocks", type=int, nargs="+", default=[8, 32, 64],
-                    help="blocks that sum one slot (1-1024); the client launches "
-                         "cuda_ops.BATCH_BLOCKS_PER_SLOT")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[8, 64],
+                    help="blocks per slot of each resident-B launch measured (1-1024)")
     ap.add_argument("--repeats", type=int, default=15, help="trials per figure (1-1000)")
     ap.add_argument("--idle-ms", type=float, default=2.0,
                     help="how long the launched check waits before LANDED is written (0-100)")
@@ -197,14 +202,14 @@ def main() -> None:
             row = r[f"slots_{n}"]
             gb = n * r["bytes"] / 1e9
             cells = "  ".join(
-                f"{b} ({c['blocks_used']}): ready {c['landed_to_ready_us']:6.0f} us, sum "
-                f"{c['sum_us']:6.0f} us ({gb / c['sum_us'] * 1e6:4.0f} GB/s)"
-                for b, c in ((b, row[str(b)]) for b in args.blocks))
-            print(f"{shape:22s} x{n}  cupy.sum {row['reduce_us']:5.0f} us "
-                  f"({gb / row['reduce_us'] * 1e6:5.0f} GB/s) | blocks per slot {cells}")
+                f"{mode}: ready {c['landed_to_ready_us']:5.0f} us, sum {c['sum_us']:5.0f} us "
+                f"({gb / c['sum_us'] * 1e6:4.0f} GB/s)"
+                for mode, c in ((m, row[m]) for m, _ in modes(args.blocks)))
+            print(f"{shape:20s} x{n}  cupy.sum {row['reduce_us']:5.0f} us "
+                  f"({gb / row['reduce_us'] * 1e6:5.0f} GB/s) | {cells}")
     data = envelope("slot_check", results, device="cuda", blocks=args.blocks,
                     repeats=args.repeats, idle_ms=args.idle_ms,
-                    client_blocks_per_slot=cuda_ops.BATCH_BLOCKS_PER_SLOT)
+                    sum_blocks_per_sm=cuda_ops.SUM_BLOCKS_PER_SM)
     print(f"wrote {write('slot_check', data, '-cuda')}")
     if args.json:
         print(json.dumps(data, indent=2))

@@ -217,29 +217,47 @@ BATCH_THREADS = 512
 """Threads per block of a batch check."""
 MAX_BATCH_CHECKS = 64
 """Slots one batch-check launch takes."""
-BATCH_BLOCKS_PER_SLOT = 8
-"""At most this many blocks check one slot of a batch: they sit resident while the slot's
-bytes have not landed, so a batch of n slots holds ``n * BATCH_BLOCKS_PER_SLOT`` blocks; 8 sum
-a 9.4 MB slot in tens of microseconds."""
+RESIDENT_BLOCKS_PER_SLOT = 8
+"""Blocks per slot of the batch check the client launches (``verify_granted_batch``): they sit
+resident from the post until the slot's bytes land; 8 sum a 9.4 MB slot in ~80 us."""
+SUM_BLOCKS_PER_SM = 4
+"""A batch check that waits first sums with up to this many blocks per multiprocessor (of
+``BATCH_THREADS``: as many as a multiprocessor holds at once), spread over the batch's slots."""
+MIN_SUM_VECTORS = BATCH_THREADS * 16
+"""16-byte vectors each summing block takes at least (128 KiB), so a small slot gets few
+blocks."""
 
 
 def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions: Any,
                          timeout_s: float, results: Any, scratch: Any, stream: Any,
-                         blocks_per_slot: int = BATCH_BLOCKS_PER_SLOT) -> None:
-    """Enqueue on ``stream`` the checks of ``n`` posted ACQUIREs of a DMA-engine device in one
-    launch, before the agent answered them: each waits for its reply, takes the granted slot
-    from it (bounds-checked against ``regions``, the device's ``abi.REGION_DTYPE`` table in
-    device memory) and then checks it as :func:`verify_landed` does, as soon as its own bytes
-    land. ``checks_address`` is the device address of ``abi.CHECK_DTYPE[n]`` in mapped host
-    memory (read by the kernel's blocks as they start: keep it unchanged until the launch has
-    ended), ``largest_n16`` the largest ``n16`` among them (it sizes the grid). ``results``
-    (``uint32[n]``) get each request's outcome (an index into ``WAIT_OUTCOMES``; no verdict
-    unless every block of the slot saw it land); ``scratch`` (``uint32[4 * n]`` device words,
-    zero, left zero) must not be in use by another launch at the same time;
-    ``blocks_per_slot`` caps the blocks that sum one slot (each sums at least
-    ``BATCH_THREADS * 64`` vectors). Twin: ``reference.verify_granted_batch``."""
-    blocks = max(1, min(blocks_per_slot, -(-largest_n16 // (BATCH_THREADS * 64))))
-    launch.kernel("ready", "dpu_verify_granted_batch")(
-        (blocks, n), (BATCH_THREADS,),
-        (np.uint64(checks_address), regions, np.uint64(int(timeout_s * 1e9)),
-         np.uint32(abi.Status.CHECKSUM_MISMATCH), results, scratch), stream=stream)
+                         resident_blocks: int | None = RESIDENT_BLOCKS_PER_SLOT) -> None:
+    """Enqueue on ``stream`` the checks of ``n`` posted ACQUIREs of a DMA-engine device, before
+    the agent answered them: each waits for its reply, takes the granted slot from it
+    (bounds-checked against ``regions``, the device's ``abi.REGION_DTYPE`` table in device
+    memory) and then checks it as :func:`verify_landed` does. ``checks_address`` is the device
+    address of ``abi.CHECK_DTYPE[n]`` in mapped host memory (read by the kernels' blocks as they
+    start: keep it unchanged until the launches have ended), ``largest_n16`` the largest
+    ``n16`` among them (it sizes the grid). ``results`` (``uint32[n]``) get each request's
+    outcome (an index into ``WAIT_OUTCOMES``; no verdict unless every block of the slot saw it
+    land); ``scratch`` (``uint32[4 * n]`` device words, zero, left zero) must not be in use by
+    another launch at the same time. Twin: ``reference.verify_granted_batch``.
+
+    ``resident_blocks`` launches the kernel once with at most that many blocks per slot (each
+    summing at least ``BATCH_THREADS * 64`` vectors), resident from the post: each slot is
+    verified as soon as its own bytes land, by those few blocks. ``None`` waits first: one
+    small block per slot waits (a first launch) and, once every slot of the batch landed or
+    ended, a second launch sums them all with the whole GPU (``SUM_BLOCKS_PER_SM`` blocks per
+    multiprocessor, at least ``MIN_SUM_VECTORS`` each): the verdicts come together, soon after
+    the last landing, and no summing block sits resident beside the inference's kernels while
+    the bytes move (``bench/slot_check.py`` compares the two; not yet run on a GPU)."""
+    kernel = launch.kernel("ready", "dpu_verify_granted_batch")
+    args = (np.uint64(checks_address), regions, np.uint64(int(timeout_s * 1e9)),
+            np.uint32(abi.Status.CHECKSUM_MISMATCH), results, scratch)
+    if resident_blocks is not None:
+        blocks = max(1, min(resident_blocks, -(-largest_n16 // (BATCH_THREADS * 64))))
+        kernel((blocks, n), (BATCH_THREADS,), (*args, np.uint32(0)), stream=stream)
+        return
+    kernel((1, n), (32,), (*args, np.uint32(1)), stream=stream)
+    room = -(-launch.sm_count(cp.cuda.Device().id) * SUM_BLOCKS_PER_SM // n)
+    blocks = max(1, min(room, -(-largest_n16 // MIN_SUM_VECTORS)))
+    kernel((blocks, n), (BATCH_THREADS,), (*args, np.uint32(0)), stream=stream)

@@ -148,20 +148,27 @@ __device__ uint32_t dpu_resolve_grant(const dpu_slot_check& c, const dpu_region*
     return 0u;
 }
 
-// The checks of a batch of ACQUIREs in one launch, started when they were posted: grid (G, n),
-// blocks (x, y) check request y of `checks`, each independently of the others (a slot is
-// verified as soon as it lands, whatever the rest do). Block (0, y) polls the request's reply
-// and then the granted slot's word (host memory) and hands the outcome to its G - 1 siblings
-// through scratch (device memory, so one poller per slot crosses PCIe at the poll's rate); a
-// sibling also reads the reply and the word itself when it starts and at every 16th look after,
-// ~30 us apart, so it never depends on the poller being resident. Only when all G blocks summed
-// the bytes does the last to finish publish a verdict (dpu_publish_verdict). results[y]: 0 READY,
-// 1 FAILED, 2 moved on, 3 timed out, 5 refused, 6 bad grant. regions: the device's region table
-// (device memory). scratch: uint32[DPU_CHECK_SCRATCH * n], zero on entry, left zero.
+// The checks of a batch of ACQUIREs, started when they were posted: grid (G, n), blocks (x, y)
+// check request y of `checks`. Block (0, y) polls the request's reply and then the granted
+// slot's word (host memory) and hands the outcome to its G - 1 siblings through scratch word 3
+// (device memory, so one poller per slot crosses PCIe at the poll's rate); a sibling also reads
+// the reply and the word itself when it starts and at every 16th look after, ~30 us apart, so
+// it never depends on the poller being resident. Only when all G blocks summed the bytes does
+// the last to finish publish a verdict (dpu_publish_verdict). results[y]: 0 READY, 1 FAILED,
+// 2 moved on, 3 timed out, 5 refused, 6 bad grant. regions: the device's region table (device
+// memory). scratch: uint32[DPU_CHECK_SCRATCH * n], zero on entry, left zero by a summing launch.
+// Two ways to launch it (cuda_ops.verify_granted_batch):
+// - wait_only = 0 alone: the G blocks of each slot sit resident until it lands, and each slot is
+//   verified as soon as its own bytes land;
+// - wait_only = 1 with grid (1, n), then wait_only = 0 on the same stream: the first launch's
+//   n pollers wait (one small block per slot) and leave each outcome in scratch word 3; the
+//   second, once every slot of the batch ended, takes the handed outcomes and sums with as many
+//   blocks as the GPU holds. No block idles resident beside other kernels while the bytes move.
 extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks,
                                                     const dpu_region* regions,
                                                     uint64_t timeout_ns, uint32_t status_mismatch,
-                                                    uint32_t* results, uint32_t* scratch) {
+                                                    uint32_t* results, uint32_t* scratch,
+                                                    uint32_t wait_only) {
     __shared__ uint32_t partial[32];
     __shared__ uint32_t outcome;
     __shared__ bool last;
@@ -175,7 +182,13 @@ extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
         uint32_t grant = DPU_GRANT_PENDING;
         unsigned int backoff = 64;
-        if (blockIdx.x == 0) {
+        const uint32_t waited = wait_only ? 0u : dpu_load_volatile_u32(s + 3);
+        if (waited) {  // a wait-only launch before this one waited
+            outcome = waited - 1;
+            if (outcome == DPU_WAIT_CHECK &&
+                dpu_resolve_grant(c, regions, &entry, &generation, &data) != 0u)
+                outcome = 2u;  // the reply entry was reused since
+        } else if (blockIdx.x == 0) {
             for (;;) {
                 grant = dpu_resolve_grant(c, regions, &entry, &generation, &data);
                 if (grant != DPU_GRANT_PENDING) break;
@@ -218,6 +231,7 @@ extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks
         }
     }
     __syncthreads();
+    if (wait_only) return;
     const bool landed = outcome == DPU_WAIT_CHECK;
     const uint32_t total = dpu_block_sum(
         landed ? dpu_blob_terms(data, c.n16,
