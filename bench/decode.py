@@ -136,13 +136,17 @@ class Decoder:
             ) -> dict[str, Any]:
         """Decode ``tokens`` tokens. ``begin(layer, experts)``, when given, is told each
         layer's experts before the first ``fetch`` (the offload path asks for them all in
-        one AcquireBatch so their transfers overlap); its time counts as waiting."""
+        one AcquireBatch so their transfers overlap); its time counts as waiting. Besides the
+        whole run's tokens/s: the first token's seconds (``first_token_s``: cold slots, and the
+        first request each process serves) and the tokens/s of the rest
+        (``steady_tokens_per_s``, None for one token)."""
         xp = self.xp
         x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
         compute = wait = 0.0
         marks: list[tuple[Any, Any, Any]] = []  # per expert: before fetch, after it, after FFN
         outputs = []
         t_start = time.perf_counter()
+        first_token = 0.0
         for t in range(tokens):
             h = reference.bf16_to_f32(x).copy()
             for la, layer in enumerate(self.layer_ids):
@@ -176,11 +180,17 @@ class Decoder:
                 h = h + acc
             outputs.append(reference.f32_to_bf16(h))
             x = reference.f32_to_bf16(xp.tanh(h))  # next token's input
+            if t == 0:
+                self.sync()
+                first_token = time.perf_counter() - t_start
         self.sync()
         total = time.perf_counter() - t_start
         gpu = (sum(xp.cuda.get_elapsed_time(b, c) for _, b, c in marks) / 1e3 / tokens
                if marks else None)
-        return {"tokens_per_s": tokens / total, "compute_s_per_token": compute / tokens,
+        return {"tokens_per_s": tokens / total, "first_token_s": first_token,
+                "steady_tokens_per_s": ((tokens - 1) / (total - first_token)
+                                        if tokens > 1 else None),
+                "compute_s_per_token": compute / tokens,
                 "gpu_compute_s_per_token": gpu,
                 "wait_s_per_token": wait / tokens,
                 "other_s_per_token": (total - compute - wait) / tokens,
@@ -482,14 +492,17 @@ def print_table(r: dict[str, Any]) -> None:
           f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s"
           + (f"; next-layer prefetch of {r['prefetch']}" if r.get("prefetch") else ""),
           file=sys.stderr)
-    print(" cache  hit rate  offload tok/s  (wait ms/tok)  compute x resident  (GPU x res.)  "
+    print(" cache  hit rate  offload tok/s  (after the 1st)  (wait ms/tok)  compute x resident  "
+          "(GPU x res.)  "
           "(resident beside agent)  gRPC/tok  MB/tok missed (moved)  bound  pageable  http  "
           "x bound  x http", file=sys.stderr)
     resident = r["resident"]["compute_s_per_token"]
     resident_gpu = r["resident"].get("gpu_compute_s_per_token")
     for run in r["runs"]:
         o = run["offload"]
+        steady = o.get("steady_tokens_per_s")
         print(f" {run['fraction']:5.0%}  {run['hit_rate']:8.2f}  {o['tokens_per_s']:13.1f}  "
+              f"({'-' if steady is None else f'{steady:.1f}':>13})  "
               f"({o['wait_s_per_token'] * 1e3:11.1f})  "
               f"{o['compute_s_per_token'] / resident:18.2f}  "
               f"({gpu_ratio(o, resident_gpu):>11})  "

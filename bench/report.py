@@ -262,6 +262,11 @@ def decode(d: dict[str, Any]) -> list[Row]:
         rows.append((f"decode tok/s, {tag}", f"{tps:.2f}",
                      f"bound {run['bound_tokens_per_s']:.2f}", f"{run['offload_vs_bound']:.2f}x",
                      ">= 0.9x bound", run["offload_vs_bound"] >= 0.9))
+        if run["offload"].get("steady_tokens_per_s") is not None:
+            rows.append((f"decode tok/s after the first token, {tag}",
+                         f"{run['offload']['steady_tokens_per_s']:.2f}",
+                         f"the first token {run['offload']['first_token_s'] * 1e3:.1f} ms",
+                         "", "", None))
         rows.append((f"vs host-staged HTTP, {tag}", f"{tps:.2f}",
                      f"http {run['http']['tokens_per_s']:.2f}, pageable "
                      f"{run['pageable']['tokens_per_s']:.2f}, resident "
