@@ -2,10 +2,11 @@
 READY, the part of an acquire's latency that runs in the inference process's own kernel
 (``dpu_verify_granted_batch`` in gpu_kernels/ready.cu, launched when the ACQUIREs are posted).
 
-For slots of 4.7 / 9.4 / 44 MB, one slot and a batch of eight, in each way of launching it
-(``cuda_ops.verify_granted_batch``): ``wait-first`` (the client's: one small block per slot
-waits, then the whole GPU sums) and ``resident-B`` for each ``--blocks`` B (B blocks per slot
-resident from the launch, each slot summed by them as it lands), two figures:
+For slots of 4.7 / 9.4 / 44 MB, one slot and a batch of eight, in each form of launching it
+(``cuda_ops.verify_granted_batch``): ``resident-B`` for each ``--blocks`` B (B blocks per slot
+resident from the launch, each slot summed by them as it lands; the client's form with
+``RESIDENT_BLOCKS_PER_SLOT``), ``batch`` (a small block per slot waits, then the whole GPU sums
+the batch) and ``slot`` (the same per slot, in order), two figures:
 - ``landed_to_ready_us``: the check is launched against FILLING slots and left waiting
   (``--idle-ms``, as it waits for the copies); the host then writes LANDED into the mapped
   slot-state words and spins until every slot reads READY; wall time from the store to the
@@ -92,22 +93,22 @@ class Bench:
         self.results.fill(0xFFFFFFFF)
         self.cp.cuda.Device().synchronize()
 
-    def _launch(self, n: int, blocks: int | None) -> None:
+    def _launch(self, n: int, form: tuple[str, int]) -> None:
         from gpu_kernels import cuda_ops
 
         cuda_ops.verify_granted_batch(self.params_at, n, self.nbytes // 16, self.regions, 5.0,
-                                      self.results, self.scratch, self.stream,
-                                      resident_blocks=blocks)
+                                      self.results, self.scratch, self.stream, form=form[0],
+                                      resident_blocks=form[1])
 
     def _verdicts(self, n: int) -> None:
         got = self.results[:n].get().tolist()
         if got != [0] * n:
             raise SystemExit(f"slot_check: outcomes {got}, expected READY (0) for every slot")
 
-    def landed_to_ready(self, n: int, blocks: int | None, idle_s: float) -> float:
+    def landed_to_ready(self, n: int, form: tuple[str, int], idle_s: float) -> float:
         """Seconds from the host's LANDED stores to the last slot reading READY."""
         self._arm(n, abi.SlotState.FILLING)
-        self._launch(n, blocks)
+        self._launch(n, form)
         time.sleep(idle_s)
         landed = state_word(GENERATION, abi.SlotState.LANDED)
         ready = state_word(GENERATION, abi.SlotState.READY)
@@ -123,12 +124,12 @@ class Bench:
         self._verdicts(n)
         return took
 
-    def sum_time(self, n: int, blocks: int | None) -> float:
+    def sum_time(self, n: int, form: tuple[str, int]) -> float:
         """Seconds of the check on slots already LANDED, between CUDA events."""
         self._arm(n, abi.SlotState.LANDED)
         a, b = self.cp.cuda.Event(), self.cp.cuda.Event()
         a.record(self.stream)
-        self._launch(n, blocks)
+        self._launch(n, form)
         b.record(self.stream)
         b.synchronize()
         self._verdicts(n)
@@ -146,9 +147,10 @@ class Bench:
         return self.cp.cuda.get_elapsed_time(a, b) / 1e3
 
 
-def modes(blocks: list[int]) -> list[tuple[str, int | None]]:
-    """(name, ``resident_blocks``) of each way of launching the check measured."""
-    return [("wait-first", None), *((f"resident-{b}", b) for b in blocks)]
+def modes(blocks: list[int]) -> list[tuple[str, tuple[str, int]]]:
+    """(name, (``form``, ``resident_blocks``)) of each way of launching the check measured."""
+    return [*((f"resident-{b}", ("resident", b)) for b in blocks), ("batch", ("batch", 0)),
+            ("slot", ("slot", 0))]
 
 
 def measure(cp: Any, shape: str, blocks: list[int], repeats: int, idle_s: float
@@ -160,10 +162,10 @@ def measure(cp: Any, shape: str, blocks: list[int], repeats: int, idle_s: float
             bench.reduce_time(n)  # warm
             row: dict[str, Any] = {
                 "reduce_us": median([bench.reduce_time(n) for _ in range(repeats)]) * 1e6}
-            for mode, b in modes(blocks):
-                bench.sum_time(n, b)
-                sums = [bench.sum_time(n, b) for _ in range(repeats)]
-                ready = [bench.landed_to_ready(n, b, idle_s) for _ in range(repeats)]
+            for mode, form in modes(blocks):
+                bench.sum_time(n, form)
+                sums = [bench.sum_time(n, form) for _ in range(repeats)]
+                ready = [bench.landed_to_ready(n, form, idle_s) for _ in range(repeats)]
                 row[mode] = {"sum_us": median(sums) * 1e6,
                              "landed_to_ready_us": median(ready) * 1e6,
                              "landed_to_ready_p90_us": pct(ready, 90) * 1e6}

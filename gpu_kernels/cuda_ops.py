@@ -228,9 +228,14 @@ MIN_SUM_VECTORS = BATCH_THREADS * 16
 blocks."""
 
 
+CHECK_FORMS = ("resident", "batch", "slot")
+"""How ``verify_granted_batch`` launches a batch's checks (see there)."""
+
+
 def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions: Any,
                          timeout_s: float, results: Any, scratch: Any, stream: Any,
-                         resident_blocks: int | None = RESIDENT_BLOCKS_PER_SLOT) -> None:
+                         form: str = "resident",
+                         resident_blocks: int = RESIDENT_BLOCKS_PER_SLOT) -> None:
     """Enqueue on ``stream`` the checks of ``n`` posted ACQUIREs of a DMA-engine device, before
     the agent answered them: each waits for its reply, takes the granted slot from it
     (bounds-checked against ``regions``, the device's ``abi.REGION_DTYPE`` table in device
@@ -242,22 +247,34 @@ def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions:
     land); ``scratch`` (``uint32[4 * n]`` device words, zero, left zero) must not be in use by
     another launch at the same time. Twin: ``reference.verify_granted_batch``.
 
-    ``resident_blocks`` launches the kernel once with at most that many blocks per slot (each
-    summing at least ``BATCH_THREADS * 64`` vectors), resident from the post: each slot is
-    verified as soon as its own bytes land, by those few blocks. ``None`` waits first: one
-    small block per slot waits (a first launch) and, once every slot of the batch landed or
-    ended, a second launch sums them all with the whole GPU (``SUM_BLOCKS_PER_SM`` blocks per
-    multiprocessor, at least ``MIN_SUM_VECTORS`` each): the verdicts come together, soon after
-    the last landing, and no summing block sits resident beside the inference's kernels while
-    the bytes move (``bench/slot_check.py`` compares the two; not yet run on a GPU)."""
+    ``form`` (one of ``CHECK_FORMS``):
+    - ``resident``: one launch, at most ``resident_blocks`` blocks per slot (each summing at
+      least ``BATCH_THREADS * 64`` vectors), resident from the post: each slot is verified as
+      soon as its own bytes land, by those few blocks.
+    - ``batch``: two launches: one small block per slot waits, and once every slot of the
+      batch landed or ended, the second sums them all with the whole GPU
+      (``SUM_BLOCKS_PER_SM`` blocks per multiprocessor, at least ``MIN_SUM_VECTORS`` each):
+      the verdicts come together after the last landing.
+    - ``slot``: those two launches per slot, in order: each slot is waited for by one small
+      block and summed by the whole GPU as soon as it lands (``2 n`` launches).
+    In the last two no summing block sits resident beside the inference's kernels while the
+    bytes move (``bench/slot_check.py`` compares the three; only ``resident`` has run on a
+    GPU so far)."""
+    if form not in CHECK_FORMS:
+        raise ValueError(f"check form {form!r}: expected one of {CHECK_FORMS}")
     kernel = launch.kernel("ready", "dpu_verify_granted_batch")
-    args = (np.uint64(checks_address), regions, np.uint64(int(timeout_s * 1e9)),
-            np.uint32(abi.Status.CHECKSUM_MISMATCH), results, scratch)
-    if resident_blocks is not None:
+    fixed = (regions, np.uint64(int(timeout_s * 1e9)), np.uint32(abi.Status.CHECKSUM_MISMATCH))
+    if form == "resident":
         blocks = max(1, min(resident_blocks, -(-largest_n16 // (BATCH_THREADS * 64))))
-        kernel((blocks, n), (BATCH_THREADS,), (*args, np.uint32(0)), stream=stream)
+        kernel((blocks, n), (BATCH_THREADS,),
+               (np.uint64(checks_address), *fixed, results, scratch, np.uint32(0)),
+               stream=stream)
         return
-    kernel((1, n), (32,), (*args, np.uint32(1)), stream=stream)
-    room = -(-launch.sm_count(cp.cuda.Device().id) * SUM_BLOCKS_PER_SM // n)
-    blocks = max(1, min(room, -(-largest_n16 // MIN_SUM_VECTORS)))
-    kernel((blocks, n), (BATCH_THREADS,), (*args, np.uint32(0)), stream=stream)
+    parts = [(0, n)] if form == "batch" else [(y, 1) for y in range(n)]
+    for first, count in parts:
+        args = (np.uint64(checks_address + first * abi.CHECK_DTYPE.itemsize), *fixed,
+                results[first:first + count], scratch[4 * first:4 * (first + count)])
+        kernel((1, count), (32,), (*args, np.uint32(1)), stream=stream)
+        room = -(-launch.sm_count(cp.cuda.Device().id) * SUM_BLOCKS_PER_SM // count)
+        blocks = max(1, min(room, -(-largest_n16 // MIN_SUM_VECTORS)))
+        kernel((blocks, count), (BATCH_THREADS,), (*args, np.uint32(0)), stream=stream)

@@ -164,6 +164,8 @@ __device__ uint32_t dpu_resolve_grant(const dpu_slot_check& c, const dpu_region*
 //   n pollers wait (one small block per slot) and leave each outcome in scratch word 3; the
 //   second, once every slot of the batch ended, takes the handed outcomes and sums with as many
 //   blocks as the GPU holds. No block idles resident beside other kernels while the bytes move.
+//   Launched so per request (n = 1, `checks`, `results` and `scratch` offset to it), in order,
+//   each slot is summed by the GPU as soon as it lands.
 extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks,
                                                     const dpu_region* regions,
                                                     uint64_t timeout_ns, uint32_t status_mismatch,

@@ -146,12 +146,13 @@ def test_twin_takes_each_slot_of_a_posted_batch_from_its_reply() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("resident_blocks", [None, 8])
+@pytest.mark.parametrize("form", ["resident", "batch", "slot"])
 @pytest.mark.parametrize("nbytes", [16, 4096, 3 << 20])
-def test_cuda_batch_check_matches_the_twin(nbytes: int, resident_blocks: int | None) -> None:
-    """The batch check, launched before the replies are read (waiting first, then summing with
-    the GPU; or with blocks resident per slot), checks every request of ``_posted_batch``: each
-    outcome and slot-state byte is the twin's; the scratch is left zero."""
+def test_cuda_batch_check_matches_the_twin(nbytes: int, form: str) -> None:
+    """The batch check, launched before the replies are read, in each of its forms (blocks
+    resident per slot; a wait, then a sum with the GPU, for the batch or per slot), checks every
+    request of ``_posted_batch``: each outcome and slot-state byte is the twin's; the scratch is
+    left zero."""
     import cupy as cp
 
     from gpu_kernels import cuda_ops
@@ -183,7 +184,7 @@ def test_cuda_batch_check_matches_the_twin(nbytes: int, resident_blocks: int | N
         # non-blocking stream does not wait for (a sanitizer's slowness once showed it)
         cuda_ops.verify_granted_batch(device_pointer(params.ctypes.data), len(checks),
                                       int(params["n16"].max()), table_on_gpu, 1.0, results,
-                                      scratch, stream, resident_blocks=resident_blocks)
+                                      scratch, stream, form=form)
         stream.synchronize()
         assert results.get().tolist() == want
         assert channel.states.tobytes() == twin.states.tobytes()
