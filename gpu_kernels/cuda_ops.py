@@ -270,11 +270,11 @@ def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions:
                (np.uint64(checks_address), *fixed, results, scratch, np.uint32(0)),
                stream=stream)
         return
-    parts = [(0, n)] if form == "batch" else [(y, 1) for y in range(n)]
-    for first, count in parts:
+    count = n if form == "batch" else 1  # requests a pair of launches takes
+    room = -(-launch.sm_count(cp.cuda.Device().id) * SUM_BLOCKS_PER_SM // count)
+    blocks = max(1, min(room, -(-largest_n16 // MIN_SUM_VECTORS)))
+    for first in range(0, n, count):
         args = (np.uint64(checks_address + first * abi.CHECK_DTYPE.itemsize), *fixed,
                 results[first:first + count], scratch[4 * first:4 * (first + count)])
         kernel((1, count), (32,), (*args, np.uint32(1)), stream=stream)
-        room = -(-launch.sm_count(cp.cuda.Device().id) * SUM_BLOCKS_PER_SM // count)
-        blocks = max(1, min(room, -(-largest_n16 // MIN_SUM_VECTORS)))
         kernel((blocks, count), (BATCH_THREADS,), (*args, np.uint32(0)), stream=stream)

@@ -184,13 +184,8 @@ extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
         uint32_t grant = DPU_GRANT_PENDING;
         unsigned int backoff = 64;
-        const uint32_t waited = wait_only ? 0u : dpu_load_volatile_u32(s + 3);
-        if (waited) {  // a wait-only launch before this one waited
-            outcome = waited - 1;
-            if (outcome == DPU_WAIT_CHECK &&
-                dpu_resolve_grant(c, regions, &entry, &generation, &data) != 0u)
-                outcome = 2u;  // the reply entry was reused since
-        } else if (blockIdx.x == 0) {
+        // After a wait-only launch, block 0 too takes the outcome handed in scratch word 3.
+        if (blockIdx.x == 0 && (wait_only || dpu_load_volatile_u32(s + 3) == 0u)) {
             for (;;) {
                 grant = dpu_resolve_grant(c, regions, &entry, &generation, &data);
                 if (grant != DPU_GRANT_PENDING) break;
