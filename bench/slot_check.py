@@ -57,7 +57,6 @@ class Bench:
         blob = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
         self.expected = terms_sum(blob)
         self.pool = cp.asarray(np.tile(blob, BATCH))
-        self.one = self.pool[:nbytes].view(cp.uint32)
         self.channel = Channel.format(np.zeros(abi.channel_layout(64).total, np.uint8), 64)
         self.params = np.zeros(BATCH, abi.CHECK_DTYPE)
         rt = cp.cuda.runtime
