@@ -51,6 +51,7 @@ class Bench:
     holding the same random blob (a blob's sum does not depend on where its slot is)."""
 
     def __init__(self, cp: Any, nbytes: int, seed: int) -> None:
+        from gpu_kernels import cuda_ops
         from host_client.cuda_device import device_pointer
 
         self.cp, self.nbytes = cp, nbytes
@@ -77,7 +78,7 @@ class Bench:
         self.params["n16"] = nbytes // 16
         self.params_at = device_pointer(self.params.ctypes.data)
         self.results = cp.zeros(BATCH, cp.uint32)
-        self.scratch = cp.zeros(4 * BATCH, cp.uint32)
+        self.scratch = cp.zeros(cuda_ops.CHECK_SCRATCH_WORDS * BATCH, cp.uint32)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.words = self.channel.states["word"]
 

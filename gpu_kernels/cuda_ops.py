@@ -228,6 +228,12 @@ MIN_SUM_VECTORS = BATCH_THREADS * 16
 blocks."""
 
 
+CHECK_SCRATCH_WORDS = 10
+"""Device words of a batch check's scratch per request (``DPU_CHECK_SCRATCH`` in ready.cu: the
+sum, two block counts, the handed outcome and the handed grant, 8-byte aligned when the scratch
+is)."""
+
+
 CHECK_FORMS = ("resident", "batch", "slot")
 """How ``verify_granted_batch`` launches a batch's checks (see there)."""
 
@@ -244,7 +250,8 @@ def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions:
     start: keep it unchanged until the launches have ended), ``largest_n16`` the largest
     ``n16`` among them (it sizes the grid). ``results`` (``uint32[n]``) get each request's
     outcome (an index into ``WAIT_OUTCOMES``; no verdict unless every block of the slot saw it
-    land); ``scratch`` (``uint32[4 * n]`` device words, zero, left zero) must not be in use by
+    land); ``scratch`` (``uint32[CHECK_SCRATCH_WORDS * n]`` device words, 8-byte aligned, zero, left
+    zero) must not be in use by
     another launch at the same time. Twin: ``reference.verify_granted_batch``.
 
     ``form`` (one of ``CHECK_FORMS``):
@@ -274,7 +281,8 @@ def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions:
     room = -(-launch.sm_count(cp.cuda.Device().id) * SUM_BLOCKS_PER_SM // count)
     blocks = max(1, min(room, -(-largest_n16 // MIN_SUM_VECTORS)))
     for first in range(0, n, count):
+        words = scratch[CHECK_SCRATCH_WORDS * first:CHECK_SCRATCH_WORDS * (first + count)]
         args = (np.uint64(checks_address + first * abi.CHECK_DTYPE.itemsize), *fixed,
-                results[first:first + count], scratch[4 * first:4 * (first + count)])
+                results[first:first + count], words)
         kernel((1, count), (32,), (*args, np.uint32(1)), stream=stream)
         kernel((blocks, count), (BATCH_THREADS,), (*args, np.uint32(0)), stream=stream)

@@ -116,7 +116,9 @@ extern "C" __global__ void dpu_verify_landed(dpu_slot_state* entry, uint64_t gen
     *result = dpu_publish_verdict(entry, generation, got, status_mismatch);
 }
 
-#define DPU_CHECK_SCRATCH 4u  // words per slot: sum, blocks that summed, blocks done, outcome
+// Words per slot of a batch check's scratch: 0 sum, 1 blocks that summed, 2 blocks done,
+// 3 handed outcome + 1, 4-9 the handed grant (state entry, generation, blob: three u64).
+#define DPU_CHECK_SCRATCH 10u
 #define DPU_GRANT_PENDING 0xFFFFFFFFu
 #define DPU_GRANT_REFUSED 5u  // the agent answered the ACQUIRE with an error: nothing to check
 #define DPU_GRANT_BAD 6u      // the reply names no slot of this device that holds the blob
@@ -150,8 +152,10 @@ __device__ uint32_t dpu_resolve_grant(const dpu_slot_check& c, const dpu_region*
 
 // The checks of a batch of ACQUIREs, started when they were posted: grid (G, n), blocks (x, y)
 // check request y of `checks`. Block (0, y) polls the request's reply and then the granted
-// slot's word (host memory) and hands the outcome to its G - 1 siblings through scratch word 3
-// (device memory, so one poller per slot crosses PCIe at the poll's rate); a sibling also reads
+// slot's word (host memory) and hands the outcome, with the grant it resolved, to its G - 1
+// siblings through scratch words 3-9 (device memory, so one poller per slot crosses PCIe: a
+// reply resolved by every block of a large grid costs ~0.7 us of fenced PCIe reads per block,
+// serialized, ~180 us for 36 blocks on an H100); a sibling also reads
 // the reply and the word itself when it starts and at every 16th look after, ~30 us apart, so
 // it never depends on the poller being resident. Only when all G blocks summed the bytes does
 // the last to finish publish a verdict (dpu_publish_verdict). results[y]: 0 READY, 1 FAILED,
@@ -198,6 +202,12 @@ extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks
             outcome = grant != 0u ? grant
                 : dpu_poll_word(&entry->word, generation,
                                 timeout_ns > now - start ? timeout_ns - (now - start) : 0, true);
+            if (grant == 0u) {
+                volatile uint64_t* grant_words = (volatile uint64_t*)(s + 4);
+                grant_words[0] = (uint64_t)entry;
+                grant_words[1] = generation;
+                grant_words[2] = (uint64_t)data;
+            }
             __threadfence();
             *(volatile uint32_t*)(s + 3) = outcome + 1;
         } else {
@@ -205,9 +215,12 @@ extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks
                 const uint32_t handed = dpu_load_volatile_u32(s + 3);
                 if (handed) {
                     outcome = handed - 1;
-                    if (outcome == DPU_WAIT_CHECK && grant != 0u)
-                        grant = dpu_resolve_grant(c, regions, &entry, &generation, &data);
-                    if (outcome == DPU_WAIT_CHECK && grant != 0u) outcome = 2u;  // reused since
+                    if (outcome == DPU_WAIT_CHECK) {
+                        const volatile uint64_t* grant_words = (const volatile uint64_t*)(s + 4);
+                        entry = (dpu_slot_state*)grant_words[0];
+                        generation = grant_words[1];
+                        data = (const uint4*)grant_words[2];
+                    }
                     break;
                 }
                 if ((i & 15u) == 1) {
@@ -248,7 +261,7 @@ extern "C" __global__ void dpu_verify_granted_batch(const dpu_slot_check* checks
     __threadfence();
     const uint32_t got = atomicAdd(s, 0u);
     const uint32_t summed = atomicAdd(s + 1, 0u);
-    s[0] = s[1] = s[2] = s[3] = 0;
+    for (uint32_t w = 0; w < DPU_CHECK_SCRATCH; ++w) s[w] = 0;
     if (summed != gridDim.x) {  // some block saw no landing: no verdict from this check
         results[blockIdx.y] = landed ? 3u : outcome;
         return;

@@ -112,9 +112,11 @@ class CudaDevice(Device):
         self._batch_next = 0
         with self.dev:
             self._batch_words = self.cp.zeros(
-                (CHECK_LANES, 5 * cuda_ops.MAX_BATCH_CHECKS), self.cp.uint32)
-        """Per lane: a batch check's scratch (``4 * MAX_BATCH_CHECKS``) and outcomes
-        (``MAX_BATCH_CHECKS``); a lane's stream orders its launches, so each reuses them."""
+                (CHECK_LANES, (cuda_ops.CHECK_SCRATCH_WORDS + 1) * cuda_ops.MAX_BATCH_CHECKS),
+                self.cp.uint32)
+        """Per lane: a batch check's scratch (``CHECK_SCRATCH_WORDS * MAX_BATCH_CHECKS``) and
+        outcomes (``MAX_BATCH_CHECKS``); a lane's stream orders its launches, so each reuses
+        them."""
         self.dev.synchronize()  # zeroed on the null stream, which the lanes' streams ignore
         self._running = False
         self._done_event: Any = None
@@ -241,7 +243,7 @@ class CudaDevice(Device):
                 cuda_ops.verify_granted_batch(
                     self._batch_params_at + block * self._batch_params.strides[0], len(part),
                     int(params["n16"].max()), self._table, timeout,
-                    words[4 * cuda_ops.MAX_BATCH_CHECKS:], words, stream)
+                    words[cuda_ops.CHECK_SCRATCH_WORDS * cuda_ops.MAX_BATCH_CHECKS:], words, stream)
                 ended = self.cp.cuda.Event(disable_timing=True)
                 ended.record(stream)
                 self._batch_ended[block] = ended

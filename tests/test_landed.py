@@ -178,7 +178,7 @@ def test_cuda_batch_check_matches_the_twin(nbytes: int, form: str) -> None:
         params["states"] = at + layout.states
         params["n16"] = [n // 16 for _, n in checks]
         results = cp.full(len(checks), 0xFFFFFFFF, cp.uint32)
-        scratch = cp.zeros(4 * len(checks), cp.uint32)
+        scratch = cp.zeros(cuda_ops.CHECK_SCRATCH_WORDS * len(checks), cp.uint32)
         stream = cp.cuda.Stream(non_blocking=True)
         cp.cuda.Device().synchronize()  # the fills above ran on the null stream, which a
         # non-blocking stream does not wait for (a sanitizer's slowness once showed it)
