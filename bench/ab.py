@@ -10,9 +10,9 @@ compared with the one before it only within one machine's run).
         results JSON the benchmark wrote in that side's bench/results (the newest) and prints,
         for every results entry (and the results themselves, for a flat record), each
         ``--metric`` (a key of the entry, dotted for nested ones, a number for a list's item:
-        ``runs.0.offload.tokens_per_s``) per round and side, then
-        the medians. Sides default to this tree; ``--env-a`` /
-        ``--env-b`` set variables for one side only (an agent setting:
+        ``runs.0.offload.tokens_per_s``) per round and side, then the medians, after every round
+        (a run cut short keeps the rounds it finished). Sides default to this tree; ``--env-a``
+        / ``--env-b`` set variables for one side only (an agent setting:
         ``DPU_AGENT_TRANSFER_ENGINE_POLL=doze``).
 """
 
@@ -122,10 +122,16 @@ def main() -> int:
                         seen.setdefault((name, metric, side), []).append(float(value))
             print(f"round {r + 1} side {side} ({tree.name or tree}, source "
                   f"{data.get('source_hash', '?')}) done", file=sys.stderr)
-    for (name, metric, side), values in sorted(seen.items()):
-        print(f"{name:34s} {metric:28s} {side}: " + " ".join(f"{v:9.4f}" for v in values)
-              + f"   median {statistics.median(values):9.4f}")
+        # The table so far after every round: a run cut short by a time limit keeps its rounds.
+        print(f"after round {r + 1} of {args.rounds}:\n{table(seen)}", flush=True)
     return 0
+
+
+def table(seen: dict[tuple[str, str, str], list[float]]) -> str:
+    """One line per results entry, metric and side: each round's value, then their median."""
+    return "\n".join(f"{name:34s} {metric:28s} {side}: " + " ".join(f"{v:9.4f}" for v in values)
+                     + f"   median {statistics.median(values):9.4f}"
+                     for (name, metric, side), values in sorted(seen.items()))
 
 
 if __name__ == "__main__":

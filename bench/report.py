@@ -375,6 +375,25 @@ def slot_pool(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def slot_check(d: dict[str, Any]) -> list[Row]:
+    """A slot's check from LANDED to READY, by launch form (bench/slot_check.py)."""
+    rows: list[Row] = []
+    for shape, r in d["results"].items():
+        for count, one in r.items():
+            if not count.startswith("slots_"):
+                continue
+            n = count.removeprefix("slots_")
+            for form, f in one.items():
+                if form == "reduce_us":
+                    continue
+                rows.append((f"{shape}, {n} slot(s), form {form}: LANDED to READY (p90)",
+                             f"{f['landed_to_ready_us']:.0f} us "
+                             f"({f['landed_to_ready_p90_us']:.0f})",
+                             f"check alone {f['sum_us']:.0f} us; cupy.sum "
+                             f"{one['reduce_us']:.0f} us", "", "", None))
+    return rows
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("Delivery, arena to GPU", "delivery-cuda", delivery, "delivery-cuda.png"),
     ("The agent's CPU per request, DMA-engine delivery (copies out of the way)",
@@ -382,6 +401,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[Row]], str]] = [
     ("The agent's CPU per request, device-pull delivery (a consumer that never runs)",
      "agent-requests-cpu-pull", agent_requests, ""),
     ("The agent's cost of finding a slot for a delivery", "slot-pool-cpu", slot_pool, ""),
+    ("The GPU's check of a landed slot, by launch form", "slot_check-cuda", slot_check, ""),
     ("Dispatch / combine kernels", "moe_kernels-cuda", moe_kernels, ""),
     ("Cache policies, Mixtral trace", "cache-mixtral-8x7b-humaneval-sample", cache,
      "cache-mixtral-8x7b-humaneval-sample.png"),

@@ -210,6 +210,7 @@ def main() -> None:
             print(f"{shape:20s} x{n}  cupy.sum {row['reduce_us']:5.0f} us "
                   f"({gb / row['reduce_us'] * 1e6:5.0f} GB/s) | {cells}")
     data = envelope("slot_check", results, device="cuda", blocks=args.blocks,
+                    command=" ".join(["python", "bench/slot_check.py", *sys.argv[1:]]),
                     repeats=args.repeats, idle_ms=args.idle_ms,
                     sum_blocks_per_sm=cuda_ops.SUM_BLOCKS_PER_SM)
     print(f"wrote {write('slot_check', data, '-cuda')}")

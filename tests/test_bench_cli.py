@@ -108,6 +108,10 @@ def test_ab_runs_the_sides_in_turn_and_reports_each_metric(tmp_path: Path) -> No
     assert rows["(results)", "flat", "A:"].endswith("median    4.0000")  # a flat record
     assert rows["row", "runs.0.t", "B:"].endswith("median   15.0000")  # a list's item
     assert ("row", "runs.1.t", "A:") not in rows  # no such item: no row
+    # Each round's table is printed when the round ends: a run cut short keeps it.
+    first = out.stdout.split("after round 2 of 2:")[0].splitlines()
+    assert first[0] == "after round 1 of 2:"
+    assert "row m B: 3.0000 median 3.0000" in {" ".join(line.split()) for line in first}
     failed = subprocess.run([*run[:9], "--env-b", "FAIL=1", *run[11:]], capture_output=True,
                             text=True, timeout=120)
     assert failed.returncode != 0 and "bench/fake.py" in failed.stderr and "broken" in \
