@@ -258,6 +258,9 @@ def decode(d: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     for run in r["runs"]:
         tag = f"{r['arch']}, cache {run['fraction']:.0%}"
+        held = run["slots"] / (r["layers"] * r["experts"])
+        if round(held, 2) != round(run["fraction"], 2):  # a layer's top-k needs its slots
+            tag += f" ({run['slots']} slots: {held:.0%}, a layer's top-{r['top_k']} at once)"
         tps = run["offload"]["tokens_per_s"]
         rows.append((f"decode tok/s, {tag}", f"{tps:.2f}",
                      f"bound {run['bound_tokens_per_s']:.2f}", f"{run['offload_vs_bound']:.2f}x",
