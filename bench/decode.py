@@ -143,7 +143,9 @@ class Decoder:
         xp = self.xp
         x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
         compute = wait = 0.0
-        marks: list[tuple[Any, Any, Any]] = []  # per expert: before fetch, after it, after FFN
+        # Per expert, CUDA events: before fetch, after it, after the FFN's own launches, after
+        # the accumulation.
+        marks: list[tuple[Any, Any, Any, Any]] = []
         outputs = []
         t_start = time.perf_counter()
         first_token = 0.0
@@ -164,9 +166,11 @@ class Decoder:
                     w = fetch(layer, e)
                     t1 = time.perf_counter()
                     fetched = self._event()
-                    acc += reference.bf16_to_f32(expert_ffn(hb, *w)) / len(experts)
+                    y = expert_ffn(hb, *w)
+                    ffn_done = self._event()
+                    acc += reference.bf16_to_f32(y) / len(experts)
                     if fetched is not None:
-                        marks.append((before, fetched, self._event()))
+                        marks.append((before, fetched, ffn_done, self._event()))
                     self.sync()
                     t2 = time.perf_counter()
                     # The stream is idle at ``before`` (synced after each expert), so on the GPU
@@ -185,13 +189,16 @@ class Decoder:
                 first_token = time.perf_counter() - t_start
         self.sync()
         total = time.perf_counter() - t_start
-        gpu = (sum(xp.cuda.get_elapsed_time(b, c) for _, b, c in marks) / 1e3 / tokens
+        gpu = (sum(xp.cuda.get_elapsed_time(b, d) for _, b, _, d in marks) / 1e3 / tokens
+               if marks else None)
+        ffn = (sum(xp.cuda.get_elapsed_time(b, c) for _, b, c, _ in marks) / 1e3 / tokens
                if marks else None)
         return {"tokens_per_s": tokens / total, "first_token_s": first_token,
                 "steady_tokens_per_s": ((tokens - 1) / (total - first_token)
                                         if tokens > 1 else None),
                 "compute_s_per_token": compute / tokens,
                 "gpu_compute_s_per_token": gpu,
+                "gpu_ffn_s_per_token": ffn,
                 "wait_s_per_token": wait / tokens,
                 "other_s_per_token": (total - compute - wait) / tokens,
                 "outputs": xp.concatenate(outputs)}
@@ -513,6 +520,16 @@ def print_table(r: dict[str, Any]) -> None:
               f"{run['bound_tokens_per_s']:5.1f}  "
               f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
               f"{run['offload_vs_bound']:7.2f}  {run['offload_vs_http']:6.2f}", file=sys.stderr)
+    resident_ffn = r["resident"].get("gpu_ffn_s_per_token")
+    if resident_ffn:
+        cells = []
+        for run in r["runs"]:
+            off = run["offload"]
+            cells.append(f"{run['fraction']:.0%} offload {off['gpu_ffn_s_per_token'] * 1e3:.2f} "
+                         f"({off['gpu_ffn_s_per_token'] / resident_ffn:.2f}x), beside the agent "
+                         f"{off['resident_beside_agent']['gpu_ffn_s_per_token'] * 1e3:.2f}")
+        print(f" the FFN's own launches, GPU ms per token (resident {resident_ffn * 1e3:.2f}): "
+              + "; ".join(cells), file=sys.stderr)
     if any(run["offload"].get("parked_acquires_per_token") for run in r["runs"]):
         print(" acquires parked for a landing slot per token: " + "; ".join(
             f"{run['fraction']:.0%} {run['offload'].get('parked_acquires_per_token', 0):.2f}"

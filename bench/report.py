@@ -283,6 +283,12 @@ def decode(d: dict[str, Any]) -> list[Row]:
                      f"{run['offload']['compute_s_per_token'] * 1e3:.2f} ms",
                      f"resident {resident * 1e3:.2f} ms", f"{ratio:.2f}x", "<= 1.1x",
                      ratio <= 1.1))
+        ffn, resident_ffn = (run["offload"].get("gpu_ffn_s_per_token"),
+                             r["resident"].get("gpu_ffn_s_per_token"))
+        if ffn and resident_ffn:
+            rows.append((f"the expert FFN's own kernels, GPU time per token, {tag}",
+                         f"{ffn * 1e3:.2f} ms", f"resident {resident_ffn * 1e3:.2f} ms",
+                         f"{ffn / resident_ffn:.2f}x", "", None))
         if "grpc_calls_per_token" in run["offload"]:
             calls = run["offload"]["grpc_calls_per_token"]
             rows.append((f"gRPC calls per token, {tag}", f"{calls:.2f}", "", "", "0",
