@@ -49,7 +49,6 @@ import pstats
 import sys
 import tempfile
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -62,16 +61,14 @@ from bench.common import (
     agent_total,
     chunk_server,
     envelope,
-    figure,
     host_to_device_rate,
     http_fetch,
-    save_figure,
     write,
 )
-from dpu_agent.routing.traces import generate_trace, read_trace
+from bench.decode_loop import Decoder, LruHost, routing
+from bench.decode_table import plot, print_table
 from dpu_offload.blob import SWIGLU_ROLES
 from dpu_offload.keys import ExpertKey
-from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import (
     CheckpointSpec,
@@ -80,7 +77,6 @@ from host_client.checkpoints import (
     read_tensor_bytes,
 )
 from host_client.launcher import AgentProcess
-from host_client.worker import expert_ffn
 
 ARCHS = {  # arch: (checkpoint layout, hidden, moe intermediate, top-k)
     "qwen3-30b-a3b": ("qwen3-moe", 2048, 768, 8),
@@ -89,140 +85,8 @@ ARCHS = {  # arch: (checkpoint layout, hidden, moe intermediate, top-k)
 }
 
 
-def routing(trace: Path | None, layers: int, experts: int, top_k: int, tokens: int
-            ) -> list[list[list[int]]]:
-    """[token][layer] -> distinct experts."""
-    if trace is None:
-        steps = list(generate_trace(layers, experts, top_k, tokens, seed=7))
-        return [[sorted(set(steps[t * layers + la].experts)) for la in range(layers)]
-                for t in range(tokens)]
-    raw = read_trace(trace)
-    n_layers = max(s.layer for s in raw) + 1
-    out = []
-    for t in range(tokens):
-        row = []
-        for la in range(layers):
-            step = raw[(t * n_layers + la % n_layers) % len(raw)]
-            row.append(sorted({e % experts for e in step.experts}))
-        out.append(row)
-    return out
-
-
 DELIVERED = "dpu_agent_delivered_bytes_total"
 """Bytes the agent delivered to devices, by source."""
-
-
-class Decoder:
-    """The decode loop; ``fetch(layer, expert)`` returns the expert's (gate, up, down) bf16
-    arrays, counting the time it waits."""
-
-    def __init__(self, hidden: int, layer_ids: list[int], route: list[list[list[int]]],
-                 xp: Any = np):
-        self.hidden, self.layer_ids, self.route, self.xp = hidden, layer_ids, route, xp
-
-    def sync(self) -> None:
-        if self.xp is not np:
-            self.xp.cuda.get_current_stream().synchronize()
-
-    def _event(self) -> Any:
-        """On the GPU, a CUDA event recorded now on the current stream (None on the CPU)."""
-        if self.xp is np:
-            return None
-        event = self.xp.cuda.Event()
-        event.record()
-        return event
-
-    def run(self, fetch: Any, release: Any, tokens: int, begin: Any = None
-            ) -> dict[str, Any]:
-        """Decode ``tokens`` tokens. ``begin(layer, experts)``, when given, is told each
-        layer's experts before the first ``fetch`` (the offload path asks for them all in
-        one AcquireBatch so their transfers overlap); its time counts as waiting. Besides the
-        whole run's tokens/s: the first token's seconds (``first_token_s``: cold slots, and the
-        first request each process serves) and the tokens/s of the rest
-        (``steady_tokens_per_s``, None for one token)."""
-        xp = self.xp
-        x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
-        compute = wait = 0.0
-        # Per expert, CUDA events: before fetch, after it, after the FFN's own launches, after
-        # the accumulation.
-        marks: list[tuple[Any, Any, Any, Any]] = []
-        outputs = []
-        t_start = time.perf_counter()
-        first_token = 0.0
-        for t in range(tokens):
-            h = reference.bf16_to_f32(x).copy()
-            for la, layer in enumerate(self.layer_ids):
-                h = h + 0.5 * xp.tanh(h)  # the attention stand-in
-                experts = self.route[t][la]
-                acc = xp.zeros_like(h)
-                hb = reference.f32_to_bf16(h)
-                if begin is not None:
-                    t0 = time.perf_counter()
-                    begin(layer, experts)
-                    wait += time.perf_counter() - t0
-                for e in experts:
-                    t0 = time.perf_counter()
-                    before = self._event()
-                    w = fetch(layer, e)
-                    t1 = time.perf_counter()
-                    fetched = self._event()
-                    y = expert_ffn(hb, *w)
-                    ffn_done = self._event()
-                    acc += reference.bf16_to_f32(y) / len(experts)
-                    if fetched is not None:
-                        marks.append((before, fetched, ffn_done, self._event()))
-                    self.sync()
-                    t2 = time.perf_counter()
-                    # The stream is idle at ``before`` (synced after each expert), so on the GPU
-                    # the wait is ``before`` -> ``fetched``: the host's wait in ``fetch`` or a
-                    # wait it enqueued on the stream, which ends inside the sync above.
-                    waited = (t1 - t0 if fetched is None
-                              else xp.cuda.get_elapsed_time(before, fetched) / 1e3)
-                    wait += waited
-                    compute += t2 - t0 - waited
-                    release(layer, e)
-                h = h + acc
-            outputs.append(reference.f32_to_bf16(h))
-            x = reference.f32_to_bf16(xp.tanh(h))  # next token's input
-            if t == 0:
-                self.sync()
-                first_token = time.perf_counter() - t_start
-        self.sync()
-        total = time.perf_counter() - t_start
-        gpu = (sum(xp.cuda.get_elapsed_time(b, d) for _, b, _, d in marks) / 1e3 / tokens
-               if marks else None)
-        ffn = (sum(xp.cuda.get_elapsed_time(b, c) for _, b, c, _ in marks) / 1e3 / tokens
-               if marks else None)
-        return {"tokens_per_s": tokens / total, "first_token_s": first_token,
-                "steady_tokens_per_s": ((tokens - 1) / (total - first_token)
-                                        if tokens > 1 else None),
-                "compute_s_per_token": compute / tokens,
-                "gpu_compute_s_per_token": gpu,
-                "gpu_ffn_s_per_token": ffn,
-                "wait_s_per_token": wait / tokens,
-                "other_s_per_token": (total - compute - wait) / tokens,
-                "outputs": xp.concatenate(outputs)}
-
-
-class LruHost:
-    """A host-memory expert cache of ``capacity`` experts filled by ``load(layer, e)``."""
-
-    def __init__(self, capacity: int, load: Any) -> None:
-        self.capacity, self.load = capacity, load
-        self.slots: OrderedDict[tuple[int, int], tuple[np.ndarray, ...]] = OrderedDict()
-        self.hits = self.misses = 0
-
-    def fetch(self, layer: int, e: int) -> tuple[np.ndarray, ...]:
-        key = (layer, e)
-        if key in self.slots:
-            self.hits += 1
-            self.slots.move_to_end(key)
-            return self.slots[key]
-        self.misses += 1
-        if len(self.slots) >= self.capacity:
-            self.slots.popitem(last=False)
-        w = self.slots[key] = self.load(layer, e)
-        return w
 
 
 def main() -> int:
@@ -456,89 +320,6 @@ def fetch_http(server: Any, layer: int, e: int, inter: int, hidden: int
     n = inter * hidden
     return (flat[:n].reshape(inter, hidden), flat[n:2 * n].reshape(inter, hidden),
             flat[2 * n:].reshape(hidden, inter))
-
-
-def plot(r: dict[str, Any], path: Path) -> None:
-    """Tokens per second against the cache fraction, one line per path."""
-    runs = sorted(r["runs"], key=lambda run: run["fraction"])
-    x = [100 * run["fraction"] for run in runs]
-    fig, ax = figure(size=(6.5, 4))
-    for label, get, style in (
-            ("offload (agent)", lambda run: run["offload"]["tokens_per_s"], "o-"),
-            ("bound: missed bytes / pinned H2D", lambda run: run["bound_tokens_per_s"], "k:"),
-            ("pageable copy on miss", lambda run: run["pageable"]["tokens_per_s"], "x--"),
-            ("host-staged HTTP", lambda run: run["http"]["tokens_per_s"], "x--"),
-            ("all resident", lambda run: run["resident_tokens_per_s"], "g-.")):
-        ax.plot(x, [get(run) for run in runs], style, label=label)
-    ax.set(yscale="log", xlabel="GPU expert cache (% of all experts)", ylabel="tokens/s",
-           title=f"decode, {r['arch']} ({r['layers']} layers x {r['experts']} experts), "
-                 f"{r['device']}")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    save_figure(fig, path)
-
-
-def gpu_ratio(run: dict[str, Any], resident_gpu: float | None) -> str:
-    """The run's expert-kernel GPU time over the resident run's ("-" without a GPU)."""
-    gpu = run.get("gpu_compute_s_per_token")
-    return f"{gpu / resident_gpu:.2f}" if gpu and resident_gpu else "-"
-
-
-def beside_ratio(run: dict[str, Any], resident: float, resident_gpu: float | None) -> str:
-    """The resident kernels' compute (GPU) time with the run's agent and engine up, over the
-    resident run's before the agent started ("-" for results without it)."""
-    beside = run.get("resident_beside_agent")
-    if beside is None:
-        return "-"
-    return (f"{beside['compute_s_per_token'] / resident:.2f} "
-            f"({gpu_ratio(beside, resident_gpu)})")
-
-
-def print_table(r: dict[str, Any]) -> None:
-    print(f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, top-{r['top_k']}, "
-          f"{r['tokens']} tokens; resident {r['resident']['tokens_per_s']:.1f} tok/s"
-          + (f"; next-layer prefetch of {r['prefetch']}" if r.get("prefetch") else ""),
-          file=sys.stderr)
-    print(" cache  hit rate  offload tok/s  (after the 1st)  (wait ms/tok)  compute x resident  "
-          "(GPU x res.)  "
-          "(resident beside agent)  gRPC/tok  MB/tok missed (moved)  bound  pageable  http  "
-          "x bound  x http", file=sys.stderr)
-    resident = r["resident"]["compute_s_per_token"]
-    resident_gpu = r["resident"].get("gpu_compute_s_per_token")
-    for run in r["runs"]:
-        o = run["offload"]
-        steady = o.get("steady_tokens_per_s")
-        print(f" {run['fraction']:5.0%}  {run['hit_rate']:8.2f}  {o['tokens_per_s']:13.1f}  "
-              f"({'-' if steady is None else f'{steady:.1f}':>13})  "
-              f"({o['wait_s_per_token'] * 1e3:11.1f})  "
-              f"{o['compute_s_per_token'] / resident:18.2f}  "
-              f"({gpu_ratio(o, resident_gpu):>11})  "
-              f"({beside_ratio(o, resident, resident_gpu):>21})  "
-              f"{o.get('grpc_calls_per_token', float('nan')):8.2f}  "
-              f"{run['bytes_fetched_per_token'] / 1e6:9.1f} "
-              f"({run.get('bytes_moved_per_token', float('nan')) / 1e6:7.1f})  "
-              f"{run['bound_tokens_per_s']:5.1f}  "
-              f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
-              f"{run['offload_vs_bound']:7.2f}  {run['offload_vs_http']:6.2f}", file=sys.stderr)
-    resident_ffn = r["resident"].get("gpu_ffn_s_per_token")
-    if resident_ffn:
-        cells = []
-        for run in r["runs"]:
-            off = run["offload"]
-            cells.append(f"{run['fraction']:.0%} offload {off['gpu_ffn_s_per_token'] * 1e3:.2f} "
-                         f"({off['gpu_ffn_s_per_token'] / resident_ffn:.2f}x), beside the agent "
-                         f"{off['resident_beside_agent']['gpu_ffn_s_per_token'] * 1e3:.2f}")
-        print(f" the FFN's own launches, GPU ms per token (resident {resident_ffn * 1e3:.2f}): "
-              + "; ".join(cells), file=sys.stderr)
-    if any(run["offload"].get("parked_acquires_per_token") for run in r["runs"]):
-        print(" acquires parked for a landing slot per token: " + "; ".join(
-            f"{run['fraction']:.0%} {run['offload'].get('parked_acquires_per_token', 0):.2f}"
-            for run in r["runs"]), file=sys.stderr)
-    if r.get("repeats", 1) > 1:
-        print(" offload tok/s of each run (the median above): " + "; ".join(
-            f"{run['fraction']:.0%} " + " / ".join(
-                f"{v:.1f}" for v in run["offload"]["tokens_per_s_all"]) for run in r["runs"]),
-            file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""The decode loop of bench/decode.py and its host-memory baseline: the routing a run replays
+(a trace mapped onto the run's layers and experts, or the generator), :class:`Decoder` (tokens
+through the MoE layers, each expert's FFN computed for real, time per token split into compute,
+waiting and the rest; on the GPU from CUDA events) and :class:`LruHost` (an LRU cache of experts
+in host memory, filled by a loader: the pageable and HTTP baselines).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpu_agent.routing.traces import generate_trace, read_trace
+from gpu_kernels import reference
+from host_client.worker import expert_ffn
+
+
+def routing(trace: Path | None, layers: int, experts: int, top_k: int, tokens: int
+            ) -> list[list[list[int]]]:
+    """[token][layer] -> distinct experts."""
+    if trace is None:
+        steps = list(generate_trace(layers, experts, top_k, tokens, seed=7))
+        return [[sorted(set(steps[t * layers + la].experts)) for la in range(layers)]
+                for t in range(tokens)]
+    raw = read_trace(trace)
+    n_layers = max(s.layer for s in raw) + 1
+    out = []
+    for t in range(tokens):
+        row = []
+        for la in range(layers):
+            step = raw[(t * n_layers + la % n_layers) % len(raw)]
+            row.append(sorted({e % experts for e in step.experts}))
+        out.append(row)
+    return out
+
+
+class Decoder:
+    """The decode loop; ``fetch(layer, expert)`` returns the expert's (gate, up, down) bf16
+    arrays, counting the time it waits."""
+
+    def __init__(self, hidden: int, layer_ids: list[int], route: list[list[list[int]]],
+                 xp: Any = np):
+        self.hidden, self.layer_ids, self.route, self.xp = hidden, layer_ids, route, xp
+
+    def sync(self) -> None:
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def _event(self) -> Any:
+        """On the GPU, a CUDA event recorded now on the current stream (None on the CPU)."""
+        if self.xp is np:
+            return None
+        event = self.xp.cuda.Event()
+        event.record()
+        return event
+
+    def run(self, fetch: Any, release: Any, tokens: int, begin: Any = None
+            ) -> dict[str, Any]:
+        """Decode ``tokens`` tokens. ``begin(layer, experts)``, when given, is told each
+        layer's experts before the first ``fetch`` (the offload path asks for them all in
+        one AcquireBatch so their transfers overlap); its time counts as waiting. Besides the
+        whole run's tokens/s: the first token's seconds (``first_token_s``: cold slots, and the
+        first request each process serves) and the tokens/s of the rest
+        (``steady_tokens_per_s``, None for one token)."""
+        xp = self.xp
+        x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
+        compute = wait = 0.0
+        # Per expert, CUDA events: before fetch, after it, after the FFN's own launches, after
+        # the accumulation.
+        marks: list[tuple[Any, Any, Any, Any]] = []
+        outputs = []
+        t_start = time.perf_counter()
+        first_token = 0.0
+        for t in range(tokens):
+            h = reference.bf16_to_f32(x).copy()
+            for la, layer in enumerate(self.layer_ids):
+                h = h + 0.5 * xp.tanh(h)  # the attention stand-in
+                experts = self.route[t][la]
+                acc = xp.zeros_like(h)
+                hb = reference.f32_to_bf16(h)
+                if begin is not None:
+                    t0 = time.perf_counter()
+                    begin(layer, experts)
+                    wait += time.perf_counter() - t0
+                for e in experts:
+                    t0 = time.perf_counter()
+                    before = self._event()
+                    w = fetch(layer, e)
+                    t1 = time.perf_counter()
+                    fetched = self._event()
+                    y = expert_ffn(hb, *w)
+                    ffn_done = self._event()
+                    acc += reference.bf16_to_f32(y) / len(experts)
+                    if fetched is not None:
+                        marks.append((before, fetched, ffn_done, self._event()))
+                    self.sync()
+                    t2 = time.perf_counter()
+                    # The stream is idle at ``before`` (synced after each expert), so on the GPU
+                    # the wait is ``before`` -> ``fetched``: the host's wait in ``fetch`` or a
+                    # wait it enqueued on the stream, which ends inside the sync above.
+                    waited = (t1 - t0 if fetched is None
+                              else xp.cuda.get_elapsed_time(before, fetched) / 1e3)
+                    wait += waited
+                    compute += t2 - t0 - waited
+                    release(layer, e)
+                h = h + acc
+            outputs.append(reference.f32_to_bf16(h))
+            x = reference.f32_to_bf16(xp.tanh(h))  # next token's input
+            if t == 0:
+                self.sync()
+                first_token = time.perf_counter() - t_start
+        self.sync()
+        total = time.perf_counter() - t_start
+        gpu = (sum(xp.cuda.get_elapsed_time(b, d) for _, b, _, d in marks) / 1e3 / tokens
+               if marks else None)
+        ffn = (sum(xp.cuda.get_elapsed_time(b, c) for _, b, c, _ in marks) / 1e3 / tokens
+               if marks else None)
+        return {"tokens_per_s": tokens / total, "first_token_s": first_token,
+                "steady_tokens_per_s": ((tokens - 1) / (total - first_token)
+                                        if tokens > 1 else None),
+                "compute_s_per_token": compute / tokens,
+                "gpu_compute_s_per_token": gpu,
+                "gpu_ffn_s_per_token": ffn,
+                "wait_s_per_token": wait / tokens,
+                "other_s_per_token": (total - compute - wait) / tokens,
+                "outputs": xp.concatenate(outputs)}
+
+
+class LruHost:
+    """A host-memory expert cache of ``capacity`` experts filled by ``load(layer, e)``."""
+
+    def __init__(self, capacity: int, load: Any) -> None:
+        self.capacity, self.load = capacity, load
+        self.slots: OrderedDict[tuple[int, int], tuple[np.ndarray, ...]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def fetch(self, layer: int, e: int) -> tuple[np.ndarray, ...]:
+        key = (layer, e)
+        if key in self.slots:
+            self.hits += 1
+            self.slots.move_to_end(key)
+            return self.slots[key]
+        self.misses += 1
+        if len(self.slots) >= self.capacity:
+            self.slots.popitem(last=False)
+        w = self.slots[key] = self.load(layer, e)
+        return w
