@@ -298,6 +298,11 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 missed_bytes = misses * expert_bytes
                 compute = reference_out["compute_s_per_token"]
                 bound = tokens / (tokens * compute + moved_bytes / bandwidth)
+                # The same bound from the resident kernels run just before this offload run,
+                # beside its agent: on a machine whose pace drifts within the benchmark, the
+                # baseline nearest in time.
+                beside = off["resident_beside_agent"]["compute_s_per_token"]
+                bound_beside = tokens / (tokens * beside + moved_bytes / bandwidth)
                 results["runs"].append({
                     "fraction": fraction, "slots": slots, "hit_rate": stats["hits"] / acc,
                     "bytes_fetched_per_token": missed_bytes / tokens,
@@ -306,6 +311,8 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     "resident_tokens_per_s": reference_out["tokens_per_s"],
                     "bound_tokens_per_s": bound,
                     "offload_vs_bound": off["tokens_per_s"] / bound,
+                    "bound_beside_agent_tokens_per_s": bound_beside,
+                    "offload_vs_bound_beside_agent": off["tokens_per_s"] / bound_beside,
                     "offload_vs_http": off["tokens_per_s"] / ht["tokens_per_s"]})
             server.shutdown()
         reference_out.pop("outputs")

@@ -71,6 +71,12 @@ def print_table(r: dict[str, Any]) -> None:
               f"{run['bound_tokens_per_s']:5.1f}  "
               f"{run['pageable']['tokens_per_s']:8.1f}  {run['http']['tokens_per_s']:4.1f}  "
               f"{run['offload_vs_bound']:7.2f}  {run['offload_vs_http']:6.2f}", file=sys.stderr)
+    if all("offload_vs_bound_beside_agent" in run for run in r["runs"]):
+        print(" x the bound from the resident kernels run beside the agent just before each "
+              "offload run: " + "; ".join(
+                  f"{run['fraction']:.0%} {run['offload_vs_bound_beside_agent']:.2f} "
+                  f"(bound {run['bound_beside_agent_tokens_per_s']:.1f})" for run in r["runs"]),
+              file=sys.stderr)
     resident_ffn = r["resident"].get("gpu_ffn_s_per_token")
     if resident_ffn:
         cells = []

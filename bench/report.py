@@ -114,7 +114,8 @@ def main() -> int:
         where = m.get("gpu") or m.get("cpu") or m["arch"]
         stale = " **stale**" if d["source_hash"] != current else ""
         if stale and "source_files" in d:
-            changed = changed_since(d["source_files"])
+            # The product's files first: the benchmarks' own changes say less of a result.
+            changed = sorted(changed_since(d["source_files"]), key=lambda f: f.startswith("bench/"))
             stale += (f" (changed since: {', '.join(changed[:6])}"
                       + (f" and {len(changed) - 6} more" if len(changed) > 6 else "") + ")")
         out += [f"`{d.get('command', '')}` on {where} ({m['host']}, {m['cpus']} cores), "

@@ -190,6 +190,11 @@ def decode(d: dict[str, Any]) -> list[Row]:
         rows.append((f"decode tok/s, {tag}", f"{tps:.2f}",
                      f"bound {run['bound_tokens_per_s']:.2f}", f"{run['offload_vs_bound']:.2f}x",
                      ">= 0.9x bound", run["offload_vs_bound"] >= 0.9))
+        if "offload_vs_bound_beside_agent" in run:
+            rows.append((f"decode tok/s against the bound from the resident kernels run beside "
+                         f"the agent just before, {tag}", f"{tps:.2f}",
+                         f"bound {run['bound_beside_agent_tokens_per_s']:.2f}",
+                         f"{run['offload_vs_bound_beside_agent']:.2f}x", "", None))
         if run["offload"].get("steady_tokens_per_s") is not None:
             rows.append((f"decode tok/s after the first token, {tag}",
                          f"{run['offload']['steady_tokens_per_s']:.2f}",
