@@ -296,13 +296,13 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 ht = decoder.run(staged.fetch, lambda *_: None, tokens)
                 ht.pop("outputs")
                 missed_bytes = misses * expert_bytes
-                compute = reference_out["compute_s_per_token"]
-                bound = tokens / (tokens * compute + moved_bytes / bandwidth)
+                per_token = moved_bytes / tokens
+                bound = serial_bound(reference_out["compute_s_per_token"], per_token, bandwidth)
                 # The same bound from the resident kernels run just before this offload run,
                 # beside its agent: on a machine whose pace drifts within the benchmark, the
                 # baseline nearest in time.
-                beside = off["resident_beside_agent"]["compute_s_per_token"]
-                bound_beside = tokens / (tokens * beside + moved_bytes / bandwidth)
+                bound_beside = serial_bound(
+                    off["resident_beside_agent"]["compute_s_per_token"], per_token, bandwidth)
                 results["runs"].append({
                     "fraction": fraction, "slots": slots, "hit_rate": stats["hits"] / acc,
                     "bytes_fetched_per_token": missed_bytes / tokens,
@@ -318,6 +318,13 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
         reference_out.pop("outputs")
         results["resident"] = reference_out
     return results
+
+
+def serial_bound(compute_s_per_token: float, bytes_per_token: float, bandwidth: float
+                 ) -> float:
+    """Tokens/s with each token's expert compute and its moved bytes (at ``bandwidth`` bytes/s)
+    in series: 1 / (compute + bytes / bandwidth)."""
+    return 1 / (compute_s_per_token + bytes_per_token / bandwidth)
 
 
 def fetch_http(server: Any, layer: int, e: int, inter: int, hidden: int
