@@ -219,8 +219,8 @@ MAX_BATCH_CHECKS = 64
 """Slots one batch-check launch takes."""
 RESIDENT_BLOCKS_PER_SLOT = 8
 """Blocks per slot of the batch check the client launches (``verify_granted_batch``): they sit
-resident from the post until the slot's bytes land; 8 take a 9.4 MB slot from LANDED to READY in
-~37 us on an H100 (bench/slot_check.py)."""
+resident from the post until the slot's bytes land (``bench/slot_check.py`` times other
+counts)."""
 SUM_BLOCKS_PER_SM = 4
 """A batch check that waits first sums with up to this many blocks per multiprocessor (of
 ``BATCH_THREADS``: as many as a multiprocessor holds at once), spread over the batch's slots."""
@@ -251,9 +251,9 @@ def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions:
     start: keep it unchanged until the launches have ended), ``largest_n16`` the largest
     ``n16`` among them (it sizes the grid). ``results`` (``uint32[n]``) get each request's
     outcome (an index into ``WAIT_OUTCOMES``; no verdict unless every block of the slot saw it
-    land); ``scratch`` (``uint32[CHECK_SCRATCH_WORDS * n]`` device words, 8-byte aligned, zero, left
-    zero) must not be in use by
-    another launch at the same time. Twin: ``reference.verify_granted_batch``.
+    land); ``scratch`` (``uint32[CHECK_SCRATCH_WORDS * n]`` device words, 8-byte aligned, zero,
+    left zero) must not be in use by another launch at the same time. Twin:
+    ``reference.verify_granted_batch``.
 
     ``form`` (one of ``CHECK_FORMS``):
     - ``resident``: one launch, at most ``resident_blocks`` blocks per slot (each summing at
@@ -266,10 +266,8 @@ def verify_granted_batch(checks_address: int, n: int, largest_n16: int, regions:
     - ``slot``: those two launches per slot, in order: each slot is waited for by one small
       block and summed by the whole GPU as soon as it lands (``2 n`` launches).
     In the last two no summing block sits resident beside the inference's kernels while the
-    bytes move. ``bench/slot_check.py`` compares the three: on an H100 (2026-12-06) a batch of
-    eight 4.7 / 9.4 / 44 MB slots went from LANDED to READY in 31 / 53 / 162 us ``resident``,
-    49 / 80 / 167 ``batch``, 281 / 348 / 493 ``slot``, and the decode benchmark ran slower
-    with ``slot``: the client launches ``resident``."""
+    bytes move. ``bench/slot_check.py`` compares the three (docs/PERFORMANCE.md): ``resident``,
+    the fastest for a batch, is what the client launches."""
     if form not in CHECK_FORMS:
         raise ValueError(f"check form {form!r}: expected one of {CHECK_FORMS}")
     kernel = launch.kernel("ready", "dpu_verify_granted_batch")
