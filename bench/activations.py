@@ -43,7 +43,7 @@ from bench.common import (
     save_figure,
     write,
 )
-from dpu_offload.abi import PacketHeader
+from dpu_offload.packets import PacketHeader
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationSender

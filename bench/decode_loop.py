@@ -65,10 +65,16 @@ class Decoder:
         one AcquireBatch so their transfers overlap); its time counts as waiting. Besides the
         whole run's tokens/s: the first token's seconds (``first_token_s``: cold slots, and the
         first request each process serves) and the tokens/s of the rest
-        (``steady_tokens_per_s``, None for one token)."""
+        (``steady_tokens_per_s``, None for one token). Per token, in seconds: the host's
+        time in the FFN call (``host_ffn_launch_s_per_token``: its launches on a GPU) and, on a
+        GPU, the CUDA events' time around the FFN's launches (``gpu_ffn_s_per_token``) and
+        around the FFN and accumulation (``gpu_compute_s_per_token``). Where the stream is idle
+        when the FFN is launched (the expert was READY before the host got to it) the events
+        hold the host's launch too, which a thread just woken from a sleep makes slower
+        (bench/launch_after_sleep.py)."""
         xp = self.xp
         x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
-        compute = wait = 0.0
+        compute = wait = launch = 0.0
         # Per expert, CUDA events: before fetch, after it, after the FFN's own launches, after
         # the accumulation.
         marks: list[tuple[Any, Any, Any, Any]] = []
@@ -92,7 +98,9 @@ class Decoder:
                     w = fetch(layer, e)
                     t1 = time.perf_counter()
                     fetched = self._event()
+                    t_launch = time.perf_counter()
                     y = expert_ffn(hb, *w)
+                    launch += time.perf_counter() - t_launch
                     ffn_done = self._event()
                     acc += reference.bf16_to_f32(y) / len(experts)
                     if fetched is not None:
@@ -125,6 +133,7 @@ class Decoder:
                 "compute_s_per_token": compute / tokens,
                 "gpu_compute_s_per_token": gpu,
                 "gpu_ffn_s_per_token": ffn,
+                "host_ffn_launch_s_per_token": launch / tokens,
                 "wait_s_per_token": wait / tokens,
                 "other_s_per_token": (total - compute - wait) / tokens,
                 "outputs": xp.concatenate(outputs)}

@@ -83,9 +83,12 @@ def print_table(r: dict[str, Any]) -> None:
         for run in r["runs"]:
             off = run["offload"]
             cells.append(f"{run['fraction']:.0%} offload {off['gpu_ffn_s_per_token'] * 1e3:.2f} "
-                         f"({off['gpu_ffn_s_per_token'] / resident_ffn:.2f}x), beside the agent "
+                         f"({off['gpu_ffn_s_per_token'] / resident_ffn:.2f}x; host "
+                         f"{off['host_ffn_launch_s_per_token'] * 1e3:.2f}), beside the agent "
                          f"{off['resident_beside_agent']['gpu_ffn_s_per_token'] * 1e3:.2f}")
-        print(f" the FFN's own launches, GPU ms per token (resident {resident_ffn * 1e3:.2f}): "
+        print(" the FFN's own launches, ms per token between CUDA events (the host's launch "
+              f"time): resident {resident_ffn * 1e3:.2f} "
+              f"({r['resident']['host_ffn_launch_s_per_token'] * 1e3:.2f}); "
               + "; ".join(cells), file=sys.stderr)
     if any(run["offload"].get("parked_acquires_per_token") for run in r["runs"]):
         print(" acquires parked for a landing slot per token: " + "; ".join(

@@ -100,6 +100,28 @@ def slot_check(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def launch_after_sleep(d: dict[str, Any]) -> list[Row]:
+    """The FFN's launch after the host thread slept (bench/launch_after_sleep.py)."""
+    rows: list[Row] = []
+    for arch, r in d["results"].items():
+        base = r["cells"]["0 ms"]
+        for sleep, row in r["cells"].items():
+            if sleep == "0 ms":
+                continue
+            idle, queued = row["idle"], row["queued"]
+            rows.append((f"{arch} expert FFN after the host slept {sleep}: host launch; events "
+                         "on an idle GPU; events queued behind a wait",
+                         f"{idle['host_launch_us']:.0f} us; {idle['events_us']:.0f} us; "
+                         f"{queued['events_us']:.0f} us",
+                         f"no sleep: {base['idle']['host_launch_us']:.0f} us; "
+                         f"{base['idle']['events_us']:.0f} us; "
+                         f"{base['queued']['events_us']:.0f} us",
+                         f"{idle['events_us'] / base['idle']['events_us']:.2f}x idle, "
+                         f"{queued['events_us'] / base['queued']['events_us']:.2f}x queued",
+                         "", None))
+    return rows
+
+
 def moe_kernels(d: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     for tokens, r in d["results"].items():
@@ -216,8 +238,13 @@ def decode(d: dict[str, Any]) -> list[Row]:
         ffn, resident_ffn = (run["offload"].get("gpu_ffn_s_per_token"),
                              r["resident"].get("gpu_ffn_s_per_token"))
         if ffn and resident_ffn:
-            rows.append((f"the expert FFN's own kernels, GPU time per token, {tag}",
-                         f"{ffn * 1e3:.2f} ms", f"resident {resident_ffn * 1e3:.2f} ms",
+            host = (run["offload"].get("host_ffn_launch_s_per_token"),
+                    r["resident"].get("host_ffn_launch_s_per_token"))
+            launches = (f" (the host's launches {host[0] * 1e3:.2f} ms)" if host[0] else "",
+                        f" ({host[1] * 1e3:.2f})" if host[1] else "")
+            rows.append((f"the expert FFN between CUDA events around its launches, per token, "
+                         f"{tag}", f"{ffn * 1e3:.2f} ms{launches[0]}",
+                         f"resident {resident_ffn * 1e3:.2f} ms{launches[1]}",
                          f"{ffn / resident_ffn:.2f}x", "", None))
         if "grpc_calls_per_token" in run["offload"]:
             calls = run["offload"]["grpc_calls_per_token"]

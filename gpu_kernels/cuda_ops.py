@@ -9,6 +9,7 @@ import numpy as np
 
 from dpu_offload import abi
 from dpu_offload.checksum import finish
+from dpu_offload.packets import packet_count
 from dpu_offload.ring import Ring
 from gpu_kernels import launch
 from gpu_kernels.routing import DispatchPlan
@@ -140,7 +141,7 @@ def send_packets(tx: Ring, tx_device_ptr: int, data: Any, message_id: int, model
     ring in registered host memory whose device address is ``tx_device_ptr``), as
     ``packet_twin.send_packets`` writes it (``slot``, ``status``, ``flags`` likewise). Returns
     the packets it will publish; the host's producer count advances by that many."""
-    packets = abi.packet_count(int(data.size), tx.entry_size)
+    packets = packet_count(int(data.size), tx.entry_size)
     first = tx.produced
     total = data.size if total is None else total
     k = launch.kernel("send", "dpu_send")

@@ -22,6 +22,7 @@ from numba import njit
 from dpu_offload import abi
 from dpu_offload.checksum import words_checksum
 from dpu_offload.jit import keep_cache
+from dpu_offload.packets import PacketHeader, packet_count, packet_header
 from dpu_offload.ring import Ring, store_fence
 
 keep_cache(__file__)
@@ -147,7 +148,7 @@ def send_packets(tx: Ring, data: np.ndarray, message_id: int, model: int, layer:
     if data.size % 16:
         raise ValueError(f"{data.size} bytes: packets carry multiples of 16 bytes")
     raw = _raw(tx)
-    packets = abi.packet_count(data.size, tx.entry_size)
+    packets = packet_count(data.size, tx.entry_size)
     if tx.free_entries() < packets:
         raise BufferError(f"{packets} packets, {tx.free_entries()} free entries")
     pos = tx.produced
@@ -170,14 +171,14 @@ def part_packets(rx: Ring) -> int | None:
     return None if n < 0 else n
 
 
-def packet_at(ring: Ring, position: int) -> abi.PacketHeader:
+def packet_at(ring: Ring, position: int) -> PacketHeader:
     """The header of the packet at ``position`` (a running count: taken modulo the ring's
     capacity) as it is now."""
     at = abi.HEADER_BYTES + (position & (ring.capacity - 1)) * ring.entry_size
-    return abi.packet_header(ring.buffer, at)
+    return packet_header(ring.buffer, at)
 
 
-def peek_packet(rx: Ring) -> abi.PacketHeader | None:
+def peek_packet(rx: Ring) -> PacketHeader | None:
     """The header of the next packet on ``rx`` once it is published, else None; nothing is
     consumed."""
     assert rx.payload is not None, "not a packet ring"

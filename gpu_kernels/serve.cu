@@ -10,12 +10,12 @@
 // checksum verified before a byte of it is written. The part must land every byte from where
 // the last one ended to its end and end on a full packet or the message's end; else the
 // message is answered BAD_CHECKSUM (the NIC writes it again). A whole message runs the SwiGLU
-// FFN of the expert in the slot its packets name (regions[slot >> 48].base + offset, the layout
-// from models[model]: row-major SwiGLU with 16-byte loads, any strided SwiGLU, or gpt-oss's
-// clamped SwiGLU with its biases) over tiles of FFN_MAX_ROWS rows, and its output goes into the tx ring as
-// checksummed packets, a LAST every half ring; a message the kernel cannot serve (unknown
-// model or region, a layout it does not compute, too large for its buffers) is answered with
-// one ERROR packet. Blocks meet at a grid barrier between steps: launch at most one block per
+// FFN of the expert in the slot its packets name (the region id above DPU_SLOT_OFFSET_BITS, the
+// offset below; the layout from models[model]: row-major SwiGLU with 16-byte loads, any strided
+// SwiGLU, or gpt-oss's clamped SwiGLU with its biases) over tiles of FFN_MAX_ROWS rows, and its
+// output goes into the tx ring as checksummed packets, a LAST every half ring; a message the
+// kernel cannot serve (unknown model or region, a layout it does not compute, too large for its
+// buffers) is answered with one ERROR packet. Blocks meet at a grid barrier between steps: launch at most one block per
 // multiprocessor so that all are resident. rx_hdr->exit_flag ends it.
 #include "ring.cuh"
 #include "ffn.cuh"
@@ -301,8 +301,8 @@ __device__ void serve_decide(dpu_ring_header* rx_hdr, const dpu_serve_region* re
     c->done += c->written;
     if (c->done < c->total) return;
     c->nid = SERVE_NO_MESSAGE;  // whole: answered below
-    const unsigned int region = (unsigned int)(c->slot >> 48);
-    const unsigned long long offset = c->slot & 0xFFFFFFFFFFFFull;
+    const unsigned int region = (unsigned int)(c->slot >> DPU_SLOT_OFFSET_BITS);
+    const unsigned long long offset = c->slot & ((1ull << DPU_SLOT_OFFSET_BITS) - 1);
     c->status = SERVE_WORKER_FAILED;
     c->action = SERVE_ERROR;
     if (c->model >= n_models || !models[c->model].kind) { c->reason = 2u; return; }
@@ -371,8 +371,9 @@ extern "C" __global__ void dpu_serve(dpu_ring_header* rx_hdr, unsigned char* rx,
         const unsigned int action = c->action;
         if (action == SERVE_FFN) {
             const dpu_serve_model m = models[c->model];
-            const unsigned char* blob = (const unsigned char*)regions[c->slot >> 48].base +
-                                        (c->slot & 0xFFFFFFFFFFFFull);
+            const unsigned char* blob =
+                (const unsigned char*)regions[c->slot >> DPU_SLOT_OFFSET_BITS].base +
+                (c->slot & ((1ull << DPU_SLOT_OFFSET_BITS) - 1));
             const int rows = (int)(c->total / (2ull * m.hidden));
             const int hidden8 = m.hidden / 8, inter8 = m.inter / 8;
             const bool fast = m.kind == SERVE_CONTIGUOUS;

@@ -23,7 +23,7 @@ DELIVERIES = {"pull": pb.DELIVERY_DEVICE_PULL, "engine": pb.DELIVERY_DMA_ENGINE}
 PACKET_RING_CAPACITY = 1024
 PACKET_ENTRY_BYTES = 64 + 4096
 """Packet rings (rx / tx, the activation path): 1024 entries of a 64-byte header + 4 KiB, so a
-4 MiB message goes in two parts (``abi.part_limit``) the consumer lands while the producer
+4 MiB message goes in two parts (``packets.part_limit``) the consumer lands while the producer
 writes the next (256 entries took four parts, each waited for in turn: measured on the H200,
 docs/ACTIVATIONS.md)."""
 

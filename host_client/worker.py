@@ -23,7 +23,7 @@ import numpy as np
 from prometheus_client import Counter
 from threadpoolctl import ThreadpoolController
 
-from dpu_offload import abi, futex
+from dpu_offload import abi, futex, packets
 from dpu_offload.frames import FrameStatus
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
@@ -218,7 +218,7 @@ class ExpertWorker:
             else:
                 time.sleep(NAP_SECONDS)
 
-    def _take(self, h: abi.PacketHeader) -> bool:
+    def _take(self, h: packets.PacketHeader) -> bool:
         """Land the next part on the rx ring; answer its message once whole. False when the
         part is not all there yet."""
         nid, total = h.message_id, h.total_length
@@ -255,21 +255,21 @@ class ExpertWorker:
         is not all published yet."""
         rx = self.dev.rx.ring
         assert rx.payload is not None
-        packets = packet_twin.part_packets(rx)
-        if packets is None:
+        count = packet_twin.part_packets(rx)
+        if count is None:
             return None
         head = packet_twin.packet_at(rx, rx.consumed)
-        tail = packet_twin.packet_at(rx, rx.consumed + packets - 1)
+        tail = packet_twin.packet_at(rx, rx.consumed + count - 1)
         span = (head.offset, tail.offset + tail.length,
                 tail.length == rx.payload.shape[1])
-        written, refused = self.packets.receive(rx, dst, packets)
+        written, refused = self.packets.receive(rx, dst, count)
         return written, refused, span
 
-    def _answer(self, h: abi.PacketHeader, buf: Any) -> None:
+    def _answer(self, h: packets.PacketHeader, buf: Any) -> None:
         nid = h.message_id
         try:
             key = ExpertKey(self._model(h.model), h.layer, h.expert)
-            region, offset = abi.unpack_slot(h.slot)
+            region, offset = packets.unpack_slot(h.slot)
             ffn, hidden = self._ffn_of(key, region, offset)
             if buf.size % (2 * hidden):
                 raise ValueError(f"{buf.size} bytes are not rows of {key}'s {hidden} values")
@@ -328,16 +328,16 @@ class ExpertWorker:
             self._ffn.popitem(last=False)
         return ffn, hidden
 
-    def _send(self, out: Any, nid: int, h: abi.PacketHeader, status: int = 0, flags: int = 0
+    def _send(self, out: Any, nid: int, h: packets.PacketHeader, status: int = 0, flags: int = 0
               ) -> None:
-        """Packetize ``out`` (uint8) into the tx ring in parts of ``abi.part_limit`` packets,
+        """Packetize ``out`` (uint8) into the tx ring in parts of ``packets.part_limit`` packets,
         each once the NIC has made room for it."""
         tx = self.dev.tx.ring
         fields = (nid, h.model, h.layer, h.expert)
-        step = abi.packet_room(tx.entry_size) * abi.part_limit(tx.capacity)
+        step = packets.packet_room(tx.entry_size) * packets.part_limit(tx.capacity)
         for base in range(0, max(1, out.size), step):
             part = out[base:base + step]
-            while tx.free_entries() < abi.packet_count(part.size, tx.entry_size):
+            while tx.free_entries() < packets.packet_count(part.size, tx.entry_size):
                 if self._stop.wait(NAP_SECONDS):
                     return
             self.packets.send(tx, part, *fields, base=base, total=out.size, status=status,
@@ -345,9 +345,9 @@ class ExpertWorker:
             if self.dev.tx.bell is not None:
                 self.dev.tx.bell.ring()
 
-    def _error(self, h: abi.PacketHeader, status: FrameStatus, reason: str) -> None:
+    def _error(self, h: packets.PacketHeader, status: FrameStatus, reason: str) -> None:
         self.failed += 1
-        self._send(abi.error_payload(reason, REASON_BYTES), h.message_id, h,
+        self._send(packets.error_payload(reason, REASON_BYTES), h.message_id, h,
                    int(status), abi.PacketFlags.ERROR)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from dpu_offload import abi, frames, futex
+from dpu_offload import frames, futex, packets
 from dpu_offload.flows import Action, FlowTable, TrafficClass
 from dpu_offload.frames import FrameError, FrameStatus, Header, Kind
 from dpu_offload.keys import ExpertKey
@@ -261,7 +261,7 @@ class Nic:
                                     time.monotonic(), h, payload)
         self.outstanding[identity] += 1
         self.in_flight[port.device_id] += 1
-        port.queue.append(Outbound(nid, payload, entry.index, key, abi.pack_slot(*slot)))
+        port.queue.append(Outbound(nid, payload, entry.index, key, packets.pack_slot(*slot)))
 
     def _load(self, device: int) -> int:
         return self.in_flight[device]
@@ -296,7 +296,7 @@ class Nic:
             if slot is not None and entry is not None:
                 port.drop(answer.nid)  # its parts not yet sent go again from the start
                 port.queue.append(Outbound(answer.nid, p.payload, entry.index, key,
-                                           abi.pack_slot(*slot)))
+                                           packets.pack_slot(*slot)))
                 return
         del self.pending[answer.nid]
         self.outstanding[p.sender] -= 1

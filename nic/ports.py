@@ -4,7 +4,7 @@ ring, from which it collects the answers (docs/ACTIVATIONS.md). Both rings belon
 worker's process (registered with the agent with its device); the NIC maps them by name, as a
 BlueField's NIC reaches a GPUNetIO receive and send queue.
 
-Messages larger than ``abi.part_limit`` packets go in parts: each part as many whole packets as
+Messages larger than ``packets.part_limit`` packets go in parts: each part as many whole packets as
 the ring has room for, up to that limit, offsets counted from the message's start, the last
 packet of a part flagged LAST.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from dpu_offload import abi
+from dpu_offload import abi, packets
 from dpu_offload.frames import FrameStatus
 from dpu_offload.keys import ExpertKey
 from dpu_offload.port_bell import PortBell
@@ -42,7 +42,7 @@ class Outbound:
     model_index: int
     key: ExpertKey
     slot: int
-    """``abi.pack_slot`` of the expert's placed copy on the port's device."""
+    """``packets.pack_slot`` of the expert's placed copy on the port's device."""
     sent: int = 0
     """Bytes written into the ring so far."""
 
@@ -113,7 +113,7 @@ class Port:
         moved = 0
         while self.queue:
             m = self.queue[0]
-            fit = min(self.rx.free_entries(), abi.part_limit(self.rx.capacity)) * self.room
+            fit = min(self.rx.free_entries(), packets.part_limit(self.rx.capacity)) * self.room
             if fit == 0:
                 break
             part = m.payload[m.sent:m.sent + fit]

@@ -73,6 +73,7 @@ def test_constants_match() -> None:
     assert c["DPU_HEADER_BYTES"] == abi.HEADER_BYTES
     assert c["DPU_COPY_ALIGN_BYTES"] == abi.COPY_ALIGN_BYTES
     assert c["DPU_MAX_REGIONS"] == abi.MAX_REGIONS
+    assert c["DPU_SLOT_OFFSET_BITS"] == abi.SLOT_OFFSET_BITS
     for prefix, enum in (("RING", abi.RingKind), ("OP", abi.Opcode), ("STATUS", abi.Status),
                          ("REQ", abi.RequestOp), ("SLOT", abi.SlotState),
                          ("REQSTATUS", abi.RequestStatus)):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_offload import abi
+from dpu_offload import abi, packets
 from dpu_offload.checksum import chunk_checksum
 from dpu_offload.ring import Ring
 from gpu_kernels import packet_twin
@@ -52,7 +52,7 @@ def test_packets_carry_the_abi_fields_and_checksums(words: int, base: int, start
         assert int(h["flags"]) == last
         assert int(h["checksum"]) == chunk_checksum(chunk, base + p * ROOM)
         assert packet_twin.packet_at(ring, start + p) == tuple(
-            int(h[f]) for f in abi.PacketHeader._fields)
+            int(h[f]) for f in packets.PacketHeader._fields)
     if base == 0:
         dst = np.zeros(data.size, np.uint8)
         assert HostPacketOps().receive(ring, dst, n) == (data.size, 0)

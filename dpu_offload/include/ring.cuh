@@ -48,6 +48,7 @@ typedef unsigned long long uint64_t;
 #define DPU_REGION_WRITABLE 2u
 #define DPU_PACKET_LAST 1u
 #define DPU_PACKET_ERROR 2u
+#define DPU_SLOT_OFFSET_BITS 48  // a packet's slot: region id << this | byte offset
 
 #define DPU_MAX_CHANNEL_SLOTS 4096
 #define DPU_SLOT_STATE_BITS 8

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpu_offload import abi
+from dpu_offload import abi, packets
 from dpu_offload.frames import FrameStatus
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import packet_twin, reference
@@ -47,7 +47,7 @@ def served(qwen_ckpt: Path) -> Iterator[dict]:
             for rid, spec in dev.pools.items():
                 base = dev.device.region_bytes(rid, 0, spec.slot_bytes * spec.slot_count)
                 if base.data.ptr <= slot.blob.data.ptr < base.data.ptr + base.size:
-                    where[key] = (slot, abi.pack_slot(rid, slot.blob.data.ptr - base.data.ptr))
+                    where[key] = (slot, packets.pack_slot(rid, slot.blob.data.ptr - base.data.ptr))
         before = {k: s.blob.get() for k, (s, _) in where.items()}
         receiver = ResidentReceiver(dev, {model.model_index: client.model_manifest("fg")})
         try:
