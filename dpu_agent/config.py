@@ -14,6 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.cluster.settings import ClusterSettings, parse_endpoint
+from dpu_agent.config_values import (
+    ConfigError,
+    parse_int,
+    parse_names,
+    parse_size,
+    parse_str,
+    setting,
+)
 from dpu_offload import futex
 
 if sys.version_info >= (3, 11):
@@ -22,77 +30,22 @@ else:  # Ubuntu 22.04 on BlueField ships Python 3.10
     import tomli as tomllib
 
 DEFAULT_PATH = Path("/etc/dpu-agent/agent.toml")
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-
-class ConfigError(ValueError):
-    """The configuration has problems; ``problems`` lists each as 'key: what is wrong'."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
-        self.problems = problems
-
-def _size(v: Any) -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    if isinstance(v, str):
-        m = _SIZE_RE.match(v)
-        if m:
-            return int(m[1]) * _UNITS[(m[2] or "B").lower()]
-    raise ValueError(f"expected a size (bytes, or e.g. '4GiB'), got {v!r}")
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool):
-        raise ValueError(f"expected an integer, got {v!r}")
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
-        return int(v)
-    raise ValueError(f"expected an integer, got {v!r}")
-
-
-def _str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"expected a string, got {v!r}")
-    return v
-
-
-MAX_ADMIN_NAMES = 64
 MAX_POLL_SPIN_US = 100_000
 ENGINE_POLL = ("auto", "always", "doze")
-
-
-def _names(v: Any) -> tuple[str, ...]:
-    if (not isinstance(v, list) or len(v) > MAX_ADMIN_NAMES
-            or not all(isinstance(x, str) and 0 < len(x) <= 256 for x in v)):
-        raise ValueError(f"expected a list of at most {MAX_ADMIN_NAMES} names of 1-256 "
-                         f"characters, got {v!r}"[:300])
-    return tuple(v)
-
-
-def _key(parse: Callable[[Any], Any], default: Any, *, unit: str = "", live: bool = False
-         ) -> Any:
-    """A setting, declared once: the key of its section's TOML table named as the field (and
-    the variable ``DPU_AGENT_<SECTION>_<KEY>``), read by ``parse``; ``unit`` of a number
-    (bytes, s, us); ``live``: SIGHUP applies it to a running agent (the others need a
-    restart)."""
-    return field(default=default, metadata={"parse": parse, "unit": unit, "live": live})
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     """``[server]``: the gRPC endpoint."""
 
-    listen_address: str = _key(_str, "127.0.0.1:50051")
-    max_message_bytes: int = _key(_size, 16 * 2**20, unit="bytes")
-    drain_grace_seconds: int = _key(_int, 10, unit="s")
-    tls_cert: str = _key(_str, "")
-    tls_key: str = _key(_str, "")
-    tls_client_ca: str = _key(_str, "")
-    admin_names: tuple[str, ...] = _key(_names, ())
+    listen_address: str = setting(parse_str, "127.0.0.1:50051")
+    max_message_bytes: int = setting(parse_size, 16 * 2**20, unit="bytes")
+    drain_grace_seconds: int = setting(parse_int, 10, unit="s")
+    tls_cert: str = setting(parse_str, "")
+    tls_key: str = setting(parse_str, "")
+    tls_client_ca: str = setting(parse_str, "")
+    admin_names: tuple[str, ...] = setting(parse_names, ())
     """Client-certificate common names (mutual TLS) that see every session in GetStatus."""
 
 
@@ -100,7 +53,7 @@ class ServerSettings:
 class ArenaSettings:
     """``[arena]``: the DPU-DRAM weight arena."""
 
-    bytes: int = _key(_size, 1 * 2**30, unit="bytes")
+    bytes: int = setting(parse_size, 1 * 2**30, unit="bytes")
 
 
 @dataclass(frozen=True)
@@ -108,14 +61,14 @@ class CacheSettings:
     """``[cache]``: the eviction policy (``weights.policies.POLICIES``) of the arena and of
     each slot pool a device registers."""
 
-    policy: str = _key(_str, "reuse")
+    policy: str = setting(parse_str, "reuse")
 
 
 @dataclass(frozen=True)
 class PrefetchSettings:
     """``[prefetch]``."""
 
-    traces_dir: str = _key(_str, "")
+    traces_dir: str = setting(parse_str, "")
     """A folder of recorded routing traces, ``<model name>.jsonl`` (docs/LAYOUT.md): a model
     loaded under that name starts its routing statistics (the next-layer predictor's, the cache
     policy's and the planner's) from the trace."""
@@ -125,17 +78,17 @@ class PrefetchSettings:
 class TransferSettings:
     """``[transfer]``: deliveries and the data-plane loop."""
 
-    chunk_bytes: int = _key(_size, 1 * 2**20, unit="bytes")
-    timeout_seconds: int = _key(_int, 30, unit="s", live=True)
-    poll_spin_us: int = _key(_int, 200, unit="us")
+    chunk_bytes: int = setting(parse_size, 1 * 2**20, unit="bytes")
+    timeout_seconds: int = setting(parse_int, 30, unit="s", live=True)
+    poll_spin_us: int = setting(parse_int, 200, unit="us")
     """How long the data-plane loop polls after serving requests before it sleeps on its
     doorbell, microseconds (longer: lower wake-up latency, more CPU)."""
-    engine_poll: str = _key(_str, "auto")
+    engine_poll: str = setting(parse_str, "auto")
     """How the DMA-engine process waits for work (``ENGINE_POLL``): ``always`` polls its rings
     without sleeping while it serves a device (a core of its own, as the DMA engine it stands
     for is hardware), ``doze`` sleeps on its doorbell 2 ms after work, ``auto`` polls where the
     machine has cores to spare (``dpu_offload.futex.SPARE_CORES``: 8 CPUs or more)."""
-    link_concurrency: int = _key(_int, 4, live=True)
+    link_concurrency: int = setting(parse_int, 4, live=True)
 
     @property
     def engine_polls(self) -> bool:
@@ -149,67 +102,67 @@ class TransferSettings:
 class PlacementSettings:
     """``[placement]``."""
 
-    rebalance_interval_seconds: int = _key(_int, 0, unit="s", live=True)
+    rebalance_interval_seconds: int = setting(parse_int, 0, unit="s", live=True)
 
 
 @dataclass(frozen=True)
 class SessionSettings:
     """``[sessions]``: leases and per-session limits."""
 
-    default_lease_seconds: int = _key(_int, 10, unit="s", live=True)
-    max_concurrent_rpcs: int = _key(_int, 64, live=True)
-    max_lease_seconds: int = _key(_int, 300, unit="s", live=True)
-    max_sessions: int = _key(_int, 256)
-    max_devices: int = _key(_int, 16)
+    default_lease_seconds: int = setting(parse_int, 10, unit="s", live=True)
+    max_concurrent_rpcs: int = setting(parse_int, 64, live=True)
+    max_lease_seconds: int = setting(parse_int, 300, unit="s", live=True)
+    max_sessions: int = setting(parse_int, 256)
+    max_devices: int = setting(parse_int, 16)
 
 
 @dataclass(frozen=True)
 class MetricsSettings:
     """``[metrics]``: the Prometheus endpoint (empty: none)."""
 
-    listen_address: str = _key(_str, "")
+    listen_address: str = setting(parse_str, "")
 
 
 @dataclass(frozen=True)
 class LoggingSettings:
     """``[logging]``."""
 
-    format: str = _key(_str, "auto")
+    format: str = setting(parse_str, "auto")
 
 
 @dataclass(frozen=True)
 class StateSettings:
     """``[state]``: where the agent keeps what survives a restart (empty: nothing)."""
 
-    dir: str = _key(_str, "")
+    dir: str = setting(parse_str, "")
 
 
 @dataclass(frozen=True)
 class ActivationSettings:
     """``[activations]``: the activation router (empty address: none)."""
 
-    listen_address: str = _key(_str, "")
-    credits_per_sender: int = _key(_int, 64)
-    worker_timeout_seconds: int = _key(_int, 5, unit="s")
-    curve_server_cert: str = _key(_str, "")
-    curve_clients_dir: str = _key(_str, "")
+    listen_address: str = setting(parse_str, "")
+    credits_per_sender: int = setting(parse_int, 64)
+    worker_timeout_seconds: int = setting(parse_int, 5, unit="s")
+    curve_server_cert: str = setting(parse_str, "")
+    curve_clients_dir: str = setting(parse_str, "")
 
 
 @dataclass(frozen=True)
 class ClusterSection:
     """``[cluster]``: several agents sharing placement through etcd (no endpoints: alone)."""
 
-    etcd_endpoints: str = _key(_str, "")
-    agent_id: str = _key(_str, "")
-    prefix: str = _key(_str, "/dpu-offload")
-    lease_seconds: int = _key(_int, 5, unit="s")
-    join_timeout_seconds: int = _key(_int, 30, unit="s")
-    resync_seconds: int = _key(_int, 2, unit="s")
-    peer_address: str = _key(_str, "127.0.0.1:0")
-    peer_fetch: str = _key(_str, "auto")
-    etcd_ca: str = _key(_str, "")
-    etcd_cert: str = _key(_str, "")
-    etcd_key: str = _key(_str, "")
+    etcd_endpoints: str = setting(parse_str, "")
+    agent_id: str = setting(parse_str, "")
+    prefix: str = setting(parse_str, "/dpu-offload")
+    lease_seconds: int = setting(parse_int, 5, unit="s")
+    join_timeout_seconds: int = setting(parse_int, 30, unit="s")
+    resync_seconds: int = setting(parse_int, 2, unit="s")
+    peer_address: str = setting(parse_str, "127.0.0.1:0")
+    peer_fetch: str = setting(parse_str, "auto")
+    etcd_ca: str = setting(parse_str, "")
+    etcd_cert: str = setting(parse_str, "")
+    etcd_key: str = setting(parse_str, "")
 
     @property
     def settings(self) -> ClusterSettings | None:
