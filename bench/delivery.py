@@ -8,7 +8,7 @@ Per expert shape (Qwen3-30B-A3B BF16, 9.4 MB; DeepSeek-V3 FP8, 44 MB; and a smal
   are resident in the arena (second pass) and absent from the GPU (the pool holds half of them).
 - ``copy_engine_arena``: cudaMemcpyAsync from the registered arena, same bytes (no rings).
 - ``pinned_h2d``: cudaMemcpyAsync from pinned host memory (the reference rate).
-- ``pageable_h2d``: ``cupy.asarray`` of a NumPy array.
+- ``pageable_h2d``: ``cupy.asarray`` of a NumPy array (GPU only).
 - ``http_staged``: Expert Kit style: 1 MiB HTTP chunks into a host buffer, then a copy.
 Also: acquire-to-ready latency of one cold (GPU-absent, arena-resident) expert and the Acquire
 RPC's share of it (likewise the AcquireBatch RPC's share of a batch), host-client CPU
@@ -28,18 +28,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
     PARKED,
     agent_total,
     child_pid,
-    chunk_server,
     envelope,
     figure,
-    http_fetch,
     median,
     pct,
     proc_cpu_seconds,
@@ -48,6 +44,7 @@ from bench.common import (
     thread_cpu_seconds,
     write,
 )
+from bench.delivery_baselines import baselines, copy_engine_from_arena
 from dpu_offload import abi
 from dpu_offload.channel import split_word
 from dpu_offload.keys import ExpertKey
@@ -65,71 +62,6 @@ SHAPES = {
 
 def log(msg: str) -> None:
     print(f"[delivery] {msg}", file=sys.stderr, flush=True)
-
-
-def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
-    """GB/s of the host-to-device baselines for ``nbytes``."""
-    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    out: dict[str, float] = {}
-    srv = chunk_server({"expert": data.tobytes()})
-    xp = np
-    if gpu:
-        import cupy as cp
-
-        xp = cp
-        pinned_mem = cp.cuda.alloc_pinned_memory(nbytes)
-        pinned = np.frombuffer(pinned_mem, np.uint8, nbytes)
-        pinned[:] = data
-        dst = cp.empty(nbytes, cp.uint8)
-        stream = cp.cuda.Stream(non_blocking=True)
-        times = []
-        for _ in range(repeats + 2):
-            t0 = time.perf_counter()
-            cp.cuda.runtime.memcpyAsync(dst.data.ptr, pinned.ctypes.data, nbytes, 1, stream.ptr)
-            stream.synchronize()
-            times.append(time.perf_counter() - t0)
-        out["pinned_h2d"] = nbytes / median(times[2:]) / 1e9
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        arr = xp.asarray(data)
-        if gpu:
-            xp.cuda.get_current_stream().synchronize()
-        times.append(time.perf_counter() - t0)
-        del arr
-    out["pageable_h2d"] = nbytes / median(times[1:]) / 1e9
-    times = []
-    host = bytearray(nbytes)
-    for _ in range(max(1, repeats // 2)):
-        t0 = time.perf_counter()
-        host = http_fetch(srv, "expert", nbytes)
-        staged = xp.asarray(np.frombuffer(host, np.uint8))
-        if gpu:
-            xp.cuda.get_current_stream().synchronize()
-        times.append(time.perf_counter() - t0)
-        del staged
-    out["http_staged"] = nbytes / median(times) / 1e9
-    srv.shutdown()
-    return out
-
-
-def copy_engine_from_arena(device: object, arena_region: int, nbytes: int,
-                           repeats: int) -> float:
-    """GB/s of cudaMemcpyAsync from the agent's arena (already registered by the CUDA device)
-    into device memory: the copy-engine mechanism, without rings."""
-    import cupy as cp
-
-    src = int(device.regions[arena_region]["base"])  # type: ignore[attr-defined]
-    nbytes = min(nbytes, int(device.regions[arena_region]["size"]))  # type: ignore[attr-defined]
-    dst = cp.empty(nbytes, cp.uint8)
-    stream = cp.cuda.Stream(non_blocking=True)
-    times = []
-    for _ in range(repeats + 2):
-        t0 = time.perf_counter()
-        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src, nbytes, 1, stream.ptr)
-        stream.synchronize()
-        times.append(time.perf_counter() - t0)
-    return nbytes / median(times[2:]) / 1e9
 
 
 def run_shape(name: str, device_kind: str, experts: int, repeats: int,
@@ -395,7 +327,7 @@ def main() -> int:
                                              Path(tmp), args.chunk_bytes, mech)
                 print(f"{key:<32} {r['mechanism']:<12} {r['agent_delivery_gbps']:6.2f} GB/s "
                       f"pinned {r.get('pinned_h2d_gbps', float('nan')):6.2f}  "
-                      f"pageable {r['pageable_h2d_gbps']:6.2f}  http "
+                      f"pageable {r.get('pageable_h2d_gbps', float('nan')):6.2f}  http "
                       f"{r['http_staged_gbps']:6.2f}  p50 {r['acquire_to_ready_p50_ms']:7.3f} ms "
                       f"p99 {r['acquire_to_ready_p99_ms']:7.3f} ms (acquire call "
                       f"{r['acquire_rpc_p50_ms']:.3f}; batch {r['acquire_batch_rpc_p50_ms']:.3f})"
