@@ -128,7 +128,7 @@ def refusal(status: abi.RequestStatus, message: str) -> AgentError:
 
 def refusal_of(reply: np.void) -> AgentError | None:
     """The refusal a channel reply carries; None for OK."""
-    status = abi.RequestStatus(int(reply["status"]))
-    if status == abi.RequestStatus.OK:
+    code = int(reply["status"])
+    if code == abi.RequestStatus.OK:
         return None
-    return refusal(status, bytes(reply["message"]).decode(errors="replace"))
+    return refusal(abi.RequestStatus(code), bytes(reply["message"]).decode(errors="replace"))

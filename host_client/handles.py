@@ -326,6 +326,8 @@ class AcquireHandle:
         delivery failed), AgentUnavailable (the agent went away), DeviceFault (the device
         faulted: checked while waiting, so a dead consumer is an error, not a hang), or
         TimeoutError after ``timeout`` seconds."""
+        if self._slot is not None:  # settled (a batch's handles are waited for twice)
+            return self._slot
         start = time.monotonic()
         next_check = start + CHECK_SECONDS
         while True:

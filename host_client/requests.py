@@ -46,6 +46,7 @@ class ClientChannel:
         self._bell = bell
         """The agent's doorbell, rung after every post (None: the agent polls)."""
         self.capacity = self.view.capacity
+        self._layout = abi.channel_layout(self.capacity)
         self._lock = threading.Lock()
         self._next_id = 1
         self._waiting: dict[int, Callable[[np.void], None]] = {}
@@ -260,7 +261,7 @@ class ClientChannel:
     @property
     def states_address(self) -> int:
         """Device address of the slot-state table (after the device registered us)."""
-        return self.device_address + abi.channel_layout(self.capacity).states
+        return self.device_address + self._layout.states
 
     def word_address(self, index: int) -> int:
         """Device address of slot-state word ``index`` (after the device registered us)."""
@@ -269,7 +270,7 @@ class ClientChannel:
     def reply_address(self, position: int) -> int:
         """Device address of the reply entry of ring ``position`` (after the device registered
         us)."""
-        return (self.device_address + abi.channel_layout(self.capacity).replies
+        return (self.device_address + self._layout.replies
                 + position % self.capacity * abi.REPLY_DTYPE.itemsize)
 
     def word(self, index: int) -> int:
