@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpu_offload.cli_args import positive
+from dpu_offload.cli_args import non_negative, positive, seconds
 
 if TYPE_CHECKING:  # the commands import what they use: `dpu-agent serve` starts without them
     from dpu_agent.cluster.store import ClusterStore
@@ -107,7 +107,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cluster", help="cluster mode: members, placements (etcd)")
     p.add_argument("--etcd", required=True, help="etcd endpoints, host:port[,host:port]")
     p.add_argument("--prefix", default="/dpu-offload")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=seconds, default=5.0)
     p.add_argument("--etcd-ca", default="", help="CA bundle for etcd over TLS")
     p.add_argument("--etcd-cert", default="", help="client certificate for etcd")
     p.add_argument("--etcd-key", default="", help="client key for etcd")
@@ -116,14 +116,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cr = csub.add_parser("rebalance", help="plan a model over the live agents and write it")
     cr.add_argument("--path", required=True, help="checkpoint directory (same on every agent)")
     cr.add_argument("--model", default="", help="model name (default: the directory name)")
-    cr.add_argument("--replicas", type=int, default=0)
+    cr.add_argument("--replicas", type=non_negative, default=0)
     ca = csub.add_parser("apply", help="write a placement JSON file after validating it")
     ca.add_argument("--file", required=True)
     p.set_defaults(fn=cmd_cluster)
     p = sub.add_parser("plan", help="plan a placement from a [layers, experts] load array")
     p.add_argument("--load", required=True, help=".npy file, shape [layers, experts]")
     p.add_argument("--gpus", required=True, type=positive)
-    p.add_argument("--replicas", type=int, default=0)
+    p.add_argument("--replicas", type=non_negative, default=0)
     p.add_argument("--current", help="JSON placement in force ([layers][experts] -> GPUs)")
     p.add_argument("--expert-bytes", type=positive, default=None)
     p.add_argument("--json", action="store_true")

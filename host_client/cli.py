@@ -16,7 +16,7 @@ import grpc
 from rich.console import Console, Group
 from rich.table import Table
 
-from dpu_offload.cli_args import positive
+from dpu_offload.cli_args import integer, non_negative, positive, seconds
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.admin import AgentAdmin
 from host_client.checkpoints import ARCHS, CheckpointSpec, make_checkpoint
@@ -203,6 +203,10 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
+ANY_OR_INDEX = integer(-1, 2**31 - 1)
+"""A flow rule's layer or expert bound: an index, or -1 for any (an ``int32`` field)."""
+
+
 def cmd_flows(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         if args.flows_command == "list":
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=positive, default=128)
     p.add_argument("--top-k", type=positive, default=2)
     p.add_argument("--dtype", choices=("bf16", "fp8", "f32"), default="bf16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative, default=0)
     p.add_argument("--fused", action="store_true",
                    help="stacked experts, as transformers 5 saves with save_original_format=False")
     p.add_argument("--legacy-config", action="store_true",
@@ -253,17 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--ordinal", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds for the placement")
+    p.add_argument("--ordinal", type=non_negative, default=0)
+    p.add_argument("--timeout", type=seconds, default=120.0, help="seconds for the placement")
     p.set_defaults(fn=cmd_serve_experts)
     p = sub.add_parser("status", help="one screen of the agent's state")
     _agent_args(p)
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=seconds, default=5.0)
     _token_arg(p)
     p.set_defaults(fn=cmd_status)
     p = sub.add_parser("flows", help="list, add or delete flow-steering rules")
     _agent_args(p)
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=seconds, default=5.0)
     fsub = p.add_subparsers(dest="flows_command", required=True)
     fsub.add_parser("list")
     fa = fsub.add_parser("add")
@@ -272,29 +276,30 @@ def main(argv: list[str] | None = None) -> int:
     fa.add_argument("--action", choices=("forward", "to_agent", "drop", "count"),
                     required=True)
     fa.add_argument("--model", default="")
-    fa.add_argument("--layer-min", type=int, default=-1)
-    fa.add_argument("--layer-max", type=int, default=-1)
-    fa.add_argument("--expert", type=int, default=-1)
+    fa.add_argument("--layer-min", type=ANY_OR_INDEX, default=-1, help="-1: any")
+    fa.add_argument("--layer-max", type=ANY_OR_INDEX, default=-1, help="-1: any")
+    fa.add_argument("--expert", type=ANY_OR_INDEX, default=-1, help="-1: any")
     fa.add_argument("--source", default="")
-    fa.add_argument("--queue", type=int, action="append", default=[])
-    fa.add_argument("--priority", type=int, default=10)
+    fa.add_argument("--queue", type=integer(0, 2**32 - 1), action="append", default=[])
+    fa.add_argument("--priority", type=integer(-2**31, 2**31 - 1), default=10)
     fd = fsub.add_parser("delete")
     _session_args(fd)
-    fd.add_argument("rule_ids", type=int, nargs="+")
+    fd.add_argument("rule_ids", type=integer(1, 2**64 - 1), nargs="+")
     p.set_defaults(fn=cmd_flows)
     p = sub.add_parser("top", help="the status screen, refreshed live")
     _agent_args(p)
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=seconds, default=5.0)
     _token_arg(p)
-    p.add_argument("--interval", type=float, default=1.0)
-    p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: never)")
+    p.add_argument("--interval", type=seconds, default=1.0)
+    p.add_argument("--iterations", type=non_negative, default=0,
+                   help="stop after N refreshes (0: never)")
     p.set_defaults(fn=cmd_top)
     p = sub.add_parser("rebalance", help="re-plan a session's model from its reported routing")
     _agent_args(p)
     _session_args(p)
     p.add_argument("--model", required=True)
-    p.add_argument("--replicas", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--replicas", type=non_negative, default=0)
+    p.add_argument("--timeout", type=seconds, default=30.0)
     p.set_defaults(fn=cmd_rebalance)
     args = parser.parse_args(argv)
     try:
