@@ -96,6 +96,8 @@ def main() -> int:
     p.add_argument("--metric", action="append", default=[])
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args()
+    if args.verb == "run" and args.rounds < 1:
+        ap.error(f"--rounds: must be positive, got {args.rounds}")
     if args.verb == "prepare":
         print(prepare(args.rev))
         return 0

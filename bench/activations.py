@@ -43,6 +43,7 @@ from bench.common import (
     save_figure,
     write,
 )
+from dpu_offload.cli_args import positive
 from dpu_offload.packets import PacketHeader
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -298,7 +299,7 @@ def socket_floor(repeats: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int,
+    ap.add_argument("--repeats", type=positive,
                     help="round trips per size (default 1000 / 300 / 30 for 8 KiB / 256 KiB / "
                          "4 MiB)")
     ap.add_argument("--thread", action="store_true",

@@ -32,6 +32,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, thread_cpu_seconds, write
+from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
@@ -107,9 +108,9 @@ def run(experts: int, batch: int, rounds: int, delivery: str, workdir: Path
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--experts", type=positive, default=1024)
+    ap.add_argument("--batch", type=positive, default=8)
+    ap.add_argument("--rounds", type=positive, default=3)
     ap.add_argument("--delivery", choices=("engine", "pull"), default="engine")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()

@@ -26,12 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, envelope, figure, save_figure, write
+from bench.common import RESULTS, envelope, figure, save_figure, trace_path, write
 from dpu_agent.config import AgentConfig
 from dpu_agent.planning.prediction import NextLayerPredictor
 from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.routing.traces import RoutingStep, generate_trace, read_trace
 from dpu_agent.weights.policies import POLICIES, Evictable, make_policy
+from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 
 MODEL = "trace"
@@ -244,13 +245,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", type=Path)
-    src.add_argument("--generate", nargs=4, type=int,
+    src.add_argument("--trace", type=trace_path)
+    src.add_argument("--generate", nargs=4, type=positive,
                      metavar=("LAYERS", "EXPERTS", "TOPK", "TOKENS"))
-    ap.add_argument("--cache-experts", nargs="+", type=int)
+    ap.add_argument("--cache-experts", nargs="+", type=positive)
     ap.add_argument("--json", action="store_true", help="print the result object only")
     ap.add_argument("--plot", type=Path, help="PNG path (default bench/results/cache-NAME.png)")
-    ap.add_argument("--prefetch", nargs="*", type=int, default=[], metavar="K",
+    ap.add_argument("--prefetch", nargs="*", type=positive, default=[], metavar="K",
                     help="also replay with next-layer prefetch of K experts per step")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()

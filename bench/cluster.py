@@ -31,6 +31,7 @@ from dpu_agent.cluster.placement import ClusterPlacement
 from dpu_agent.cluster.store import ClusterStore
 from dpu_agent.planning.placement import plan
 from dpu_agent.weights.catalog import build_catalog
+from dpu_offload.cli_args import positive
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess, EtcdProcess
 
@@ -120,9 +121,9 @@ def run_mode(etcd: EtcdProcess, ckpt: Path, mode: str) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=positive, default=4)
+    ap.add_argument("--experts", type=positive, default=16)
+    ap.add_argument("--hidden", type=positive, default=512)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, EtcdProcess() as etcd:

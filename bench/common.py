@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import hashlib
 import http.server
@@ -74,6 +75,21 @@ def machine() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - no GPU is a valid machine
         info["gpu"] = None
     return info
+
+
+def trace_path(text: str) -> Path:
+    """An ``argparse`` type: a routing trace file (docs/LAYOUT.md), read once to refuse a
+    missing or malformed one by its line before any work starts."""
+    from dpu_agent.routing.traces import read_trace
+
+    try:
+        if not read_trace(text):
+            raise ValueError(f"{text}: no trace steps")
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return Path(text)
 
 
 def envelope(name: str, results: dict[str, Any], **extra: Any) -> dict[str, Any]:

@@ -63,11 +63,13 @@ from bench.common import (
     envelope,
     host_to_device_rate,
     http_fetch,
+    trace_path,
     write,
 )
 from bench.decode_loop import Decoder, LruHost, routing
 from bench.decode_table import plot, print_table
 from dpu_offload.blob import SWIGLU_ROLES
+from dpu_offload.cli_args import fraction, non_negative, positive
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import (
@@ -94,22 +96,22 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-30b-a3b")
-    ap.add_argument("--gpu-cache-fraction", type=float, nargs="+", default=[0.1, 0.25, 0.5])
-    ap.add_argument("--trace", type=Path)
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--gpu-cache-fraction", type=fraction, nargs="+", default=[0.1, 0.25, 0.5])
+    ap.add_argument("--trace", type=trace_path)
+    ap.add_argument("--tokens", type=positive, default=16)
+    ap.add_argument("--layers", type=positive, default=2)
+    ap.add_argument("--experts", type=positive, default=16)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="print only (make demo)")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of a results JSON")
     ap.add_argument("--delivery", choices=["pull", "engine"], default="pull",
                     help="engine: the agent's DMA-engine process writes the slots")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=positive, default=1,
                     help="offload runs per cache fraction (the median is reported)")
     ap.add_argument("--wait", choices=["stream", "host"], default="stream",
                     help="on the GPU: wait for each expert on the compute stream (stream) or "
                          "in the calling thread (host)")
-    ap.add_argument("--prefetch", type=int, default=0, metavar="K",
+    ap.add_argument("--prefetch", type=non_negative, default=0, metavar="K",
                     help="after each layer, have the agent prefetch K predicted experts of the "
                          "next one (ReportRouting)")
     ap.add_argument("--profile", type=Path,

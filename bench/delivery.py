@@ -47,6 +47,7 @@ from bench.common import (
 from bench.delivery_baselines import baselines, copy_engine_from_arena
 from dpu_offload import abi
 from dpu_offload.channel import split_word
+from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
@@ -294,9 +295,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="small shape only, few repeats")
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    ap.add_argument("--experts", type=positive, default=16)
+    ap.add_argument("--repeats", type=positive, default=6)
+    ap.add_argument("--chunk-bytes", type=positive, default=1 << 20)
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES))
     ap.add_argument("--mechanisms", nargs="+", default=["auto"],
                     choices=["auto", "kernel", "copy_engine", "engine"],
@@ -308,6 +309,10 @@ def main() -> int:
                          "DMA engine) into DIR (print with bench/trace_report.py); the run's "
                          "figures are printed, not saved: tracing slows them")
     args = ap.parse_args()
+    if args.experts < 2:
+        ap.error(f"--experts: at least 2 (a batch is half of them), got {args.experts}")
+    if args.chunk_bytes % 16:
+        ap.error(f"--chunk-bytes: a multiple of 16, got {args.chunk_bytes}")
     if args.trace:
         from bench.tracing.sitecustomize import install
 

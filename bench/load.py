@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from bench.common import envelope, pct, write
+from dpu_offload.cli_args import positive
+from dpu_offload.cli_args import seconds as duration
 from dpu_offload.keys import ExpertKey
 from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -161,10 +163,10 @@ def run(clients: int, seconds: float, stall: float) -> dict[str, object]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--clients", type=positive, default=64)
+    ap.add_argument("--seconds", type=duration, default=20.0)
     ap.add_argument("--soak", action="store_true", help="run for 10 minutes")
-    ap.add_argument("--stall", type=float, default=15.0)
+    ap.add_argument("--stall", type=duration, default=15.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     seconds = 600.0 if args.soak else args.seconds

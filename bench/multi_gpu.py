@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, host_to_device_rate, write
+from dpu_offload.cli_args import non_negative, positive
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
@@ -62,8 +63,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--devices", type=int, default=0, help="how many (default: all GPUs / 4)")
-    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--devices", type=non_negative, default=0,
+                    help="how many (default: all GPUs / 4)")
+    ap.add_argument("--hidden", type=positive, default=2048)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.device == "cuda":

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS, envelope, figure, median, save_figure, write
 from dpu_agent.planning.placement import plan, warm_up
+from dpu_offload.cli_args import positive
 
 LAYERS, EXPERTS, EXPERT_BYTES = 58, 256, 44_050_944
 
@@ -77,7 +78,7 @@ def case(loads: list[np.ndarray], gpus: int, replicas: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--windows", type=positive, default=5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     loads = drifting_loads(max(2, args.windows))

@@ -31,6 +31,7 @@ from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.slots import SlotPool
 from dpu_agent.weights.policies import make_policy
 from dpu_agent.weights.reuse import warm_up
+from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 
 
@@ -106,9 +107,9 @@ def measure_batch(slots: int, calls: int, policy: str, batch: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1536, 4096])
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--batch", type=int, default=64,
+    ap.add_argument("--sizes", type=positive, nargs="+", default=[64, 256, 1536, 4096])
+    ap.add_argument("--calls", type=positive, default=2000)
+    ap.add_argument("--batch", type=positive, default=64,
                     help="experts a layer holds at once in the batched case (<= 128)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()

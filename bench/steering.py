@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, write
 from dpu_agent.dataplane.steering import placement_rules
+from dpu_offload.cli_args import positive
 from dpu_offload.flows import (
     Action,
     FlowRule,
@@ -30,7 +31,7 @@ LAYERS, EXPERTS = list(range(3, 61)), 256
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--lookups", type=int, default=300_000)
+    ap.add_argument("--lookups", type=positive, default=300_000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = random.Random(0)

@@ -66,6 +66,8 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=4.0, help="timeline length, ms")
     ap.add_argument("--last", type=int, default=3, help="how many anchor calls to lay out")
     args = ap.parse_args()
+    if not (0 < args.window <= 60_000) or args.last < 1:
+        ap.error("--window: above 0 and at most 60000 ms; --last: positive")
     files = sorted(args.dir.glob("trace-*.json"))
     if not files:
         print(f"no trace files in {args.dir}", file=sys.stderr)

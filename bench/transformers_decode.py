@@ -39,7 +39,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, figure, host_to_device_rate, save_figure, write
+from bench.common import (
+    envelope,
+    figure,
+    host_to_device_rate,
+    save_figure,
+    trace_path,
+    write,
+)
+from dpu_offload.cli_args import fraction, positive
 
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {  # real expert shapes, attention trimmed
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
@@ -320,12 +328,12 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--gpu-cache-fraction", type=float, nargs="+", default=[0.1, 0.25, 0.5])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--shrink", type=int, default=1, help="divide the sizes (smoke tests)")
-    ap.add_argument("--trace", type=Path,
+    ap.add_argument("--layers", type=positive, default=4)
+    ap.add_argument("--gpu-cache-fraction", type=fraction, nargs="+", default=[0.1, 0.25, 0.5])
+    ap.add_argument("--batch", type=positive, nargs="+", default=[1, 8])
+    ap.add_argument("--new-tokens", type=positive, default=16)
+    ap.add_argument("--shrink", type=positive, default=1, help="divide the sizes (smoke tests)")
+    ap.add_argument("--trace", type=trace_path,
                     help="replay this routing trace instead of the router's choices")
     ap.add_argument("--delivery", choices=["engine", "pull"], default="engine",
                     help="engine: the agent's DMA-engine process fills the slots (no thread of "

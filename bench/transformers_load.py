@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import envelope, write
+from dpu_offload.cli_args import positive
 
 MODES = ("baseline", "whole", "without_experts")
 
@@ -73,7 +74,7 @@ print(json.dumps({{"peak_mb": peak_kb / 1024, "seconds": seconds,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=positive, default=2)
     args = ap.parse_args()
     if not 1 <= args.layers <= 48:
         ap.error("--layers must be between 1 and 48")

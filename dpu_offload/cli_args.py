@@ -48,6 +48,17 @@ def integer(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def fraction(text: str) -> float:
+    """An ``argparse`` type: a fraction above 0 and at most 1 (of a cache, say)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
+    return value
+
+
 def seconds(text: str) -> float:
     """An ``argparse`` type: a duration in seconds, above 0 and at most ``MAX_SECONDS``."""
     try:

@@ -27,6 +27,22 @@ def test_each_benchmark_parses_its_arguments(bench: str) -> None:
     assert "usage:" in out.stdout
 
 
+@pytest.mark.parametrize("argv,named", [
+    (["decode.py", "--tokens", "0"], "--tokens: must be positive, got 0"),
+    (["decode.py", "--gpu-cache-fraction", "1.5"], "--gpu-cache-fraction: must be above 0"),
+    (["delivery.py", "--experts", "1"], "--experts: at least 2"),
+    (["load.py", "--seconds", "inf"], "--seconds: must be above 0"),
+    (["cache_policies.py", "--trace", "no-such-trace.jsonl"], "No such file or directory"),
+    (["cache_policies.py", "--trace", "README.md"], "README.md:1: not a trace step"),
+])
+def test_a_benchmark_refuses_a_bad_argument_before_it_starts(argv: list[str],
+                                                             named: str) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / argv[0]), *argv[1:]],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert named in out.stderr
+
+
 def test_the_agent_request_benchmark_measures_the_agents_thread() -> None:
     """``bench/agent_requests.py`` on a small checkpoint: every ACQUIRE granted, and the
     agent's data-plane thread seen spending CPU on the misses (a run that read no thread would
