@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, Device, SlotPoolSpec
 from host_client.checkpoints import (
@@ -44,10 +45,10 @@ def pick_device(kind: str) -> Device:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="qwen3-moe", choices=("qwen3-moe", "mixtral"))
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--layers", type=positive, default=4)
+    ap.add_argument("--experts", type=positive, default=16)
+    ap.add_argument("--hidden", type=positive, default=1024)
+    ap.add_argument("--intermediate", type=positive, default=768)
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--delivery", choices=("engine", "pull"), default="engine",
                     help="engine: the agent's DMA-engine process writes and checks the slots; "

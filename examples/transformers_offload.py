@@ -47,6 +47,8 @@ def main() -> int:
     ap.add_argument("--no-reference", action="store_true",
                     help="do not load the whole model to check the output against")
     args = ap.parse_args()
+    if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
+        ap.error(f"--checkpoint: {args.checkpoint} is not a checkpoint directory (no config.json)")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or small_qwen3_moe(Path(tmp) / "qwen3-moe")
         prompt = torch.tensor([[1, 42, 7, 300, 5]], device=args.device)
