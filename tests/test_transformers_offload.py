@@ -212,6 +212,21 @@ def test_a_model_that_does_not_fit_the_checkpoint_is_refused(tmp_path,
     assert FAMILIES  # the families the checkpoint tests build
 
 
+@pytest.mark.parametrize("cache", [0, -3, 0.0, 1.5, float("nan"), True, "25%"])
+def test_a_cache_size_it_cannot_use_is_refused_before_anything_is_loaded(
+        tmp_path, agent: AgentProcess, cache: object) -> None:
+    path = tmp_path / "qwen"
+    model = _model("qwen3_moe")
+    model.save_pretrained(path)
+    with AgentClient(agent.address) as client:
+        with pytest.raises(ValueError, match="cache: a fraction in"):
+            offload_experts(model, client, path, CpuReferenceDevice(), cache=cache,
+                            name="refused")
+        assert "refused" not in [m.model for m in client.status().models]
+        offload_experts(model, client, path, CpuReferenceDevice(), cache=0.5, name="refused")
+        assert "refused" in [m.model for m in client.status().models]  # what was not there
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("model_type", "delivery"), [("qwen3_moe", "pull"),
                                                       ("qwen3_moe", "engine"),

@@ -26,6 +26,7 @@ without them: ``host_client.integrations.moe_modules`` (its names are this modul
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -320,6 +321,11 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
     """
+    if isinstance(cache, bool) or not (
+            (isinstance(cache, int) and cache > 0)
+            or (isinstance(cache, float) and math.isfinite(cache) and 0 < cache <= 1)):
+        raise ValueError(f"cache: a fraction in (0, 1] or a positive number of slots, "
+                         f"got {cache!r}")
     info = client.load_model(str(checkpoint), name)
     per_layer, layers = info.experts_per_layer, list(info.moe_layers)
     if isinstance(device, AttachedDevice):
