@@ -218,13 +218,13 @@ def test_a_cache_size_it_cannot_use_is_refused_before_anything_is_loaded(
     path = tmp_path / "qwen"
     model = _model("qwen3_moe")
     model.save_pretrained(path)
+    name = f"refused-{tmp_path.name}"  # the agent is the module's: a name of this test's own
     with AgentClient(agent.address) as client:
         with pytest.raises(ValueError, match="cache: a fraction in"):
-            offload_experts(model, client, path, CpuReferenceDevice(), cache=cache,
-                            name="refused")
-        assert "refused" not in [m.model for m in client.status().models]
-        offload_experts(model, client, path, CpuReferenceDevice(), cache=0.5, name="refused")
-        assert "refused" in [m.model for m in client.status().models]  # what was not there
+            offload_experts(model, client, path, CpuReferenceDevice(), cache=cache, name=name)
+        assert name not in [m.model for m in client.status().models]
+        offload_experts(model, client, path, CpuReferenceDevice(), cache=0.5, name=name)
+        assert name in [m.model for m in client.status().models]  # what was not there
 
 
 @pytest.mark.gpu
