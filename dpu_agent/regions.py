@@ -22,7 +22,7 @@ from dpu_agent.slots import SlotPool
 from dpu_agent.weights.policies import EvictionPolicy
 from dpu_offload import abi
 from dpu_offload.abi import SlotState
-from dpu_offload.blob import BLOB_ALIGN
+from dpu_offload.blob import pool_problem
 from dpu_offload.ring import RingError
 from dpu_offload.shm import SharedBufferError, bound_to
 
@@ -135,9 +135,9 @@ class Registrations:
         if spec.ipc_handle and len(spec.ipc_handle) != IPC_HANDLE_BYTES:
             raise invalid(f"cuda_ipc_handle must be {IPC_HANDLE_BYTES} bytes "
                           f"(cudaIpcMemHandle_t), got {len(spec.ipc_handle)}")
-        if spec.slot_bytes == 0 or spec.slot_bytes % BLOB_ALIGN or spec.slot_count == 0:
-            raise invalid(f"slot pool needs slot_bytes a positive multiple of {BLOB_ALIGN} "
-                          f"and slot_count > 0 (got {spec.slot_bytes}, {spec.slot_count})")
+        problem = pool_problem(spec.slot_bytes, spec.slot_count)
+        if problem:
+            raise invalid(problem)
         if spec.size_bytes < spec.slot_bytes * spec.slot_count:
             raise invalid(f"slot pool of {spec.slot_count} x {spec.slot_bytes} bytes does "
                           f"not fit in size_bytes {spec.size_bytes}")

@@ -9,6 +9,16 @@ from __future__ import annotations
 
 BLOB_ALIGN = 256
 """Every tensor of a blob starts on, and every blob is padded to, this many bytes."""
+
+
+def pool_problem(slot_bytes: int, slot_count: int) -> str | None:
+    """What is wrong with a slot pool of ``slot_count`` slots of ``slot_bytes`` (each holds
+    one blob), or None: the agent refuses such a pool (RegisterRegion) and the client does
+    not ask for one."""
+    if slot_bytes <= 0 or slot_bytes % BLOB_ALIGN or slot_count <= 0:
+        return (f"slot pool needs slot_bytes a positive multiple of {BLOB_ALIGN} and "
+                f"slot_count > 0 (got {slot_bytes}, {slot_count})")
+    return None
 ROLE_BASES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 """The projections, in blob order: a per-expert checkpoint's gate and up lie side by side."""
 ROLE_SUFFIXES = ("", "_blocks", "_scales", "_scale_inv", "_scale", "_bias")

@@ -35,6 +35,17 @@ def store_fence() -> None:
     _FENCE.release()
 
 
+MAX_RING_CAPACITY = 1 << 20
+"""The most entries a ring may hold (64 MiB of work descriptors)."""
+
+
+def capacity_problem(capacity: int) -> str | None:
+    """What is wrong with a ring of ``capacity`` entries, or None."""
+    if capacity <= 0 or capacity & (capacity - 1) or capacity > MAX_RING_CAPACITY:
+        return f"ring capacity must be a power of two up to {MAX_RING_CAPACITY}, got {capacity}"
+    return None
+
+
 class RingError(ValueError):
     """The ring's header is not a valid ring of the expected kind; the message says why."""
 
@@ -87,8 +98,9 @@ class Ring:
         """Write a fresh header and zeroed entries into ``buffer`` and return the ring."""
         dtype = abi.entry_dtype_for(kind)
         entry_size = dtype.itemsize if entry_size is None else entry_size
-        if capacity <= 0 or capacity & (capacity - 1):
-            raise RingError(f"ring capacity must be a power of two, got {capacity}")
+        problem = capacity_problem(capacity)
+        if problem:
+            raise RingError(problem)
         if entry_size < dtype.itemsize or entry_size % abi.COPY_ALIGN_BYTES:
             raise RingError(f"entry size {entry_size} must be >= {dtype.itemsize} and a "
                             f"multiple of {abi.COPY_ALIGN_BYTES}")

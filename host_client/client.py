@@ -23,12 +23,13 @@ import logging
 import numpy as np
 
 from dpu_offload import abi
-from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey
+from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey, key_index_problem
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.connection import TlsFiles
 from host_client.devices import Device
 from host_client.errors import (
     AgentError,
+    InvalidArgument,
     refusal,
     refusal_of,
 )
@@ -135,6 +136,10 @@ class AgentClient(PlacementCalls):
         """Ask the agent for the tensor layouts of ``keys`` not known yet (``load_model`` asks
         for every expert of the model, so the data path never needs gRPC)."""
         todo = [k for k in keys if k not in self._manifests]
+        for k in todo:
+            problem = key_index_problem(k)
+            if problem:
+                raise InvalidArgument(problem)
         for i in range(0, len(todo), MAX_KEYS_PER_CALL):
             part = todo[i:i + MAX_KEYS_PER_CALL]
             resp = self.stub.DescribeExperts(pb.DescribeExpertsRequest(

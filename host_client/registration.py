@@ -11,10 +11,13 @@ from typing import Any
 
 from dpu_offload import abi
 from dpu_offload.bell import Bell
+from dpu_offload.blob import pool_problem
+from dpu_offload.ring import capacity_problem
 from dpu_offload.shm import session_name
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
 from host_client.devices import Device
+from host_client.errors import InvalidArgument
 from host_client.memory import ExpertSlot, SharedRing, SlotPoolSpec
 from host_client.requests import ClientChannel
 
@@ -68,24 +71,56 @@ class SessionContext:
     rpc_timeout: float
 
 
+def check_registration(specs: list[SlotPoolSpec], ring_capacity: int, delivery: str) -> None:
+    """InvalidArgument, before anything is registered or made, for a device registration the
+    agent would refuse or this process could not make: an unknown ``delivery``, a ring
+    capacity that is no power of two (or too large), a slot pool of no slots or of a slot size
+    that is no multiple of the blob alignment, more slots than a channel's slot-state table."""
+    problems = [] if delivery in DELIVERIES else [
+        f"delivery {delivery!r}: expected one of {sorted(DELIVERIES)}"]
+    if delivery == "pull":
+        problems.append(capacity_problem(ring_capacity))
+    problems += [pool_problem(spec.slot_bytes, spec.slot_count) for spec in specs]
+    slots = sum(spec.slot_count for spec in specs)
+    if slots > abi.MAX_CHANNEL_SLOTS:
+        problems.append(f"{slots} slots: a device's pools hold at most {abi.MAX_CHANNEL_SLOTS}")
+    found = [p for p in problems if p]
+    if found:
+        raise InvalidArgument("RegisterDevice: " + "; ".join(found))
+
+
 def attach(ctx: SessionContext, device: Device, specs: list[SlotPoolSpec], ring_capacity: int,
            into: AttachedDevice | None = None, delivery: str = "pull") -> AttachedDevice:
     """Register ``device`` in the session with fresh rings and pools; with ``into``, refill
-    that record (a re-registration after the agent restarted)."""
-    resp = ctx.stub.RegisterDevice(pb.RegisterDeviceRequest(
-        session_id=ctx.session_id, kind=device.kind, ordinal=device.ordinal,
-        name=device.name, memory_bytes=device.memory_bytes,
-        delivery=DELIVERIES[delivery]), timeout=ctx.rpc_timeout)
+    that record (a re-registration after the agent restarted). What can be refused or fail
+    here is checked, and the rings made, before the agent hears of the device: a bad argument
+    registers nothing."""
+    check_registration(specs, ring_capacity, delivery)
     # A DMA-engine device has no consumer here: the agent's engine process moves and
     # checks the bytes; this process only polls slot-state words.
     engine = delivery == "engine"
     # Segment names are bound to the session's token: the agent registers them for it only.
     token = ctx.token
-    work = None if engine else SharedRing(abi.RingKind.WORK, ring_capacity, token=token)
-    completion = None if engine else SharedRing(abi.RingKind.COMPLETION, ring_capacity,
-                                                token=token)
-    rx = SharedRing(abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
-    tx = SharedRing(abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY, PACKET_ENTRY_BYTES, token)
+    made: list[SharedRing] = []
+    try:
+        for kind, capacity, entry in ((abi.RingKind.RX_PACKET, PACKET_RING_CAPACITY,
+                                       PACKET_ENTRY_BYTES),
+                                      (abi.RingKind.TX_PACKET, PACKET_RING_CAPACITY,
+                                       PACKET_ENTRY_BYTES),
+                                      *(() if engine else (
+                                          (abi.RingKind.WORK, ring_capacity, None),
+                                          (abi.RingKind.COMPLETION, ring_capacity, None)))):
+            made.append(SharedRing(kind, capacity, entry, token))
+        resp = ctx.stub.RegisterDevice(pb.RegisterDeviceRequest(
+            session_id=ctx.session_id, kind=device.kind, ordinal=device.ordinal,
+            name=device.name, memory_bytes=device.memory_bytes,
+            delivery=DELIVERIES[delivery]), timeout=ctx.rpc_timeout)
+    except BaseException:
+        for ring in made:
+            ring.close()
+        raise
+    rx, tx = made[0], made[1]
+    work, completion = (None, None) if engine else (made[2], made[3])
     channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes, ctx.bell)
     channel.device_address = device.register_host_ring(channel.view.buffer)
     attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx, tx,

@@ -16,9 +16,9 @@ import numpy as np
 from dpu_offload import abi, futex
 from dpu_offload.bell import Bell
 from dpu_offload.channel import Channel, state_word
-from dpu_offload.keys import ExpertKey
+from dpu_offload.keys import ExpertKey, key_index_problem
 from dpu_offload.shm import SharedBuffer
-from host_client.errors import AgentUnavailable, refusal
+from host_client.errors import AgentUnavailable, InvalidArgument, refusal
 
 log = logging.getLogger("host_client")
 
@@ -82,6 +82,10 @@ class ClientChannel:
             raise ValueError(f"{len(routes)} route fields for {n} entries")
         if n > self.capacity:
             raise ValueError(f"{n} requests in one post; the channel holds {self.capacity}")
+        for _, _, key in entries:
+            problem = key_index_problem(key)
+            if problem:
+                raise InvalidArgument(problem)
         records = np.zeros(n, abi.REQUEST_DTYPE)
         deadline = time.monotonic() + timeout
         with self._lock:

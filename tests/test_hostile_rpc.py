@@ -223,6 +223,48 @@ def test_batch_calls_bound_their_keys_before_any_work(agent: AgentProcess,
         assert mine.slots_held == 0 and mine.slots_ready == 0
 
 
+@pytest.mark.parametrize("specs,capacity,named", [
+    ([(-256, 2)], 1024, "slot_bytes a positive multiple of 256"),
+    ([(4096, 0)], 1024, "slot_count > 0"),
+    ([(300, 2)], 1024, "slot_bytes a positive multiple of 256"),
+    ([(4096, 4000), (4096, 100)], 1024, "4100 slots: a device's pools hold at most 4096"),
+    ([(4096, 2)], 1000, "ring capacity must be a power of two"),
+    ([(4096, 2)], 2**21, "ring capacity must be a power of two up to"),
+])
+def test_a_device_registration_it_cannot_make_registers_nothing(
+        agent: AgentProcess, specs: list[tuple[int, int]], capacity: int, named: str) -> None:
+    """A slot pool or ring the agent would refuse (or this process could not make) is refused
+    by the client before RegisterDevice: the same device registers once the arguments are
+    right (a device registered first and refused after would be ALREADY_EXISTS here)."""
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+    from host_client.errors import InvalidArgument
+
+    with AgentClient(agent.address) as client:
+        with pytest.raises(InvalidArgument, match=named):
+            client.register_device(CpuReferenceDevice(7), [SlotPoolSpec(*s) for s in specs],
+                                   ring_capacity=capacity)
+        dev = client.register_device(CpuReferenceDevice(7), [SlotPoolSpec(4096, 2)])
+        assert dev.device_id >= 0 and len(dev.pools) == 1
+
+
+def test_a_key_outside_the_request_fields_is_refused_by_the_client(agent: AgentProcess,
+                                                                   qwen_ckpt: Path) -> None:
+    from dpu_offload.keys import MAX_KEY_INDEX, ExpertKey
+    from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
+    from host_client.errors import InvalidArgument
+
+    with AgentClient(agent.address) as client:
+        model = client.load_model(str(qwen_ckpt), "keys")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        layer = model.moe_layers[0]
+        for key in (ExpertKey("keys", -1, 0), ExpertKey("keys", layer, MAX_KEY_INDEX + 1)):
+            with pytest.raises(InvalidArgument, match="layer and expert must be from 0"):
+                client.acquire(dev, key)
+            with pytest.raises(InvalidArgument, match="layer and expert must be from 0"):
+                client.release_batch(dev, [key])
+        client.acquire(dev, ExpertKey("keys", layer, 0)).wait(30)  # the channel still serves
+
+
 def test_a_routing_report_is_bounded_before_any_work(agent: AgentProcess,
                                                     qwen_ckpt: Path) -> None:
     """ReportRouting carries at most MAX_STEPS_PER_REPORT steps: one more is INVALID_ARGUMENT
