@@ -35,7 +35,7 @@ from host_client.errors import (
 )
 from host_client.handles import AcquireHandle, LandedCheck
 from host_client.memory import ExpertSlot, SlotPoolSpec
-from host_client.placement import PlacementCalls
+from host_client.placement import PlacementCalls, visit_problem
 from host_client.registration import (
     DELIVERIES,
     AttachedDevice,
@@ -297,16 +297,11 @@ class AgentClient(PlacementCalls):
         prefetches into ``dev`` the k experts it expects the next MoE layer to select. A hint:
         a refusal is only counted in ``visits_refused`` (:meth:`report_routing` is the gRPC
         form, for several visits at once or from outside a device's path)."""
-        if not tokens or min(tokens.values()) <= 0 or min(tokens) < 0:
-            raise ValueError(f"a visit needs experts >= 0 each chosen by >= 1 token; got "
-                             f"{tokens}")
-        if max(tokens.values()) > abi.MAX_ROUTE_COUNT or max(tokens) > abi.MAX_KEY_FIELD:
-            raise ValueError(f"a visit's counts are at most {abi.MAX_ROUTE_COUNT} tokens and "
-                             f"its experts at most {abi.MAX_KEY_FIELD}; got {tokens}")
-        if not 0 <= layer <= abi.MAX_KEY_FIELD or not 0 <= prefetch <= abi.MAX_ROUTE_PREFETCH:
-            raise ValueError(f"layer {layer} and prefetch {prefetch}: the layer is in [0, "
-                             f"{abi.MAX_KEY_FIELD}], the prefetch in [0, "
-                             f"{abi.MAX_ROUTE_PREFETCH}]")
+        problem = visit_problem(layer, tokens)
+        if problem:
+            raise ValueError(problem)
+        if not 0 <= prefetch <= abi.MAX_ROUTE_PREFETCH:
+            raise ValueError(f"prefetch {prefetch}: expected [0, {abi.MAX_ROUTE_PREFETCH}]")
         index, experts = self._index(model), list(tokens)
         last = len(experts) - 1
         dev.channel.post(

@@ -53,7 +53,8 @@ def tensor_layout(manifest: pb.ExpertManifest, name: str) -> TensorLayout:
             and up.dtype == gate.dtype):
         return TensorLayout(gate.offset, 2 * gate.nbytes,
                             (2 * gate.shape[0], *gate.shape[1:]), gate.dtype)
-    raise KeyError(f"{manifest.key}: no tensor {name!r} (the blob holds {sorted(tensors)})")
+    key = f"{manifest.key.model}/l{manifest.key.layer}-e{manifest.key.expert}"
+    raise KeyError(f"{key}: no tensor {name!r} (the blob holds {sorted(tensors)})")
 
 
 class SharedRing:

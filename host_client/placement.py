@@ -8,12 +8,46 @@ from __future__ import annotations
 
 import time
 
+from dpu_offload import abi
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.connection import TlsFiles
+from host_client.errors import InvalidArgument
 from host_client.registration import AttachedDevice
 from host_client.session import AgentSession
 
 __all__ = ["PlacementCalls"]
+
+
+def visit_problem(layer: int, tokens: dict[int, int], least: int = 1) -> str | None:
+    """What makes one MoE layer's routing unusable (None when it is fine): ``tokens[e]``, the
+    tokens that chose expert ``e``, must name at least one expert, experts and the layer within
+    a request entry's fields, each count from ``least`` (ReportRouting takes 0: not chosen) to
+    ``abi.MAX_ROUTE_COUNT``."""
+    if not isinstance(tokens, dict) or not tokens or not all(
+            isinstance(e, int) and isinstance(n, int) for e, n in tokens.items()):
+        return f"a visit is {{expert: tokens}} of ints, got {tokens!r}"[:200]
+    if min(tokens.values()) < least or min(tokens) < 0:
+        return (f"a visit needs experts >= 0 each chosen by >= {least} token"
+                f"{'s' if least != 1 else ''}; got {tokens}")[:200]
+    if max(tokens.values()) > abi.MAX_ROUTE_COUNT or max(tokens) > abi.MAX_KEY_FIELD:
+        return (f"a visit's counts are at most {abi.MAX_ROUTE_COUNT} tokens and its experts at "
+                f"most {abi.MAX_KEY_FIELD}; got {tokens}")[:200]
+    if not isinstance(layer, int) or not 0 <= layer <= abi.MAX_KEY_FIELD:
+        return f"layer {layer!r}: expected an int in [0, {abi.MAX_KEY_FIELD}]"
+    return None
+
+
+def assignment_problem(assignment: list[list[list[int]]]) -> str | None:
+    """What makes a placement's ``assignment[moe layer position][expert]`` -> device ids
+    unusable (None when it is fine): rows of lists of device ids, each an int >= 0."""
+    for la, row in enumerate(assignment if isinstance(assignment, list) else [None]):
+        if not isinstance(row, list):
+            return f"assignment[{la}]: a list of experts' device lists, got {row!r}"[:200]
+        for e, ids in enumerate(row):
+            if not isinstance(ids, list | tuple) or not all(
+                    isinstance(d, int) and 0 <= d < 2**32 for d in ids):
+                return f"assignment[{la}][{e}]: a list of device ids, got {ids!r}"[:200]
+    return None
 
 
 class PlacementCalls(AgentSession):
@@ -32,6 +66,9 @@ class PlacementCalls(AgentSession):
                         ) -> pb.ApplyPlacementResponse:
         """Place ``assignment[moe layer position][expert]`` -> device ids, make-before-break;
         progress arrives as ``placement_progress`` events (see :meth:`placement_progress`)."""
+        problem = assignment_problem(assignment)
+        if problem:
+            raise InvalidArgument(f"ApplyPlacement: {problem}")
         resp = self.stub.ApplyPlacement(pb.ApplyPlacementRequest(
             session_id=self.session_id, model=model,
             layers=[pb.LayerPlacement(experts=[pb.DeviceList(device_ids=d) for d in row])
@@ -76,6 +113,10 @@ class PlacementCalls(AgentSession):
                        ) -> None:
         """Tell the agent which experts the last steps selected: (layer, {expert: tokens});
         optionally have it prefetch the likeliest experts of the next MoE layer."""
+        for layer, tokens in steps:
+            problem = visit_problem(layer, tokens, least=0)
+            if problem:
+                raise InvalidArgument(f"ReportRouting: {problem}")
         self.stub.ReportRouting(pb.ReportRoutingRequest(
             session_id=self.session_id, model=model,
             steps=[pb.RoutingStep(layer=layer, experts=list(c), tokens=list(c.values()))

@@ -7,6 +7,7 @@ bounded back-off, opens a new session and restores what it had (``_restore``).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 
@@ -33,6 +34,12 @@ class AgentSession:
     def __init__(self, address: str, *, client_name: str = "host-client",
                  lease_seconds: int = 0, connect_timeout: float = 5.0,
                  rpc_timeout: float = 60.0, tls: TlsFiles | None = None) -> None:
+        for name, seconds in (("connect_timeout", connect_timeout),
+                              ("rpc_timeout", rpc_timeout)):
+            if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{name}: a number of seconds above 0, got {seconds!r}")
+        if not (isinstance(lease_seconds, int) and lease_seconds >= 0):
+            raise ValueError(f"lease_seconds: an int >= 0 (0: the agent's), got {lease_seconds!r}")
         self.address = address
         self.rpc_timeout = rpc_timeout
         self.channel = open_channel(address, tls)

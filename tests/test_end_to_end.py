@@ -204,6 +204,10 @@ def test_report_routing_validates(client: AgentClient, qwen_ckpt: Path) -> None:
         ("qwen-routing", [(9, {1: 1})], grpc.StatusCode.INVALID_ARGUMENT),
         ("qwen-routing", [(0, {6: 1})], grpc.StatusCode.INVALID_ARGUMENT),
         ("nope", [(0, {1: 1})], grpc.StatusCode.NOT_FOUND),
+        # refused by the client before the call (a protobuf field cannot hold them)
+        ("qwen-routing", [(0, {1: -1})], grpc.StatusCode.INVALID_ARGUMENT),
+        ("qwen-routing", [(-1, {1: 1})], grpc.StatusCode.INVALID_ARGUMENT),
+        ("qwen-routing", [(0, {"1": 1})], grpc.StatusCode.INVALID_ARGUMENT),
     ]:
         with pytest.raises(grpc.RpcError) as err:
             client.report_routing(model, steps)

@@ -436,3 +436,21 @@ def test_an_unread_event_stream_is_bounded_and_counted(agent: AgentProcess,
     dropped = metric(agent, "dpu_agent_session_events_dropped_total")
     assert len(got) <= 2 * 4096 and all("background delivery" in e for e in got), len(got)
     assert len(got) + dropped == flood, (len(got), dropped)
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"rpc_timeout": -1}, "rpc_timeout: a number of seconds above 0"),
+    ({"rpc_timeout": float("inf")}, "rpc_timeout: a number of seconds above 0"),
+    ({"connect_timeout": float("nan")}, "connect_timeout: a number of seconds above 0"),
+    ({"lease_seconds": -2}, "lease_seconds: an int >= 0"),
+])
+def test_a_client_refuses_settings_it_cannot_use_before_connecting(kwargs: dict,
+                                                                   named: str) -> None:
+    """Refused at once, naming the argument (not a connection attempt that waits and then
+    blames the agent)."""
+    from host_client import AgentClient
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=named):
+        AgentClient("127.0.0.1:1", **kwargs)
+    assert time.monotonic() - t0 < 1.0

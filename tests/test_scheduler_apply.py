@@ -111,6 +111,13 @@ def test_move_completes_and_releases_old_copies(two_devices) -> None:
     (lambda p, a, b: p.pop(), grpc.StatusCode.INVALID_ARGUMENT, "MoE layers"),
     (lambda p, a, b: p[0][0].append(77), grpc.StatusCode.FAILED_PRECONDITION, "device 77"),
     (lambda p, a, b: p[0].__setitem__(0, []), grpc.StatusCode.INVALID_ARGUMENT, "nowhere"),
+    # refused by the client before the call (no protobuf message can carry them)
+    (lambda p, a, b: p[0].__setitem__(0, 3), grpc.StatusCode.INVALID_ARGUMENT,
+     "assignment[0][0]: a list of device ids, got 3"),
+    (lambda p, a, b: p[0][1].append(-1), grpc.StatusCode.INVALID_ARGUMENT,
+     "assignment[0][1]: a list of device ids"),
+    (lambda p, a, b: p.__setitem__(1, None), grpc.StatusCode.INVALID_ARGUMENT,
+     "assignment[1]: a list of experts' device lists"),
 ])
 def test_bad_placements_are_refused(two_devices, mutate, code, msg: str) -> None:
     client, model, (a, b) = two_devices
