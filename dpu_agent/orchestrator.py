@@ -198,12 +198,43 @@ class Orchestrator:
             self.steering_changed()
         self.plane.deliveries.tracker.cancel(lambda t: t.owner in devices)
         for dev in devices:
-            if dev.queue is not None:
-                dev.queue.close()
-            if dev.channel is not None:
-                dev.channel.close()
-            if dev.engine_rings is not None:
-                self.plane.engine.detach(dev)
+            self._close_device(dev)
+
+    def _close_device(self, dev: Device) -> None:
+        """Close a device's queue, channel and rings to the DMA engine, and stop watching its
+        pools' landed slots (its transfers were cancelled, its activations stopped). A transfer
+        a background fill started between that cancel and the queue's close is cancelled too
+        (later ones find the queue closed)."""
+        if dev.queue is not None:
+            dev.queue.close()
+        self.plane.deliveries.tracker.cancel(lambda t: t.owner is dev)
+        if dev.channel is not None:
+            dev.channel.close()
+        if dev.engine_rings is not None:
+            self.plane.engine.detach(dev)
+        for pool in dev.pools.values():
+            self.plane.deliveries.forget(pool)
+
+    def device_users(self, session: Session, device_id: int) -> str | None:
+        """What of the session still names device ``device_id`` (a placement's assignment, a
+        flow rule's queues), or None."""
+        state = self.placements.naming(session.session_id, device_id)
+        if state is not None:
+            return f"placement {state.placement_id} of model {state.model!r} places experts on it"
+        for rule in self.flows.rules():
+            if owned_by(rule, session.session_id) and device_id in rule.queues:
+                return f"flow rule {rule.rule_id} forwards to it"
+        return None
+
+    def device_removed(self, dev: Device) -> None:
+        """A device deregistered by its session (nothing held or under way on it): its
+        activations stop, its channel and rings close."""
+        if self.activations is not None:
+            self.activations.stop_serving(dev.device_id)
+            self.steering_changed()
+        self.plane.deliveries.tracker.cancel(lambda t: t.owner is dev)
+        self._close_device(dev)
+        self.devices_changed()
 
     # -- acquire / release (slots are granted by dataplane/grants.py) ---------------------
     def prefetch(self, session: Session, device_id: int, keys: list[ExpertKey]) -> int:

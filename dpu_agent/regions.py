@@ -68,6 +68,8 @@ class RegistrationCore(Protocol):
     def device(self, session: Session, device_id: int) -> Device: ...
     def exports(self) -> set[str | bytes]: ...
     def devices_changed(self) -> None: ...
+    def device_users(self, session: Session, device_id: int) -> str | None: ...
+    def device_removed(self, dev: Device) -> None: ...
     def slot_policy(self) -> EvictionPolicy:
         """A new slot pool's eviction policy (the configured one)."""
 
@@ -111,6 +113,26 @@ class Registrations:
             session.devices[dev.device_id] = dev
         self.core.devices_changed()
         return dev
+
+    def deregister_device(self, session: Session, device_id: int) -> None:
+        """Remove a device of the session with its channel, pools and rings (how a client
+        undoes a registration it could not finish, or gives a device back). FAILED_PRECONDITION,
+        changing nothing, while a slot of it is held, filling or awaiting its check, or while
+        a placement or flow rule of the session names it."""
+        dev = self.core.device(session, device_id)
+        self.core.plane.deliveries.check_landed()  # verdicts the client published count
+        users = self.core.device_users(session, device_id)
+        if users:
+            raise precondition(f"device {device_id} is in use: {users}")
+        with session.lock:
+            for rid, pool in dev.pools.items():
+                busy = sum(1 for i in range(pool.slot_count) if pool.refs[i]
+                           or pool.state[i] in (SlotState.FILLING, SlotState.LANDED))
+                if busy:
+                    raise precondition(f"device {device_id}: {busy} slot(s) of region {rid} "
+                                       "held or under way; release them first")
+            del session.devices[device_id]
+        self.core.device_removed(dev)
 
     def register_region(self, session: Session, spec: RegionSpec) -> int:
         """Register ``spec`` on its device; returns the region id (the session's next)."""

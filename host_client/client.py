@@ -112,6 +112,17 @@ class AgentClient(PlacementCalls):
         self.devices[attached.device_id] = attached
         return attached
 
+    def deregister_device(self, dev: AttachedDevice) -> None:
+        """Give a device back: the agent drops it with its channel, pools and rings, then this
+        process stops its consumer and closes its rings (the :class:`Device` can be registered
+        again). FailedPrecondition, changing nothing, while a slot of it is held or a delivery
+        to it under way, or while a placement or flow rule of this session names it."""
+        self.stub.DeregisterDevice(pb.DeviceRef(session_id=self.session_id,
+                                                device_id=dev.device_id),
+                                   timeout=self.rpc_timeout)
+        self.devices.pop(dev.device_id, None)
+        detach(dev)
+
     def _attach_device(self, device: Device, specs: list[SlotPoolSpec], ring_capacity: int,
                        into: AttachedDevice | None = None, delivery: str = "pull"
                        ) -> AttachedDevice:

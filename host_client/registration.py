@@ -6,8 +6,11 @@ is started where it has one. Linking devices that read each other's pools (``lin
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
 
 from dpu_offload import abi
 from dpu_offload.bell import Bell
@@ -121,42 +124,69 @@ def attach(ctx: SessionContext, device: Device, specs: list[SlotPoolSpec], ring_
         raise
     rx, tx = made[0], made[1]
     work, completion = (None, None) if engine else (made[2], made[3])
-    channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes, ctx.bell)
-    channel.device_address = device.register_host_ring(channel.view.buffer)
-    attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx, tx,
-                                      specs=specs, ring_capacity=ring_capacity,
-                                      delivery=delivery)
-    attached.device_id, attached.channel = resp.device_id, channel
-    attached.work, attached.completion, attached.rx, attached.tx = work, completion, rx, tx
-    attached.pools = {}
-    attached.slots = {}
-    if work is not None and completion is not None:
-        device.attach(ctx.arena.shm_name, ctx.arena.size_bytes, ctx.arena.region_id,
-                      work.ring, completion.ring)
-    for spec in specs:
-        nbytes = spec.slot_bytes * spec.slot_count
-        memory = device.allocate(nbytes, session_name("dpu-pool", token) if engine else "")
-        rid = ctx.stub.RegisterRegion(pb.RegisterRegionRequest(
-            session_id=ctx.session_id, device_id=resp.device_id,
-            kind=pb.REGION_KIND_SLOT_POOL, size_bytes=nbytes,
-            slot_bytes=spec.slot_bytes, slot_count=spec.slot_count,
-            cuda_ipc_handle=device.export_handle(memory),
-            shm_name=device.export_shm(memory)),
-            timeout=ctx.rpc_timeout).region_id
-        device.bind(rid, memory)
-        attached.pools[rid] = spec
-    rings = [(rx, pb.REGION_KIND_RX_RING), (tx, pb.REGION_KIND_TX_RING)]
-    if work is not None and completion is not None:
-        device.start()
-        rings += [(work, pb.REGION_KIND_WORK_RING),
-                  (completion, pb.REGION_KIND_COMPLETION_RING)]
-    attached.rx_device_ptr, attached.tx_device_ptr = (
-        device.register_host_ring(ring.buffer.array) for ring in (rx, tx))
-    for ring, kind in rings:
-        ctx.stub.RegisterRegion(pb.RegisterRegionRequest(
-            session_id=ctx.session_id, device_id=resp.device_id, kind=kind,
-            size_bytes=ring.size, shm_name=ring.name), timeout=ctx.rpc_timeout)
-    return attached
+    channel: ClientChannel | None = None
+    started = False
+    try:
+        channel = ClientChannel(resp.channel.shm_name, resp.channel.size_bytes, ctx.bell)
+        channel.device_address = device.register_host_ring(channel.view.buffer)
+        attached = into or AttachedDevice(resp.device_id, device, channel, work, completion, rx, tx,
+                                          specs=specs, ring_capacity=ring_capacity,
+                                          delivery=delivery)
+        attached.device_id, attached.channel = resp.device_id, channel
+        attached.work, attached.completion, attached.rx, attached.tx = work, completion, rx, tx
+        attached.pools = {}
+        attached.slots = {}
+        if work is not None and completion is not None:
+            device.attach(ctx.arena.shm_name, ctx.arena.size_bytes, ctx.arena.region_id,
+                          work.ring, completion.ring)
+        for spec in specs:
+            nbytes = spec.slot_bytes * spec.slot_count
+            memory = device.allocate(nbytes, session_name("dpu-pool", token) if engine else "")
+            rid = ctx.stub.RegisterRegion(pb.RegisterRegionRequest(
+                session_id=ctx.session_id, device_id=resp.device_id,
+                kind=pb.REGION_KIND_SLOT_POOL, size_bytes=nbytes,
+                slot_bytes=spec.slot_bytes, slot_count=spec.slot_count,
+                cuda_ipc_handle=device.export_handle(memory),
+                shm_name=device.export_shm(memory)),
+                timeout=ctx.rpc_timeout).region_id
+            device.bind(rid, memory)
+            attached.pools[rid] = spec
+        rings = [(rx, pb.REGION_KIND_RX_RING), (tx, pb.REGION_KIND_TX_RING)]
+        if work is not None and completion is not None:
+            device.start()
+            started = True
+            rings += [(work, pb.REGION_KIND_WORK_RING),
+                      (completion, pb.REGION_KIND_COMPLETION_RING)]
+        attached.rx_device_ptr, attached.tx_device_ptr = (
+            device.register_host_ring(ring.buffer.array) for ring in (rx, tx))
+        for ring, kind in rings:
+            ctx.stub.RegisterRegion(pb.RegisterRegionRequest(
+                session_id=ctx.session_id, device_id=resp.device_id, kind=kind,
+                size_bytes=ring.size, shm_name=ring.name), timeout=ctx.rpc_timeout)
+        return attached
+    except BaseException:
+        _undo(ctx, device, resp.device_id, made, channel, started)
+        raise
+
+
+def _undo(ctx: SessionContext, device: Device, device_id: int, rings: list[SharedRing],
+          channel: ClientChannel | None, started: bool) -> None:
+    """Undo a registration that failed after RegisterDevice (a pool the device could not
+    allocate, a region the agent refused): the agent drops the device (if it can still be
+    reached), this process's rings and channel close and the device can be attached again."""
+    try:
+        if started:
+            device.stop()
+    finally:
+        device.close()
+        with contextlib.suppress(grpc.RpcError):
+            ctx.stub.DeregisterDevice(pb.DeviceRef(session_id=ctx.session_id,
+                                                   device_id=device_id),
+                                      timeout=ctx.rpc_timeout)
+        for ring in rings:
+            ring.close()
+        if channel is not None:
+            channel.close()
 
 
 def detach(dev: AttachedDevice) -> None:

@@ -207,3 +207,23 @@ def test_expertctl_rebalance(two_devices) -> None:
     assert out.returncode == 0 and "copies to add" in out.stdout, out.stderr
     bad = subprocess.run([*cmd[:-4], "--model", "nope"], capture_output=True, text=True)
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
+
+
+def test_a_session_closed_while_its_placement_fills_leaves_no_transfer(qwen_ckpt: Path) -> None:
+    """A placement's background fills may start a delivery after the closing session's
+    transfers were cancelled: that one is cancelled too (it once stayed in flight until the
+    transfer timeout, in about one close in three)."""
+    with AgentProcess('[arena]\nbytes = "64MiB"\n') as agent, \
+            AgentClient(agent.address) as observer:
+        for _ in range(6):
+            with AgentClient(agent.address) as client:
+                model = client.load_model(str(qwen_ckpt), "closing")
+                dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
+                    model.expert_bytes, model.experts_per_layer * len(model.moe_layers))])
+                client.apply_placement("closing", [[[dev.device_id]] * model.experts_per_layer
+                                                   for _ in model.moe_layers])
+            deadline = time.monotonic() + 5
+            while (left := observer.status().transfers_in_flight) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert left == 0, f"{left} transfers still in flight 5 s after the session closed"

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
 
+from dpu_agent.dataplane.queues import QueueClosed
 from dpu_agent.dataplane.transfers import Signal, Transfer, TransferPlan, TransferTracker
 from dpu_agent.errors import AgentError, ErrorKind
 from dpu_agent.registry import (
@@ -155,7 +156,11 @@ class Deliveries:
             pool.transfer[idx] = transfer.transfer_id
             pool.checksums[idx] = plan.checksums
         assert dev.queue is not None
-        dev.queue.submit(plan.descriptors(transfer.transfer_id))
+        try:
+            dev.queue.submit(plan.descriptors(transfer.transfer_id))
+        except QueueClosed as exc:  # the device went away after its transfers were cancelled
+            self.tracker.cancel(lambda t: t is transfer)
+            raise AgentError(ErrorKind.UNAVAILABLE, f"device {dev.device_id}: {exc}") from exc
         self.wake()  # posted from a thread of the agent's: the loop may be asleep
         return transfer
 

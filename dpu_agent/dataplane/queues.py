@@ -23,6 +23,10 @@ def check_ring(shm_name: str, kind: abi.RingKind) -> None:
         Ring(buf.array, kind)
 
 
+class QueueClosed(ValueError):
+    """A submission to the queue of a device that went away."""
+
+
 class DeviceQueue:
     """The work and completion rings of one registered device, opened from their export
     handles: the device consumer's rings, or the agent's rings to and from the DMA engine.
@@ -44,6 +48,7 @@ class DeviceQueue:
             raise
         self._lock = threading.Lock()
         self._backlog: deque[np.ndarray] = deque()
+        self._closed = False
 
     def _open(self, name: str, kind: abi.RingKind) -> Ring:
         buf = SharedBuffer(name)
@@ -51,8 +56,11 @@ class DeviceQueue:
         return Ring(buf.array, kind)
 
     def submit(self, records: np.ndarray) -> None:
-        """Queue ``DESCRIPTOR_DTYPE[n]`` for the device, in order."""
+        """Queue ``DESCRIPTOR_DTYPE[n]`` for the device, in order; QueueClosed once the
+        device went away (its rings are unmapped)."""
         with self._lock:
+            if self._closed:
+                raise QueueClosed("the device's queue is closed (the device went away)")
             self._backlog.append(records)
             pushed, _ = self._flush_locked()
         if pushed and self._bell is not None:
@@ -63,6 +71,8 @@ class DeviceQueue:
         if not self._backlog:
             return 0
         with self._lock:
+            if self._closed:
+                return 0
             pushed, waiting = self._flush_locked()
         if pushed and self._bell is not None:
             self._bell.ring()
@@ -88,6 +98,7 @@ class DeviceQueue:
     def close(self) -> None:
         if hasattr(self, "_lock"):
             with self._lock:
+                self._closed = True
                 self._backlog.clear()
         for buf in self._buffers:
             buf.close()

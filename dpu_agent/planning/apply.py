@@ -295,6 +295,13 @@ class PlacementExecutor:
             except AgentError:
                 pass  # no new statistics or no capacity: keep the placement in force
 
+    def naming(self, session_id: str, device_id: int) -> PlacementState | None:
+        """A placement of the session whose assignment places experts on ``device_id``."""
+        with self._lock:
+            return next((st for (sid, _), st in self.states.items() if sid == session_id
+                         and any(device_id in ids for row in st.assignment for ids in row)),
+                        None)
+
     def forget_session(self, session_id: str) -> None:
         for key in [k for k in self.states if k[0] == session_id]:
             del self.states[key]

@@ -136,6 +136,14 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         await self._run(context, call, blocking=True, session_id=request.session_id)
         return pb.Empty()
 
+    async def DeregisterDevice(self, request: pb.DeviceRef, context: grpc.aio.ServicerContext
+                               ) -> pb.Empty:
+        def call() -> None:
+            self.core.registrations.deregister_device(
+                self.core.session(request.session_id), request.device_id)
+        await self._run(context, call)
+        return pb.Empty()
+
     async def DeregisterRegion(self, request: pb.RegionRef, context: grpc.aio.ServicerContext
                                ) -> pb.Empty:
         def call() -> None:

@@ -196,6 +196,14 @@ class RegionRef(_message.Message):
     region_id: int
     def __init__(self, session_id: _Optional[str] = ..., region_id: _Optional[int] = ...) -> None: ...
 
+class DeviceRef(_message.Message):
+    __slots__ = ("session_id", "device_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    device_id: int
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+
 class LoadModelRequest(_message.Message):
     __slots__ = ("path", "name")
     PATH_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class DpuAgentStub:
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.RegionRef.SerializeToString,
                 response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
                 _registered_method=True)
+        self.DeregisterDevice = channel.unary_unary(
+                '/dpu_offload.v1.DpuAgent/DeregisterDevice',
+                request_serializer=dpu__offload_dot_v1_dot_agent__pb2.DeviceRef.SerializeToString,
+                response_deserializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
+                _registered_method=True)
         self.LoadModel = channel.unary_unary(
                 '/dpu_offload.v1.DpuAgent/LoadModel',
                 request_serializer=dpu__offload_dot_v1_dot_agent__pb2.LoadModelRequest.SerializeToString,
@@ -188,6 +193,14 @@ class DpuAgentServicer:
 
     def DeregisterRegion(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterDevice(self, request, context):
+        """A device and its channel, pools and rings go; refused while anything on it is held or
+        under way, or a placement or flow rule of the session names it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -313,6 +326,11 @@ def add_DpuAgentServicer_to_server(servicer, server):
             'DeregisterRegion': grpc.unary_unary_rpc_method_handler(
                     servicer.DeregisterRegion,
                     request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.RegionRef.FromString,
+                    response_serializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.SerializeToString,
+            ),
+            'DeregisterDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterDevice,
+                    request_deserializer=dpu__offload_dot_v1_dot_agent__pb2.DeviceRef.FromString,
                     response_serializer=dpu__offload_dot_v1_dot_agent__pb2.Empty.SerializeToString,
             ),
             'LoadModel': grpc.unary_unary_rpc_method_handler(
@@ -596,6 +614,33 @@ class DpuAgent:
             target,
             '/dpu_offload.v1.DpuAgent/DeregisterRegion',
             dpu__offload_dot_v1_dot_agent__pb2.RegionRef.SerializeToString,
+            dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu_offload.v1.DpuAgent/DeregisterDevice',
+            dpu__offload_dot_v1_dot_agent__pb2.DeviceRef.SerializeToString,
             dpu__offload_dot_v1_dot_agent__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -59,7 +59,9 @@ def session_ids(client: AgentClient) -> st.SearchStrategy[str]:
     return st.one_of(st.just(client.session_id), texts)
 
 
-def requests(client: AgentClient) -> st.SearchStrategy[tuple[str, object]]:
+def requests(client: AgentClient, keep: int) -> st.SearchStrategy[tuple[str, object]]:
+    """Every RPC's requests; DeregisterDevice never names device ``keep`` (the one the other
+    examples' acquires find)."""
     sid = session_ids(client)
     return st.one_of(
         st.tuples(st.just("Acquire"), st.builds(pb.AcquireRequest, session_id=sid,
@@ -82,6 +84,8 @@ def requests(client: AgentClient) -> st.SearchStrategy[tuple[str, object]]:
             ordinal=u32, name=texts)),
         st.tuples(st.just("DeregisterRegion"), st.builds(pb.RegionRef, session_id=sid,
                                                          region_id=u32)),
+        st.tuples(st.just("DeregisterDevice"), st.builds(
+            pb.DeviceRef, session_id=sid, device_id=u32.filter(lambda d: d != keep))),
         st.tuples(st.just("LoadModel"), st.builds(pb.LoadModelRequest, path=texts,
                                                   name=texts)),
         st.tuples(st.just("ReportRouting"), st.builds(
@@ -118,8 +122,8 @@ def _fingerprint(client: AgentClient) -> tuple:
 @FUZZ
 @given(data=st.data())
 def test_fuzz_rpcs(live, data: st.DataObject) -> None:
-    agent, client, _ = live
-    name, request = data.draw(requests(client))
+    agent, client, dev = live
+    name, request = data.draw(requests(client, dev.device_id))
     before = _fingerprint(client)
     try:
         getattr(client.stub, name)(request, timeout=30)
