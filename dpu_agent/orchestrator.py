@@ -215,17 +215,6 @@ class Orchestrator:
         for pool in dev.pools.values():
             self.plane.deliveries.forget(pool)
 
-    def device_users(self, session: Session, device_id: int) -> str | None:
-        """What of the session still names device ``device_id`` (a placement's assignment, a
-        flow rule's queues), or None."""
-        state = self.placements.naming(session.session_id, device_id)
-        if state is not None:
-            return f"placement {state.placement_id} of model {state.model!r} places experts on it"
-        for rule in self.flows.rules():
-            if owned_by(rule, session.session_id) and device_id in rule.queues:
-                return f"flow rule {rule.rule_id} forwards to it"
-        return None
-
     def device_removed(self, dev: Device) -> None:
         """A device deregistered by its session (nothing held or under way on it): its
         activations stop, its channel and rings close."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.dataplane.engine import EngineError
 from dpu_agent.dataplane.queues import DeviceQueue, check_ring
+from dpu_agent.dataplane.steering import owned_by
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.registry import Delivery, Device, DeviceKind, RegionKind, Session
 from dpu_agent.slots import SlotPool
@@ -28,6 +29,8 @@ from dpu_offload.shm import SharedBufferError, bound_to
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.plane import DataPlane
+    from dpu_agent.planning.apply import PlacementExecutor
+    from dpu_offload.flows import FlowTable
 
 IPC_HANDLE_BYTES = 64
 """``cudaIpcMemHandle_t``."""
@@ -67,8 +70,10 @@ class RegistrationCore(Protocol):
 
     def device(self, session: Session, device_id: int) -> Device: ...
     def exports(self) -> set[str | bytes]: ...
+    placements: PlacementExecutor
+    flows: FlowTable
+
     def devices_changed(self) -> None: ...
-    def device_users(self, session: Session, device_id: int) -> str | None: ...
     def device_removed(self, dev: Device) -> None: ...
     def slot_policy(self) -> EvictionPolicy:
         """A new slot pool's eviction policy (the configured one)."""
@@ -121,9 +126,14 @@ class Registrations:
         a placement or flow rule of the session names it."""
         dev = self.core.device(session, device_id)
         self.core.plane.deliveries.check_landed()  # verdicts the client published count
-        users = self.core.device_users(session, device_id)
-        if users:
-            raise precondition(f"device {device_id} is in use: {users}")
+        state = self.core.placements.naming(session.session_id, device_id)
+        if state is not None:
+            raise precondition(f"device {device_id} is in use: placement {state.placement_id} "
+                               f"of model {state.model!r} places experts on it")
+        for rule in self.core.flows.rules():
+            if owned_by(rule, session.session_id) and device_id in rule.queues:
+                raise precondition(f"device {device_id} is in use: flow rule {rule.rule_id} "
+                                   "forwards to it")
         with session.lock:
             for rid, pool in dev.pools.items():
                 busy = sum(1 for i in range(pool.slot_count) if pool.refs[i]

@@ -272,3 +272,22 @@ def test_the_snapshot_is_read_whole_while_it_is_republished() -> None:
         reader.close()
         writer.close()
         writer.unlink()
+
+
+def test_a_session_closed_while_placing_leaves_no_rule(qwen_ckpt: Path) -> None:
+    """A placement's completions may come after its session closed and took its rules away:
+    they write none back (a closed session's placement rules once stayed, forwarding to a
+    device that was gone)."""
+    with AgentProcess('[arena]\nbytes = "64MiB"\n') as agent, \
+            AgentClient(agent.address) as observer:
+        for _ in range(6):
+            with AgentClient(agent.address) as client:
+                model = client.load_model(str(qwen_ckpt), "closing")
+                dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
+                    model.expert_bytes, model.experts_per_layer * len(model.moe_layers))])
+                client.apply_placement("closing", [[[dev.device_id]] * model.experts_per_layer
+                                                   for _ in model.moe_layers])
+                sid = client.session_id
+            time.sleep(0.5)  # the fills started before the close end
+            origins = {r.origin for r in observer.stub.ListFlows(pb.ListFlowsRequest()).rules}
+            assert not [o for o in origins if sid in o], origins

@@ -6,10 +6,12 @@ placement, and the steering snapshot the NIC stand-in steers by
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
 from dpu_agent.slots import SlotState
-from dpu_offload.flows import Action, FlowRule, FlowTable, TrafficClass
+from dpu_offload.flows import Action, FlowRule, FlowTable, SteeringError, TrafficClass
 from dpu_offload.keys import ExpertKey
 from dpu_offload.steering_snapshot import ModelEntry, Snapshot
 
@@ -85,3 +87,29 @@ def build_snapshot(core: SteeringCore, version: int) -> Snapshot:
             slots[(device_id, key)] = where
     remotes = core.cluster.remote_holders() if core.cluster is not None else {}
     return Snapshot(version, core.flows.rules(), models, slots, remotes)
+
+
+def apply_session_flows(table: FlowTable, session_id: str, add: list[FlowRule],
+                        delete: list[int]) -> tuple[int, list[int]]:
+    """A session's ApplyFlows on ``table``, all of it or none: ``add`` (rules the session
+    writes: no id or origin yet, each becomes ``manual_origin(session_id)``'s) and ``delete``
+    (ids of rules the session added). Returns (the table's version, the ids added); NOT_FOUND,
+    INVALID_ARGUMENT or PERMISSION_DENIED naming the rule."""
+    for i, rule in enumerate(add):
+        if rule.rule_id or rule.origin:
+            raise invalid(f"add[{i}]: rule_id and origin are assigned by the agent")
+    origins = {r.rule_id: r.origin for r in table.rules()}
+    for rid in delete:
+        origin = origins.get(rid)
+        if origin is None:
+            raise not_found(f"rule {rid} does not exist")
+        if origin.startswith("placement:"):
+            raise invalid(f"rule {rid} follows a placement (ApplyPlacement changes it)")
+        if origin != manual_origin(session_id):
+            raise AgentError(ErrorKind.PERMISSION_DENIED, f"rule {rid} belongs to another session")
+    mine = [replace(r, origin=manual_origin(session_id)) for r in add]
+    try:
+        version = table.update(add=mine, delete=list(delete))
+    except SteeringError as exc:
+        raise invalid(str(exc)) from exc
+    return version, sorted({r.rule_id for r in table.rules()} - set(origins))

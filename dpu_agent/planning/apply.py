@@ -222,7 +222,9 @@ class PlacementExecutor:
     def _sync_flows(self, state: PlacementState) -> int:
         """Steering follows placement, make-before-break: an expert's rule forwards to every
         device that holds a placed copy now (new copies join when verified, old ones leave
-        when retired), so activations never reach a device without the expert."""
+        when retired), so activations never reach a device without the expert. A placement no
+        longer in force (replaced, or its session closed) writes nothing: its completions may
+        come after the close removed its session's rules."""
         catalog = self.core.models.get(state.model)
         if catalog is None:
             return self.core.steering_changed()
@@ -237,8 +239,11 @@ class PlacementExecutor:
                     for e in range(catalog.layout.experts_per_layer)] for layer in layers]
         rules = [r for r in placement_rules(state.owner, state.model, layers, serving)
                  if r.queues]
-        self.core.flows.update(add=rules,
-                               replace_origin=placement_origin(state.owner, state.model))
+        with self._lock:  # only a placement in force writes rules (its session may be closing)
+            if self.states.get((state.owner, state.model)) is not state:
+                return self.core.steering_changed()
+            self.core.flows.update(add=rules,
+                                   replace_origin=placement_origin(state.owner, state.model))
         return self.core.steering_changed()
 
     def _progress(self, session: Session, state: PlacementState) -> None:

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import grpc
 
 from dpu_agent import __version__
-from dpu_agent.dataplane.steering import manual_origin
-from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found
+from dpu_agent.dataplane.steering import apply_session_flows
+from dpu_agent.errors import AgentError, invalid
 from dpu_agent.identity import current_caller
 from dpu_agent.orchestrator import Orchestrator
 from dpu_agent.regions import RegionSpec
@@ -26,7 +26,7 @@ from dpu_agent.registry import (
 )
 from dpu_agent.service import translate
 from dpu_agent.weights.cache import WouldBlock
-from dpu_offload.flows import Action, FlowRule, SteeringError, TrafficClass
+from dpu_offload.flows import Action, FlowRule, TrafficClass
 from dpu_offload.keys import MAX_STEPS_PER_REPORT
 from dpu_offload.v1 import agent_pb2 as pb
 from dpu_offload.v1 import agent_pb2_grpc as pb_grpc
@@ -338,30 +338,14 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                     traffic, action = TrafficClass(m.traffic), Action(m.action)
                 except ValueError as exc:
                     raise invalid(f"add[{i}]: {exc}") from exc
-                if m.rule_id or m.origin:
-                    raise invalid(f"add[{i}]: rule_id and origin are assigned by the agent")
                 for q in m.queues:
                     self.core.device(session, q)
-                rules.append(FlowRule(0, traffic, action, m.model, m.layer_min, m.layer_max,
-                                      m.expert, m.source, tuple(m.queues), m.priority,
-                                      origin=manual_origin(session.session_id)))
-            origins = {r.rule_id: r.origin for r in self.core.flows.rules()}
-            for rid in request.delete:
-                origin = origins.get(rid)
-                if origin is None:
-                    raise not_found(f"rule {rid} does not exist")
-                if origin.startswith("placement:"):
-                    raise invalid(f"rule {rid} follows a placement (ApplyPlacement changes it)")
-                if origin != manual_origin(session.session_id):
-                    raise AgentError(ErrorKind.PERMISSION_DENIED,
-                                     f"rule {rid} belongs to another session")
-            before = {r.rule_id for r in self.core.flows.rules()}
-            try:
-                version = self.core.flows.update(add=rules, delete=list(request.delete))
-            except SteeringError as exc:
-                raise invalid(str(exc)) from exc
+                rules.append(FlowRule(m.rule_id, traffic, action, m.model, m.layer_min,
+                                      m.layer_max, m.expert, m.source, tuple(m.queues),
+                                      m.priority, origin=m.origin))
+            version, added = apply_session_flows(self.core.flows, session.session_id, rules,
+                                                 list(request.delete))
             self.core.steering_changed()
-            added = sorted({r.rule_id for r in self.core.flows.rules()} - before)
             return pb.ApplyFlowsResponse(version=version, added=added)
         return await self._run(context, call, session_id=request.session_id)
 
