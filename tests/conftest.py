@@ -71,3 +71,18 @@ def policy_candidates(policy: EvictionPolicy) -> set[ExpertKey]:
     assert isinstance(policy, LearnedReusePolicy)
     return {model.keys[at][e] for model in policy._models.values()
             for at, e in zip(*np.nonzero(model.grid[HELD]), strict=True)}
+
+
+def place_and_close(address: str, ckpt: Path, model: str) -> str:
+    """A session that loads ``ckpt`` as ``model``, registers a CPU reference device with a slot
+    for every expert, places every expert there and closes at once, its placement's fills
+    still under way; returns its session id."""
+    from host_client import CpuReferenceDevice, SlotPoolSpec
+
+    with AgentClient(address) as client:
+        info = client.load_model(str(ckpt), model)
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
+            info.expert_bytes, info.experts_per_layer * len(info.moe_layers))])
+        client.apply_placement(model, [[[dev.device_id]] * info.experts_per_layer
+                                       for _ in info.moe_layers])
+        return client.session_id

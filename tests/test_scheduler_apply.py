@@ -13,7 +13,7 @@ from dpu_agent.planning.scheduler import Priority, Scheduler
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
-from tests.conftest import checkpoint_bytes
+from tests.conftest import checkpoint_bytes, place_and_close
 
 
 def test_scheduler_orders_by_class_and_bounds_background_per_link() -> None:
@@ -216,12 +216,7 @@ def test_a_session_closed_while_its_placement_fills_leaves_no_transfer(qwen_ckpt
     with AgentProcess('[arena]\nbytes = "64MiB"\n') as agent, \
             AgentClient(agent.address) as observer:
         for _ in range(6):
-            with AgentClient(agent.address) as client:
-                model = client.load_model(str(qwen_ckpt), "closing")
-                dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
-                    model.expert_bytes, model.experts_per_layer * len(model.moe_layers))])
-                client.apply_placement("closing", [[[dev.device_id]] * model.experts_per_layer
-                                                   for _ in model.moe_layers])
+            place_and_close(agent.address, qwen_ckpt, "closing")
             deadline = time.monotonic() + 5
             while (left := observer.status().transfers_in_flight) and \
                     time.monotonic() < deadline:

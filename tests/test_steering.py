@@ -25,6 +25,7 @@ from dpu_offload.flows import (
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess
+from tests.conftest import place_and_close
 
 ACT = TrafficClass.ACTIVATIONS
 
@@ -281,13 +282,7 @@ def test_a_session_closed_while_placing_leaves_no_rule(qwen_ckpt: Path) -> None:
     with AgentProcess('[arena]\nbytes = "64MiB"\n') as agent, \
             AgentClient(agent.address) as observer:
         for _ in range(6):
-            with AgentClient(agent.address) as client:
-                model = client.load_model(str(qwen_ckpt), "closing")
-                dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(
-                    model.expert_bytes, model.experts_per_layer * len(model.moe_layers))])
-                client.apply_placement("closing", [[[dev.device_id]] * model.experts_per_layer
-                                                   for _ in model.moe_layers])
-                sid = client.session_id
+            sid = place_and_close(agent.address, qwen_ckpt, "closing")
             time.sleep(0.5)  # the fills started before the close end
             origins = {r.origin for r in observer.stub.ListFlows(pb.ListFlowsRequest()).rules}
             assert not [o for o in origins if sid in o], origins
