@@ -59,8 +59,8 @@ def parse_names(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
-def setting(parse: Callable[[Any], Any], default: Any, *, unit: str = "", live: bool = False
-         ) -> Any:
+def setting(parse: Callable[[Any], Any], default: Any, *, unit: str = "",
+            live: bool = False) -> Any:
     """A setting, declared once: the key of its section's TOML table named as the field (and
     the variable ``DPU_AGENT_<SECTION>_<KEY>``), read by ``parse``; ``unit`` of a number
     (bytes, s, us); ``live``: SIGHUP applies it to a running agent (the others need a

@@ -196,15 +196,14 @@ class Orchestrator:
             for dev in devices:
                 self.activations.stop_serving(dev.device_id)
             self.steering_changed()
-        self.plane.deliveries.tracker.cancel(lambda t: t.owner in devices)
         for dev in devices:
             self._close_device(dev)
 
     def _close_device(self, dev: Device) -> None:
-        """Close a device's queue, channel and rings to the DMA engine, and stop watching its
-        pools' landed slots (its transfers were cancelled, its activations stopped). A transfer
-        a background fill started between that cancel and the queue's close is cancelled too
-        (later ones find the queue closed)."""
+        """Close a device's queue, cancel its transfers in flight (after the close, so a
+        background fill cannot start one the cancel missed: later ones find the queue closed),
+        close its channel and rings to the DMA engine, and stop watching its pools' landed
+        slots (its activations were stopped)."""
         if dev.queue is not None:
             dev.queue.close()
         self.plane.deliveries.tracker.cancel(lambda t: t.owner is dev)
@@ -221,7 +220,6 @@ class Orchestrator:
         if self.activations is not None:
             self.activations.stop_serving(dev.device_id)
             self.steering_changed()
-        self.plane.deliveries.tracker.cancel(lambda t: t.owner is dev)
         self._close_device(dev)
         self.devices_changed()
 

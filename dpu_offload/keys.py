@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from dpu_offload import abi
 from dpu_offload.v1 import agent_pb2 as pb
 
 MAX_KEYS_PER_CALL = 4096
@@ -32,17 +33,12 @@ def model_name_problem(name: str) -> str | None:
     return None
 
 
-MAX_KEY_INDEX = 2**32 - 1
-"""The largest layer or expert number a key may carry (a request-ring entry's field:
-``abi.MAX_KEY_FIELD``, checked equal in tests/test_abi.py)."""
-
-
 def key_index_problem(key: ExpertKey) -> str | None:
     """What makes ``key``'s layer or expert unusable (None when both fit): below 0 or above
-    ``MAX_KEY_INDEX``."""
-    if 0 <= key.layer <= MAX_KEY_INDEX and 0 <= key.expert <= MAX_KEY_INDEX:
+    ``abi.MAX_KEY_FIELD``, what a request-ring entry's field holds."""
+    if 0 <= key.layer <= abi.MAX_KEY_FIELD and 0 <= key.expert <= abi.MAX_KEY_FIELD:
         return None
-    return f"{key}: layer and expert must be from 0 to {MAX_KEY_INDEX}"
+    return f"{key}: layer and expert must be from 0 to {abi.MAX_KEY_FIELD}"
 
 
 _KEY_RE = re.compile(r"^(?P<model>[^/\s]+)/l(?P<layer>\d+)-e(?P<expert>\d+)$")

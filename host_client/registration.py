@@ -76,13 +76,11 @@ class SessionContext:
 
 def check_registration(specs: list[SlotPoolSpec], ring_capacity: int, delivery: str) -> None:
     """InvalidArgument, before anything is registered or made, for a device registration the
-    agent would refuse or this process could not make: an unknown ``delivery``, a ring
-    capacity that is no power of two (or too large), a slot pool of no slots or of a slot size
-    that is no multiple of the blob alignment, more slots than a channel's slot-state table."""
-    problems = [] if delivery in DELIVERIES else [
-        f"delivery {delivery!r}: expected one of {sorted(DELIVERIES)}"]
-    if delivery == "pull":
-        problems.append(capacity_problem(ring_capacity))
+    agent would refuse or this process could not make: a ring capacity that is no power of two
+    (or too large) where the device's consumer pulls, a slot pool of no slots or of a slot size
+    that is no multiple of the blob alignment, more slots than a channel's slot-state table.
+    (``delivery`` is one of ``DELIVERIES``: ``AgentClient.register_device`` checks it.)"""
+    problems = [capacity_problem(ring_capacity)] if delivery == "pull" else []
     problems += [pool_problem(spec.slot_bytes, spec.slot_count) for spec in specs]
     slots = sum(spec.slot_count for spec in specs)
     if slots > abi.MAX_CHANNEL_SLOTS:

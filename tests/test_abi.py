@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpu_offload import abi, keys
+from dpu_offload import abi
 
 HEADER = Path(abi.__file__).parent / "include" / "ring.cuh"
 STRUCTS = {
@@ -74,7 +74,6 @@ def test_constants_match() -> None:
     assert c["DPU_COPY_ALIGN_BYTES"] == abi.COPY_ALIGN_BYTES
     assert c["DPU_MAX_REGIONS"] == abi.MAX_REGIONS
     assert c["DPU_SLOT_OFFSET_BITS"] == abi.SLOT_OFFSET_BITS
-    assert keys.MAX_KEY_INDEX == abi.MAX_KEY_FIELD
     for prefix, enum in (("RING", abi.RingKind), ("OP", abi.Opcode), ("STATUS", abi.Status),
                          ("REQ", abi.RequestOp), ("SLOT", abi.SlotState),
                          ("REQSTATUS", abi.RequestStatus)):

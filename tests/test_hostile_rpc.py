@@ -249,7 +249,8 @@ def test_a_device_registration_it_cannot_make_registers_nothing(
 
 def test_a_key_outside_the_request_fields_is_refused_by_the_client(agent: AgentProcess,
                                                                    qwen_ckpt: Path) -> None:
-    from dpu_offload.keys import MAX_KEY_INDEX, ExpertKey
+    from dpu_offload import abi
+    from dpu_offload.keys import ExpertKey
     from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
     from host_client.errors import InvalidArgument
 
@@ -257,7 +258,7 @@ def test_a_key_outside_the_request_fields_is_refused_by_the_client(agent: AgentP
         model = client.load_model(str(qwen_ckpt), "keys")
         dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
         layer = model.moe_layers[0]
-        for key in (ExpertKey("keys", -1, 0), ExpertKey("keys", layer, MAX_KEY_INDEX + 1)):
+        for key in (ExpertKey("keys", -1, 0), ExpertKey("keys", layer, abi.MAX_KEY_FIELD + 1)):
             with pytest.raises(InvalidArgument, match="layer and expert must be from 0"):
                 client.acquire(dev, key)
             with pytest.raises(InvalidArgument, match="layer and expert must be from 0"):
