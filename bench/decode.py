@@ -7,6 +7,10 @@ or the generator), the device's expert slots holding a fraction of all experts, 
 through the agent, and each expert's SwiGLU FFN computed for real (CuPy on the GPU with
 ``--device cuda``, NumPy on the CPU reference device). Attention is a fixed stand-in,
 ``h <- h + 0.5 * tanh(h)``, so the figure isolates the MoE path; the gate weights are 1/k.
+Every path launches a layer's expert FFNs one after another and waits for the GPU once per
+layer, then releases the layer's experts, as an inference engine's MoE layer does (the next
+layer's routing needs this one's output); until the thirty-fourth session the loop waited for
+the GPU after every expert, so each woken host thread launched the next one slowly.
 
 Paths in the same run and routing: ``offload`` (this project: each layer's experts asked for
 in one AcquireBatch, so the misses' transfers overlap and are waited for in order; on the GPU

@@ -60,18 +60,25 @@ class Decoder:
 
     def run(self, fetch: Any, release: Any, tokens: int, begin: Any = None
             ) -> dict[str, Any]:
-        """Decode ``tokens`` tokens. ``begin(layer, experts)``, when given, is told each
-        layer's experts before the first ``fetch`` (the offload path asks for them all in
-        one AcquireBatch so their transfers overlap); its time counts as waiting. Besides the
-        whole run's tokens/s: the first token's seconds (``first_token_s``: cold slots, and the
-        first request each process serves) and the tokens/s of the rest
-        (``steady_tokens_per_s``, None for one token). Per token, in seconds: the host's
-        time in the FFN call (``host_ffn_launch_s_per_token``: its launches on a GPU) and, on a
-        GPU, the CUDA events' time around the FFN's launches (``gpu_ffn_s_per_token``) and
-        around the FFN and accumulation (``gpu_compute_s_per_token``). Where the stream is idle
-        when the FFN is launched (the expert was READY before the host got to it) the events
-        hold the host's launch too, which a thread just woken from a sleep makes slower
-        (bench/launch_after_sleep.py)."""
+        """Decode ``tokens`` tokens. Each layer launches its experts' FFNs one after another,
+        ``fetch(layer, expert)`` before each, then waits once for the layer's kernels (as an
+        inference engine's MoE layer does: the next layer's routing needs this one's output)
+        and calls ``release(layer, expert)`` for each. ``begin(layer, experts)``, when given,
+        is told each layer's experts before the first ``fetch`` (the offload path asks for
+        them all in one AcquireBatch so their transfers overlap); its time counts as waiting.
+
+        Besides the whole run's tokens/s: the first token's seconds (``first_token_s``: cold
+        slots, and the first request each process serves) and the tokens/s of the rest
+        (``steady_tokens_per_s``, None for one token). Per token, in seconds: waiting
+        (``wait_s_per_token``: on a GPU the stream's time between the events before and after
+        each ``fetch``, i.e. a wait the host enqueued or the idle stream while the host
+        blocked; on the CPU the host's time in ``fetch``), the layers' expert compute
+        (``compute_s_per_token``: the layers' host time from the first fetch to the end of
+        the wait for their kernels, less waiting), the host's time in the FFN call
+        (``host_ffn_launch_s_per_token``: its launches on a GPU) and, on a GPU, the CUDA
+        events' time around the FFN's launches (``gpu_ffn_s_per_token``) and around the FFN
+        and accumulation (``gpu_compute_s_per_token``). Where the stream is idle when the FFN
+        is launched the events hold the host's launch too (bench/launch_after_sleep.py)."""
         xp = self.xp
         x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
         compute = wait = launch = 0.0
@@ -92,28 +99,30 @@ class Decoder:
                     t0 = time.perf_counter()
                     begin(layer, experts)
                     wait += time.perf_counter() - t0
+                t_layer = time.perf_counter()
+                waited = 0.0
+                layer_marks = []
                 for e in experts:
                     t0 = time.perf_counter()
                     before = self._event()
                     w = fetch(layer, e)
-                    t1 = time.perf_counter()
                     fetched = self._event()
                     t_launch = time.perf_counter()
+                    if fetched is None:
+                        waited += t_launch - t0
                     y = expert_ffn(hb, *w)
                     launch += time.perf_counter() - t_launch
                     ffn_done = self._event()
                     acc += reference.bf16_to_f32(y) / len(experts)
                     if fetched is not None:
-                        marks.append((before, fetched, ffn_done, self._event()))
-                    self.sync()
-                    t2 = time.perf_counter()
-                    # The stream is idle at ``before`` (synced after each expert), so on the GPU
-                    # the wait is ``before`` -> ``fetched``: the host's wait in ``fetch`` or a
-                    # wait it enqueued on the stream, which ends inside the sync above.
-                    waited = (t1 - t0 if fetched is None
-                              else xp.cuda.get_elapsed_time(before, fetched) / 1e3)
-                    wait += waited
-                    compute += t2 - t0 - waited
+                        layer_marks.append((before, fetched, ffn_done, self._event()))
+                self.sync()
+                waited += sum(xp.cuda.get_elapsed_time(b, f) / 1e3
+                              for b, f, _, _ in layer_marks)
+                marks += layer_marks
+                wait += waited
+                compute += time.perf_counter() - t_layer - waited
+                for e in experts:
                     release(layer, e)
                 h = h + acc
             outputs.append(reference.f32_to_bf16(h))
