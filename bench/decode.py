@@ -8,9 +8,10 @@ through the agent, and each expert's SwiGLU FFN computed for real (CuPy on the G
 ``--device cuda``, NumPy on the CPU reference device). Attention is a fixed stand-in,
 ``h <- h + 0.5 * tanh(h)``, so the figure isolates the MoE path; the gate weights are 1/k.
 Every path launches a layer's expert FFNs one after another and waits for the GPU once per
-layer, then releases the layer's experts, as an inference engine's MoE layer does (the next
-layer's routing needs this one's output); until the thirty-fourth session the loop waited for
-the GPU after every expert, so each woken host thread launched the next one slowly.
+layer, then releases the layer's experts with one post, as an inference engine's MoE layer
+does (the next layer's routing needs this one's output). Until the thirty-fourth session the
+loop waited for the GPU and released after every expert: each woken host thread launched the
+next expert slowly, and each release rang the sleeping agent awake.
 
 Paths in the same run and routing: ``offload`` (this project: each layer's experts asked for
 in one AcquireBatch, so the misses' transfers overlap and are waited for in order; on the GPU
@@ -252,10 +253,11 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     stats["hits" if handles[e].resident else "misses"] += 1
                     return tuple(slot.tensor(r) for r in SWIGLU_ROLES)
 
-                def release(layer: int, e: int) -> None:
+                def release(layer: int, experts: list[int]) -> None:
                     if stream_wait:
-                        waits.pop(e).check()  # the FFN read verified bytes
-                    session.release(dev, ExpertKey("m", layer, e), wait=False)
+                        for e in experts:
+                            waits.pop(e).check()  # the FFN read verified bytes
+                    session.release_batch(dev, [ExpertKey("m", layer, e) for e in experts])
 
                 # The same resident kernels with this run's agent and DMA engine up and its
                 # device attached: what sharing the host's cores with them costs the compute

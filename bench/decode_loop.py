@@ -63,7 +63,7 @@ class Decoder:
         """Decode ``tokens`` tokens. Each layer launches its experts' FFNs one after another,
         ``fetch(layer, expert)`` before each, then waits once for the layer's kernels (as an
         inference engine's MoE layer does: the next layer's routing needs this one's output)
-        and calls ``release(layer, expert)`` for each. ``begin(layer, experts)``, when given,
+        then ``release(layer, experts)``. ``begin(layer, experts)``, when given,
         is told each layer's experts before the first ``fetch`` (the offload path asks for
         them all in one AcquireBatch so their transfers overlap); its time counts as waiting.
 
@@ -122,8 +122,7 @@ class Decoder:
                 marks += layer_marks
                 wait += waited
                 compute += time.perf_counter() - t_layer - waited
-                for e in experts:
-                    release(layer, e)
+                release(layer, experts)
                 h = h + acc
             outputs.append(reference.f32_to_bf16(h))
             x = reference.f32_to_bf16(xp.tanh(h))  # next token's input
