@@ -200,7 +200,9 @@ class AgentClient(PlacementCalls):
                           manifest: pb.ExpertManifest = manifest) -> ExpertSlot:
                 where = (int(reply["region_id"]), int(reply["slot_offset"]))
                 slot = dev.slots.get(where)
-                if slot is None or slot.key != key:
+                if slot is not None and slot.key != key:
+                    slot = dev.slots[where] = slot.holding(key, manifest)
+                if slot is None:
                     blob = dev.device.region_bytes(*where, manifest.blob_bytes)
                     slot = dev.slots[where] = ExpertSlot(key, blob, manifest)
                 return slot

@@ -15,8 +15,8 @@ from dpu_offload.shm import SharedBuffer
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import cuda_ops, launch
 from gpu_kernels.copy_runs import asks_exit, classify, completions, plan_runs
+from host_client.cuda_checks import CudaSlotChecks
 from host_client.devices import (
-    CHECK_LANES,
     RW,
     CheckTicket,
     Device,
@@ -27,21 +27,6 @@ from host_client.devices import (
 _STATE_WORDS = 4  # dpu_receive_state in receive.cu
 MECHANISMS = ("kernel", "copy_engine", "auto")
 PROBE_BYTES = 64 << 20
-
-
-PARAM_BLOCKS = 256
-"""Batch checks' parameter blocks in mapped host memory, used round-robin: a block is written
-again only once the launch that read it has ended (256 batches later, in practice at once)."""
-
-
-class _KernelTicket:
-    """Landed-slot checks enqueued on check streams: ended once all their events have."""
-
-    def __init__(self, *ended: Any) -> None:
-        self.ended = ended
-
-    def done(self) -> bool:
-        return all(e.done for e in self.ended)
 
 
 def device_pointer(host_address: int) -> int:
@@ -97,26 +82,7 @@ class CudaDevice(Device):
             self._state = self.cp.zeros(_STATE_WORDS, dtype=self.cp.uint64)
             self._kernel = launch.kernel("receive", "dpu_receive", ordinal)
         self._pools: dict[int, Any] = {}
-        with self.dev:
-            self._check_words = self.cp.zeros(3 * abi.MAX_CHANNEL_SLOTS, self.cp.uint32)
-        """``uint32[3 * MAX_CHANNEL_SLOTS]``: per slot index, its check's running sum and block
-        count (scratch), then the outcome word of the check ``start_check`` launched (one
-        lane's stream orders a slot's checks, so each reuses it after the last ended)."""
-        self._registered: list[int] = []
-        self._batch_params = np.zeros((PARAM_BLOCKS, cuda_ops.MAX_BATCH_CHECKS), abi.CHECK_DTYPE)
-        """Batch checks' parameters (``abi.CHECK_DTYPE``), a block per launch, round-robin;
-        registered mapped (the kernel reads them in place)."""
-        self._batch_params_at = self._register_host(int(self._batch_params.ctypes.data),
-                                                    int(self._batch_params.nbytes))
-        self._batch_ended: list[Any] = [None] * PARAM_BLOCKS
-        self._batch_next = 0
-        with self.dev:
-            self._batch_words = self.cp.zeros(
-                (CHECK_LANES, (cuda_ops.CHECK_SCRATCH_WORDS + 1) * cuda_ops.MAX_BATCH_CHECKS),
-                self.cp.uint32)
-        """Per lane: a batch check's scratch (``CHECK_SCRATCH_WORDS * MAX_BATCH_CHECKS``) and
-        outcomes (``MAX_BATCH_CHECKS``); a lane's stream orders its launches, so each reuses
-        them."""
+        self.checks = CudaSlotChecks(self.ordinal, self._register_host, self._table)
         self.dev.synchronize()  # zeroed on the null stream, which the lanes' streams ignore
         self._running = False
         self._done_event: Any = None
@@ -194,61 +160,22 @@ class CudaDevice(Device):
 
     def enqueue_check(self, entry_address: int, index: int, generation: int, blob: Any,
                       timeout: float, result: Any, stream: Any) -> None:
-        if blob.size % 16:
-            raise ValueError(f"a slot check needs a multiple of 16 bytes, got {blob.size}")
-        with self.dev:
-            scratch = self._check_words[2 * index:2 * index + 2]
-            cuda_ops.verify_landed(entry_address, generation, int(blob.data.ptr),
-                                   int(blob.size), timeout, result, scratch, stream)
+        self.checks.enqueue(entry_address, index, generation, blob, timeout, result, stream)
 
     def start_check(self, states: np.ndarray, entry_address: int, index: int,
                     generation: int, blob: Any, timeout: float) -> CheckTicket:
         """The check's kernels on a stream of this device's, not waited for: the wait kernel
         polls the word on the GPU until the bytes have landed."""
-        with self.dev, self._check_lock:
-            stream = launch.shared_stream(self.ordinal, f"check-{index % CHECK_LANES}")
-            outcome = 2 * abi.MAX_CHANNEL_SLOTS + index
-            result = self._check_words[outcome:outcome + 1]
-            self.enqueue_check(entry_address, index, generation, blob, timeout, result, stream)
-            ended = self.cp.cuda.Event(disable_timing=True)
-            ended.record(stream)
-        return _KernelTicket(ended)
-
+        with self._check_lock:
+            return self.checks.start(entry_address, index, generation, blob, timeout)
 
     def start_checks(self, channel: Channel, states_address: int, checks: list[GrantCheck],
                      timeout: float) -> CheckTicket:
         """One launch per ``MAX_BATCH_CHECKS`` requests (``cuda_ops.verify_granted_batch``) on
         the lanes' streams in turn, each slot checked as soon as its reply came and its bytes
         landed; the ticket ends with the last launch."""
-        if not checks:
-            raise ValueError("no slot to check")
-        if any(c.nbytes % 16 for c in checks):
-            raise ValueError("a slot check needs a multiple of 16 bytes")
-        launched = []
-        for first in range(0, len(checks), cuda_ops.MAX_BATCH_CHECKS):
-            part = checks[first:first + cuda_ops.MAX_BATCH_CHECKS]
-            with self.dev, self._check_lock:
-                block = self._batch_next
-                self._batch_next = (block + 1) % PARAM_BLOCKS
-                if self._batch_ended[block] is not None:
-                    self._batch_ended[block].synchronize()  # its launch still reads the block
-                params = self._batch_params[block, :len(part)]
-                params["reply"] = [c.reply_address for c in part]
-                params["seq"] = [c.position + 1 for c in part]
-                params["states"] = states_address
-                params["n16"] = [c.nbytes // 16 for c in part]
-                lane = block % CHECK_LANES
-                stream = launch.shared_stream(self.ordinal, f"check-{lane}")
-                words = self._batch_words[lane]
-                cuda_ops.verify_granted_batch(
-                    self._batch_params_at + block * self._batch_params.strides[0], len(part),
-                    int(params["n16"].max()), self._table, timeout,
-                    words[cuda_ops.CHECK_SCRATCH_WORDS * cuda_ops.MAX_BATCH_CHECKS:], words, stream)
-                ended = self.cp.cuda.Event(disable_timing=True)
-                ended.record(stream)
-                self._batch_ended[block] = ended
-            launched.append(ended)
-        return _KernelTicket(*launched)
+        with self._check_lock:
+            return self.checks.start_batch(states_address, checks, timeout)
 
     def warm_up(self) -> None:
         """Load every kernel module, then launch the receive kernel once against a ring whose

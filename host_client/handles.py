@@ -19,6 +19,7 @@ from host_client.errors import AgentError, TransferFailed, refusal_of
 from host_client.requests import CHECK_SECONDS, NAP_SECONDS, SPIN_SECONDS, ClientChannel
 
 if TYPE_CHECKING:
+    from gpu_kernels.host_words import HostWord
     from host_client.devices import CheckTicket, Device
     from host_client.memory import ExpertSlot
 
@@ -35,20 +36,25 @@ class StreamWait:
 
     Attributes:
         slot: the expert's slot views; valid for kernels enqueued on the stream after the wait.
-        result: ``uint32[1]`` device word: an index into ``cuda_ops.WAIT_OUTCOMES`` once the
-            wait ran (0 READY).
+        result: ``uint32`` word in mapped host memory (``host_words.HostWord``): an index into
+            ``cuda_ops.WAIT_OUTCOMES`` once the wait ran (0 READY).
     """
 
-    def __init__(self, key: ExpertKey, slot: ExpertSlot, result: Any, stream: Any) -> None:
+    def __init__(self, key: ExpertKey, slot: ExpertSlot, result: HostWord, stream: Any) -> None:
         self.key, self.slot, self.result, self.stream = key, slot, result, stream
+        self._outcome: int | None = None
 
     def check(self) -> None:
         """Synchronise the stream; TransferFailed unless the expert was READY (after a
         checksum mismatch the agent refetches it for the next acquire)."""
         from gpu_kernels.cuda_ops import WAIT_OUTCOMES
+        from gpu_kernels.host_words import WORDS
 
-        self.stream.synchronize()
-        outcome = int(self.result.get()[0])
+        if self._outcome is None:
+            self.stream.synchronize()
+            self._outcome = int(self.result.host[0])
+            WORDS.give(self.result)
+        outcome = self._outcome
         if outcome:
             raise TransferFailed(f"{self.key}: stream wait ended with "
                                  f"{WAIT_OUTCOMES[outcome] if outcome < 5 else outcome}")
@@ -263,22 +269,21 @@ class AcquireHandle:
         raises if the delivery failed or timed out after ``timeout`` seconds. Release the
         expert only after the stream has passed the kernels that read it."""
         from gpu_kernels import cuda_ops
+        from gpu_kernels.host_words import WORDS
 
         self.wait_granted(timeout)
         if self._error is not None:
             raise self._error
         assert self._reply is not None
-        result = cuda_ops.cp.empty(1, cuda_ops.cp.uint32)  # no fill kernel: no module load
         if self._slot is not None:  # READY and held: nothing to wait for on the device
-            cuda_ops.cp.cuda.runtime.memsetAsync(result.data.ptr, 0, 4, stream.ptr)
-            return StreamWait(self.key, self._slot, result, stream)
-        cuda_ops.cp.cuda.runtime.memsetAsync(result.data.ptr, 0xFF, 4, stream.ptr)
+            return StreamWait(self.key, self._slot, WORDS.take(0), stream)
+        result = WORDS.take(0xFFFFFFFF)
         slot = self._make_slot(self._reply)
         if self._landed is not None:
-            self._landed.enqueue(self._reply, slot, stream, timeout, result)
+            self._landed.enqueue(self._reply, slot, stream, timeout, result.device)
         else:
             cuda_ops.wait_ready(self._channel.word_address(int(self._reply["state_index"])),
-                                int(self._reply["generation"]), timeout, result, stream)
+                                int(self._reply["generation"]), timeout, result.device, stream)
         return StreamWait(self.key, slot, result, stream)
 
     def done(self) -> bool:

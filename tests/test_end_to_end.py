@@ -55,6 +55,7 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
     truth = checkpoint_bytes(qwen_ckpt)
     model = client.load_model(str(qwen_ckpt), "qwen-evict")
     dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+    views: dict[tuple[int, int], int] = {}
     for e in range(6):
         key = ExpertKey("qwen-evict", 1, e)
         handle = client.acquire(dev, key)
@@ -62,7 +63,12 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
         assert handle.resident is False  # a new generation of one of two slots
         name = f"model.layers.1.mlp.experts.{e}.up_proj.weight"
         assert slot.raw("up_proj").tobytes() == truth[name]
+        # A slot's tensor views are made once and serve each expert it holds in turn.
+        up = slot.tensor("up_proj")
+        assert up.tobytes() == truth[name] and slot.key == key
+        assert views.setdefault(handle.where, id(up)) == id(up)
         client.release(dev, key)
+    assert len(views) == 2
     # Two held experts fill the pool: a third is refused, and nothing changes.
     held = [ExpertKey("qwen-evict", 2, e) for e in range(2)]
     for k in held:
