@@ -82,6 +82,7 @@ class CudaDevice(Device):
             self._state = self.cp.zeros(_STATE_WORDS, dtype=self.cp.uint64)
             self._kernel = launch.kernel("receive", "dpu_receive", ordinal)
         self._pools: dict[int, Any] = {}
+        self._registered: list[int] = []
         self.checks = CudaSlotChecks(self.ordinal, self._register_host, self._table)
         self.dev.synchronize()  # zeroed on the null stream, which the lanes' streams ignore
         self._running = False
