@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from dpu_offload.keys import ExpertKey
-from dpu_offload.v1 import agent_pb2 as pb
 from host_client.client import AgentClient
 from host_client.devices import Device
 from host_client.integrations.moe_modules import (
@@ -45,58 +44,14 @@ from host_client.integrations.moe_modules import (
     load_without_experts,
     scaled_input_blocks,
 )
-from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
+from host_client.integrations.pool_views import PoolViews, pool_views
+from host_client.memory import SlotPoolSpec
 from host_client.registration import AttachedDevice
 
 __all__ = ["EXPERT_PARAMETERS", "ExpertOffload", "OffloadError", "expert_parameters",
            "experts_modules", "load_without_experts", "offload_experts", "scaled_input_blocks"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-@dataclass
-class _PoolViews:
-    """Zero-copy ``[slots, ...]`` views of the pool, one per expert parameter."""
-
-    tensors: dict[str, Any]
-    slots: int
-    slot_bytes: int
-
-
-def _torch_pool(dev: AttachedDevice, region_id: int, spec: SlotPoolSpec) -> Any:
-    import torch
-
-    return torch.from_dlpack(dev.device.region_bytes(region_id, 0,
-                                                     spec.slot_bytes * spec.slot_count))
-
-
-def _views(dev: AttachedDevice, manifest: pb.ExpertManifest, wanted: list[str]) -> _PoolViews:
-    """Views of the device's one slot pool for the parameters ``wanted``, from an expert's
-    manifest (every expert of a model has the same roles, shapes and offsets)."""
-    import torch
-
-    if len(dev.pools) != 1:
-        raise OffloadError(f"offload_experts needs a device with one slot pool, it has "
-                           f"{len(dev.pools)}")
-    (region_id, spec), = dev.pools.items()
-    pool = _torch_pool(dev, region_id, spec)
-    out = {}
-    for param in wanted:
-        try:
-            t = tensor_layout(manifest, param)
-        except KeyError as exc:
-            raise OffloadError(f"the experts module has {param!r}: {exc.args[0]}") from None
-        shape, offset, dtype = list(t.shape), t.offset, t.dtype
-        if dtype not in TORCH_DTYPES:
-            raise OffloadError(f"{manifest.key}: {param} is {dtype}, which torch cannot view")
-        typed = pool.view(getattr(torch, TORCH_DTYPES[dtype]))
-        size = typed.element_size()
-        inner = [1] * len(shape)
-        for d in range(len(shape) - 2, -1, -1):
-            inner[d] = inner[d + 1] * shape[d + 1]
-        out[param] = typed.as_strided((spec.slot_count, *shape),
-                                      (spec.slot_bytes // size, *inner), offset // size)
-    return _PoolViews(out, spec.slot_count, spec.slot_bytes)
 
 
 @dataclass
@@ -138,7 +93,7 @@ def _routed(indices: Any, num_experts: int) -> dict[int, int]:
             if 0 <= e < num_experts}
 
 
-def _acquire(offload: ExpertOffload, layer: int, routed: dict[int, int], views: _PoolViews,
+def _acquire(offload: ExpertOffload, layer: int, routed: dict[int, int], views: PoolViews,
              num_experts: int, meanwhile: Callable[[], None] | None = None
              ) -> tuple[list[ExpertKey], Any]:
     """Acquire the ``routed`` experts of ``layer`` (expert -> tokens that chose it) in one
@@ -194,7 +149,7 @@ class _Layer:
     tokens while its own land (pre-gating: the residual stream changes little between
     layers, so the next layer's router on this layer's input predicts its choice)."""
 
-    def __init__(self, offload: ExpertOffload, layer: int, module: Any, views: _PoolViews
+    def __init__(self, offload: ExpertOffload, layer: int, module: Any, views: PoolViews
                  ) -> None:
         self.offload, self.layer, self.module, self.views = offload, layer, module, views
         self.forward = type(module).forward
@@ -249,7 +204,7 @@ class _ScaledInputBlock:
     expert's ``[1, T, H]`` input), zeros for the rest (what the model computes for them: their
     input rows are zero), then the model's sum over experts and its shared expert."""
 
-    def __init__(self, offload: ExpertOffload, layer: int, block: Any, views: _PoolViews
+    def __init__(self, offload: ExpertOffload, layer: int, block: Any, views: PoolViews
                  ) -> None:
         self.offload, self.layer, self.block, self.views = offload, layer, block, views
         self.experts = block.experts
@@ -351,7 +306,7 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             raise OffloadError(f"{qualified}: {module.num_experts} experts, the checkpoint "
                                f"has {per_layer} per layer")
         wanted = expert_parameters(module)
-        views = _views(dev, client.manifest(ExpertKey(info.model, layer, 0)), wanted)
+        views = pool_views(dev, client.manifest(ExpertKey(info.model, layer, 0)), wanted)
         for p in wanted:
             module._parameters.pop(p, None)
             setattr(module, p, None)

@@ -1,0 +1,60 @@
+"""Zero-copy torch views of a device's slot pool, one per expert parameter: the pool lays
+experts out at a fixed stride, so each parameter of an expert blob (its offset, shape and dtype
+from the model's manifest: every expert of a model has the same) is one ``[slots, ...]``
+strided view over the whole pool. Slot ``s`` of a view is the parameter of the expert in slot
+``s``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpu_offload.v1 import agent_pb2 as pb
+from host_client.integrations.moe_modules import OffloadError
+from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
+from host_client.registration import AttachedDevice
+
+
+@dataclass
+class PoolViews:
+    """Zero-copy ``[slots, ...]`` views of the pool, one per expert parameter."""
+
+    tensors: dict[str, Any]
+    slots: int
+    slot_bytes: int
+
+
+def _torch_pool(dev: AttachedDevice, region_id: int, spec: SlotPoolSpec) -> Any:
+    import torch
+
+    return torch.from_dlpack(dev.device.region_bytes(region_id, 0,
+                                                     spec.slot_bytes * spec.slot_count))
+
+
+def pool_views(dev: AttachedDevice, manifest: pb.ExpertManifest, wanted: list[str]) -> PoolViews:
+    """Views of the device's one slot pool for the parameters ``wanted``, from an expert's
+    manifest (every expert of a model has the same roles, shapes and offsets)."""
+    import torch
+
+    if len(dev.pools) != 1:
+        raise OffloadError(f"offload_experts needs a device with one slot pool, it has "
+                           f"{len(dev.pools)}")
+    (region_id, spec), = dev.pools.items()
+    pool = _torch_pool(dev, region_id, spec)
+    out = {}
+    for param in wanted:
+        try:
+            t = tensor_layout(manifest, param)
+        except KeyError as exc:
+            raise OffloadError(f"the experts module has {param!r}: {exc.args[0]}") from None
+        shape, offset, dtype = list(t.shape), t.offset, t.dtype
+        if dtype not in TORCH_DTYPES:
+            raise OffloadError(f"{manifest.key}: {param} is {dtype}, which torch cannot view")
+        typed = pool.view(getattr(torch, TORCH_DTYPES[dtype]))
+        size = typed.element_size()
+        inner = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            inner[d] = inner[d + 1] * shape[d + 1]
+        out[param] = typed.as_strided((spec.slot_count, *shape),
+                                      (spec.slot_bytes // size, *inner), offset // size)
+    return PoolViews(out, spec.slot_count, spec.slot_bytes)
