@@ -29,6 +29,7 @@ from dpu_offload.flows import Action, FlowTable, TrafficClass
 from dpu_offload.frames import FrameError, FrameStatus, Header, Kind
 from dpu_offload.keys import ExpertKey
 from dpu_offload.steering_snapshot import Snapshot, SnapshotSegment
+from nic.admission import admit, no_route
 from nic.ports import Answer, Outbound, Port, TxBells
 from nic.remotes import Remotes
 
@@ -217,30 +218,12 @@ class Nic:
 
     def _request(self, identity: bytes, h: Header, payload: np.ndarray) -> None:
         mid = h.message_id
-        if self.outstanding[identity] >= self.credits:
-            self._refuse(identity, mid, FrameStatus.NO_CREDIT,
-                         f"{self.credits} requests already outstanding")
-            return
-        if payload.size == 0 or payload.size % 16:
-            self._refuse(identity, mid, FrameStatus.BAD_FRAME,
-                         f"a payload of {payload.size} bytes: rows must fill a positive "
-                         "multiple of 16 bytes")
+        entry = admit(h, payload.size, self.snapshot, self.outstanding[identity], self.credits)
+        if isinstance(entry, tuple):
+            self._refuse(identity, mid, *entry)
             return
         model = h.model_name
         key = ExpertKey(model, h.layer, h.expert)
-        entry = self.snapshot.models.get(model)
-        if entry is None or key.layer not in entry.layers or key.expert >= entry.experts:
-            self._refuse(identity, mid, FrameStatus.UNKNOWN_EXPERT,
-                         f"model {model!r} is not loaded" if entry is None else
-                         f"{key} is not an expert of {model!r} (MoE layers "
-                         f"{min(entry.layers, default=0)}-{max(entry.layers, default=0)}, "
-                         f"{entry.experts} experts)")
-            return
-        if h.row_bytes != entry.hidden * 2:
-            self._refuse(identity, mid, FrameStatus.BAD_WIDTH,
-                         f"rows of {h.row_bytes} bytes; {model} takes {entry.hidden} "
-                         f"bf16 values ({entry.hidden * 2} bytes)")
-            return
         d = self.flows.lookup(TrafficClass.ACTIVATIONS, model, key.layer, key.expert,
                               identity.hex(), payload.size, self._load)
         if d.action == Action.DROP:
@@ -252,7 +235,8 @@ class Nic:
         if port is None or port.failed or slot is None:
             remote = self.snapshot.remotes.get(key)
             if remote is None:
-                self._refuse(identity, mid, FrameStatus.NO_ROUTE, self._no_route(key, d.queue))
+                self._refuse(identity, mid, FrameStatus.NO_ROUTE,
+                             no_route(key, d.queue, self.ports))
                 return
             self._forward(identity, h, payload, remote)
             return
@@ -265,16 +249,6 @@ class Nic:
 
     def _load(self, device: int) -> int:
         return self.in_flight[device]
-
-    def _no_route(self, key: ExpertKey, device: int | None) -> str:
-        if device is None:
-            return f"no flow rule forwards {key}, and no other agent of the cluster holds it"
-        port = self.ports.get(device)
-        if port is None:
-            return f"{key} goes to device {device}, which has no worker attached"
-        if port.failed:
-            return f"{key} goes to device {device}, whose worker failed ({port.failed})"
-        return f"{key} goes to device {device}, which holds no placed copy of it"
 
     # -- answers ---------------------------------------------------------------------------
     def _expected(self, port: Port, nid: int) -> int | None:
