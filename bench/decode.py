@@ -42,6 +42,7 @@ Usage: python bench/decode.py [--device cpu|cuda] [--arch qwen3-30b-a3b]
                               [--gpu-cache-fraction 0.1 0.25 0.5] [--trace FILE] [--tokens N]
                               [--layers L] [--experts E] [--prefetch K] [--json]
                               [--wait stream|host] [--repeats N] [--profile FILE]
+                              [--timeline]
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from bench.common import (
     write,
 )
 from bench.decode_loop import Decoder, LruHost, routing
-from bench.decode_table import plot, print_table
+from bench.decode_table import plot, print_table, print_timeline
 from dpu_offload.blob import SWIGLU_ROLES
 from dpu_offload.cli_args import fraction, non_negative, positive
 from dpu_offload.keys import ExpertKey
@@ -121,6 +122,9 @@ def main() -> int:
                          "next one (ReportRouting)")
     ap.add_argument("--profile", type=Path,
                     help="append a cProfile of each offload decode loop (main thread) here")
+    ap.add_argument("--timeline", action="store_true",
+                    help="record where each offload layer's time goes (host and CUDA events; "
+                         "the first run of each fraction) and print it")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -132,8 +136,9 @@ def main() -> int:
     result = run(args.arch, args.gpu_cache_fraction, args.trace, args.tokens, args.layers,
                  args.experts, device=args.device, profile=args.profile,
                  delivery=args.delivery, prefetch=args.prefetch, wait=args.wait,
-                 repeats=args.repeats)
+                 repeats=args.repeats, timeline=args.timeline)
     print_table(result)
+    print_timeline(result)
     if args.no_save:
         return 0
     path = write("decode", envelope("decode", result, device=args.device,
@@ -151,8 +156,8 @@ def main() -> int:
 
 def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, layers: int,
         experts: int, shrink: int = 1, device: str = "cpu", profile: Path | None = None,
-        delivery: str = "pull", prefetch: int = 0, wait: str = "stream", repeats: int = 1
-        ) -> dict[str, Any]:
+        delivery: str = "pull", prefetch: int = 0, wait: str = "stream", repeats: int = 1,
+        timeline: bool = False) -> dict[str, Any]:
     """``shrink`` divides hidden and intermediate sizes (tests only; 1 keeps the real ones).
     ``profile``: a text file that each fraction's offload loop appends its cProfile to.
     ``delivery``: "pull" (the device's consumer copies) or "engine" (the DMA engine does).
@@ -161,7 +166,9 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
     the median (by tokens/s) is reported, every run's tokens/s in ``tokens_per_s_all``.
     ``wait``: on the GPU, "stream" enqueues each expert's wait for READY on the compute stream
     ahead of its FFN (``AcquireHandle.enqueue_wait``: the host never blocks on a slot), "host"
-    blocks in ``AcquireHandle.wait`` first; the CPU device always waits on the host."""
+    blocks in ``AcquireHandle.wait`` first; the CPU device always waits on the host.
+    ``timeline``: the first offload run of each fraction records where each layer's time went
+    (``Decoder.run``'s records, in the run's ``timeline``)."""
     xp: Any = np
     if device == "cuda":
         import cupy as xp
@@ -219,10 +226,11 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 h.wait(300)
             for k in keys:
                 client.release(warm, k)
-            def offload_once(fraction: float, slots: int
+            def offload_once(fraction: float, slots: int,
+                             layer_times: list[dict[str, Any]] | None = None
                              ) -> tuple[dict[str, Any], dict[str, int], float]:
                 """One offload decode from cold slots in a session of its own: (the run,
-                hits and misses, bytes the agent moved)."""
+                hits and misses, bytes the agent moved); ``layer_times`` gets its timeline."""
                 # A session per run: a session registers each GPU ordinal once.
                 session = AgentClient(agent.address, rpc_timeout=120)
                 session.load_model(str(root), "m")  # as an inference process does
@@ -269,7 +277,7 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                 delivered = agent_total(agent, DELIVERED)
                 parked = agent_total(agent, PARKED)
                 with prof or contextlib.nullcontext():
-                    off = decoder.run(fetch, release, tokens, begin)
+                    off = decoder.run(fetch, release, tokens, begin, layer_times)
                 off["parked_acquires_per_token"] = (agent_total(agent, PARKED) - parked) / tokens
                 time.sleep(0.05)  # prefetches still landing count as moved bytes too
                 # The bytes the agent moved: the misses' and, with prefetch, every prefetch's
@@ -289,8 +297,9 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
 
             for fraction in fractions:
                 slots = max(top_k, round(fraction * layers * experts))
-                tries = sorted((offload_once(fraction, slots) for _ in range(repeats)),
-                               key=lambda t: t[0]["tokens_per_s"])
+                layer_times: list[dict[str, Any]] | None = [] if timeline else None
+                tries = sorted((offload_once(fraction, slots, layer_times if i == 0 else None)
+                                for i in range(repeats)), key=lambda t: t[0]["tokens_per_s"])
                 off, stats, moved_bytes = tries[len(tries) // 2]  # the median run
                 off["tokens_per_s_all"] = [t[0]["tokens_per_s"] for t in tries]
                 acc = stats["hits"] + stats["misses"]
@@ -322,6 +331,8 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
                     "bound_beside_agent_tokens_per_s": bound_beside,
                     "offload_vs_bound_beside_agent": off["tokens_per_s"] / bound_beside,
                     "offload_vs_http": off["tokens_per_s"] / ht["tokens_per_s"]})
+                if layer_times is not None:
+                    results["runs"][-1]["timeline"] = layer_times
             server.shutdown()
         reference_out.pop("outputs")
         results["resident"] = reference_out

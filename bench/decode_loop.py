@@ -58,8 +58,8 @@ class Decoder:
         event.record()
         return event
 
-    def run(self, fetch: Any, release: Any, tokens: int, begin: Any = None
-            ) -> dict[str, Any]:
+    def run(self, fetch: Any, release: Any, tokens: int, begin: Any = None,
+            timeline: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """Decode ``tokens`` tokens. Each layer launches its experts' FFNs one after another,
         ``fetch(layer, expert)`` before each, then waits once for the layer's kernels (as an
         inference engine's MoE layer does: the next layer's routing needs this one's output)
@@ -78,7 +78,10 @@ class Decoder:
         (``host_ffn_launch_s_per_token``: its launches on a GPU) and, on a GPU, the CUDA
         events' time around the FFN's launches (``gpu_ffn_s_per_token``) and around the FFN
         and accumulation (``gpu_compute_s_per_token``). Where the stream is idle when the FFN
-        is launched the events hold the host's launch too (bench/launch_after_sleep.py)."""
+        is launched the events hold the host's launch too (bench/launch_after_sleep.py).
+
+        ``timeline``, when given, gets a record per layer (:func:`layer_record`): where that
+        layer's time went, in ms from its start, on the host and (from CUDA events) the GPU."""
         xp = self.xp
         x = reference.f32_to_bf16(xp.linspace(-1, 1, self.hidden, dtype=np.float32)[None])
         compute = wait = launch = 0.0
@@ -95,13 +98,15 @@ class Decoder:
                 experts = self.route[t][la]
                 acc = xp.zeros_like(h)
                 hb = reference.f32_to_bf16(h)
+                t_begin = time.perf_counter()
+                start = self._event() if timeline is not None else None
                 if begin is not None:
-                    t0 = time.perf_counter()
                     begin(layer, experts)
-                    wait += time.perf_counter() - t0
+                    wait += time.perf_counter() - t_begin
                 t_layer = time.perf_counter()
                 waited = 0.0
                 layer_marks = []
+                host = []
                 for e in experts:
                     t0 = time.perf_counter()
                     before = self._event()
@@ -111,18 +116,26 @@ class Decoder:
                     if fetched is None:
                         waited += t_launch - t0
                     y = expert_ffn(hb, *w)
-                    launch += time.perf_counter() - t_launch
+                    t_launched = time.perf_counter()
+                    launch += t_launched - t_launch
                     ffn_done = self._event()
                     acc += reference.bf16_to_f32(y) / len(experts)
+                    host.append((t0, t_launch, t_launched))
                     if fetched is not None:
                         layer_marks.append((before, fetched, ffn_done, self._event()))
                 self.sync()
+                t_synced = time.perf_counter()
                 waited += sum(xp.cuda.get_elapsed_time(b, f) / 1e3
                               for b, f, _, _ in layer_marks)
                 marks += layer_marks
                 wait += waited
-                compute += time.perf_counter() - t_layer - waited
+                compute += t_synced - t_layer - waited
                 release(layer, experts)
+                if timeline is not None:
+                    timeline.append(layer_record(
+                        t, layer, experts, t_begin, t_layer, host, t_synced,
+                        time.perf_counter(), [[xp.cuda.get_elapsed_time(start, ev)
+                                               for ev in m] for m in layer_marks]))
                 h = h + acc
             outputs.append(reference.f32_to_bf16(h))
             x = reference.f32_to_bf16(xp.tanh(h))  # next token's input
@@ -145,6 +158,23 @@ class Decoder:
                 "wait_s_per_token": wait / tokens,
                 "other_s_per_token": (total - compute - wait) / tokens,
                 "outputs": xp.concatenate(outputs)}
+
+
+def layer_record(token: int, layer: int, experts: list[int], t_begin: float, t_layer: float,
+                 host: list[tuple[float, float, float]], t_synced: float, t_released: float,
+                 gpu_ms: list[list[float]]) -> dict[str, Any]:
+    """One layer's timeline, ms from the layer's start (``t_begin``, host clock; on a GPU the
+    CUDA event recorded then, on an idle stream): ``begun`` (``begin`` returned: the offload
+    path's batch granted), per expert in order ``host`` (fetch called, fetch returned, FFN
+    launched) and ``gpu`` (the events before the fetch, after it: the expert READY on the
+    stream, after the FFN, after the accumulation; empty on the CPU), ``synced`` (the layer's
+    kernels done), ``released``."""
+    def ms(t: float) -> float:
+        return (t - t_begin) * 1e3
+
+    return {"token": token, "layer": layer, "experts": experts, "begun": ms(t_layer),
+            "host": [[ms(t) for t in h] for h in host], "gpu": gpu_ms,
+            "synced": ms(t_synced), "released": ms(t_released)}
 
 
 class LruHost:

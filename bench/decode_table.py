@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,3 +100,27 @@ def print_table(r: dict[str, Any]) -> None:
             f"{run['fraction']:.0%} " + " / ".join(
                 f"{v:.1f}" for v in run["offload"]["tokens_per_s_all"]) for run in r["runs"]),
             file=sys.stderr)
+
+
+def print_timeline(r: dict[str, Any]) -> None:
+    """Where an offload layer's time went (``--timeline``): medians over the layers after the
+    first token, ms from the layer's start."""
+    for run in r["runs"]:
+        layers = [rec for rec in run.get("timeline", []) if rec["token"] > 0]
+        if not layers:
+            continue
+
+        def med(get: Any, layers: list[dict[str, Any]] = layers) -> float:
+            return statistics.median(get(rec) for rec in layers)
+
+        n = min(len(rec["host"]) for rec in layers)
+        line = (f" timeline at {run['fraction']:.0%} (ms from a layer's start, median of "
+                f"{len(layers)} layers): granted {med(lambda rec: rec['begun']):.2f}; host "
+                f"launches done {med(lambda rec: rec['host'][-1][2]):.2f}")
+        if all(len(rec["gpu"]) >= n for rec in layers):
+            ready = " ".join(f"{med(lambda rec, i=i: rec['gpu'][i][1]):.2f}" for i in range(n))
+            line += (f"; GPU: each expert READY {ready}, kernels done "
+                     f"{med(lambda rec: rec['gpu'][-1][3]):.2f}")
+        line += (f"; synced {med(lambda rec: rec['synced']):.2f}, released "
+                 f"{med(lambda rec: rec['released']):.2f}")
+        print(line, file=sys.stderr)

@@ -24,6 +24,22 @@ def test_decode_outputs_equal_dense_reference_and_figures_are_sane() -> None:
         assert off["tokens_per_s"] == max(off["tokens_per_s_all"])
 
 
+def test_the_timeline_orders_each_layers_steps() -> None:
+    """``timeline=True``: the first offload run of each fraction records every layer (tokens x
+    layers records), each expert's host steps in order after the batch's grant and before
+    the layer's wait for its kernels ended, the release last."""
+    r = run("qwen3-30b-a3b", [0.5], None, tokens=2, layers=2, experts=8, shrink=8,
+            timeline=True)
+    (run_,) = r["runs"]
+    records = run_["timeline"]
+    assert [(rec["token"], rec["layer"]) for rec in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rec in records:
+        assert len(rec["host"]) == len(rec["experts"]) == r["top_k"] and rec["gpu"] == []
+        steps = [rec["begun"]] + [t for h in rec["host"] for t in h] + [rec["synced"],
+                                                                         rec["released"]]
+        assert steps == sorted(steps) and steps[0] >= 0
+
+
 def test_with_prefetch_every_moved_byte_is_counted() -> None:
     """Without prefetch the agent moves exactly the misses' bytes; with next-layer prefetch
     (each layer's visit reported on the data plane) it moves at least those, with no gRPC call,
@@ -50,3 +66,8 @@ def test_gpu_decode_through_the_dma_engine_equals_the_dense_reference(wait: str)
     assert r["wait"] == wait
     assert run_["hit_rate"] < 1 and run_["offload"]["wait_s_per_token"] > 0
     assert run_["offload"]["gpu_compute_s_per_token"] > 0
+    timed = run("qwen3-30b-a3b", [0.25], None, tokens=2, layers=2, experts=8, shrink=8,
+                device="cuda", delivery="engine", wait=wait, timeline=True)
+    for rec in timed["runs"][0]["timeline"]:
+        # Per expert on the GPU: before the fetch <= READY <= FFN done <= accumulated.
+        assert all(g == sorted(g) for g in rec["gpu"]) and len(rec["gpu"]) == len(rec["experts"])
