@@ -20,40 +20,45 @@ CHUNK_WORDS = 1024
 
 class HostWord:
     """One ``uint32`` word: ``device`` (a CuPy ``uint32[1]`` over its device address: what a
-    kernel is given) and ``host`` (a NumPy ``uint32[1]`` over the same bytes)."""
+    kernel is given, made on GPU ``ordinal``) and ``host`` (a NumPy ``uint32[1]`` over the same
+    bytes)."""
 
-    __slots__ = ("device", "host")
+    __slots__ = ("device", "host", "ordinal")
 
-    def __init__(self, device: Any, host: np.ndarray) -> None:
-        self.device, self.host = device, host
+    def __init__(self, device: Any, host: np.ndarray, ordinal: int) -> None:
+        self.device, self.host, self.ordinal = device, host, ordinal
 
 
 class HostWords:
     """The process's result words, registered with CUDA (portable, mapped) a page at a time
-    and never unregistered. :meth:`take` hands a word out with a value stored; :meth:`give`
-    takes it back once nothing will write it (its kernel's stream was synchronised): a word
-    not given back is only lost, never handed out twice."""
+    and never unregistered, kept apart per current device (a word's ``device`` array belongs
+    to the device it was made on). :meth:`take` hands a word out with a value stored;
+    :meth:`give` takes it back once nothing will write it (its kernel's stream was
+    synchronised): a word not given back is only lost, never handed out twice."""
 
     def __init__(self) -> None:
-        self._free: list[HostWord] = []
+        self._free: dict[int, list[HostWord]] = {}
         self._lock = threading.Lock()
         self._pages: list[mmap.mmap] = []
 
     def take(self, value: int) -> HostWord:
-        """A free word holding ``value`` (stored before any kernel is given it)."""
+        """A free word of the current device holding ``value`` (stored before any kernel is
+        given it)."""
+        ordinal = cp.cuda.Device().id
         with self._lock:
-            if not self._free:
-                self._grow()
-            word = self._free.pop()
+            free = self._free.setdefault(ordinal, [])
+            if not free:
+                self._grow(ordinal, free)
+            word = free.pop()
         word.host[0] = value
         return word
 
     def give(self, word: HostWord) -> None:
         """Return ``word``; its kernel's stream must have been synchronised."""
         with self._lock:
-            self._free.append(word)
+            self._free[word.ordinal].append(word)
 
-    def _grow(self) -> None:
+    def _grow(self, ordinal: int, free: list[HostWord]) -> None:
         rt = cp.cuda.runtime
         nbytes = CHUNK_WORDS * 4
         page = mmap.mmap(-1, nbytes)  # page-aligned, as registration wants
@@ -61,12 +66,11 @@ class HostWords:
         address = int(host.ctypes.data)
         rt.hostRegister(address, nbytes, 0x1 | 0x2)  # Portable | Mapped
         device_address = int(rt.pointerGetAttributes(address).devicePointer)
-        memory = cp.cuda.UnownedMemory(device_address, nbytes, page,
-                                       device_id=cp.cuda.Device().id)
+        memory = cp.cuda.UnownedMemory(device_address, nbytes, page, device_id=ordinal)
         device = cp.ndarray((CHUNK_WORDS,), cp.uint32, cp.cuda.MemoryPointer(memory, 0))
         self._pages.append(page)
-        self._free += [HostWord(device[i:i + 1], host[i:i + 1]) for i in range(CHUNK_WORDS)]
+        free += [HostWord(device[i:i + 1], host[i:i + 1], ordinal) for i in range(CHUNK_WORDS)]
 
 
 WORDS = HostWords()
-"""The process-wide pool (registered portable: any device's kernels may write its words)."""
+"""The process-wide pool."""

@@ -160,7 +160,7 @@ class ExpertSlot:
 
     def holding(self, key: ExpertKey, manifest: pb.ExpertManifest) -> ExpertSlot | None:
         """This slot's place holding ``key`` instead: a new slot on the same blob that shares
-        this one's tensor views (a CuPy view costs the host ~10 us to make), or None where
+        this one's tensor views (a CuPy view costs the host 10-30 us to make), or None where
         ``manifest`` lays its tensors out otherwise."""
         if manifest is not self.manifest and (
                 manifest.blob_bytes != self.manifest.blob_bytes
