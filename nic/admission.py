@@ -12,18 +12,18 @@ from nic.ports import Port
 Refusal = tuple[FrameStatus, str]
 
 
-def admit(h: Header, payload_bytes: int, snapshot: Snapshot, outstanding: int, credits: int
-          ) -> ModelEntry | Refusal:
-    """The model entry a request of ``payload_bytes`` addresses, or why it is refused: the
-    sender's ``outstanding`` requests at its ``credits``, the payload's size, the model, layer
-    and expert against ``snapshot``, the rows' width against the model's hidden size."""
+def admit(h: Header, key: ExpertKey, payload_bytes: int, snapshot: Snapshot, outstanding: int,
+          credits: int) -> ModelEntry | Refusal:
+    """The model entry a request of ``payload_bytes`` for ``key`` (the header's model, layer
+    and expert) addresses, or why it is refused: the sender's ``outstanding`` requests at its
+    ``credits``, the payload's size, the model, layer and expert against ``snapshot``, the
+    rows' width against the model's hidden size."""
     if outstanding >= credits:
         return FrameStatus.NO_CREDIT, f"{credits} requests already outstanding"
     if payload_bytes == 0 or payload_bytes % 16:
         return (FrameStatus.BAD_FRAME, f"a payload of {payload_bytes} bytes: rows must fill a "
                 "positive multiple of 16 bytes")
-    model = h.model_name
-    key = ExpertKey(model, h.layer, h.expert)
+    model = key.model
     entry = snapshot.models.get(model)
     if entry is None or key.layer not in entry.layers or key.expert >= entry.experts:
         return (FrameStatus.UNKNOWN_EXPERT,

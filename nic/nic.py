@@ -218,12 +218,13 @@ class Nic:
 
     def _request(self, identity: bytes, h: Header, payload: np.ndarray) -> None:
         mid = h.message_id
-        entry = admit(h, payload.size, self.snapshot, self.outstanding[identity], self.credits)
+        model = h.model_name
+        key = ExpertKey(model, h.layer, h.expert)
+        entry = admit(h, key, payload.size, self.snapshot, self.outstanding[identity],
+                      self.credits)
         if isinstance(entry, tuple):
             self._refuse(identity, mid, *entry)
             return
-        model = h.model_name
-        key = ExpertKey(model, h.layer, h.expert)
         d = self.flows.lookup(TrafficClass.ACTIVATIONS, model, key.layer, key.expert,
                               identity.hex(), payload.size, self._load)
         if d.action == Action.DROP:
