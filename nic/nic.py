@@ -107,6 +107,9 @@ class Nic:
         self._bells = TxBells(self._poller)
         self._naps = False
         """Whether the loop awaits something no doorbell announces (``_wakes_on_bells``)."""
+        self._last_work = self._last_sweep = 0.0
+        """When a pass last moved something, and last swept for expired messages (monotonic
+        seconds)."""
         self.stopping = False
         self.started = threading.Event()
         """Set by the agent's ``start`` once it attached the ports it has: until then frames
@@ -118,35 +121,39 @@ class Nic:
         """Poll until stopped: without a pause while work moved in the last ``SPIN_SECONDS``,
         napping between passes while it awaits what no doorbell announces, else sleeping up to
         ``IDLE_POLL_MS`` until a frame or a worker's tx doorbell comes."""
-        last_sweep = last_work = 0.0
         futex.tight_timer_slack("nic")
         self.started.wait()
         while not self.stopping:
-            busy = time.monotonic() - last_work < SPIN_SECONDS
-            ready = dict(self._poller.poll(0 if busy or self._naps else IDLE_POLL_MS))
-            if not ready and not busy and self._naps:
-                time.sleep(NAP_SECONDS)
-            with self.lock:
-                self._bells.update(self.ports.values(), ready)
-                self._take_snapshot()
-                moved = len(ready)
-                if self.sock in ready:
-                    self._receive()
-                for h, payload in self._remotes.answers(ready):
-                    self._from_remote(h, payload)
-                for port in list(self.ports.values()):
-                    moved += port.pump()
-                    for answer in port.answers(lambda nid, port=port: self._expected(port, nid)):
-                        moved += 1
-                        self._answered(port, answer)
-                now = time.monotonic()
-                if moved:
-                    last_work = now
-                if now - last_sweep > SWEEP_SECONDS:
-                    last_sweep = now
-                    self._expire(now)
-                self._acknowledge()
-                self._naps = bool(self.pending) and not self._wakes_on_bells()
+            self._one_pass()
+
+    def _one_pass(self) -> None:
+        """Wait for work as :meth:`run` says, then move what is there: doorbells drained, a
+        new snapshot taken, senders' frames steered, rx rings filled, answers sent back."""
+        busy = time.monotonic() - self._last_work < SPIN_SECONDS
+        ready = dict(self._poller.poll(0 if busy or self._naps else IDLE_POLL_MS))
+        if not ready and not busy and self._naps:
+            time.sleep(NAP_SECONDS)
+        with self.lock:
+            self._bells.update(self.ports.values(), ready)
+            self._take_snapshot()
+            moved = len(ready)
+            if self.sock in ready:
+                self._receive()
+            for h, payload in self._remotes.answers(ready):
+                self._from_remote(h, payload)
+            for port in list(self.ports.values()):
+                moved += port.pump()
+                for answer in port.answers(lambda nid, port=port: self._expected(port, nid)):
+                    moved += 1
+                    self._answered(port, answer)
+            now = time.monotonic()
+            if moved:
+                self._last_work = now
+            if now - self._last_sweep > SWEEP_SECONDS:
+                self._last_sweep = now
+                self._expire(now)
+            self._acknowledge()
+            self._naps = bool(self.pending) and not self._wakes_on_bells()
 
     def _wakes_on_bells(self) -> bool:
         """Whether all the loop awaits from the ports comes with a wake: no message waits for
