@@ -14,9 +14,10 @@ loop waited for the GPU and released after every expert: each woken host thread 
 next expert slowly, and each release rang the sleeping agent awake.
 
 Paths in the same run and routing: ``offload`` (this project: each layer's experts asked for
-in one AcquireBatch, so the misses' transfers overlap and are waited for in order; on the GPU
-each wait is enqueued on the compute stream ahead of the expert's FFN, ``--wait host`` blocks
-the calling thread instead; a wait on the stream counts as waiting, from CUDA events),
+in one batch posted without waiting for its grants, so the misses' transfers overlap and the
+first FFNs are launched while the agent grants the rest; on the GPU each wait (its own grant,
+then its bytes) is enqueued on the compute stream ahead of the expert's FFN, ``--wait host``
+blocks the calling thread instead; a wait on the stream counts as waiting, from CUDA events),
 ``resident`` (every expert in a slot: the upper bound; measured again in each offload run
 with that run's agent and DMA engine up, as ``resident_beside_agent``, since here they share
 the host's cores with the inference process), ``pageable`` (a synchronous copy from
@@ -243,7 +244,9 @@ def run(arch: str, fractions: list[float], trace: Path | None, tokens: int, laye
 
                 def begin(layer: int, experts: list[int]) -> None:
                     # Releases posted before are served first: the slots they free are free.
-                    got = session.acquire_batch(dev, [ExpertKey("m", layer, e) for e in experts])
+                    # Not waiting for the grants: the first FFNs are launched meanwhile.
+                    got = session.acquire_batch(dev, [ExpertKey("m", layer, e) for e in experts],
+                                                wait=False)
                     handles.clear()
                     handles.update(zip(experts, got, strict=True))
                     if prefetch:

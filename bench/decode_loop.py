@@ -64,8 +64,8 @@ class Decoder:
         ``fetch(layer, expert)`` before each, then waits once for the layer's kernels (as an
         inference engine's MoE layer does: the next layer's routing needs this one's output)
         then ``release(layer, experts)``. ``begin(layer, experts)``, when given,
-        is told each layer's experts before the first ``fetch`` (the offload path asks for
-        them all in one AcquireBatch so their transfers overlap); its time counts as waiting.
+        is told each layer's experts before the first ``fetch`` (the offload path posts them
+        all in one batch so their transfers overlap); its time counts as waiting.
 
         Besides the whole run's tokens/s: the first token's seconds (``first_token_s``: cold
         slots, and the first request each process serves) and the tokens/s of the rest
@@ -165,7 +165,7 @@ def layer_record(token: int, layer: int, experts: list[int], t_begin: float, t_l
                  gpu_ms: list[list[float]]) -> dict[str, Any]:
     """One layer's timeline, ms from the layer's start (``t_begin``, host clock; on a GPU the
     CUDA event recorded then, on an idle stream): ``begun`` (``begin`` returned: the offload
-    path's batch granted), per expert in order ``host`` (fetch called, fetch returned, FFN
+    path's batch posted), per expert in order ``host`` (fetch called, fetch returned, FFN
     launched) and ``gpu`` (the events before the fetch, after it: the expert READY on the
     stream, after the FFN, after the accumulation; empty on the CPU), ``synced`` (the layer's
     kernels done), ``released``."""

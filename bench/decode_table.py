@@ -115,8 +115,10 @@ def print_timeline(r: dict[str, Any]) -> None:
 
         n = min(len(rec["host"]) for rec in layers)
         line = (f" timeline at {run['fraction']:.0%} (ms from a layer's start, median of "
-                f"{len(layers)} layers): granted {med(lambda rec: rec['begun']):.2f}; host "
-                f"launches done {med(lambda rec: rec['host'][-1][2]):.2f}")
+                f"{len(layers)} layers): posted {med(lambda rec: rec['begun']):.2f}; each "
+                f"expert's fetch returned " + " ".join(
+                    f"{med(lambda rec, i=i: rec['host'][i][1]):.2f}" for i in range(n))
+                + f"; host launches done {med(lambda rec: rec['host'][-1][2]):.2f}")
         if all(len(rec["gpu"]) >= n for rec in layers):
             ready = " ".join(f"{med(lambda rec, i=i: rec['gpu'][i][1]):.2f}" for i in range(n))
             line += (f"; GPU: each expert READY {ready}, kernels done "

@@ -28,7 +28,6 @@ from dpu_offload.v1 import agent_pb2 as pb
 from host_client.connection import TlsFiles
 from host_client.devices import Device
 from host_client.errors import (
-    AgentError,
     InvalidArgument,
     refusal,
     refusal_of,
@@ -226,10 +225,15 @@ class AgentClient(PlacementCalls):
                                         self.rpc_timeout)
         return handle
 
-    def acquire_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
-        """Acquire several experts (a layer's) with one post, all or nothing: returns once the
-        agent granted every slot (deliveries may still be in flight); if it refused any, the
-        granted ones are released and the first refusal is raised. Each must be released."""
+    def acquire_batch(self, dev: AttachedDevice, keys: list[ExpertKey], wait: bool = True
+                      ) -> list[AcquireHandle]:
+        """Acquire several experts (a layer's) with one post. With ``wait``, all or nothing:
+        returns once the agent granted every slot (deliveries may still be in flight); if it
+        refused any, the granted ones are released and the first refusal is raised. Without,
+        at once: the agent grants them in turn while the caller enqueues work behind the first
+        ones (``AcquireHandle.enqueue_wait`` waits for its own grant only), each handle's wait
+        raises its own refusal, and :meth:`release_granted` gives back the granted ones of a
+        batch that will not be used. Each granted expert must be released."""
         handles = self._handles(dev, keys)
         posted = [h for h in handles if not h.pinned_hit]
         if posted:
@@ -237,21 +241,26 @@ class AgentClient(PlacementCalls):
             # one launch: each takes its slot from its reply and is checked as its bytes land.
             AcquireHandle.check_at_post(posted, [self.manifest(h.key).blob_bytes
                                                  for h in posted], self.rpc_timeout)
-        refused: AgentError | None = None
-        granted = []
+        if not wait:
+            return handles
         # The agent answers in order: asleep until the last reply, one wake-up for the batch.
         for h in reversed(handles):
             h.wait_granted(self.rpc_timeout, spin=len(handles) == 1)
-        for h in handles:
-            if h.refusal is not None:
-                refused = refused or h.refusal
-            else:
-                granted.append(h.key)
+        refused = next((h.refusal for h in handles if h.refusal is not None), None)
         if refused is not None:
-            if granted:
-                self.release_batch(dev, granted)
+            self.release_granted(dev, handles)
             raise refused
         return handles
+
+    def release_granted(self, dev: AttachedDevice, handles: list[AcquireHandle]) -> int:
+        """Release the experts of one batch's ``handles`` that the agent granted, once it has
+        answered each (with one post, as :meth:`release_batch`); returns how many."""
+        for h in reversed(handles):
+            h.wait_granted(self.rpc_timeout, spin=False)
+        granted = [h.key for h in handles if h.refusal is None]
+        if granted:
+            self.release_batch(dev, granted)
+        return len(granted)
 
     @staticmethod
     def wait_all(handles: list[AcquireHandle], timeout: float | None = 30.0

@@ -100,6 +100,40 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
         client.release(dev, ExpertKey("qwen-evict", layer, 2))
 
 
+def test_a_batch_posted_without_waiting_is_granted_in_turn(client: AgentClient,
+                                                          qwen_ckpt: Path) -> None:
+    """``acquire_batch(wait=False)`` returns without waiting for the agent: each handle then
+    resolves on its own (its checkpoint bytes, through the DMA engine), the one the agent
+    refuses (two slots, three experts) raises its own ResourceExhausted, and
+    ``release_granted`` gives back the two granted ones, whose slots serve the next batch."""
+    from host_client import ResourceExhausted
+
+    truth = checkpoint_bytes(qwen_ckpt)
+    model = client.load_model(str(qwen_ckpt), "qwen-nowait")
+    dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)],
+                                 delivery="engine")
+    handles = client.acquire_batch(dev, [ExpertKey("qwen-nowait", 1, e) for e in range(3)],
+                                   wait=False)
+    for e, h in enumerate(handles[:2]):
+        assert h.wait(10).raw("up_proj").tobytes() == \
+            truth[f"model.layers.1.mlp.experts.{e}.up_proj.weight"]
+    with pytest.raises(ResourceExhausted, match="held"):
+        handles[2].wait(10)
+    assert client.release_granted(dev, handles) == 2
+    keys = [ExpertKey("qwen-nowait", 2, e) for e in (0, 1)]
+    deadline = time.monotonic() + 5  # a slot that just landed is kept through its check grace
+    while True:
+        try:
+            slots = [h.wait(10) for h in client.acquire_batch(dev, keys)]
+            break
+        except ResourceExhausted:
+            assert time.monotonic() < deadline, "the released slots never served a batch"
+            time.sleep(0.2)
+    assert [s.raw("down_proj").tobytes() for s in slots] == [
+        truth[f"model.layers.2.mlp.experts.{e}.down_proj.weight"] for e in (0, 1)]
+    client.release_batch(dev, keys)
+
+
 @pytest.mark.parametrize("mutate,code", [
     (lambda r: r.key.__setattr__("model", "nope"), grpc.StatusCode.NOT_FOUND),
     (lambda r: r.key.__setattr__("expert", 99), grpc.StatusCode.NOT_FOUND),
