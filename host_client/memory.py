@@ -136,8 +136,27 @@ class ClampedSwiGLU:
     limit: float
 
 
-def _tensor_fields(manifest: pb.ExpertManifest) -> list[tuple[Any, ...]]:
-    return [(t.name, t.offset, t.nbytes, tuple(t.shape), t.dtype) for t in manifest.tensors]
+_LAYOUTS: dict[int, tuple[pb.ExpertManifest, tuple[Any, ...]]] = {}
+"""id(manifest) -> (the manifest, kept so that its id is not reused; its blob layout)."""
+_INTERNED: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+"""Each distinct blob layout once, so that equal layouts are the same object."""
+MAX_LAYOUTS = 1 << 16
+"""Manifests whose layouts are remembered before the memo starts again (a client describes
+each expert once per agent session)."""
+
+
+def blob_layout(manifest: pb.ExpertManifest) -> tuple[Any, ...]:
+    """The manifest's blob size and each tensor's (name, offset, bytes, shape, dtype), one
+    object per distinct layout (compare with ``is``); remembered per manifest object, since
+    a slot compares them on every change of expert."""
+    got = _LAYOUTS.get(id(manifest))
+    if got is None:
+        if len(_LAYOUTS) >= MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        layout = (manifest.blob_bytes, *((t.name, t.offset, t.nbytes, tuple(t.shape), t.dtype)
+                                         for t in manifest.tensors))
+        got = _LAYOUTS[id(manifest)] = (manifest, _INTERNED.setdefault(layout, layout))
+    return got[1]
 
 
 class ExpertSlot:
@@ -162,9 +181,8 @@ class ExpertSlot:
         """This slot's place holding ``key`` instead: a new slot on the same blob that shares
         this one's tensor views (a CuPy view costs the host 10-30 us to make), or None where
         ``manifest`` lays its tensors out otherwise."""
-        if manifest is not self.manifest and (
-                manifest.blob_bytes != self.manifest.blob_bytes
-                or _tensor_fields(manifest) != _tensor_fields(self.manifest)):
+        if manifest is not self.manifest and \
+                blob_layout(manifest) is not blob_layout(self.manifest):
             return None
         slot = ExpertSlot(key, self.blob, manifest)
         slot._layouts, slot._views = self._layouts, self._views

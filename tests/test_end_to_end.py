@@ -100,6 +100,29 @@ def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) ->
         client.release(dev, ExpertKey("qwen-evict", layer, 2))
 
 
+def test_a_slot_shares_its_views_only_with_an_expert_laid_out_alike() -> None:
+    """``ExpertSlot.holding``: the next expert in the same place, described by another
+    manifest of the same layout, gets the same view objects (over its own bytes: the blob is
+    the slot's); a manifest whose tensors lie otherwise gets none (its slot makes its own)."""
+    from host_client.memory import ExpertSlot
+
+    def manifest(expert: int, shape: tuple[int, int]) -> pb.ExpertManifest:
+        return pb.ExpertManifest(key=pb.ExpertKey(model="m", layer=0, expert=expert),
+                                 blob_bytes=512, tensors=[pb.TensorEntry(
+                                     name="up_proj", dtype="BF16", shape=list(shape),
+                                     offset=0, nbytes=512)])
+
+    blob = np.arange(512, dtype=np.uint8)
+    first = ExpertSlot(ExpertKey("m", 0, 0), blob, manifest(0, (16, 16)))
+    view = first.tensor("up_proj")
+    alike = first.holding(ExpertKey("m", 0, 1), manifest(1, (16, 16)))
+    assert alike is not None and alike.key == ExpertKey("m", 0, 1)
+    assert alike.tensor("up_proj") is view
+    blob[:2] = (7, 9)
+    assert int(alike.tensor("up_proj")[0, 0]) == 7 | 9 << 8
+    assert first.holding(ExpertKey("m", 0, 2), manifest(2, (8, 32))) is None
+
+
 def test_a_batch_posted_without_waiting_is_granted_in_turn(client: AgentClient,
                                                           qwen_ckpt: Path) -> None:
     """``acquire_batch(wait=False)`` returns without waiting for the agent: each handle then
