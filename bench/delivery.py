@@ -45,8 +45,7 @@ from bench.common import (
     write,
 )
 from bench.delivery_baselines import baselines, copy_engine_from_arena
-from dpu_offload import abi
-from dpu_offload.channel import split_word
+from bench.delivery_stages import agent_request_times, batch_timeline, stage_breakdown
 from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -162,6 +161,8 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
             before = scrape(agent)
             stages = stage_breakdown(client, dev, other, resident, max(8, repeats * 2), cycle)
             stages.update(agent_request_times(before, scrape(agent)))
+            # An even count: the batch loaded last is ``resident`` again, as the hits need.
+            timeline = batch_timeline(client, dev, (other, resident), 2 * max(4, repeats))
             hit, pinned = [], 0
             for r in range(max(20, repeats * 4)):  # an expert already READY in a slot
                 k = resident[r % half]
@@ -187,6 +188,7 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 "ready_hit_p50_us": median(hit) * 1e6,
                 "ready_hit_pinned_fraction": pinned / len(hit),
                 **stages,
+                "batch_timeline_ms": timeline,
                 "client_cpu_s_per_gb": cpu_client / (nbytes_total / 1e9),
                 "client_cpu_s_per_gb_by_thread": {
                     name: s / (nbytes_total / 1e9) for name, s in by_thread.most_common()
@@ -211,60 +213,6 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
     result.update({f"{k}_gbps": v for k, v in
                    baselines(half * model.expert_bytes, repeats, gpu).items()})
     return result
-
-
-def stage_breakdown(client: AgentClient, dev: object, cold: list[ExpertKey],
-                    resident: list[ExpertKey], samples: int,
-                    cycle: object) -> dict[str, float]:
-    """Where a cold acquire's time goes, seen by a client that never sleeps (p50 ms from the
-    post): the agent's reply (``grant``), the slot's word reading LANDED (a DMA-engine device:
-    the engine's bytes are in) or READY, and the verdict (``ready``, the check included)."""
-    grant, landed, ready = [], [], []
-    channel = dev.channel  # type: ignore[attr-defined]
-    for r in range(samples):
-        k = cold[r % len(cold)]
-        t0 = time.perf_counter()
-        handle = client.acquire(dev, k)  # type: ignore[arg-type]
-        while not handle.granted():
-            pass
-        t1 = time.perf_counter()
-        if handle.refusal is not None:
-            raise handle.refusal
-        index = int(handle._reply["state_index"])
-        mine = int(handle._reply["generation"])
-        while True:
-            generation, state = split_word(channel.word(index))
-            if generation > mine or (generation == mine and state in (
-                    abi.SlotState.LANDED, abi.SlotState.READY, abi.SlotState.FAILED)):
-                break
-            time.sleep(0)  # yields the GIL: a CPU device's check runs in this process
-        t2 = time.perf_counter()
-        handle.wait(60)
-        t3 = time.perf_counter()
-        grant.append(t1 - t0)
-        landed.append(t2 - t0)
-        ready.append(t3 - t0)
-        client.release(dev, k)  # type: ignore[arg-type]
-        cycle(resident)  # type: ignore[operator]
-    return {"stage_grant_p50_ms": median(grant) * 1e3,
-            "stage_landed_p50_ms": median(landed) * 1e3,
-            "stage_ready_p50_ms": median(ready) * 1e3}
-
-
-def agent_request_times(before: dict[str, float], after: dict[str, float]
-                        ) -> dict[str, float]:
-    """Mean microseconds a request waited in its ring before the agent's loop took it, and
-    the agent took to serve it, between two scrapes of the agent's metrics."""
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    n = delta("dpu_agent_dataplane_timed_requests_total")
-    if not n:
-        return {}
-    return {"agent_request_wait_us": delta("dpu_agent_dataplane_request_wait_seconds_total")
-            / n * 1e6,
-            "agent_request_service_us":
-            delta("dpu_agent_dataplane_request_service_seconds_total") / n * 1e6}
 
 
 def plot(results: dict[str, dict[str, object]], path: Path) -> None:
@@ -357,6 +305,10 @@ def main() -> int:
                           f"{n} {v:.0f} us" for n, v in
                           r["client_cpu_us_per_expert_by_step"].items()) + ")",
                       file=sys.stderr)
+                line = r["batch_timeline_ms"]
+                print("  a batch, ms from its post (p50 per expert): " + "; ".join(
+                    f"{stage} " + " ".join(f"{t:.2f}" for t in line[stage])
+                    for stage in ("grant", "landed", "ready", "end")), file=sys.stderr)
     if args.trace:
         print(f"traced into {args.trace}: python bench/trace_report.py {args.trace}")
         return 0
