@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 RING_MAGIC = 0x52555044  # b"DPUR" read little-endian
-ABI_VERSION = 1
+ABI_VERSION = 2
 HEADER_BYTES = 256
 CACHE_LINE_BYTES = 64
 COPY_ALIGN_BYTES = 16
@@ -93,21 +93,27 @@ class RegionFlags(IntEnum):
 HEADER_DTYPE = np.dtype(
     {
         "names": ["magic", "version", "kind", "entry_size", "capacity", "exit_flag", "fault",
-                  "producer", "sleepers", "doorbell", "consumer"],
-        "formats": ["<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u4", "<u4", "<u8"],
-        "offsets": [0, 4, 8, 12, 16, 20, 24, 64, 72, 76, 128],
+                  "producer", "doorbell", "sleepers", "consumer"],
+        "formats": ["<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u4", "<u8", "<u8"],
+        "offsets": [0, 4, 8, 12, 16, 20, 24, 64, 76, 80, 128],
         "itemsize": HEADER_BYTES,
     }
 )
 """Ring header. ``producer`` and ``consumer`` are monotonically increasing positions (entries,
 not bytes), each on its own cache line and written only by its owner. ``exit_flag`` is set by
 the host to stop a persistent consumer; ``fault`` holds a :class:`Status` a consumer reports
-when the ring itself is unusable (wrong magic or version). ``sleepers`` (request rings) counts
-the producer's threads asleep on a futex of the channel (a reply or slot-state word): the agent
-makes the wake system call only when it is non-zero (a hint: a wrong value costs the producer
-its own latency, nothing else). ``doorbell`` (packet rings) is 1 while the producer writes a
-byte into the ring's doorbell FIFO after each publication (``dpu_offload.port_bell``), so the
-consumer may sleep on it; 0 (a GPU kernel producing, or no FIFO): the consumer polls."""
+when the ring itself is unusable (wrong magic or version). ``sleepers`` (request rings): who of
+the producer's threads sleep on a futex of the channel (a reply's ``seq`` or a slot-state
+``word``), one 64-bit store: the low 32 bits count them, the high 32 bits hold the channel byte
+offset of the word they all sleep on, or ``SLEEPING_ON_ANY`` when they sleep on several. The
+agent and the DMA engine make the wake system call only for a word someone may sleep on (a
+hint: a wrong value costs the producer its own latency, nothing else). ``doorbell`` (packet
+rings) is 1 while the producer writes a byte into the ring's doorbell FIFO after each
+publication (``dpu_offload.port_bell``), so the consumer may sleep on it; 0 (a GPU kernel
+producing, or no FIFO): the consumer polls."""
+
+SLEEPING_ON_ANY = 0xFFFFFFFF
+"""``sleepers``' high half when the producer's sleepers wait on more than one word."""
 
 DESCRIPTOR_DTYPE = np.dtype(
     {

@@ -86,10 +86,10 @@ class Channel:
         self.pins = np.ndarray((abi.MAX_CHANNEL_SLOTS,), abi.PIN_DTYPE, buffer=buffer,
                                offset=layout.pins)
         self._pin_counts, self._touches = self.pins["pins"], self.pins["touches"]
-        self._sleepers = np.ndarray((1,), "<u4", buffer=buffer, offset=_SLEEPERS_AT)
+        self._sleepers = np.ndarray((1,), "<u8", buffer=buffer, offset=_SLEEPERS_AT)
         self._bytes = memoryview(buffer)
         self._replies_at, self._states_at = replies_at, states_at
-        base = int(buffer.ctypes.data)
+        self._base = base = int(buffer.ctypes.data)
         self._reply_seq_at = base + replies_at + abi.REPLY_DTYPE.fields["seq"][1]
         self._words_at = base + states_at
 
@@ -158,11 +158,15 @@ class Channel:
         self._wake(self.word_address(index))
 
     def _wake(self, address: int) -> None:
-        """Wake the sleepers on ``address`` if the client says it has any. The fence orders the
-        word just published before the load of ``sleepers`` (the client's mirror image: it
-        counts itself, fences, and the futex re-reads the word), so no sleeper is missed."""
+        """Wake the sleepers on ``address`` if the client says one may sleep on it (a wake
+        system call costs the waker microseconds even when nobody sleeps). The fence orders
+        the word just published before the load of ``sleepers`` (the client's mirror image:
+        it stores ``sleepers``, fences, and the futex re-reads the word), so no sleeper is
+        missed."""
         store_fence()
-        if self._sleepers[0]:
+        sleepers = int(self._sleepers[0])
+        if sleepers & 0xFFFFFFFF and (sleepers >> 32) in (abi.SLEEPING_ON_ANY,
+                                                           address - self._base):
             futex.wake(address)
 
     def reply_seq_address(self, position: int) -> int:
@@ -207,10 +211,12 @@ class Channel:
         """Drop one pin on slot ``index`` (the caller took it with :meth:`try_pin`)."""
         self._pin_counts[index] = max(0, int(self._pin_counts[index]) - 1)
 
-    def set_sleepers(self, count: int) -> None:
-        """Publish how many of the client's threads are (about to be) asleep on a word of this
-        channel, fenced before the caller's futex wait reads that word."""
-        self._sleepers[0] = count
+    def set_sleepers(self, count: int, address: int | None) -> None:
+        """Publish how many of the client's threads are (about to be) asleep on words of this
+        channel, and the address (this process) of the one word they all sleep on (None: more
+        than one), in one store fenced before the caller's futex wait reads its word."""
+        on = abi.SLEEPING_ON_ANY if address is None else address - self._base
+        self._sleepers[0] = (on << 32) | count if count else 0
         store_fence()
 
     def answered(self, first: int, last: int) -> np.ndarray:

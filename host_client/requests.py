@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import numpy as np
@@ -63,7 +63,8 @@ class ClientChannel:
         where a pinned hit may find it."""
         self._pinned: dict[ExpertKey, list[int]] = {}
         """expert -> the slot-state index of each pinned hit this client holds on it."""
-        self._sleepers = 0
+        self._asleep: Counter[int] = Counter()
+        """Address -> this process's threads asleep on that word of the channel."""
         self.device_address = 0
         """The channel's address as the device's kernels see it (registered host memory)."""
 
@@ -193,17 +194,24 @@ class ClientChannel:
 
     def sleep(self, address: int, value: int, timeout: float) -> None:
         """Sleep until the word at ``address`` may differ from ``value`` (or ``timeout`` s),
-        counted in the channel's ``sleepers`` so that the agent wakes us (it skips the wake
-        system call while nobody of ours sleeps)."""
+        published in the channel's ``sleepers`` so that the agent wakes us (it skips the wake
+        system call for a word none of ours sleeps on)."""
         with self._lock:
-            self._sleepers += 1
-            self.view.set_sleepers(self._sleepers)
+            self._asleep[address] += 1
+            self._publish_sleepers_locked()
         try:
             futex.wait(address, value, timeout)
         finally:
             with self._lock:
-                self._sleepers -= 1
-                self.view.set_sleepers(self._sleepers)
+                self._asleep[address] -= 1
+                if not self._asleep[address]:
+                    del self._asleep[address]
+                self._publish_sleepers_locked()
+
+    def _publish_sleepers_locked(self) -> None:
+        asleep = self._asleep
+        self.view.set_sleepers(sum(asleep.values()),
+                               next(iter(asleep)) if len(asleep) == 1 else None)
 
     def wait_reply(self, position: int, timeout: float, posted: float | None = None
                    ) -> np.void:

@@ -50,20 +50,23 @@ def test_replies_are_matched_by_position_and_reused_per_lap() -> None:
     assert ch.answered(6, 10).all() and not ch.answered(10, 14).any()
 
 
-@pytest.mark.parametrize("counted", [True, False])
-def test_a_sleeping_waiter_is_woken_by_a_publication_when_counted(counted: bool) -> None:
-    """The publisher wakes only when the header's ``sleepers`` says someone sleeps: a counted
-    waiter is woken at once, an uncounted one sleeps out its timeout."""
+@pytest.mark.parametrize("says", ["this word", "several words", "another word", "nothing"])
+def test_a_sleeping_waiter_is_woken_only_where_it_says_it_sleeps(says: str) -> None:
+    """The publisher wakes only when the header's ``sleepers`` says someone may sleep on the
+    word it published: a waiter that named this word (or several words) is woken at once; one
+    that named another word, or nothing, sleeps out its timeout (no wake system call)."""
     ch = make_channel()
     ch.publish_state(3, 7, abi.SlotState.FILLING)
     seen = []
+    hint = {"this word": (1, ch.word_address(3)), "several words": (2, None),
+            "another word": (1, ch.word_address(4)), "nothing": (0, None)}[says]
 
     def waiter() -> None:
         value = int(ch.words[3])
-        ch.set_sleepers(int(counted))
+        ch.set_sleepers(*hint)
         while split_word(int(ch.words[3]))[1] != abi.SlotState.READY:
             futex.wait(ch.word_address(3), value, 1.5)
-        ch.set_sleepers(0)
+        ch.set_sleepers(0, None)
         seen.append(time.monotonic())
 
     t = threading.Thread(target=waiter)
@@ -73,7 +76,7 @@ def test_a_sleeping_waiter_is_woken_by_a_publication_when_counted(counted: bool)
     ch.publish_state(3, 7, abi.SlotState.READY)
     t.join(5)
     assert seen
-    if counted:
+    if says in ("this word", "several words"):
         assert seen[0] - published < 0.5  # woken, not timed out
     else:
         assert seen[0] - published > 1.0  # no wake system call was made
@@ -128,6 +131,47 @@ def test_no_wake_is_lost_between_processes() -> None:
         clock.unlink()
         agent.close()
     assert len(late) == rounds and max(late) < nap / 2, sorted(late)[-5:]
+
+
+def test_two_sleepers_on_two_words_are_each_woken() -> None:
+    """Two client threads asleep on two slot words: ``sleepers`` says two on several words;
+    once the first is woken and gone it names the other's word alone, and that one is woken
+    by its own publication (not by sleeping out its nap)."""
+    from dpu_agent.dataplane.channels import DeviceChannel
+    from host_client.requests import ClientChannel
+
+    agent = DeviceChannel(("s", 1), capacity=16)
+    client = ClientChannel(agent.name, agent.size)
+    view, woken = client.view, {}
+    header = view.requests.header
+    try:
+        for i in (3, 4):
+            agent.publish_state(i, 1, abi.SlotState.FILLING)
+
+        def sleeper(i: int) -> None:
+            value = int(view.words[i])
+            while int(view.words[i]) == value:
+                client.sleep(view.word_address(i), value, 3.0)
+            woken[i] = time.monotonic()
+
+        threads = [threading.Thread(target=sleeper, args=(i,)) for i in (3, 4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while int(header["sleepers"]) & 0xFFFFFFFF != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert int(header["sleepers"]) == (abi.SLEEPING_ON_ANY << 32) | 2
+        agent.publish_state(4, 1, abi.SlotState.READY)
+        threads[1].join(5)
+        assert int(header["sleepers"]) == ((view.word_address(3) - view.word_address(0)
+                                            + abi.channel_layout(16).states) << 32) | 1
+        published = time.monotonic()
+        agent.publish_state(3, 1, abi.SlotState.READY)
+        threads[0].join(5)
+        assert woken[3] - published < 1.0  # woken, not its 3 s nap
+        assert int(header["sleepers"]) == 0
+    finally:
+        agent.close()
 
 
 @pytest.mark.parametrize("final,expect", [(abi.SlotState.READY, 0), (abi.SlotState.FAILED, 1)])

@@ -14,7 +14,7 @@ typedef unsigned long long uint64_t;
 #endif
 
 #define DPU_RING_MAGIC 0x52555044u
-#define DPU_ABI_VERSION 1u
+#define DPU_ABI_VERSION 2u
 #define DPU_HEADER_BYTES 256
 #define DPU_CACHE_LINE_BYTES 64
 #define DPU_COPY_ALIGN_BYTES 16
@@ -85,11 +85,12 @@ typedef struct {
     uint32_t fault;
     uint8_t pad0[64 - 28];
     uint64_t producer;
-    uint32_t sleepers;
+    uint32_t pad1;
     uint32_t doorbell;
-    uint8_t pad1[64 - 16];
+    uint64_t sleepers;
+    uint8_t pad2[64 - 24];
     uint64_t consumer;
-    uint8_t pad2[128 - 8];
+    uint8_t pad3[128 - 8];
 } dpu_ring_header;
 
 typedef struct {
