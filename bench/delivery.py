@@ -205,8 +205,10 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                                    getattr(device, "mechanism", "cpu-reference"))
             result["mechanism_probe"] = getattr(device, "probe", {})
             if gpu:
-                result["copy_engine_arena_gbps"] = copy_engine_from_arena(
+                arena_gbps = copy_engine_from_arena(
                     device, client.arena.region_id, half * model.expert_bytes, repeats)
+                if arena_gbps is not None:
+                    result["copy_engine_arena_gbps"] = arena_gbps
                 log(f"{name}: copy engine done")
         finally:
             client.close()

@@ -69,12 +69,15 @@ def baselines(nbytes: int, repeats: int, gpu: bool) -> dict[str, float]:
 
 
 def copy_engine_from_arena(device: Any, arena_region: int, nbytes: int,
-                           repeats: int) -> float:
+                           repeats: int) -> float | None:
     """GB/s of cudaMemcpyAsync from the agent's arena (already registered by the CUDA device)
-    into device memory: the copy-engine mechanism, without rings."""
+    into device memory: the copy-engine mechanism, without rings. None where the device has
+    not mapped the arena (the DMA engine's process maps it instead)."""
     import cupy as cp
 
     src = int(device.regions[arena_region]["base"])
     nbytes = min(nbytes, int(device.regions[arena_region]["size"]))
+    if nbytes == 0:
+        return None
     dst = cp.empty(nbytes, cp.uint8)
     return copy_gbps(dst.data.ptr, src, nbytes, repeats)
