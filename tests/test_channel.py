@@ -133,6 +133,19 @@ def test_no_wake_is_lost_between_processes() -> None:
     assert len(late) == rounds and max(late) < nap / 2, sorted(late)[-5:]
 
 
+@pytest.mark.parametrize("raw", [2**64 - 1, (0xFFFFFFF0 << 32) | 7, 1 << 32, 3])
+def test_a_hostile_sleepers_word_only_decides_a_wake(raw: int) -> None:
+    """``sleepers`` is client-written: any value (an offset past the channel, a count with no
+    word, every bit set) only decides whether the publisher makes the wake call; publications
+    go on as before, nothing is read or written at the offset it names."""
+    ch = make_channel()
+    ch.requests.header["sleepers"] = raw
+    ch.publish_state(3, 9, abi.SlotState.READY)
+    ch.reply(0, 1, abi.RequestStatus.OK)
+    assert split_word(int(ch.words[3])) == (9, abi.SlotState.READY)
+    assert ch.reply_at(0) is not None and int(ch.requests.header["sleepers"]) == raw
+
+
 def test_two_sleepers_on_two_words_are_each_woken() -> None:
     """Two client threads asleep on two slot words: ``sleepers`` says two on several words;
     once the first is woken and gone it names the other's word alone, and that one is woken
@@ -163,8 +176,8 @@ def test_two_sleepers_on_two_words_are_each_woken() -> None:
         assert int(header["sleepers"]) == (abi.SLEEPING_ON_ANY << 32) | 2
         agent.publish_state(4, 1, abi.SlotState.READY)
         threads[1].join(5)
-        assert int(header["sleepers"]) == ((view.word_address(3) - view.word_address(0)
-                                            + abi.channel_layout(16).states) << 32) | 1
+        word3 = abi.channel_layout(16).states + 3 * abi.SLOT_STATE_DTYPE.itemsize
+        assert int(header["sleepers"]) == (word3 << 32) | 1
         published = time.monotonic()
         agent.publish_state(3, 1, abi.SlotState.READY)
         threads[0].join(5)
