@@ -247,7 +247,7 @@ class Orchestrator:
         return session
 
     def acquire_for(self, owner: tuple[str, int], key: ExpertKey, wait: bool) -> SlotGrant:
-        return self.grants.acquire(self._owner(owner), owner[1], key, wait)
+        return self.grants.acquire(self._owner(owner), owner[1], key, wait, pin_held=True)
 
     def release_for(self, owner: tuple[str, int], key: ExpertKey) -> None:
         self.release(self._owner(owner), owner[1], key)

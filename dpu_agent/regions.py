@@ -136,8 +136,7 @@ class Registrations:
                                    "forwards to it")
         with session.lock:
             for rid, pool in dev.pools.items():
-                busy = sum(1 for i in range(pool.slot_count) if pool.refs[i]
-                           or pool.state[i] in (SlotState.FILLING, SlotState.LANDED))
+                busy = pool.busy_count()
                 if busy:
                     raise precondition(f"device {device_id}: {busy} slot(s) of region {rid} "
                                        "held or under way; release them first")

@@ -69,6 +69,9 @@ class SlotPool:
         READY or LANDED slots nobody holds through the agent, each as (slot, the client's
         ``touches`` count of the slot when it went idle: a slot the client hit since, by a
         pin, was used again, and the policy hears so before it is passed over once)."""
+        self._handoffs: dict[int, tuple[int, int]] = {}
+        """Slot -> (references of ``PIN_HELD`` grants not yet handed to the client's pin, the
+        slot's ``touches`` when the first of them was granted)."""
         self._free = list(range(n))
         """Min-heap of the slots made FREE (entries whose slot was taken since are skipped):
         the lowest free slot in O(log n), where a scan of ``state`` costs the whole pool on
@@ -129,6 +132,31 @@ class SlotPool:
         self._idle_if_unheld(idx)
         return True
 
+    def hand_off(self, idx: int) -> None:
+        """Slot ``idx`` was just granted (its reference taken) as ``PIN_HELD``: the client will
+        hold it by a pin, and the reference is dropped once the slot's ``touches`` move past
+        their value now (:meth:`settle_handoffs`)."""
+        count, base = self._handoffs.get(idx, (0, self._touches(idx)))
+        self._handoffs[idx] = (count + 1, base)
+
+    def settle_handoffs(self) -> None:
+        """Drop the references of ``PIN_HELD`` grants whose pins are in place (each pin counts
+        its touch after it): as many as the touches moved, at most as many as were handed off
+        and still held. The client's word is trusted with its own slots only: a touch it never
+        pinned for costs it its own slot."""
+        for idx, (count, base) in list(self._handoffs.items()):
+            moved = (self._touches(idx) - base) & 0xFFFFFFFF
+            if not moved:
+                continue
+            n = min(count, moved, self.refs[idx])
+            self.refs[idx] -= n
+            left = min(count - n, self.refs[idx])
+            if left:
+                self._handoffs[idx] = (left, (base + n) & 0xFFFFFFFF)
+            else:
+                del self._handoffs[idx]
+            self._idle_if_unheld(idx)
+
     def _idle_if_unheld(self, idx: int) -> None:
         key = self.keys[idx]
         if self.refs[idx] == 0 and self.state[idx] in _SETTLED and key is not None:
@@ -148,6 +176,8 @@ class SlotPool:
         is held, pinned or may still be checked. Free slots first, lowest first; then the idle
         slot the policy names."""
         pinned = []
+        if self._handoffs:
+            self.settle_handoffs()
         try:
             while self._free:
                 idx = heapq.heappop(self._free)
@@ -217,6 +247,7 @@ class SlotPool:
         self.state[idx] = SlotState.FILLING
         self.keys[idx] = key
         self.refs[idx] = refs
+        self._handoffs.pop(idx, None)
         self.by_key[key] = idx
         self.generation[idx] += 1
         self.granted[idx] = False
@@ -272,12 +303,29 @@ class SlotPool:
         self.state[idx] = SlotState.FREE
         self.keys[idx] = None
         self.refs[idx] = 0
+        self._handoffs.pop(idx, None)
         self.transfer[idx] = 0
         self.checksums[idx] = ()
 
     def ready_count(self) -> int:
         return sum(1 for s in self.state if s == SlotState.READY)
 
+    def _pins(self) -> list[int]:
+        """Each slot's pins as the client wrote them (read after a fence)."""
+        if self.channel is None:
+            return [0] * self.slot_count
+        first = self.state_base
+        self.channel.pins_after(first)  # the fence before the reads
+        return self.channel.view.pins["pins"][first:first + self.slot_count].tolist()
+
     def held_count(self) -> int:
-        """Slots someone holds a reference on."""
-        return sum(1 for r in self.refs if r > 0)
+        """Slots held: a reference through the agent, or a pin of the client's."""
+        self.settle_handoffs()
+        return sum(1 for r, p in zip(self.refs, self._pins(), strict=True) if r or p)
+
+    def busy_count(self) -> int:
+        """Slots held, filling or awaiting their check: what keeps the pool from being
+        deregistered."""
+        self.settle_handoffs()
+        return sum(1 for i, p in enumerate(self._pins()) if self.refs[i] or p
+                   or self.state[i] in (SlotState.FILLING, SlotState.LANDED))

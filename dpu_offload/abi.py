@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 RING_MAGIC = 0x52555044  # b"DPUR" read little-endian
-ABI_VERSION = 2
+ABI_VERSION = 3
 HEADER_BYTES = 256
 CACHE_LINE_BYTES = 64
 COPY_ALIGN_BYTES = 16
@@ -81,6 +81,11 @@ class ReplyFlags(IntEnum):
     RESIDENT = 1
     """The slot already held the expert, or was receiving it: this acquire started no
     delivery (a cache hit)."""
+    PIN_HELD = 2
+    """The client holds this grant by a pin: it adds one to the slot's ``pins`` and
+    ``touches`` when it takes the reply, the agent drops the grant's reference once it sees
+    ``touches`` move past their value at the grant, and the client releases by unpinning
+    (no RELEASE posted). Granted on devices whose consumer checks what lands (DMA engine)."""
 
 
 class RegionFlags(IntEnum):
@@ -338,11 +343,11 @@ PIN_DTYPE = np.dtype(
     }
 )
 """Pin-table entry, 8 bytes (client -> agent), one per slot-state entry: ``pins`` counts the
-references the client took on the slot's READY generation without asking the agent (pinned
-hits; the agent never gives a pinned slot to another delivery), ``touches`` how many pinned hits
-the slot has had (mod 2^32), so that the agent's eviction order sees uses it was not told of.
-Written by the client only; the agent reads it and trusts it with nothing but the client's own
-slots."""
+references the client holds on the slot without the agent (pinned hits on its READY generation,
+and ``ReplyFlags.PIN_HELD`` grants; the agent never gives a pinned slot to another delivery),
+``touches`` how many pins the slot has had (mod 2^32): uses the agent's eviction order was not
+told of, and the sign that a PIN_HELD grant's pin is in place. Written by the client only; the
+agent reads it and trusts it with nothing but the client's own slots."""
 
 
 BELL_DTYPE = np.dtype(

@@ -7,8 +7,9 @@ Three parts, one buffer, created by the agent per registered device and mapped b
   entry ``p % capacity``, published with ``seq = p + 1`` written last;
 - ``states``: ``SLOT_STATE_DTYPE[MAX_CHANNEL_SLOTS]``, one per slot of the device's pools,
   written by the agent (and, on a GPU, by the verifying kernel); the client polls one word;
-- ``pins``: ``PIN_DTYPE[MAX_CHANNEL_SLOTS]``, written by the client: its pinned hits, which
-  the agent reads before it gives a slot to another delivery.
+- ``pins``: ``PIN_DTYPE[MAX_CHANNEL_SLOTS]``, written by the client: the slots it holds by a
+  pin (pinned hits, PIN_HELD grants), which the agent reads before it gives a slot to another
+  delivery.
 
 Plain NumPy: the agent (aarch64, no CUDA) and the host client both use it. See docs/ABI.md.
 """
@@ -62,7 +63,7 @@ class Channel:
         replies: ``REPLY_DTYPE[capacity]`` view.
         states: ``SLOT_STATE_DTYPE[MAX_CHANNEL_SLOTS]`` view.
         words: ``uint64[MAX_CHANNEL_SLOTS]`` view of every state's ``word``.
-        pins: ``PIN_DTYPE[MAX_CHANNEL_SLOTS]`` view (the client's pinned hits).
+        pins: ``PIN_DTYPE[MAX_CHANNEL_SLOTS]`` view (the client's pins).
     """
 
     def __init__(self, buffer: np.ndarray) -> None:
@@ -207,8 +208,27 @@ class Channel:
         self.unpin(index)
         return False
 
+    def hold(self, index: int, generation: int) -> bool:
+        """Hold a ``PIN_HELD`` grant of slot ``index``'s ``generation`` by a pin: count the
+        pin, fence, count the touch (the agent drops the grant's reference once it sees the
+        touch, so the pin must be visible first), fence, and read the word. True while the
+        word names ``generation`` (in any state: a FAILED verdict ends the caller's wait, which
+        then unpins); else the pin is undone: the slot went to another delivery first (only
+        a touch of another of the caller's pins can let the agent drop the grant's reference
+        before this one). The caller serialises its own threads (the pin table has one
+        writer)."""
+        self._pin_counts[index] = int(self._pin_counts[index]) + 1
+        store_fence()
+        self._touches[index] = (int(self._touches[index]) + 1) & 0xFFFFFFFF
+        store_fence()
+        if int(self.words[index]) >> abi.SLOT_STATE_BITS == generation:
+            return True
+        self.unpin(index)
+        return False
+
     def unpin(self, index: int) -> None:
-        """Drop one pin on slot ``index`` (the caller took it with :meth:`try_pin`)."""
+        """Drop one pin on slot ``index`` (the caller took it with :meth:`try_pin` or
+        :meth:`hold`)."""
         self._pin_counts[index] = max(0, int(self._pin_counts[index]) - 1)
 
     def set_sleepers(self, count: int, address: int | None) -> None:

@@ -341,8 +341,9 @@ class AgentClient(PlacementCalls):
     def release(self, dev: AttachedDevice, key: ExpertKey, wait: bool = True) -> None:
         """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns once the
         request is posted (the agent serves a channel's requests in order, so a later acquire
-        sees the slot freed); a refusal is then logged, not raised. A pinned hit's reference is
-        dropped in the pin table, nothing posted. While the agent is away
+        sees the slot freed); a refusal is then logged, not raised. A pinned hit's reference, and
+        a grant held by a pin (a DMA-engine device's), is dropped in the pin table, nothing
+        posted. While the agent is away
         (its session and references went with it) ``wait=True`` raises AgentUnavailable."""
         if self._down:
             if wait:

@@ -139,6 +139,9 @@ class AcquireHandle:
         self._error: BaseException | None = None
         self._posted = time.monotonic()
         self._pinned = False
+        self._held: int | None = None
+        """Slot-state index this handle holds by a pin (a ``PIN_HELD`` grant), until it fails
+        or is released."""
 
     @classmethod
     def pinned(cls, key: ExpertKey, channel: ClientChannel, reply: np.void,
@@ -149,8 +152,24 @@ class AcquireHandle:
         return handle
 
     def _settle(self, slot: ExpertSlot | None, error: BaseException | None) -> None:
+        if error is not None:
+            self._let_go()
         self._slot, self._error = slot, error
         self._on_settle()
+
+    def _let_go(self) -> None:
+        """Drop this handle's pin on a grant it will not use (a failed delivery)."""
+        if self._held is not None:
+            self._channel.unpin(self.key, self._held)
+            self._held = None
+
+    def _again(self) -> None:
+        """Post the acquire again (the agent refetches, or grants another slot)."""
+        assert self._repost is not None
+        self._let_go()
+        self._reply, self._posted = None, time.monotonic()
+        self._ticket = self._landed_at = None
+        self._position = self._repost()
 
     def _accept(self, reply: np.void) -> bool:
         """Take the agent's reply; True when it is a refusal (the outcome)."""
@@ -158,10 +177,22 @@ class AcquireHandle:
         if refused is not None:
             self._settle(None, refused)
             return True
+        index, generation = int(reply["state_index"]), int(reply["generation"])
+        if int(reply["flags"]) & abi.ReplyFlags.PIN_HELD:
+            if not self._channel.hold(self.key, index, generation):
+                # Another of this client's pins touched the slot first, the agent took that
+                # for this one and the slot went on: ask again.
+                if self._repost is None:
+                    self._settle(None, TransferFailed(f"{self.key}: its slot was given to "
+                                                      "another delivery before it was held"))
+                    return True
+                self._again()
+                return False
+            self._held = index
         self._reply = reply
         self._channel.remember(self.key, reply)
         if self._ticket is not None:  # checked by its batch's launch: no other check is started
-            self._channel.claim_check(int(reply["state_index"]), int(reply["generation"]))
+            self._channel.claim_check(index, generation)
         return False
 
     @staticmethod
@@ -183,7 +214,8 @@ class AcquireHandle:
         """Block until the agent answered the acquire (a slot, or a refusal): polling until
         ``SPIN_SECONDS`` after the post, then asleep (at once with ``spin=False``: a reply
         that is far off, as a batch's last is)."""
-        if not self.granted():
+        self._poll()
+        while self._reply is None and self._error is None:  # a pin lost asks again
             self._accept(self._channel.wait_reply(self._position, timeout,
                                                   self._posted if spin else -math.inf))
 
@@ -198,6 +230,8 @@ class AcquireHandle:
                 return False
             if self._accept(reply):
                 return True
+            if self._reply is None:  # asked again
+                return False
         reply = self._reply
         index, mine = int(reply["state_index"]), int(reply["generation"])
         generation, state = split_word(self._channel.word(index))
@@ -211,9 +245,7 @@ class AcquireHandle:
             if (status == abi.Status.CHECKSUM_MISMATCH and self._repost is not None
                     and self._refetches < MAX_REFETCHES):
                 self._refetches += 1
-                self._reply, self._posted = None, time.monotonic()
-                self._ticket = self._landed_at = None
-                self._position = self._repost()
+                self._again()
                 return False
             self._settle(None, TransferFailed(f"{self.key}: delivery completed with "
                                               f"{status.name}"))

@@ -140,14 +140,28 @@ class ClientChannel:
             self._pinned.setdefault(key, []).append(index)
             return reply
 
-    def unpin(self, key: ExpertKey) -> bool:
-        """Drop one pinned hit on ``key``; False when this client holds none (the reference
-        is then the agent's to drop: post a RELEASE)."""
+    def hold(self, key: ExpertKey, index: int, generation: int) -> bool:
+        """Hold a ``PIN_HELD`` grant of ``key`` (slot-state ``index``, ``generation``) by a
+        pin (``Channel.hold``); False when the slot went to another delivery first."""
+        with self._lock:
+            if not self.view.hold(index, generation):
+                return False
+            self._pinned.setdefault(key, []).append(index)
+            return True
+
+    def unpin(self, key: ExpertKey, index: int | None = None) -> bool:
+        """Drop one pin on ``key`` (the one on slot-state ``index``, or the latest); False
+        when this client holds none (the reference is then the agent's to drop: post a
+        RELEASE)."""
         with self._lock:
             held = self._pinned.get(key)
-            if not held:
+            if not held or (index is not None and index not in held):
                 return False
-            self.view.unpin(held.pop())
+            if index is None:
+                index = held.pop()
+            else:
+                held.remove(index)
+            self.view.unpin(index)
             if not held:
                 del self._pinned[key]
             return True

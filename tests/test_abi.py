@@ -81,6 +81,7 @@ def test_constants_match() -> None:
             assert c[f"DPU_{prefix}_{member.name}"] == member, (prefix, member)
     assert c["DPU_DESC_VERIFY"] == abi.DescriptorFlags.VERIFY
     assert c["DPU_REPLY_RESIDENT"] == abi.ReplyFlags.RESIDENT
+    assert c["DPU_REPLY_PIN_HELD"] == abi.ReplyFlags.PIN_HELD
     for member in abi.RequestFlags:
         assert c[f"DPU_REQFLAG_{member.name}"] == member
     assert c["DPU_REGION_READABLE"] == abi.RegionFlags.READABLE

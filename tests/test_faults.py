@@ -74,6 +74,12 @@ def test_corrupted_arena_is_caught_refetched_and_counted(qwen_ckpt: Path, delive
         for role, name in _names(key).items():
             assert _host(slot.raw(role)) == truth[name], role
         assert _metric(agent, "dpu_agent_checksum_failures_total") >= before + 1
+        # The DMA engine's grants are held by the client's pins: the failed one's went with
+        # it, the refetched one's stays until the release.
+        pins = b.channel.view.pins["pins"]
+        assert int(pins.sum()) == (1 if delivery == "engine" else 0)
+        client.release(b, key)
+        assert int(pins.sum()) == 0
         arena.close()
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from dpu_agent.dataplane.delivery import Deliveries
 from dpu_agent.dataplane.transfers import Transfer
 from dpu_agent.errors import AgentError, ErrorKind, SlotsLanding, precondition
-from dpu_agent.registry import Device, ErrorEvent, Session
+from dpu_agent.registry import Delivery, Device, ErrorEvent, Session
 from dpu_agent.slots import SlotPool, SlotState
 from dpu_agent.weights.cache import WouldBlock
 from dpu_agent.weights.catalog import ExpertEntry
@@ -50,6 +50,9 @@ class SlotGrant:
     """The slot's generation when granted: READY / FAILED of this generation ends the wait."""
     resident: bool
     """The slot already held the expert or was receiving it: no delivery was started."""
+    pin_held: bool = False
+    """The client holds the grant by a pin (``abi.ReplyFlags.PIN_HELD``); the agent drops the
+    grant's reference once the pin is in place."""
 
 
 class GrantCore(Protocol):
@@ -87,15 +90,18 @@ class SlotGrants:
         self._fills = fills
         self._transfer_timeout = transfer_timeout
 
-    def acquire(self, session: Session, device_id: int, key: ExpertKey, wait: bool = True
-                ) -> SlotGrant:
+    def acquire(self, session: Session, device_id: int, key: ExpertKey, wait: bool = True,
+                pin_held: bool = False) -> SlotGrant:
         """Grant a slot holding ``key`` on the device (one reference), starting its delivery
         if needed. With ``wait=False`` the call never blocks: where the delivery would need
         an arena fill it raises WouldBlock, its reservation undone (an idle slot it evicted
         for ``key`` stays free: the retry on a worker thread would evict it too); where it
         would need a slot another delivery is still landing in, WaitForLanding. With
         ``wait=True``, where every fitting slot is held or still landing, it waits (up to the
-        transfer timeout) for an unheld one to land."""
+        transfer timeout) for an unheld one to land. ``pin_held``: the grant is answered
+        through the device's channel, whose client will hold it by a pin where the device's
+        consumer checks what lands (a DMA-engine device): the reference taken here is then
+        handed to that pin (``SlotPool.hand_off``)."""
         deadline = time.monotonic() + self._transfer_timeout()
         while True:
             try:
@@ -108,10 +114,13 @@ class SlotGrants:
                     raise
                 time.sleep(LANDING_POLL_SECONDS)
         pool.granted[idx] = True  # the client may check this generation from now on
+        pin_held = pin_held and dev.delivery == Delivery.DMA_ENGINE and pool.channel is not None
         if not fresh:
-            return self._grant(pool, idx, entry, (), resident=True)
+            return self._grant(session, pool, idx, entry, (), resident=True,
+                               pin_held=pin_held)
         transfer = self._deliver_fresh(session, dev, pool, idx, entry, wait)
-        return self._grant(pool, idx, entry, transfer.plan.checksums, resident=False)
+        return self._grant(session, pool, idx, entry, transfer.plan.checksums,
+                           resident=False, pin_held=pin_held)
 
     def _reserve(self, session: Session, device_id: int, key: ExpertKey, refs: int
                  ) -> tuple[Device, SlotPool, int, ExpertEntry, bool]:
@@ -202,9 +211,15 @@ class SlotGrants:
 
         self.queue.submit(link, priority, start, order=order, tag=tag)
 
-    def _grant(self, pool: SlotPool, idx: int, entry: ExpertEntry,
-               checksums: tuple[int, ...], *, resident: bool) -> SlotGrant:
+    @staticmethod
+    def _grant(session: Session, pool: SlotPool, idx: int, entry: ExpertEntry,
+               checksums: tuple[int, ...], *, resident: bool, pin_held: bool) -> SlotGrant:
+        """The grant of slot ``idx``; a ``pin_held`` one's reference is handed off (under
+        ``session``'s lock) before the client can see the reply."""
+        if pin_held:
+            with session.lock:
+                pool.hand_off(idx)
         ready = pool.state[idx] == SlotState.READY
         return SlotGrant(0 if ready else pool.transfer[idx], pool.region_id, idx,
                          idx * pool.slot_bytes, ready, entry, checksums,
-                         pool.state_base + idx, pool.generation[idx], resident)
+                         pool.state_base + idx, pool.generation[idx], resident, pin_held)

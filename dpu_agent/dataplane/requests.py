@@ -60,13 +60,15 @@ class Grant(Protocol):
     state_index: int
     generation: int
     resident: bool
+    pin_held: bool
 
 
 class RequestCore(Protocol):
     """What serving requests needs of the agent's core (the Orchestrator)."""
 
     def model_name(self, index: int) -> str: ...
-    def acquire_for(self, owner: tuple[str, int], key: ExpertKey, wait: bool) -> Grant: ...
+    def acquire_for(self, owner: tuple[str, int], key: ExpertKey, wait: bool) -> Grant:
+        """Grant ``key`` to the channel's client; ``Grant.pin_held``: it holds it by a pin."""
     def release_for(self, owner: tuple[str, int], key: ExpertKey) -> None: ...
     def prefetch_for(self, owner: tuple[str, int], key: ExpertKey) -> None: ...
     def check_routed(self, key: ExpertKey) -> None:
@@ -266,7 +268,8 @@ class RequestServer:
         channel.reply(position, rid, abi.RequestStatus.OK, region_id=grant.region_id,
                       slot_index=grant.slot_index, slot_offset=grant.slot_offset,
                       state_index=grant.state_index, generation=grant.generation,
-                      flags=abi.ReplyFlags.RESIDENT if grant.resident else 0)
+                      flags=(abi.ReplyFlags.RESIDENT if grant.resident else 0)
+                      | (abi.ReplyFlags.PIN_HELD if grant.pin_held else 0))
 
     def _refuse(self, channel: DeviceChannel, position: int, rid: int,
                 status: abi.RequestStatus, message: str) -> None:

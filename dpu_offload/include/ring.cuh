@@ -14,7 +14,7 @@ typedef unsigned long long uint64_t;
 #endif
 
 #define DPU_RING_MAGIC 0x52555044u
-#define DPU_ABI_VERSION 2u
+#define DPU_ABI_VERSION 3u
 #define DPU_HEADER_BYTES 256
 #define DPU_CACHE_LINE_BYTES 64
 #define DPU_COPY_ALIGN_BYTES 16
@@ -44,6 +44,7 @@ typedef unsigned long long uint64_t;
 
 #define DPU_DESC_VERIFY 1u
 #define DPU_REPLY_RESIDENT 1u
+#define DPU_REPLY_PIN_HELD 2u
 #define DPU_REGION_READABLE 1u
 #define DPU_REGION_WRITABLE 2u
 #define DPU_PACKET_LAST 1u
