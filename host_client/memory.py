@@ -153,6 +153,7 @@ def blob_layout(manifest: pb.ExpertManifest) -> tuple[Any, ...]:
     if got is None:
         if len(_LAYOUTS) >= MAX_LAYOUTS:
             _LAYOUTS.clear()
+            _INTERNED.clear()  # a slot holding an older layout only rebuilds its views once
         layout = (manifest.blob_bytes, *((t.name, t.offset, t.nbytes, tuple(t.shape), t.dtype)
                                          for t in manifest.tensors))
         got = _LAYOUTS[id(manifest)] = (manifest, _INTERNED.setdefault(layout, layout))

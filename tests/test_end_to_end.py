@@ -123,6 +123,31 @@ def test_a_slot_shares_its_views_only_with_an_expert_laid_out_alike() -> None:
     assert first.holding(ExpertKey("m", 0, 2), manifest(2, (8, 32))) is None
 
 
+def test_the_layout_memo_is_bounded_and_starts_again_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``blob_layout`` remembers at most ``MAX_LAYOUTS`` manifests and their distinct layouts;
+    once full both start again, and a layout made after that is equal to, not the same object
+    as, one made before (a slot then builds its views anew instead of sharing them)."""
+    from host_client import memory
+
+    monkeypatch.setattr(memory, "MAX_LAYOUTS", 4)
+    monkeypatch.setattr(memory, "_LAYOUTS", {})
+    monkeypatch.setattr(memory, "_INTERNED", {})
+
+    def manifest(width: int) -> pb.ExpertManifest:
+        return pb.ExpertManifest(blob_bytes=2 * width, tensors=[pb.TensorEntry(
+            name="up_proj", dtype="BF16", shape=[width], offset=0, nbytes=2 * width)])
+
+    kept = [manifest(16 * (1 + i)) for i in range(12)]
+    first = memory.blob_layout(kept[0])
+    assert memory.blob_layout(manifest(16)) is first  # another manifest, the same layout
+    for m in kept[1:]:
+        memory.blob_layout(m)
+        assert len(memory._LAYOUTS) <= 4 and len(memory._INTERNED) <= 4
+    again = memory.blob_layout(manifest(16))
+    assert again == first and again is not first
+
+
 def test_a_batch_posted_without_waiting_is_granted_in_turn(client: AgentClient,
                                                           qwen_ckpt: Path) -> None:
     """``acquire_batch(wait=False)`` returns without waiting for the agent: each handle then
