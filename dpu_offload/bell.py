@@ -31,6 +31,8 @@ class Bell:
         words = np.ndarray((2,), "<u4", buffer=segment.array)
         self._rings, self._sleeping = words[0:1], words[1:2]
         self._address = segment.address
+        self.rung = False
+        """Whether the last :meth:`doze` slept and was ended by a ring."""
 
     @classmethod
     def create(cls, prefix: str) -> Bell:
@@ -57,7 +59,8 @@ class Bell:
         return bool(self._sleeping[0])
 
     def ring(self) -> None:
-        """After publishing entries: wake the loop if it sleeps. The fence orders the entries
+        """After publishing entries (or just before: the loop, woken to nothing, polls for a
+        while): wake the loop if it sleeps. The fence orders the entries
         before the load of ``sleeping`` (the loop's mirror image: it stores ``sleeping``,
         fences, and looks for work once more), so no request is left until the timed wake."""
         store_fence()
@@ -73,10 +76,12 @@ class Bell:
         seen = int(self._rings[0])
         self._sleeping[0] = 1
         store_fence()
+        self.rung = False
         try:
             found = look()
             if idle(found):
                 futex.wait(self._address, seen, timeout)
+                self.rung = int(self._rings[0]) != seen
             return found
         finally:
             self._sleeping[0] = 0

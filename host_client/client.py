@@ -172,6 +172,11 @@ class AgentClient(PlacementCalls):
         manifests = [self.manifest(k) for k in keys]
         if self._down:
             raise self._outage  # the agent is away: no channel would answer this
+        # Pinned hits first: an expert this client was granted and that still reads READY
+        # there is held through the pin table, with nothing posted.
+        hits = [dev.channel.pin(k) for k in keys]
+        if None in hits:
+            dev.channel.announce()  # the agent's wake-up overlaps the post's making
         epoch, bell = self._epoch, dev.device.doorbell
 
         def check() -> None:
@@ -180,9 +185,6 @@ class AgentClient(PlacementCalls):
             if self._epoch != epoch:
                 raise self._outage
 
-        # Pinned hits first: an expert this client was granted and that still reads READY
-        # there is held through the pin table, with nothing posted.
-        hits = [dev.channel.pin(k) for k in keys]
         posted = iter(dev.channel.post([e for e, hit in zip(entries, hits, strict=True)
                                         if hit is None]) if None in hits else ())
         landed = None

@@ -119,6 +119,12 @@ class ClientChannel:
                 self._call_back_locked()
         return positions
 
+    def announce(self) -> None:
+        """Wake the agent's loop ahead of a post this client is preparing: woken to nothing
+        yet, it polls for its spin, so its wake-up overlaps the preparation."""
+        if self._bell is not None:
+            self._bell.ring()
+
     def remember(self, key: ExpertKey, reply: np.void) -> None:
         """Note the agent's grant of a slot for ``key``: once that delivery reads READY, a later
         acquire of ``key`` may be a pinned hit on it (:meth:`pin`)."""

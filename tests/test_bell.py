@@ -150,3 +150,36 @@ def test_the_loop_sleeps_only_when_what_it_waits_for_rings() -> None:
     finally:
         loop.stop()
         bell.unlink()
+
+
+def test_a_ring_to_nothing_yet_keeps_the_loop_polling_for_its_spin() -> None:
+    """A client rings before it posts (``ClientChannel.announce``): the loop, woken to an
+    empty ring, polls for its spin instead of going back to sleep at once, so the post that
+    follows is taken without a second wake-up; a doze that times out leaves it asleep."""
+    from dpu_agent.dataplane.loop import DataPlaneLoop
+
+    bell = Bell.create("test-announce-bell")
+    passes = [0]
+
+    def poll() -> tuple[int, int]:
+        passes[0] += 1
+        return 0, 0
+
+    loop = DataPlaneLoop(poll, lambda: 1.0, [], bell, spin=0.05)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not bell.asleep and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert bell.asleep
+        before = passes[0]
+        bell.ring()
+        time.sleep(0.03)  # within the spin: polling, awake
+        assert not bell.asleep and passes[0] - before > 20, passes[0] - before
+        deadline = time.monotonic() + 2
+        while not bell.asleep and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert bell.asleep and not bell.rung  # the spin ended: asleep again
+    finally:
+        loop.stop()
+        bell.unlink()

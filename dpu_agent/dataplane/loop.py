@@ -18,7 +18,8 @@ log = logging.getLogger("dpu_agent.dataplane")
 
 SPIN_SECONDS = 200e-6
 """After serving requests the loop only yields the GIL for this long (by default: the agent's
-``transfer.poll_spin_us``), then naps or sleeps: a layer's next batch often follows. After
+``transfer.poll_spin_us``), then naps or sleeps: a layer's next batch often follows. After a
+ring that woke it to nothing yet (a client announces a post it is preparing) too. After
 completions alone only while more are awaited that come unrung (a device consumer's): the
 DMA engine rings for its own."""
 NAP_SECONDS = 20e-6
@@ -85,6 +86,8 @@ class DataPlaneLoop:
         futex.tight_timer_slack("dataplane")
         last_work = last_sweep = time.monotonic()
         stats = self.stats
+        woken = False
+        """The last sleep was ended by a ring."""
         while not self._stop.is_set():
             now = self.heartbeat = time.monotonic()
             if now - last_sweep > SWEEP_SECONDS:
@@ -100,7 +103,10 @@ class DataPlaneLoop:
                 # Completions that come unrung (a device consumer's) are polled closely too.
                 if found == SERVED or self._doze_limit() <= 0.0:
                     last_work = now
+                woken = False
                 continue
+            if woken:  # rung with nothing to take: a client announced its post
+                last_work, woken = now, False
             if now - last_work < self._spin:
                 time.sleep(0)
                 continue
@@ -110,6 +116,8 @@ class DataPlaneLoop:
                 time.sleep(NAP_SECONDS)
             elif bell.doze(limit, self._one_pass, lambda found: found == IDLE) == SERVED:
                 last_work = time.monotonic()
+            else:
+                woken = bell.rung
 
     def _one_pass(self) -> int:
         """Poll every source once; what it found (``IDLE``, ``COMPLETED``, ``SERVED``)."""
