@@ -359,7 +359,10 @@ class AgentClient(PlacementCalls):
 
     def release_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> None:
         """Drop one reference on each of ``keys`` with one post (a layer's experts), returning
-        at once; refusals are logged (as ``release(wait=False)``)."""
+        at once; refusals are logged (as ``release(wait=False)``). References held by pins
+        are dropped in the pin table; with nothing to post the agent is still rung
+        (``ClientChannel.announce``): a layer's release is followed by the next layer's
+        acquires."""
 
         if self._down:
             return  # the agent is away: the references went with its session
@@ -373,6 +376,8 @@ class AgentClient(PlacementCalls):
         if posted:
             dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in posted],
                              on_reply=check)
+        elif keys:
+            dev.channel.announce()
 
     def status(self) -> pb.StatusResponse:
         """The agent's state: this session (every session for an administrator's
