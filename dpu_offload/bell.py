@@ -58,16 +58,19 @@ class Bell:
         """Whether the loop said it is (about to be) asleep."""
         return bool(self._sleeping[0])
 
-    def ring(self) -> None:
-        """After publishing entries (or just before: the loop, woken to nothing, polls for a
-        while): wake the loop if it sleeps. The fence orders the entries
-        before the load of ``sleeping`` (the loop's mirror image: it stores ``sleeping``,
-        fences, and looks for work once more), so no request is left until the timed wake."""
+    def ring(self, yield_cpu: bool = True) -> None:
+        """After publishing entries (or just before, ``yield_cpu`` False: the loop, woken to
+        nothing, polls for a while as the caller goes on making its post): wake the loop if it
+        sleeps. The fence orders the entries before the load of ``sleeping`` (the loop's
+        mirror image: it stores ``sleeping``, fences, and looks for work once more), so no
+        request is left until the timed wake. After a post the caller yields its CPU: the
+        woken loop may have been placed on it."""
         store_fence()
         if self._sleeping[0]:
             self._rings[0] = (int(self._rings[0]) + 1) & 0xFFFFFFFF
             futex.wake(self._address)
-            os.sched_yield()  # the woken loop may have been placed on this CPU
+            if yield_cpu:
+                os.sched_yield()
 
     def doze(self, timeout: float, look: Callable[[], T], idle: Callable[[T], bool]) -> T:
         """Sleep until a client rings or ``timeout`` seconds pass, unless ``look()`` (one pass

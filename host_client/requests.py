@@ -123,7 +123,7 @@ class ClientChannel:
         """Wake the agent's loop ahead of a post this client is preparing: woken to nothing
         yet, it polls for its spin, so its wake-up overlaps the preparation."""
         if self._bell is not None:
-            self._bell.ring()
+            self._bell.ring(yield_cpu=False)
 
     def remember(self, key: ExpertKey, reply: np.void) -> None:
         """Note the agent's grant of a slot for ``key``: once that delivery reads READY, a later
