@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
+from dpu_agent.dataplane.channels import DeviceChannel
+from dpu_agent.slots import SlotPool
 from dpu_agent.weights.policies import EvictionPolicy, LfuPolicy, LruPolicy
 from dpu_agent.weights.reuse import HELD, LearnedReusePolicy
 from dpu_offload.keys import ExpertKey
@@ -86,3 +88,11 @@ def place_and_close(address: str, ckpt: Path, model: str) -> str:
         client.apply_placement(model, [[[dev.device_id]] * info.experts_per_layer
                                        for _ in info.moe_layers])
         return client.session_id
+
+
+@pytest.fixture
+def pool() -> Iterator[SlotPool]:
+    """A two-slot pool of 64-byte slots with a channel of its own (the agent's side)."""
+    channel = DeviceChannel(("session", 1), capacity=8)
+    yield SlotPool(region_id=1, slot_bytes=64, slot_count=2, channel=channel)
+    channel.close()

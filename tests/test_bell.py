@@ -112,6 +112,14 @@ def test_an_idle_agent_sleeps_on_the_bell_and_a_post_wakes_it(qwen_ckpt: Path) -
         assert os.path.exists(f"/dev/shm/{client._bell.name}")
 
 
+def _asleep(bell: Bell, seconds: float) -> bool:
+    """Whether the loop says it sleeps on ``bell`` within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not bell.asleep and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return bell.asleep
+
+
 def test_the_loop_sleeps_only_when_what_it_waits_for_rings() -> None:
     """While something it waits for closely comes without a ring (a device consumer's
     completions) the data-plane loop keeps polling; while only something it may take up later
@@ -137,10 +145,7 @@ def test_the_loop_sleeps_only_when_what_it_waits_for_rings() -> None:
         time.sleep(0.2)
         assert 4 <= passes[0] - before <= 40, passes[0] - before
         limit[0] = 1.0
-        deadline = time.monotonic() + 5
-        while not bell.asleep and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert bell.asleep
+        assert _asleep(bell, 5)
         before = passes[0]
         bell.ring()
         deadline = time.monotonic() + 1
@@ -168,18 +173,12 @@ def test_a_ring_to_nothing_yet_keeps_the_loop_polling_for_its_spin() -> None:
     loop = DataPlaneLoop(poll, lambda: 1.0, [], bell, spin=0.05)
     loop.start()
     try:
-        deadline = time.monotonic() + 5
-        while not bell.asleep and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert bell.asleep
+        assert _asleep(bell, 5)
         before = passes[0]
         bell.ring()
         time.sleep(0.03)  # within the spin: polling, awake
         assert not bell.asleep and passes[0] - before > 20, passes[0] - before
-        deadline = time.monotonic() + 2
-        while not bell.asleep and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert bell.asleep and not bell.rung  # the spin ended: asleep again
+        assert _asleep(bell, 2)  # the spin ended: asleep again
     finally:
         loop.stop()
         bell.unlink()

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.slots import SlotPool
 from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
@@ -18,15 +17,6 @@ from host_client import AgentClient, AgentError, CpuReferenceDevice, SlotPoolSpe
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
 from tests.test_engine import metric
-
-READY = abi.SlotState.READY
-
-
-@pytest.fixture
-def pool() -> Iterator[SlotPool]:
-    channel = DeviceChannel(("session", 1), capacity=8)
-    yield SlotPool(region_id=1, slot_bytes=64, slot_count=2, channel=channel)
-    channel.close()
 
 
 def _granted(pool: SlotPool, key: ExpertKey) -> int:

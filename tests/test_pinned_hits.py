@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.slots import CHECK_GRACE_SECONDS, SlotPool
 from dpu_offload import abi
 from dpu_offload.channel import Channel, state_word
@@ -22,13 +21,6 @@ from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
 
 READY, FILLING = abi.SlotState.READY, abi.SlotState.FILLING
-
-
-@pytest.fixture
-def pool() -> Iterator[SlotPool]:
-    channel = DeviceChannel(("session", 1), capacity=8)
-    yield SlotPool(region_id=1, slot_bytes=64, slot_count=2, channel=channel)
-    channel.close()
 
 
 def _fill(pool: SlotPool, key: ExpertKey) -> int:
