@@ -24,6 +24,9 @@ from dpu_offload.ring import RingError
 _SETTLED = (SlotState.READY, SlotState.LANDED)
 """States in which a slot nobody holds may be evicted."""
 
+MAX_HANDOFFS = 256
+"""Slots of a pool whose ``PIN_HELD`` grants may wait for their pins at once (each eviction
+reads their ``touches``); beyond, grants keep the agent's reference."""
 CHECK_GRACE_SECONDS = 0.1
 """A LANDED slot whose generation a client was granted is not given to another delivery for
 this long after it landed unless its verdict came: the client's check may be summing it, and
@@ -132,12 +135,18 @@ class SlotPool:
         self._idle_if_unheld(idx)
         return True
 
-    def hand_off(self, idx: int) -> None:
-        """Slot ``idx`` was just granted (its reference taken) as ``PIN_HELD``: the client will
-        hold it by a pin, and the reference is dropped once the slot's ``touches`` move past
-        their value now (:meth:`settle_handoffs`)."""
-        count, base = self._handoffs.get(idx, (0, self._touches(idx)))
+    def hand_off(self, idx: int) -> bool:
+        """Slot ``idx`` was just granted (its reference taken): hand the reference to the
+        client's pin (``PIN_HELD``), dropped once the slot's ``touches`` move past their value
+        now (:meth:`settle_handoffs`). False, the reference staying the agent's (released by a
+        RELEASE), while ``MAX_HANDOFFS`` slots of the pool wait for their pins: a client that
+        takes no replies cannot make each eviction read the whole pool."""
+        pending = self._handoffs.get(idx)
+        if pending is None and len(self._handoffs) >= MAX_HANDOFFS:
+            return False
+        count, base = pending or (0, self._touches(idx))
         self._handoffs[idx] = (count + 1, base)
+        return True
 
     def settle_handoffs(self) -> None:
         """Drop the references of ``PIN_HELD`` grants whose pins are in place (each pin counts
@@ -176,8 +185,6 @@ class SlotPool:
         is held, pinned or may still be checked. Free slots first, lowest first; then the idle
         slot the policy names."""
         pinned = []
-        if self._handoffs:
-            self.settle_handoffs()
         try:
             while self._free:
                 idx = heapq.heappop(self._free)
@@ -197,6 +204,8 @@ class SlotPool:
         other idle slot was); one whose check may still run (:meth:`checking`) or that a
         client pins as it is claimed stays, passed over for this call. Those set aside leave
         ``idle`` and the policy while the search goes on and come back (as used) after it."""
+        if self._handoffs:
+            self.settle_handoffs()  # grants whose pins are in place may be candidates now
         passed: list[tuple[ExpertKey, tuple[int, int]]] = []
         second: list[tuple[ExpertKey, tuple[int, int]]] = []
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dpu_agent import slots
 from dpu_agent.slots import SlotPool
 from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
@@ -64,6 +65,24 @@ def test_two_grants_of_one_slot_are_handed_off_one_pin_at_a_time(pool: SlotPool)
     view.unpin(ia)
     view.unpin(ia)
     assert pool.allocate(ExpertKey("m", 0, 3)) == ia
+
+
+def test_grants_waiting_for_their_pins_are_bounded(pool: SlotPool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``MAX_HANDOFFS`` slots waiting for their pins a grant keeps the agent's reference
+    (answered without PIN_HELD: the client releases it with a RELEASE), so a client that takes
+    no replies cannot make every eviction read a whole pool's touches."""
+    monkeypatch.setattr(slots, "MAX_HANDOFFS", 1)
+    a, b = ExpertKey("m", 0, 0), ExpertKey("m", 0, 1)
+    ia = pool.allocate(a, refs=1)
+    ib = pool.allocate(b, refs=1)
+    assert ia is not None and ib is not None
+    assert pool.hand_off(ia) and pool.hand_off(ia)  # the same slot again: still one waiting
+    assert not pool.hand_off(ib)
+    view = pool.channel.view
+    assert view.hold(ia, pool.generation[ia]) and view.hold(ia, pool.generation[ia])
+    pool.settle_handoffs()
+    assert pool.refs[ia] == 0 and pool.hand_off(ib)
 
 
 def test_a_hold_on_a_generation_that_moved_is_undone(pool: SlotPool) -> None:

@@ -218,7 +218,7 @@ class SlotGrants:
         ``session``'s lock) before the client can see the reply."""
         if pin_held:
             with session.lock:
-                pool.hand_off(idx)
+                pin_held = pool.hand_off(idx)
         ready = pool.state[idx] == SlotState.READY
         return SlotGrant(0 if ready else pool.transfer[idx], pool.region_id, idx,
                          idx * pool.slot_bytes, ready, entry, checksums,
