@@ -319,22 +319,27 @@ class SlotPool:
     def ready_count(self) -> int:
         return sum(1 for s in self.state if s == SlotState.READY)
 
-    def _pins(self) -> list[int]:
-        """Each slot's pins as the client wrote them (read after a fence)."""
+    def _held(self) -> list[bool]:
+        """Per slot, whether it is held: a reference through the agent that is not a grant
+        whose pin is in place, or a pin of the client's (read after a fence). Reads only, so
+        a status call may ask without the session's lock."""
+        held = [r > 0 for r in self.refs]
         if self.channel is None:
-            return [0] * self.slot_count
+            return held
+        for idx, (count, base) in dict(self._handoffs).items():  # a copy: the loop may settle
+            moved = (self._touches(idx) - base) & 0xFFFFFFFF
+            held[idx] = self.refs[idx] > min(count, moved, self.refs[idx])
         first = self.state_base
         self.channel.pins_after(first)  # the fence before the reads
-        return self.channel.view.pins["pins"][first:first + self.slot_count].tolist()
+        pins = self.channel.view.pins["pins"][first:first + self.slot_count].tolist()
+        return [h or p > 0 for h, p in zip(held, pins, strict=True)]
 
     def held_count(self) -> int:
         """Slots held: a reference through the agent, or a pin of the client's."""
-        self.settle_handoffs()
-        return sum(1 for r, p in zip(self.refs, self._pins(), strict=True) if r or p)
+        return sum(self._held())
 
     def busy_count(self) -> int:
         """Slots held, filling or awaiting their check: what keeps the pool from being
         deregistered."""
-        self.settle_handoffs()
-        return sum(1 for i, p in enumerate(self._pins()) if self.refs[i] or p
-                   or self.state[i] in (SlotState.FILLING, SlotState.LANDED))
+        return sum(1 for i, h in enumerate(self._held())
+                   if h or self.state[i] in (SlotState.FILLING, SlotState.LANDED))
