@@ -154,10 +154,9 @@ class SlotPool:
         and still held. The client's word is trusted with its own slots only: a touch it never
         pinned for costs it its own slot."""
         for idx, (count, base) in list(self._handoffs.items()):
-            moved = (self._touches(idx) - base) & 0xFFFFFFFF
-            if not moved:
+            n = self._taken_over(idx, count, base)
+            if not n:
                 continue
-            n = min(count, moved, self.refs[idx])
             self.refs[idx] -= n
             left = min(count - n, self.refs[idx])
             if left:
@@ -165,6 +164,12 @@ class SlotPool:
             else:
                 del self._handoffs[idx]
             self._idle_if_unheld(idx)
+
+    def _taken_over(self, idx: int, count: int, base: int) -> int:
+        """How many of slot ``idx``'s ``count`` handed-off references (``touches`` read
+        ``base`` at the first) the client's pins have taken over: as many as the touches
+        moved, at most ``count`` and the references still held."""
+        return min(count, (self._touches(idx) - base) & 0xFFFFFFFF, self.refs[idx])
 
     def _idle_if_unheld(self, idx: int) -> None:
         key = self.keys[idx]
@@ -327,8 +332,7 @@ class SlotPool:
         if self.channel is None:
             return held
         for idx, (count, base) in dict(self._handoffs).items():  # a copy: the loop may settle
-            moved = (self._touches(idx) - base) & 0xFFFFFFFF
-            held[idx] = self.refs[idx] > min(count, moved, self.refs[idx])
+            held[idx] = self.refs[idx] > self._taken_over(idx, count, base)
         first = self.state_base
         self.channel.pins_after(first)  # the fence before the reads
         pins = self.channel.view.pins["pins"][first:first + self.slot_count].tolist()
