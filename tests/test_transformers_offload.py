@@ -255,6 +255,40 @@ def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
         assert torch.equal(got, want), (got - want).abs().max()
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_a_layer_whose_delivery_fails_its_check_is_computed_again(tmp_path) -> None:
+    """A CUDA pool's layers enqueue their kernels behind stream waits on the experts' bytes.
+    The arena corrupted under the agent: the check on the stream fails, the layer is acquired
+    again (the agent refetches from the checkpoint) with the host waiting, and computed
+    again: the logits still equal the resident model's."""
+    from bench.common import scrape
+    from dpu_offload.shm import SharedBuffer
+    from host_client.cuda_device import CudaDevice
+
+    model = _model("qwen3_moe").eval()
+    path = tmp_path / "qwen3"
+    model.save_pretrained(path)
+    model = model.to("cuda")
+    ids = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 8]], device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits
+    with AgentProcess('[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n'
+                      ) as agent, AgentClient(agent.address) as client:
+        offload = offload_experts(model, client, path, CudaDevice(0), cache=EXPERTS,
+                                  delivery="engine", name="retried")
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, want)
+        assert offload.stream_retries == 0
+        arena = SharedBuffer(client.arena.shm_name, client.arena.size_bytes)
+        arena.array[:int(scrape(agent)["dpu_agent_arena_used_bytes"])] ^= 0x01
+        arena.close()
+        with torch.no_grad():
+            got = model(ids).logits
+        assert offload.stream_retries >= 1
+        assert scrape(agent)["dpu_agent_checksum_failures_total"] >= 1
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
 def test_loading_a_model_without_experts_modules_is_refused(tmp_path) -> None:
     """A dense checkpoint has no experts to leave out: OffloadError naming it, nothing
     patched."""

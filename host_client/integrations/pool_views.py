@@ -23,6 +23,11 @@ class PoolViews:
     slots: int
     slot_bytes: int
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the pool is CUDA memory (its experts can be awaited on a stream)."""
+        return next(iter(self.tensors.values())).is_cuda
+
 
 def _torch_pool(dev: AttachedDevice, region_id: int, spec: SlotPoolSpec) -> Any:
     import torch

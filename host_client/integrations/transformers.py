@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 from dpu_offload.keys import ExpertKey
 from host_client.client import AgentClient
 from host_client.devices import Device
+from host_client.integrations.layer_fetch import ExpertOffload, routed_experts, through_agent
 from host_client.integrations.moe_modules import (
     EXPERT_PARAMETERS,
     OffloadError,
@@ -52,83 +52,6 @@ __all__ = ["EXPERT_PARAMETERS", "ExpertOffload", "OffloadError", "expert_paramet
            "experts_modules", "load_without_experts", "offload_experts", "scaled_input_blocks"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-@dataclass
-class ExpertOffload:
-    """What :func:`offload_experts` set up (each forward releases the experts it acquired, so
-    nothing stays held between forwards), and what it has done.
-
-    Attributes:
-        model: the agent's name for the checkpoint.
-        device: the device the experts are delivered to.
-        layers: layer -> the offloaded experts module.
-    """
-
-    client: AgentClient
-    model: str
-    device: AttachedDevice
-    layers: dict[int, Any] = field(default_factory=dict)
-    forwards: int = 0
-    experts_acquired: int = 0
-    hits: int = 0
-    """Acquires that started no delivery (the expert was in its slot, or on its way there)."""
-    prefetched: int = 0
-    """Experts prefetched for the next MoE layer (``prefetch=True``)."""
-    prefetch_used: int = 0
-    """Of those, the ones the next layer's router then chose."""
-    report_routing: bool = True
-    """Each MoE layer's routing goes to the agent (``report_routing``)."""
-    visits_reported: int = 0
-    """Layer visits reported (the client's ``visits_refused`` counts refusals)."""
-
-
-def _routed(indices: Any, num_experts: int) -> dict[int, int]:
-    """The distinct experts of ``indices`` (a layer's routing, any shape) -> how many tokens
-    chose each."""
-    import torch
-
-    experts, tokens = torch.unique(indices, return_counts=True)
-    return {e: n for e, n in zip(experts.tolist(), tokens.tolist(), strict=True)
-            if 0 <= e < num_experts}
-
-
-def _acquire(offload: ExpertOffload, layer: int, routed: dict[int, int], views: PoolViews,
-             num_experts: int, meanwhile: Callable[[], None] | None = None
-             ) -> tuple[list[ExpertKey], Any]:
-    """Acquire the ``routed`` experts of ``layer`` (expert -> tokens that chose it) in one
-    batch and wait for them (running ``meanwhile`` once the batch is granted, before its bytes
-    land); with ``report_routing``, the visit is reported once the batch is granted (ROUTE
-    entries on the device's channel: the agent folds it while the bytes land, off the grants'
-    path). Returns the keys (to release) and ``slot_of``, ``int64[num_experts + 1]``: each
-    routed expert's slot number in the pool (``views.slots`` for the others)."""
-    import torch
-
-    keys = [ExpertKey(offload.model, layer, e) for e in routed]
-    handles = offload.client.acquire_batch(offload.device, keys)
-    if offload.report_routing and routed:
-        offload.client.report_visit(offload.device, offload.model, layer, routed)
-        offload.visits_reported += 1
-    if meanwhile is not None:
-        meanwhile()
-    offload.client.wait_all(handles, 120)
-    slot_of = torch.full((num_experts + 1,), views.slots, dtype=torch.long)
-    for e, h in zip(routed, handles, strict=True):
-        where = h.where
-        assert where is not None
-        slot_of[e] = where[1] // views.slot_bytes
-        offload.hits += bool(h.resident)
-    offload.forwards += 1
-    offload.experts_acquired += len(keys)
-    return keys, slot_of
-
-
-def _synchronize(out: Any) -> None:
-    """Wait for the kernels that read the slots before the experts are released."""
-    import torch
-
-    if out.is_cuda:
-        torch.cuda.current_stream(out.device).synchronize()
 
 
 @dataclass
@@ -174,28 +97,32 @@ class _Layer:
         off.prefetched += off.client.prefetch(off.device, keys, wait=False)
 
     def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-        off, module = self.offload, self.module
-        routed = _routed(top_k_index, self.num_experts)
+        off = self.offload
+        routed = routed_experts(top_k_index, self.num_experts)
         if self.previous is not None:
             off.prefetch_used += len(self.previous.predicted & set(routed))
             self.previous.predicted = set()
         meanwhile = None if self.next_router is None else (
             lambda: self._prefetch_next(hidden_states, int(top_k_index.shape[-1])))
-        keys, slot_of = _acquire(off, self.layer, routed, self.views, self.num_experts,
-                                 meanwhile)
+        return through_agent(off, self.layer, routed, self.views, self.num_experts,
+                              lambda slot_of: self._compute(hidden_states, slot_of, top_k_index,
+                                                            top_k_weights), meanwhile)
+
+    def _compute(self, hidden_states: Any, slot_of: Any, top_k_index: Any,
+                 top_k_weights: Any) -> Any:
+        """The experts module's own forward on the pool's views, ``top_k_index`` renumbered
+        to slot numbers."""
+        module, device = self.module, top_k_index.device
+        slots = slot_of.to(device, non_blocking=device.type == "cuda")[top_k_index]
         try:
             for param, view in self.views.tensors.items():
                 setattr(module, param, view)
             module.num_experts = self.views.slots
-            out = self.forward(module, hidden_states,
-                               slot_of.to(top_k_index.device)[top_k_index], top_k_weights)
-            _synchronize(out)
+            return self.forward(module, hidden_states, slots, top_k_weights)
         finally:
             module.num_experts = self.num_experts
             for param in self.views.tensors:
                 setattr(module, param, None)
-            off.client.release_batch(off.device, keys)
-        return out
 
 
 class _ScaledInputBlock:
@@ -214,12 +141,20 @@ class _ScaledInputBlock:
     def __call__(self, hidden_states: Any) -> tuple[Any, Any]:
         import torch
 
-        block, experts = self.block, self.experts
+        block = self.block
         tokens = hidden_states.reshape(-1, block.hidden_dim)
         scores, logits = block.router(tokens)  # [T, E]; 0 outside each token's top k
-        routed = _routed(torch.topk(logits, block.top_k, dim=1).indices, self.num_experts)
-        keys, slot_of = _acquire(self.offload, self.layer, routed, self.views,
-                                 self.num_experts)
+        routed = routed_experts(torch.topk(logits, block.top_k, dim=1).indices, self.num_experts)
+        out = through_agent(self.offload, self.layer, routed, self.views, self.num_experts,
+                             lambda slot_of: self._compute(tokens, scores, routed, slot_of))
+        return out, logits
+
+    def _compute(self, tokens: Any, scores: Any, routed: dict[int, int], slot_of: Any) -> Any:
+        """The block's output ``[T, H]`` for ``tokens`` ``[T, H]`` and router ``scores``
+        ``[T, E]``, each routed expert computed on its slot's views."""
+        import torch
+
+        block, experts = self.block, self.experts
         try:
             scaled = tokens.repeat(self.num_experts, 1) * scores.transpose(0, 1).reshape(-1, 1)
             scaled = scaled.view(self.num_experts, -1, block.hidden_dim)
@@ -230,13 +165,10 @@ class _ScaledInputBlock:
                     setattr(experts, param, view[s:s + 1])
                 per_expert[e] = self.experts_forward(experts, scaled[e])
             out = block.shared_expert(tokens)
-            out.add_(per_expert.sum(dim=0))
-            _synchronize(out)
+            return out.add_(per_expert.sum(dim=0))
         finally:
             for param in self.views.tensors:
                 setattr(experts, param, None)
-            self.offload.client.release_batch(self.offload.device, keys)
-        return out, logits
 
 
 def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,

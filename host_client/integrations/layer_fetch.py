@@ -1,0 +1,163 @@
+"""One MoE layer's routed experts through the agent, for an inference framework's layer
+forward: acquire them in one batch, compute on zero-copy views of the slot pool, release them
+once the device has read them (:func:`through_agent`), and what an offload has done
+(:class:`ExpertOffload`).
+
+On a CUDA pool the host waits only for the grants: the layer's kernels are enqueued on the
+torch stream behind GPU-side waits on each expert's verified bytes
+(``AcquireHandle.enqueue_wait``), so they are launched while the experts land, and the host
+waits once, for the layer's result, before the release. On the CPU reference device the host
+waits for the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpu_offload.keys import ExpertKey
+from host_client.client import AgentClient
+from host_client.errors import TransferFailed
+from host_client.handles import StreamWait
+from host_client.integrations.pool_views import PoolViews
+from host_client.registration import AttachedDevice
+
+
+@dataclass
+class ExpertOffload:
+    """What ``offload_experts`` set up (each forward releases the experts it acquired, so
+    nothing stays held between forwards), and what it has done.
+
+    Attributes:
+        model: the agent's name for the checkpoint.
+        device: the device the experts are delivered to.
+        layers: layer -> the offloaded experts module.
+    """
+
+    client: AgentClient
+    model: str
+    device: AttachedDevice
+    layers: dict[int, Any] = field(default_factory=dict)
+    forwards: int = 0
+    experts_acquired: int = 0
+    hits: int = 0
+    """Acquires that started no delivery (the expert was in its slot, or on its way there)."""
+    prefetched: int = 0
+    """Experts prefetched for the next MoE layer (``prefetch=True``)."""
+    prefetch_used: int = 0
+    """Of those, the ones the next layer's router then chose."""
+    stream_retries: int = 0
+    """Layers computed again, the host waiting, after a delivery behind a stream wait failed
+    its check (CUDA pools)."""
+    report_routing: bool = True
+    """Each MoE layer's routing goes to the agent (``report_routing``)."""
+    visits_reported: int = 0
+    """Layer visits reported (the client's ``visits_refused`` counts refusals)."""
+
+
+def routed_experts(indices: Any, num_experts: int) -> dict[int, int]:
+    """The distinct experts of ``indices`` (a layer's routing, any shape) -> how many tokens
+    chose each."""
+    import torch
+
+    experts, tokens = torch.unique(indices, return_counts=True)
+    return {e: n for e, n in zip(experts.tolist(), tokens.tolist(), strict=True)
+            if 0 <= e < num_experts}
+
+
+@dataclass
+class Acquired:
+    """A layer's routed experts, granted: ``keys`` to release, ``slot_of``
+    (``int64[num_experts + 1]``: each routed expert's slot number in the pool,
+    ``views.slots`` for the others) and, where the experts are awaited on the GPU, the
+    ``waits`` on the stream the layer computes on (their bytes may still be landing)."""
+
+    keys: list[ExpertKey]
+    slot_of: Any
+    waits: list[StreamWait]
+
+
+def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
+                  views: PoolViews, num_experts: int, meanwhile: Callable[[], None] | None,
+                  on_stream: bool, again: bool = False) -> Acquired:
+    """Acquire the ``routed`` experts of ``layer`` (expert -> tokens that chose it) in one
+    batch, running ``meanwhile`` once it is posted. ``on_stream`` (a CUDA pool): only the
+    grants are awaited, and the torch stream waits on the GPU for each expert's verified
+    bytes, so the layer's kernels are enqueued while the experts land; otherwise the host waits
+    for them. With ``report_routing`` the visit is reported once the batch is posted (ROUTE
+    entries on the device's channel: the agent folds it while the bytes land, off the grants'
+    path). ``again``: the layer acquired a second time after a failed delivery, which reports
+    and runs ``meanwhile`` no second time."""
+    import torch
+
+    client = offload.client
+    keys = [ExpertKey(offload.model, layer, e) for e in routed]
+    handles = client.acquire_batch(offload.device, keys, wait=not on_stream)
+    if not again:
+        if offload.report_routing and routed:
+            client.report_visit(offload.device, offload.model, layer, routed)
+            offload.visits_reported += 1
+        if meanwhile is not None:
+            meanwhile()
+    waits: list[StreamWait] = []
+    if on_stream:
+        import cupy
+
+        pool = next(iter(views.tensors.values()))
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(pool.device).cuda_stream,
+                                          pool.device.index)
+        try:
+            with cupy.cuda.Device(pool.device.index):
+                waits.extend(h.enqueue_wait(stream, 120) for h in handles)
+        except BaseException:
+            client.release_granted(offload.device, handles)
+            raise
+    else:
+        client.wait_all(handles, 120)
+    # Pinned on a GPU: copied to the device behind the stream's waits, the host not waiting.
+    slot_of = torch.full((num_experts + 1,), views.slots, dtype=torch.long,
+                         pin_memory=on_stream)
+    for e, h in zip(routed, handles, strict=True):
+        where = h.where
+        assert where is not None
+        slot_of[e] = where[1] // views.slot_bytes
+        offload.hits += bool(h.resident)
+    offload.forwards += 1
+    offload.experts_acquired += len(keys)
+    return Acquired(keys, slot_of, waits)
+
+
+def _synchronize(out: Any) -> None:
+    """Wait for the kernels that read the slots before the experts are released."""
+    import torch
+
+    if out.is_cuda:
+        torch.cuda.current_stream(out.device).synchronize()
+
+
+def through_agent(offload: ExpertOffload, layer: int, routed: dict[int, int],
+                  views: PoolViews, num_experts: int, compute: Callable[[Any], Any],
+                  meanwhile: Callable[[], None] | None = None) -> Any:
+    """``compute(slot_of)`` (see :class:`Acquired`) with the ``routed`` experts of ``layer``
+    acquired, then released once the device has finished reading them. On a GPU the layer's
+    kernels are enqueued behind stream waits on its experts' bytes; if a delivery failed its
+    check there (the kernels read unverified bytes), the layer is acquired again, the host
+    waiting this time (the agent refetches a mismatched expert), and computed again."""
+    on_stream, again = views.on_gpu, False
+    while True:
+        got = acquire_layer(offload, layer, routed, views, num_experts, meanwhile, on_stream,
+                            again)
+        try:
+            out = compute(got.slot_of)
+            _synchronize(out)
+            for wait in got.waits:
+                wait.check()
+            return out
+        except TransferFailed:
+            if not got.waits:
+                raise
+            offload.stream_retries += 1
+            on_stream, again = False, True
+        finally:
+            offload.client.release_batch(offload.device, got.keys)
