@@ -152,8 +152,8 @@ def timed_generate(model: Any, batch: int, prompt: int, new: int,
 
 def run(arch: str, layers: int, device: str, fractions: list[float], batches: list[int],
         prompt: int = 16, new: int = 16, shrink: int = 1,
-        trace: Path | None = None, delivery: str = "engine", prefetch: bool = False
-        ) -> dict[str, Any]:
+        trace: Path | None = None, delivery: str = "engine", prefetch: bool = False,
+        accelerate: bool = True) -> dict[str, Any]:
     import torch
 
     from host_client import AgentClient, CpuReferenceDevice
@@ -230,16 +230,17 @@ def run(arch: str, layers: int, device: str, fractions: list[float], batches: li
                     row["prefetched"], row["prefetch_used"] = off.prefetched, off.prefetch_used
                     runs.append(row)
                 del model
-        accelerate = _accelerate(path, torch_device, batches, prompt, new, best,
-                                 outputs[best], trace, pinned=False)
-        accelerate_pinned = _accelerate(path, torch_device, batches, prompt, new, best,
-                                        outputs[best], trace, pinned=True)
+        skipped = {"unavailable": "not run (--no-accelerate)"}
+        pageable = _accelerate(path, torch_device, batches, prompt, new, best, outputs[best],
+                               trace, pinned=False) if accelerate else skipped
+        pinned = _accelerate(path, torch_device, batches, prompt, new, best, outputs[best],
+                             trace, pinned=True) if accelerate else skipped
     mismatched = [(r["fraction"], b) for r in runs for b, ok in r["outputs_equal"].items()
                   if not ok]
     return {"arch": arch, "layers": layers, "device": device, "shrink": shrink,
             "expert_bytes": expert_bytes, "pinned_rate_bytes_per_s": rate,
             "resident": resident, "resident_implementation": best, "offload": runs,
-            "accelerate": accelerate, "accelerate_pinned": accelerate_pinned,
+            "accelerate": pageable, "accelerate_pinned": pinned,
             "prompt_tokens": prompt, "new_tokens": new,
             "outputs_differ": mismatched, "routing": trace.stem if trace else "router",
             "delivery": delivery}
@@ -341,11 +342,13 @@ def main() -> int:
     ap.add_argument("--prefetch", action="store_true",
                     help="pre-gated prefetch: each layer prefetches what the next layer's "
                          "router would choose for its input (offload_experts(prefetch=True))")
+    ap.add_argument("--no-accelerate", action="store_true",
+                    help="skip accelerate's baselines (an A/B of the offload path alone)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     r = run(args.arch, args.layers, args.device, args.gpu_cache_fraction, args.batch,
             new=args.new_tokens, shrink=args.shrink, trace=args.trace, delivery=args.delivery,
-            prefetch=args.prefetch)
+            prefetch=args.prefetch, accelerate=not args.no_accelerate)
     print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate",
                                         "accelerate_pinned")}, indent=1,
                      default=str), file=sys.stderr)
