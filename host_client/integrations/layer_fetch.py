@@ -102,13 +102,13 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
             meanwhile()
     waits: list[StreamWait] = []
     if on_stream:
-        import cupy
+        from gpu_kernels.launch import cp
 
         pool = next(iter(views.tensors.values()))
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(pool.device).cuda_stream,
-                                          pool.device.index)
+        stream = cp.cuda.ExternalStream(torch.cuda.current_stream(pool.device).cuda_stream,
+                                        pool.device.index)
         try:
-            with cupy.cuda.Device(pool.device.index):
+            with cp.cuda.Device(pool.device.index):
                 waits.extend(h.enqueue_wait(stream, 120) for h in handles)
         except BaseException:
             client.release_granted(offload.device, handles)
