@@ -305,6 +305,7 @@ def test_an_acquire_waits_for_an_unheld_slot_still_landing(
                    and split_word(dev.channel.word(0))[1] == abi.SlotState.FILLING):
             assert time.monotonic() < deadline, split_word(dev.channel.word(0))
             time.sleep(0.005)
+        taken = metric(agent, "dpu_agent_dataplane_requests_total")
         handle = client.acquire(dev, wanted)
         time.sleep(0.3)
         assert handle.refusal is None and not handle.done() and not handle.granted()
@@ -314,6 +315,8 @@ def test_an_acquire_waits_for_an_unheld_slot_still_landing(
     slot = handle.wait(10)
     name = "model.layers.0.mlp.experts.2.gate_proj.weight"
     assert slot.raw("gate_proj").tobytes() == truth[name]
+    # One ring entry, counted once, though it was tried again once a slot landed.
+    assert metric(agent, "dpu_agent_dataplane_requests_total") == taken + 1
 
 
 def test_the_agent_times_how_long_requests_wait_and_take(

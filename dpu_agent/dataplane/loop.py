@@ -39,7 +39,6 @@ IDLE, COMPLETED, SERVED = 0, 1, 2
 class LoopStats:
     """What the loop did, for metrics and benchmarks."""
 
-    requests: int = 0
     completions: int = 0
     errors: int = 0
     """Passes that raised (logged; the loop goes on)."""
@@ -128,7 +127,6 @@ class DataPlaneLoop:
             log.exception("data-plane pass failed")
             stats.errors += 1
             return IDLE
-        stats.requests += requests
         stats.completions += completions
         if requests or completions:
             stats.cpu_seconds = time.thread_time()

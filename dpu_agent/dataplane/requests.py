@@ -103,6 +103,8 @@ class RequestServer:
         self._retried = 0.0
         self._released = False
         """Whether a RELEASE was served since the parked ACQUIREs were last tried."""
+        self.taken = 0
+        """Request-ring entries taken from the channels (a parked ACQUIRE counted once)."""
         self.refused = 0
         """Requests answered with an error status."""
         self.timed = 0
@@ -118,6 +120,7 @@ class RequestServer:
         if batch.size == 0:
             return 0
         taken = time.monotonic_ns()
+        self.taken += int(batch.size)
         rows = batch.tolist()  # plain tuples: a field of a NumPy record costs a microsecond
         fills: list[tuple[int, int, ExpertKey]] = []
         for j, row in enumerate(rows):

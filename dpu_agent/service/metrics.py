@@ -61,14 +61,14 @@ class AgentCollector(Collector):
         yield CounterMetricFamily("dpu_agent_checksum_failures",
                                   "Deliveries that failed chunk verification.",
                                   value=core.plane.deliveries.verify_failures)
-        loop = core.plane.loop.stats
+        loop, served = core.plane.loop.stats, core.plane.requests
         yield CounterMetricFamily("dpu_agent_dataplane_requests",
-                                  "Request-ring entries the data-plane loop served.",
-                                  value=loop.requests)
+                                  "Request-ring entries the data-plane loop took (an ACQUIRE "
+                                  "that waited for a slot counted once).",
+                                  value=served.taken)
         yield CounterMetricFamily("dpu_agent_dataplane_refused_requests",
                                   "Request-ring entries answered with an error status.",
-                                  value=core.plane.requests.refused)
-        served = core.plane.requests
+                                  value=served.refused)
         yield CounterMetricFamily("dpu_agent_dataplane_parked_requests",
                                   "ACQUIRE entries that found every fitting slot held or "
                                   "landing and waited in the loop for one.",

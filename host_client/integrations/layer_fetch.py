@@ -105,8 +105,8 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
         from gpu_kernels.launch import cp
 
         pool = next(iter(views.tensors.values()))
-        stream = cp.cuda.ExternalStream(torch.cuda.current_stream(pool.device).cuda_stream,
-                                        pool.device.index)
+        ptr = torch.cuda.current_stream(pool.device).cuda_stream  # 0: the legacy default
+        stream = cp.cuda.ExternalStream(ptr, pool.device.index) if ptr else cp.cuda.Stream.null
         try:
             with cp.cuda.Device(pool.device.index):
                 waits.extend(h.enqueue_wait(stream, 120) for h in handles)
