@@ -228,13 +228,16 @@ def test_a_cache_size_it_cannot_use_is_refused_before_anything_is_loaded(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gpu_waits", [False, True])
 @pytest.mark.parametrize(("model_type", "delivery"), [("qwen3_moe", "pull"),
                                                       ("qwen3_moe", "engine"),
                                                       ("llama4_text", "engine")])
 def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
-                                                  model_type: str, delivery: str) -> None:
+                                                  model_type: str, delivery: str,
+                                                  gpu_waits: bool) -> None:
     """The model on the GPU, the experts delivered into a CUDA slot pool (by the device's
-    consumer, or by the DMA engine and checked on the GPU), viewed by torch through DLPack."""
+    consumer, or by the DMA engine and checked on the GPU), viewed by torch through DLPack;
+    the host waiting for the experts, or (``gpu_waits``) the stream."""
     from host_client import SlotPoolSpec
     from host_client.cuda_device import CudaDevice
 
@@ -246,18 +249,20 @@ def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
     with torch.no_grad():
         want = model(ids).logits
     with AgentClient(agent.address) as client:
-        info = client.load_model(str(path), f"gpu-{model_type}-{delivery}")
+        name = f"gpu-{model_type}-{delivery}-{gpu_waits}"
+        info = client.load_model(str(path), name)
         dev = client.register_device(CudaDevice(0), [SlotPoolSpec(info.expert_bytes, EXPERTS)],
                                      delivery=delivery)
-        offload_experts(model, client, path, dev, name=f"gpu-{model_type}-{delivery}")
+        offload = offload_experts(model, client, path, dev, name=name, gpu_waits=gpu_waits)
         with torch.no_grad():
             got = model(ids).logits
         assert torch.equal(got, want), (got - want).abs().max()
+        assert offload.stream_retries == 0
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_a_layer_whose_delivery_fails_its_check_is_computed_again(tmp_path) -> None:
-    """A CUDA pool's layers enqueue their kernels behind stream waits on the experts' bytes.
+    """``gpu_waits``: a layer's kernels are enqueued behind stream waits on the experts' bytes.
     The arena corrupted under the agent: the check on the stream fails, the layer is acquired
     again (the agent refetches from the checkpoint) with the host waiting, and computed
     again: the logits still equal the resident model's."""
@@ -275,7 +280,7 @@ def test_on_a_gpu_a_layer_whose_delivery_fails_its_check_is_computed_again(tmp_p
     with AgentProcess('[arena]\nbytes = "64MiB"\n[metrics]\nlisten_address = "127.0.0.1:0"\n'
                       ) as agent, AgentClient(agent.address) as client:
         offload = offload_experts(model, client, path, CudaDevice(0), cache=EXPERTS,
-                                  delivery="engine", name="retried")
+                                  delivery="engine", name="retried", gpu_waits=True)
         with torch.no_grad():
             assert torch.equal(model(ids).logits, want)
         assert offload.stream_retries == 0

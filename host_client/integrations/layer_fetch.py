@@ -3,11 +3,12 @@ forward: acquire them in one batch, compute on zero-copy views of the slot pool,
 once the device has read them (:func:`through_agent`), and what an offload has done
 (:class:`ExpertOffload`).
 
-On a CUDA pool the host waits only for the grants: the layer's kernels are enqueued on the
-torch stream behind GPU-side waits on each expert's verified bytes
+By default the host waits for every expert's verified bytes before the layer's kernels are
+launched. With ``gpu_waits`` on a CUDA pool the host waits only for the grants: the layer's
+kernels are enqueued on the torch stream behind GPU-side waits on each expert's bytes
 (``AcquireHandle.enqueue_wait``), so they are launched while the experts land, and the host
-waits once, for the layer's result, before the release. On the CPU reference device the host
-waits for the bytes.
+waits once, for the layer's result, before the release (not yet run on a GPU: off by default
+until it is measured there). The CPU reference device always waits on the host.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class ExpertOffload:
     stream_retries: int = 0
     """Layers computed again, the host waiting, after a delivery behind a stream wait failed
     its check (CUDA pools)."""
+    gpu_waits: bool = False
+    """On a CUDA pool, each layer's kernels wait for its experts' bytes on the GPU (stream
+    waits) rather than the host waiting for them (``offload_experts(gpu_waits=...)``)."""
     report_routing: bool = True
     """Each MoE layer's routing goes to the agent (``report_routing``)."""
     visits_reported: int = 0
@@ -140,11 +144,12 @@ def through_agent(offload: ExpertOffload, layer: int, routed: dict[int, int],
                   views: PoolViews, num_experts: int, compute: Callable[[Any], Any],
                   meanwhile: Callable[[], None] | None = None) -> Any:
     """``compute(slot_of)`` (see :class:`Acquired`) with the ``routed`` experts of ``layer``
-    acquired, then released once the device has finished reading them. On a GPU the layer's
-    kernels are enqueued behind stream waits on its experts' bytes; if a delivery failed its
+    acquired, then released once the device has finished reading them. With ``gpu_waits`` on
+    a GPU the layer's kernels are enqueued behind stream waits on its experts' bytes; if a
+    delivery failed its
     check there (the kernels read unverified bytes), the layer is acquired again, the host
     waiting this time (the agent refetches a mismatched expert), and computed again."""
-    on_stream, again = views.on_gpu, False
+    on_stream, again = offload.gpu_waits and views.on_gpu, False
     while True:
         got = acquire_layer(offload, layer, routed, views, num_experts, meanwhile, on_stream,
                             again)

@@ -174,7 +174,7 @@ class _ScaledInputBlock:
 def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                     device: Device | AttachedDevice, cache: float | int = 0.25,
                     name: str = "", delivery: str = "pull", prefetch: bool = False,
-                    report_routing: bool = True) -> ExpertOffload:
+                    report_routing: bool = True, gpu_waits: bool = False) -> ExpertOffload:
     """Serve ``model``'s routed experts through the agent.
 
     Args:
@@ -205,6 +205,13 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             Mixtral trace through an agent at a quarter of the experts: 0.362 against 0.343
             without, docs/PERFORMANCE-NOTES.md); ``False`` saves one ROUTE post per layer.
 
+        gpu_waits: on a CUDA device, each layer waits for its experts' bytes on the GPU:
+            the host waits only for the grants, the experts code is launched behind stream
+            waits while the experts land, and the host waits once, for the layer's result;
+            a layer whose delivery fails its check there is acquired again, the host waiting,
+            and computed again (``ExpertOffload.stream_retries``). Off: the host waits for
+            every expert before the launch. Not yet run on a GPU, so off by default.
+
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
     """
@@ -223,7 +230,8 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
         dev = client.register_device(device, [SlotPoolSpec(info.expert_bytes,
                                                            max(per_layer, min(slots, total)))],
                                      delivery=delivery)
-    offload = ExpertOffload(client, info.model, dev, report_routing=report_routing)
+    offload = ExpertOffload(client, info.model, dev, report_routing=report_routing,
+                            gpu_waits=gpu_waits)
     blocks = dict(scaled_input_blocks(model))
     routed: dict[int, tuple[_Layer, str]] = {}
     """MoE layer -> its ``_Layer`` forward and its experts module's name."""
