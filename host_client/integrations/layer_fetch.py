@@ -13,6 +13,7 @@ until it is measured there). The CPU reference device always waits on the host.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,9 +147,9 @@ def through_agent(offload: ExpertOffload, layer: int, routed: dict[int, int],
     """``compute(slot_of)`` (see :class:`Acquired`) with the ``routed`` experts of ``layer``
     acquired, then released once the device has finished reading them. With ``gpu_waits`` on
     a GPU the layer's kernels are enqueued behind stream waits on its experts' bytes; if a
-    delivery failed its
-    check there (the kernels read unverified bytes), the layer is acquired again, the host
-    waiting this time (the agent refetches a mismatched expert), and computed again."""
+    delivery failed its check there (the kernels read unverified bytes), the layer is
+    acquired again, the host waiting this time (the agent refetches a mismatched expert), and
+    computed again."""
     on_stream, again = offload.gpu_waits and views.on_gpu, False
     while True:
         got = acquire_layer(offload, layer, routed, views, num_experts, meanwhile, on_stream,
@@ -165,4 +166,7 @@ def through_agent(offload: ExpertOffload, layer: int, routed: dict[int, int],
             offload.stream_retries += 1
             on_stream, again = False, True
         finally:
+            for wait in got.waits:  # each settled once, its host word given back, on any exit
+                with contextlib.suppress(TransferFailed):
+                    wait.check()
             offload.client.release_batch(offload.device, got.keys)
