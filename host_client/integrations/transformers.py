@@ -112,8 +112,8 @@ class _Layer:
                  top_k_weights: Any) -> Any:
         """The experts module's own forward on the pool's views, ``top_k_index`` renumbered
         to slot numbers."""
-        module, device = self.module, top_k_index.device
-        slots = slot_of.to(device, non_blocking=device.type == "cuda")[top_k_index]
+        module = self.module
+        slots = slot_of.to(top_k_index.device, non_blocking=slot_of.is_pinned())[top_k_index]
         try:
             for param, view in self.views.tensors.items():
                 setattr(module, param, view)
