@@ -108,35 +108,69 @@ SessionEvent = ErrorEvent | PlacementProgressEvent
 """What a session's event stream carries (the service layer turns each into a ``pb.Event``)."""
 
 
+class Tally:
+    """A running count, safe to add to from any thread (the events every session's sink
+    dropped: a counter that closing a session does not race)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    def add(self, n: int = 1) -> None:
+        with self._lock:
+            self._value += n
+
+    @property
+    def value(self) -> int:
+        with self._lock:
+            return self._value
+
+
 class EventSink:
     """Events of one session, delivered in order to the (at most one) Events stream. At most
     ``capacity`` wait, attached or not: a client that does not read its stream (or has none)
     loses the oldest, counted in ``dropped``, rather than growing the agent's memory. The
-    end-of-session marker (None) is never dropped."""
+    end-of-session marker (None) is never dropped, and what is emitted after it is counted as
+    dropped (no stream will read it). A stream that goes away hands what it had not sent back
+    to the buffer, for the next one."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 4096, dropped: Tally | None = None) -> None:
         self._lock = threading.Lock()
         self._buffer: deque[SessionEvent | None] = deque(maxlen=capacity)
         self._queue: asyncio.Queue[SessionEvent | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.dropped = 0
+        self._closed = False
+        self.dropped = dropped or Tally()
 
     def emit(self, event: SessionEvent | None) -> None:
         with self._lock:
-            if self._queue is not None and self._loop is not None:
-                self._loop.call_soon_threadsafe(self._put, self._queue, event)
+            if self._closed:
+                if event is not None:
+                    self.dropped.add()
                 return
-            if len(self._buffer) == self._buffer.maxlen:
-                self.dropped += 1
-            self._buffer.append(event)
+            self._closed = event is None
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._put, event)
+                return
+            self._buffer_locked(event)
 
-    def _put(self, q: asyncio.Queue[SessionEvent | None], event: SessionEvent | None) -> None:
-        """On the stream's loop: queue ``event``, dropping the oldest when full."""
-        if q.full():
-            q.get_nowait()
-            with self._lock:
-                self.dropped += 1
-        q.put_nowait(event)
+    def _buffer_locked(self, event: SessionEvent | None) -> None:
+        if len(self._buffer) == self._buffer.maxlen:
+            self.dropped.add()
+        self._buffer.append(event)
+
+    def _put(self, event: SessionEvent | None) -> None:
+        """On the streams' loop: queue ``event`` for the attached stream, dropping the oldest
+        when full (or buffer it, when the stream has gone since the emit)."""
+        with self._lock:
+            q = self._queue
+            if q is None:
+                self._buffer_locked(event)
+                return
+            if q.full():
+                q.get_nowait()
+                self.dropped.add()
+            q.put_nowait(event)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[SessionEvent | None]:
         with self._lock:
@@ -147,9 +181,17 @@ class EventSink:
             return q
 
     def detach(self, q: asyncio.Queue[SessionEvent | None]) -> None:
+        """``q``'s stream ended: what it had not sent waits in the buffer again (or, when a
+        newer stream had replaced it, is counted as dropped)."""
         with self._lock:
             if self._queue is q:
                 self._queue, self._loop = None, None
+                while not q.empty():
+                    self._buffer_locked(q.get_nowait())
+                return
+            while not q.empty():
+                if q.get_nowait() is not None:
+                    self.dropped.add()
 
     def close(self) -> None:
         """Wake an attached stream with the end-of-session marker (None)."""

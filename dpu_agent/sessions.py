@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dpu_agent.config import SessionSettings
 from dpu_agent.errors import AgentError, ErrorKind, invalid, not_found, precondition
 from dpu_agent.identity import Binding, current_caller
-from dpu_agent.registry import Device, Session
+from dpu_agent.registry import Device, EventSink, Session, Tally
 
 log = logging.getLogger("dpu_agent")
 
@@ -42,8 +42,9 @@ class SessionTable:
         self._on_close = on_close
         self._lock = lock
         self.open: dict[str, Session] = {}
-        self._events_dropped_closed = 0
-        """Events closed sessions' sinks dropped (their clients did not read them)."""
+        self._events_dropped = Tally()
+        """Events every session's sink dropped, open or closed (their clients did not read
+        them)."""
 
     def create(self, client_name: str, lease_seconds: int) -> tuple[Session, str]:
         """A new session bound to the calling identity, and its token (handed out once: every
@@ -58,7 +59,7 @@ class SessionTable:
         sid = secrets.token_hex(8)
         binding, token = Binding.issue(current_caller().identity)
         session = Session(sid, client_name, float(lease), time.monotonic() + lease,
-                          binding=binding)
+                          events=EventSink(dropped=self._events_dropped), binding=binding)
         with self._lock:
             if len(self.open) >= limits.max_sessions:
                 raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
@@ -105,15 +106,11 @@ class SessionTable:
             raise not_found(f"session {session_id!r} does not exist")
         self._on_close(session)
         session.events.close()
-        with self._lock:
-            self._events_dropped_closed += session.events.dropped
         log.info("session %s", reason, extra={"session": session_id})
 
     def events_dropped(self) -> int:
         """Session events dropped so far, open and closed sessions together (a counter)."""
-        with self._lock:
-            return self._events_dropped_closed + sum(s.events.dropped
-                                                     for s in self.open.values())
+        return self._events_dropped.value
 
     def expire(self) -> list[str]:
         """Close every session whose lease ran out; returns their ids."""
