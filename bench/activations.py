@@ -34,12 +34,12 @@ from google.protobuf import wrappers_pb2
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
+    CpuSnapshot,
     child_pid,
     envelope,
     figure,
     median,
     pct,
-    proc_cpu_seconds,
     save_figure,
     write,
 )
@@ -109,10 +109,10 @@ def grpc_baseline(weights: list[np.ndarray], hidden: int) -> tuple[grpc.Server, 
 def cpu_rate(*pids: int, seconds: float) -> np.ndarray:
     """``float64[len(pids)]``: each process's CPU seconds per second while no message moves,
     over ``seconds``."""
-    before = [proc_cpu_seconds(p) for p in pids]
+    before = [CpuSnapshot.take(p) for p in pids]
     time.sleep(seconds)
-    return np.array([(proc_cpu_seconds(p) - b) / seconds for p, b in zip(pids, before,
-                                                                          strict=True)])
+    return np.array([CpuSnapshot.take(p).total_since(b) / seconds for p, b in zip(
+        pids, before, strict=True)])
 
 
 IDLE_SECONDS = (0.5, 3.0)
@@ -146,7 +146,7 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
             one = time.perf_counter() - t_start
             window = min(max(one * n, IDLE_SECONDS[0]), IDLE_SECONDS[1])
             idle_before = cpu_rate(agent_pid, nic_pid, seconds=window)
-            cpu0 = np.array([proc_cpu_seconds(agent_pid), proc_cpu_seconds(nic_pid)])
+            cpu0 = [CpuSnapshot.take(agent_pid), CpuSnapshot.take(nic_pid)]
             t_start = time.perf_counter()
             for _ in range(n):
                 t0 = time.perf_counter()
@@ -154,12 +154,13 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
                 _, got = sender.receive()
                 agent_t.append(time.perf_counter() - t0)
             wall = time.perf_counter() - t_start
-            cpu1 = np.array([proc_cpu_seconds(agent_pid), proc_cpu_seconds(nic_pid)])
+            cpu1 = [CpuSnapshot.take(agent_pid), CpuSnapshot.take(nic_pid)]
             idle_after = cpu_rate(agent_pid, nic_pid, seconds=window)
             # What the messages cost beyond each process's idle pace (the mean of the windows
             # before and after) over the same time; how far the two windows disagree is what
             # the estimate cannot resolve.
-            cpu = (cpu1 - cpu0 - (idle_before + idle_after) / 2 * wall) / n * 1e6
+            used = np.array([a.total_since(b) for a, b in zip(cpu1, cpu0, strict=True)])
+            cpu = (used - (idle_before + idle_after) / 2 * wall) / n * 1e6
             noise = np.abs(idle_before - idle_after) / 2 * wall / n * 1e6
             for _ in range(n):
                 t1 = time.perf_counter()

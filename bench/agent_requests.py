@@ -31,7 +31,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, thread_cpu_seconds, write
+from bench.common import CpuSnapshot, envelope, write
 from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -65,9 +65,9 @@ def acquire_all(client: AgentClient, dev: object, keys: list[ExpertKey], batch: 
     return times
 
 
-def dataplane_cpu(agent: AgentProcess) -> float:
+def agent_cpu(agent: AgentProcess) -> CpuSnapshot:
     assert agent.proc is not None
-    return thread_cpu_seconds(agent.proc.pid).get("dataplane", 0.0)
+    return CpuSnapshot.take(agent.proc.pid)
 
 
 def run(experts: int, batch: int, rounds: int, delivery: str, workdir: Path
@@ -96,9 +96,10 @@ def run(experts: int, batch: int, rounds: int, delivery: str, workdir: Path
         for _ in range(rounds):
             client, dev, keys = session()
             for kind in ("miss", "again"):
-                cpu0 = dataplane_cpu(agent)
+                cpu0 = agent_cpu(agent)
                 times = acquire_all(client, dev, keys, batch)
-                out[f"{kind}_agent_us"].append((dataplane_cpu(agent) - cpu0) / len(keys) * 1e6)
+                used = agent_cpu(agent).since(cpu0).get("dataplane", 0.0)
+                out[f"{kind}_agent_us"].append(used / len(keys) * 1e6)
                 out[f"{kind}_batch_ms"].append(median(times) * 1e3)
             client.close()
     return {"experts": len(keys), "batch": batch, "rounds": rounds, "delivery": delivery,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, proc_cpu_seconds, write
+from bench.common import CpuSnapshot, envelope, write
 from dpu_offload.cli_args import positive
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -57,10 +57,10 @@ def schedule(agent: AgentProcess, root: Path, cycles: int) -> tuple[float, float
 
             for half in halves:  # fills the arena; afterwards every cycle is arena -> slots
                 cycle(half)
-            cpu0 = proc_cpu_seconds(agent.proc.pid)
+            cpu0 = CpuSnapshot.take(agent.proc.pid)
             for i in range(cycles):
                 cycle(halves[i % 2])
-            cpu = proc_cpu_seconds(agent.proc.pid) - cpu0
+            cpu = CpuSnapshot.take(agent.proc.pid).total_since(cpu0)
             gb = cycles * len(halves[0]) * model.expert_bytes / 1e9
     finally:
         agent.stop(timeout=60)

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -221,21 +222,50 @@ PARKED = "dpu_agent_dataplane_parked_requests_total"
 """ACQUIREs that waited in the agent's loop for a slot to land (a prefetch's, say)."""
 
 
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds so far of the threads of ``pid``, summed by thread name (this process's
-    Python threads by their ``threading`` name, others by their kernel name), at nanosecond
-    resolution (schedstat; /proc/PID/stat counts 10 ms ticks, too coarse for a few hundred
-    MB)."""
-    names = {t.native_id: t.name for t in threading.enumerate()} if pid == os.getpid() else {}
-    out: Counter[str] = Counter()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            ns = int((task / "schedstat").read_text().split()[0])
-            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
-        except (OSError, IndexError, ValueError):
-            continue  # the thread ended meanwhile
-        out[name] += ns / 1e9
-    return dict(out)
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """The CPU seconds each live thread of process ``pid`` had used at one moment, at
+    nanosecond resolution (schedstat; /proc/PID/stat counts 10 ms ticks, too coarse for a few
+    hundred MB), keyed by thread id: CPU is counted per thread between two snapshots, so a
+    thread that ends in between takes only its own time with it (a sum by name would lose what
+    it had used before as well, and could go negative).
+
+    Attributes:
+        pid: the process.
+        threads: thread id -> (name, CPU seconds so far); this process's Python threads are
+            named by their ``threading`` name, others by their kernel name.
+    """
+
+    pid: int
+    threads: dict[int, tuple[str, float]]
+
+    @classmethod
+    def take(cls, pid: int) -> CpuSnapshot:
+        names = ({t.native_id: t.name for t in threading.enumerate()}
+                 if pid == os.getpid() else {})
+        threads: dict[int, tuple[str, float]] = {}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                ns = int((task / "schedstat").read_text().split()[0])
+                tid = int(task.name)
+                name = names.get(tid) or (task / "comm").read_text().strip()
+            except (OSError, IndexError, ValueError):
+                continue  # the thread ended meanwhile
+            threads[tid] = (name, ns / 1e9)
+        return cls(pid, threads)
+
+    def since(self, before: CpuSnapshot) -> dict[str, float]:
+        """CPU seconds by thread name from ``before`` to this snapshot: each thread alive now,
+        less what it had at ``before`` (a thread started since counts from zero); a thread
+        that ended in between is not counted."""
+        out: Counter[str] = Counter()
+        for tid, (name, seconds) in self.threads.items():
+            out[name] += seconds - before.threads.get(tid, (name, 0.0))[1]
+        return dict(out)
+
+    def total_since(self, before: CpuSnapshot) -> float:
+        """CPU seconds of the whole process from ``before`` to this snapshot (as ``since``)."""
+        return sum(self.since(before).values())
 
 
 def child_pids(parent: int, module: str) -> list[int]:
@@ -257,7 +287,3 @@ def child_pid(parent: int, module: str) -> int:
     """The first of :func:`child_pids`; 0 when there is none."""
     return next(iter(child_pids(parent, module)), 0)
 
-
-def proc_cpu_seconds(pid: int) -> float:
-    """CPU seconds of every thread of ``pid`` so far (``thread_cpu_seconds`` summed)."""
-    return sum(thread_cpu_seconds(pid).values())

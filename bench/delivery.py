@@ -32,16 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
     PARKED,
+    CpuSnapshot,
     agent_total,
     child_pid,
     envelope,
     figure,
     median,
     pct,
-    proc_cpu_seconds,
     save_figure,
     scrape,
-    thread_cpu_seconds,
     write,
 )
 from bench.delivery_baselines import baselines, copy_engine_from_arena
@@ -125,17 +124,16 @@ def run_shape(name: str, device_kind: str, experts: int, repeats: int,
                 batch = keys[:half] if r % 2 == 0 else keys[half:]
                 # Reading another process's /proc costs this one ~1 ms: outside the client's
                 # interval (it once was inside, and made up half the client's CPU per GB).
-                agent0 = thread_cpu_seconds(agent.proc.pid)
-                e0 = proc_cpu_seconds(engine) if engine else 0.0
-                threads0 = thread_cpu_seconds(os.getpid())
+                agent0 = CpuSnapshot.take(agent.proc.pid)
+                engine0 = CpuSnapshot.take(engine) if engine else None
+                threads0 = CpuSnapshot.take(os.getpid())
                 c0 = time.process_time()
                 dt = cycle(batch)
                 cpu_client += time.process_time() - c0
-                for name, s in thread_cpu_seconds(os.getpid()).items():
-                    by_thread[name] += s - threads0.get(name, 0.0)
-                for name, s in thread_cpu_seconds(agent.proc.pid).items():
-                    agent_threads[name] += s - agent0.get(name, 0.0)
-                cpu_engine += (proc_cpu_seconds(engine) - e0) if engine else 0.0
+                by_thread.update(CpuSnapshot.take(os.getpid()).since(threads0))
+                agent_threads.update(CpuSnapshot.take(agent.proc.pid).since(agent0))
+                if engine0 is not None:
+                    cpu_engine += CpuSnapshot.take(engine).total_since(engine0)
                 nbytes_total += half * model.expert_bytes
                 bw.append(half * model.expert_bytes / dt / 1e9)
             parked = agent_total(agent, PARKED) - parked

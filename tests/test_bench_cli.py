@@ -139,3 +139,33 @@ def test_the_source_hash_covers_every_package() -> None:
 
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
     assert packages <= set(SOURCE_DIRS), sorted(packages - set(SOURCE_DIRS))
+
+
+def test_cpu_counted_between_snapshots_survives_a_thread_that_ends() -> None:
+    """A thread that had used CPU before the first snapshot and ends before the second takes
+    only itself out of the count: the process's CPU in between is what its other threads used
+    (the main thread's spin here), never less than nothing."""
+    import os
+    import threading
+    import time
+
+    from bench.common import CpuSnapshot
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    spun, go = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (spin(0.2), spun.set(), go.wait()),
+                              name="short-lived")
+    worker.start()
+    assert spun.wait(30)
+    before = CpuSnapshot.take(os.getpid())
+    assert before.since(CpuSnapshot(os.getpid(), {}))["short-lived"] >= 0.15
+    go.set()
+    worker.join()
+    spin(0.05)
+    used = CpuSnapshot.take(os.getpid()).since(before)
+    assert "short-lived" not in used
+    assert 0.04 <= used["MainThread"] and CpuSnapshot.take(os.getpid()).total_since(before) >= 0.04
