@@ -8,7 +8,6 @@ import os
 import select
 import sys
 import termios
-import time
 import tty
 from collections.abc import Callable, Iterator
 
@@ -99,11 +98,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+INTERRUPT = "\x03"
+"""What :func:`_keys` reports for Ctrl-C (SIGINT), as a terminal in raw mode would."""
+
+
 @contextlib.contextmanager
 def _keys() -> Iterator[Callable[[float], str]]:
     """Key presses on stdin while the block runs (one at a time: cbreak mode on a terminal,
     restored after); the function waits up to ``timeout`` seconds for one and returns it, ""
-    for none (and for good once stdin is at its end)."""
+    for none (and for good once stdin is at its end). SIGINT, unless ignored, is a key press
+    too (``INTERRUPT``): raised as KeyboardInterrupt inside a gRPC call, it can leave gRPC's
+    poller to abort the process at exit."""
+    import signal
+
     stdin = sys.stdin
     fd = stdin.fileno() if stdin is not None and not stdin.closed else -1
     saved = None
@@ -111,21 +118,40 @@ def _keys() -> Iterator[Callable[[float], str]]:
         saved = termios.tcgetattr(fd)
         tty.setcbreak(fd)
     ended = fd < 0
+    interrupted = False
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, on_interrupt)
+    wake_fd = signal.set_wakeup_fd(wake_w)
 
     def pressed(timeout: float) -> str:
         nonlocal ended
-        if ended:
-            time.sleep(timeout)
-            return ""
-        if not select.select([fd], [], [], timeout)[0]:
-            return ""
-        key = os.read(fd, 1)
-        ended = not key
-        return key.decode(errors="replace")
+        watched = [wake_r] if ended else [fd, wake_r]
+        if not interrupted:
+            readable = select.select(watched, [], [], timeout)[0]
+            if wake_r in readable:
+                os.read(wake_r, 64)
+            if not interrupted and fd in readable:
+                key = os.read(fd, 1)
+                ended = not key
+                return key.decode(errors="replace")
+        return INTERRUPT if interrupted else ""
 
     try:
         yield pressed
     finally:
+        signal.set_wakeup_fd(wake_fd)
+        if handler is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, handler)
+        os.close(wake_r)
+        os.close(wake_w)
         if saved is not None:
             termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
@@ -135,16 +161,13 @@ def cmd_top(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     n = 0
-    with _admin(args) as admin, _keys() as pressed:
-        try:
-            with Live(render_status(admin.status()), refresh_per_second=4) as live:
-                while args.iterations == 0 or n < args.iterations:
-                    if pressed(args.interval).lower() == "q":
-                        break
-                    live.update(render_status(admin.status()))
-                    n += 1
-        except KeyboardInterrupt:
-            pass
+    with _admin(args) as admin, _keys() as pressed, Live(
+            render_status(admin.status()), refresh_per_second=4) as live:
+        while args.iterations == 0 or n < args.iterations:
+            if pressed(args.interval).lower() in ("q", INTERRUPT):
+                break
+            live.update(render_status(admin.status()))
+            n += 1
     return 0
 
 
