@@ -22,7 +22,7 @@ from dpu_agent.config_values import (
     parse_str,
     setting,
 )
-from dpu_offload import futex
+from dpu_offload import futex, shm
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -114,6 +114,10 @@ class SessionSettings:
     max_lease_seconds: int = setting(parse_int, 300, unit="s", live=True)
     max_sessions: int = setting(parse_int, 256)
     max_devices: int = setting(parse_int, 16)
+    shm_group: str = setting(parse_str, "")
+    """The group (name or number) the agent's shared memory is shared with, 0660, so clients
+    of other Unix users in it can map it, and they theirs likewise (empty: 0600, clients must
+    run as the agent's user; docs/DEPLOY.md)."""
 
 
 @dataclass(frozen=True)
@@ -265,6 +269,11 @@ def _check(cfg: AgentConfig) -> list[str]:
     if cfg.cache.policy not in POLICIES:
         problems.append(f"cache.policy: {cfg.cache.policy!r} is not one of "
                         f"{sorted(POLICIES)}")
+    if ses.shm_group:
+        try:
+            shm.group_id(ses.shm_group)
+        except ValueError as exc:
+            problems.append(f"sessions.shm_group: {exc}")
     if not 1 <= ses.default_lease_seconds <= ses.max_lease_seconds:
         problems.append("sessions.default_lease_seconds: must be between 1 and "
                         f"max_lease_seconds ({ses.max_lease_seconds})")

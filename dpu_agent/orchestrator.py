@@ -49,7 +49,7 @@ from dpu_agent.weights.reuse import warm_up as warm_up_routing
 from dpu_offload import abi
 from dpu_offload.flows import FlowTable
 from dpu_offload.keys import ExpertKey
-from dpu_offload.shm import sweep_stale
+from dpu_offload.shm import group_id, share_with_group, sweep_stale
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.nic import ActivationNic
@@ -77,6 +77,10 @@ class Orchestrator:
         if stale:
             log.warning("removed %d shared-memory segments left by dead processes: %s",
                         len(stale), ", ".join(sorted(stale)[:8]))
+        self.shm_group = (group_id(config.sessions.shm_group) if config.sessions.shm_group
+                          else None)
+        """The group this agent's shared memory is shared with (None: its user's alone)."""
+        share_with_group(self.shm_group)
         self.arena = Arena(config.arena.bytes)
         warm_up_routing()
         warm_up_planner()

@@ -23,7 +23,7 @@ import os
 import select
 import stat
 
-from dpu_offload.shm import FIFO_SUFFIX, SHM_DIR
+from dpu_offload.shm import FIFO_SUFFIX, SHM_DIR, SharedBufferError, give_to_group
 
 _DRAIN_BYTES = 4096
 
@@ -49,25 +49,35 @@ class PortBell:
 
     @classmethod
     def create(cls, ring_name: str) -> PortBell | None:
-        """Make the doorbell of ``ring_name`` (0600), before the ring's segment exists, so
-        nobody can make it first under a name they read in /dev/shm. None where FIFOs cannot
-        be made (the ring's consumer then polls)."""
+        """Make the doorbell of ``ring_name`` (0600, or 0660 in the group segments are shared
+        with: ``shm.share_with_group``), before the ring's segment exists, so nobody can make
+        it first under a name they read in /dev/shm. None where FIFOs cannot be made (the
+        ring's consumer then polls)."""
         path = bell_path(ring_name)
         try:
             os.mkfifo(path, 0o600)
         except (OSError, AttributeError):
             return None
         try:
-            return cls(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW), path)
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError:
             os.unlink(path)
             return None
+        try:
+            give_to_group(fd, f"the doorbell {path}")
+        except SharedBufferError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(fd, path)
 
     @classmethod
     def open(cls, ring_name: str) -> PortBell | None:
         """The doorbell another process made for the ring segment ``ring_name``; None if it has
         none. ValueError when what is there is not a FIFO owned by the segment's owner and
-        closed to others (a planted file must not become a way in, or a busy loop)."""
+        closed to others (a planted file must not become a way in, or a busy loop): no one
+        else may write it, but for the segment's own group where the segment is shared with
+        one (0660)."""
         path = bell_path(ring_name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW)
@@ -77,13 +87,15 @@ class PortBell:
             raise ValueError(f"the doorbell {path} cannot be opened: {exc.strerror}") from exc
         try:
             st = os.fstat(fd)
-            owner = os.stat(os.path.join(SHM_DIR, ring_name)).st_uid
+            ring = os.stat(os.path.join(SHM_DIR, ring_name))
             if not stat.S_ISFIFO(st.st_mode):
                 raise ValueError(f"the doorbell {path} is not a FIFO")
-            if st.st_uid != owner or st.st_mode & 0o022:
+            shared = ring.st_mode & 0o020 and st.st_gid == ring.st_gid
+            if st.st_uid != ring.st_uid or st.st_mode & (0o002 if shared else 0o022):
                 raise ValueError(f"the doorbell {path} is not the ring owner's alone (uid "
-                                 f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; the ring's "
-                                 f"owner is uid {owner})")
+                                 f"{st.st_uid}, gid {st.st_gid}, mode "
+                                 f"{stat.S_IMODE(st.st_mode):o}; the ring's owner is uid "
+                                 f"{ring.st_uid}, gid {ring.st_gid})")
         except BaseException:
             os.close(fd)
             raise

@@ -28,10 +28,59 @@ class SharedBufferError(RuntimeError):
     """A shared buffer could not be created or opened; the message names it."""
 
 
+_group: int | None = None
+"""The group this process shares the segments it creates with (``share_with_group``)."""
+
+
+def group_id(text: str) -> int:
+    """The group named ``text`` (a name in the group database, or a number); ValueError naming
+    it when there is no such group or this process may not give files to it (it is neither
+    root nor a member)."""
+    import grp
+
+    try:
+        gid = int(text) if text.isdigit() else grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {text!r}") from None
+    if not 0 <= gid < 2**32 - 1:
+        raise ValueError(f"group id {gid} is out of range")
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise ValueError(f"this process (uid {os.geteuid()}) is not a member of group {text!r}")
+    return gid
+
+
+def share_with_group(gid: int | None) -> None:
+    """From now on the segments (and their doorbell FIFOs) this process creates are 0660 and
+    belong to group ``gid``, so processes of other Unix users in that group can map them: how
+    an agent running as its service user and inference processes of other users share memory
+    here (docs/DEPLOY.md). None: 0600, this user's alone (the default). Process-wide, as the
+    umask is; the caller must be root or a member of the group (``group_id``)."""
+    global _group
+    _group = gid
+
+
+def shared_group() -> int | None:
+    """The group set by ``share_with_group`` (None: segments are this user's alone)."""
+    return _group
+
+
+def give_to_group(fd: int, what: str) -> None:
+    """Make the file open at ``fd`` 0660 in the shared group, if one is set (``what`` names
+    it in the error)."""
+    if _group is None:
+        return
+    try:
+        os.fchown(fd, -1, _group)
+        os.fchmod(fd, 0o660)
+    except OSError as exc:
+        raise SharedBufferError(f"{what}: cannot give it to group {_group}: "
+                                f"{exc.strerror}") from exc
+
+
 def unique_name(prefix: str) -> str:
     """A fresh segment name: ``prefix``, the creator's pid (so a later agent can tell a dead
     creator's leftovers, ``sweep_stale``) and 128 random bits (so no one guesses it; the
-    segment is also 0600)."""
+    segment is also 0600, or 0660 in the group of ``share_with_group``)."""
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
 
 
@@ -135,7 +184,8 @@ class SharedBuffer:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     os.ftruncate(fd, size)
-                except OSError:
+                    give_to_group(fd, f"shared memory {name!r}")
+                except (OSError, SharedBufferError):
                     os.close(fd)
                     os.unlink(path)
                     raise
@@ -143,6 +193,11 @@ class SharedBuffer:
                 fd = os.open(path, os.O_RDWR)
         except FileNotFoundError as exc:
             raise SharedBufferError(f"shared memory {name!r} does not exist") from exc
+        except PermissionError as exc:
+            raise SharedBufferError(
+                f"shared memory {name!r}: permission denied (another Unix user made it; the "
+                "agent and its clients share memory through a group they are both members of: "
+                "[sessions] shm_group, docs/DEPLOY.md)") from exc
         except OSError as exc:
             raise SharedBufferError(f"shared memory {name!r}: {exc.strerror}") from exc
         try:

@@ -74,7 +74,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             arena=pb.ArenaInfo(shm_name=arena.name, size_bytes=arena.size,
                                region_id=ARENA_REGION_ID),
             activations_port=self.core.activations.port if self.core.activations else 0,
-            bell_shm_name=self.core.plane.bell.name)
+            bell_shm_name=self.core.plane.bell.name, shm_gid=self.core.shm_group)
 
     async def KeepAlive(self, request: pb.SessionRef, context: grpc.aio.ServicerContext
                         ) -> pb.Empty:

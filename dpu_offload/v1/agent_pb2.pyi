@@ -83,20 +83,22 @@ class ArenaInfo(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
-    __slots__ = ("session_id", "lease_seconds", "arena", "activations_port", "session_token", "bell_shm_name")
+    __slots__ = ("session_id", "lease_seconds", "arena", "activations_port", "session_token", "bell_shm_name", "shm_gid")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_PORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BELL_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_GID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_seconds: int
     arena: ArenaInfo
     activations_port: int
     session_token: str
     bell_shm_name: str
-    def __init__(self, session_id: _Optional[str] = ..., lease_seconds: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., activations_port: _Optional[int] = ..., session_token: _Optional[str] = ..., bell_shm_name: _Optional[str] = ...) -> None: ...
+    shm_gid: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_seconds: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., activations_port: _Optional[int] = ..., session_token: _Optional[str] = ..., bell_shm_name: _Optional[str] = ..., shm_gid: _Optional[int] = ...) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id",)

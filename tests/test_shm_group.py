@@ -1,0 +1,145 @@
+"""Shared memory across Unix users: with ``[sessions] shm_group`` the agent's segments and
+doorbells are 0660 in that group and a client that is a member makes its own so too, so an
+agent running as its service user serves inference processes of other users; without it each
+side's segments are its user's alone, and a client of another user is refused with a message
+that says why. The cross-user tests run real processes under other uids (root only)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dpu_agent.config import ConfigError, from_mapping
+from dpu_offload import shm
+from dpu_offload.port_bell import PortBell, bell_path
+from dpu_offload.shm import SharedBuffer, unique_name
+from host_client.checkpoints import CheckpointSpec, make_checkpoint
+from host_client.launcher import AgentProcess
+
+AGENT_UID, CLIENT_UID, GROUP = 4101, 4102, 4242
+"""Ids with no entry in the user and group databases (none is needed to run as them)."""
+
+ROOT = Path(__file__).resolve().parents[1]
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="runs processes as other users")
+
+
+@pytest.fixture
+def shared_with() -> Iterator[object]:
+    """``shm.share_with_group`` for the test, this process's setting put back after."""
+    yield shm.share_with_group
+    shm.share_with_group(None)
+
+
+def test_segments_and_doorbells_made_for_a_group_are_0660_in_it(shared_with: object) -> None:
+    gid = os.getegid()
+    shm.share_with_group(gid)
+    name = unique_name("dpu-test-group")
+    bell = PortBell.create(name)
+    assert bell is not None
+    try:
+        with SharedBuffer(name, 4096, create=True) as buf:
+            for path in (Path(shm.SHM_DIR) / buf.name, Path(bell_path(name))):
+                st = os.stat(path)
+                assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid, path
+            reopened = PortBell.open(name)  # group-writable in the ring's own group: accepted
+            assert reopened is not None
+            reopened.close()
+    finally:
+        bell.close()
+        os.unlink(bell_path(name))
+    shm.share_with_group(None)
+    with SharedBuffer(unique_name("dpu-test-group"), 4096, create=True) as buf:
+        assert stat.S_IMODE(os.stat(Path(shm.SHM_DIR) / buf.name).st_mode) == 0o600
+
+
+@root_only
+def test_a_doorbell_writable_by_a_group_the_ring_is_not_shared_with_is_refused(
+        shared_with: object) -> None:
+    """A FIFO a group may write is accepted only where the ring itself is shared with that
+    same group: one in another group (or beside a 0600 ring) is a way in for its members."""
+    name = unique_name("dpu-test-group")
+    bell = PortBell.create(name)
+    assert bell is not None
+    try:
+        with SharedBuffer(name, 4096, create=True):
+            os.chown(bell_path(name), -1, GROUP)
+            os.chmod(bell_path(name), 0o660)
+            with pytest.raises(ValueError, match="not the ring owner's alone"):
+                PortBell.open(name)
+    finally:
+        bell.close()
+        os.unlink(bell_path(name))
+
+
+def test_the_group_setting_is_checked_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"sessions\.shm_group: no group named"):
+        from_mapping({"sessions": {"shm_group": "no-such-group-dpu-offload"}})
+    if os.geteuid() != 0:
+        with pytest.raises(ConfigError, match="is not a member of group"):
+            from_mapping({"sessions": {"shm_group": str(GROUP)}})
+    assert from_mapping({"sessions": {"shm_group": str(os.getegid())}}).sessions.shm_group
+
+
+CLIENT = """
+import sys
+from dpu_offload.keys import ExpertKey
+from dpu_offload.shm import SharedBufferError
+from host_client import AgentClient, AgentError, CpuReferenceDevice, SlotPoolSpec
+address, checkpoint = sys.argv[1:3]
+try:
+    with AgentClient(address, client_name="other-user") as client:
+        model = client.load_model(checkpoint, "shared")
+        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
+        slot = client.acquire(dev, ExpertKey("shared", 1, 2)).wait(30)
+        sys.stdout.buffer.write(slot.raw("up_proj").tobytes())
+except (AgentError, SharedBufferError) as exc:
+    print("REFUSED", type(exc).__name__, exc)
+    raise SystemExit(3)
+"""
+
+def as_user(uid: int) -> list[str]:
+    """A command prefix that runs as ``uid`` with ``GROUP`` as its only supplementary group."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={GROUP}"]
+
+
+def run_client(agent: AgentProcess, checkpoint: Path) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([*as_user(CLIENT_UID), sys.executable, "-c", CLIENT, agent.address,
+                           str(checkpoint)], capture_output=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def user_agent(settings: str) -> AgentProcess:
+    agent = AgentProcess(settings, startup_timeout=300,
+                         interpreter=[*as_user(AGENT_UID), sys.executable])
+    os.chmod(agent.config_path.parent, 0o777)  # its config, and where it writes its ready file
+    return agent
+
+
+@root_only
+def test_an_agent_serves_a_client_of_another_user_through_their_group(tmp_path: Path) -> None:
+    from tests.conftest import checkpoint_bytes
+
+    shared = Path(tempfile.mkdtemp(prefix="dpu-shm-group-"))
+    try:
+        os.chmod(shared, 0o755)
+        ckpt = make_checkpoint(shared / "qwen", CheckpointSpec(
+            "qwen3-moe", layers=2, experts=4, hidden=128, intermediate=64))
+        want = checkpoint_bytes(ckpt)["model.layers.1.mlp.experts.2.up_proj.weight"]
+        with user_agent('[arena]\nbytes = "16MiB"\n') as agent:
+            refused = run_client(agent, ckpt)
+        assert refused.returncode == 3, refused.stderr.decode()[-2000:]
+        assert b"permission denied" in refused.stdout and b"shm_group" in refused.stdout
+        with user_agent(f'[arena]\nbytes = "16MiB"\n[sessions]\nshm_group = "{GROUP}"\n'
+                        ) as agent:
+            served = run_client(agent, ckpt)
+        assert served.returncode == 0, served.stderr.decode()[-2000:]
+        assert served.stdout == want
+    finally:
+        subprocess.run(["rm", "-rf", str(shared)], check=False)
