@@ -77,41 +77,6 @@ def _sort_key(rule: FlowRule) -> tuple[int, int]:
     return (-rule.priority, rule.rule_id)
 
 
-@dataclass(frozen=True)
-class _Table:
-    version: int
-    rules: tuple[FlowRule, ...]
-    """Sorted: priority descending, then rule id ascending."""
-    exact: dict[tuple[TrafficClass, str, int, int], tuple[FlowRule, ...]] = field(
-        default_factory=dict)
-    """Rules naming one model, one layer and one expert, any source (placement's rules):
-    found by one dictionary lookup instead of a scan."""
-    wild: dict[tuple[TrafficClass, str], tuple[FlowRule, ...]] = field(default_factory=dict)
-    """Every other rule by (traffic, model or '' for any model), sorted like ``rules``."""
-    wild_for: dict[tuple[TrafficClass, str], tuple[FlowRule, ...]] = field(
-        default_factory=dict)
-    """For each (traffic, model) that any rule names: its wildcard rules plus the any-model
-    ones, sorted (one dictionary lookup on the hot path; other models take
-    ``wild[(traffic, '')]``)."""
-
-    @classmethod
-    def build(cls, version: int, rules: list[FlowRule]) -> _Table:
-        rules = sorted(rules, key=_sort_key)
-        exact: dict[tuple[TrafficClass, str, int, int], list[FlowRule]] = {}
-        wild: dict[tuple[TrafficClass, str], list[FlowRule]] = {}
-        for r in rules:
-            if r.model and r.layer_min == r.layer_max != ANY and r.expert != ANY \
-                    and not r.source:
-                exact.setdefault((r.traffic, r.model, r.layer_min, r.expert), []).append(r)
-            else:
-                wild.setdefault((r.traffic, r.model), []).append(r)
-        named = {(t, m) for t, m in wild if m} | {(t, m) for t, m, _, _ in exact}
-        merged = {(t, m): tuple(sorted((*wild.get((t, m), ()), *wild.get((t, ""), ())),
-                                       key=_sort_key)) for t, m in named}
-        return cls(version, tuple(rules), {k: tuple(v) for k, v in exact.items()},
-                   {k: tuple(v) for k, v in wild.items()}, merged)
-
-
 @dataclass
 class Counters:
     packets: int = 0
@@ -128,11 +93,63 @@ class Decision(NamedTuple):
     version: int
 
 
+@dataclass(frozen=True)
+class _Table:
+    version: int
+    rules: tuple[FlowRule, ...]
+    """Sorted: priority descending, then rule id ascending."""
+    exact: dict[tuple[TrafficClass, str, int, int], tuple[FlowRule, ...]] = field(
+        default_factory=dict)
+    """Rules naming one model, one layer and one expert, any source (placement's rules):
+    found by one dictionary lookup instead of a scan."""
+    wild: dict[tuple[TrafficClass, str], tuple[FlowRule, ...]] = field(default_factory=dict)
+    """Every other rule by (traffic, model or '' for any model), sorted like ``rules``."""
+    wild_for: dict[tuple[TrafficClass, str], tuple[FlowRule, ...]] = field(
+        default_factory=dict)
+    """For each (traffic, model) that any rule names: its wildcard rules plus the any-model
+    ones, sorted (one dictionary lookup on the hot path; other models take
+    ``wild[(traffic, '')]``)."""
+    direct: dict[tuple[TrafficClass, str, int, int],
+                 tuple[Counters, tuple[Decision, ...], bool]] = field(default_factory=dict)
+    """The exact keys whose first rule decides alone (no wildcard rule of their traffic and
+    model, and that rule does not COUNT): its counters, its decisions made in advance (one per
+    queue of a FORWARD, else one), and whether it drops. The placement's rules are all of
+    this kind: a lookup is then one dictionary lookup and no allocation."""
+
+    @classmethod
+    def build(cls, version: int, rules: list[FlowRule], counters: dict[int, Counters]
+              ) -> _Table:
+        """The table of ``rules`` at ``version``, each rule counted in ``counters[rule_id]``."""
+        rules = sorted(rules, key=_sort_key)
+        exact: dict[tuple[TrafficClass, str, int, int], list[FlowRule]] = {}
+        wild: dict[tuple[TrafficClass, str], list[FlowRule]] = {}
+        for r in rules:
+            if r.model and r.layer_min == r.layer_max != ANY and r.expert != ANY \
+                    and not r.source:
+                exact.setdefault((r.traffic, r.model, r.layer_min, r.expert), []).append(r)
+            else:
+                wild.setdefault((r.traffic, r.model), []).append(r)
+        named = {(t, m) for t, m in wild if m} | {(t, m) for t, m, _, _ in exact}
+        merged = {(t, m): tuple(sorted((*wild.get((t, m), ()), *wild.get((t, ""), ())),
+                                       key=_sort_key)) for t, m in named}
+        direct = {}
+        for (t, m, layer, expert), found in exact.items():
+            first = found[0]
+            if merged.get((t, m)) or first.action is _COUNT:
+                continue
+            decisions = tuple(Decision(first, first.action, q, version) for q in first.queues
+                              ) or (Decision(first, first.action, None, version),)
+            direct[(t, m, layer, expert)] = (counters[first.rule_id], decisions,
+                                             first.action is _DROP)
+        return cls(version, tuple(rules), {k: tuple(v) for k, v in exact.items()},
+                   {k: tuple(v) for k, v in wild.items()}, merged, direct)
+
+
 class FlowTable:
     """Versioned, atomically replaced rule set with per-rule counters."""
 
     def __init__(self) -> None:
-        self._table = _Table.build(0, [])
+        self._table = _Table.build(0, [], {})
         self._write = threading.Lock()
         self._ids = itertools.count(1)
         self.counters: dict[int, Counters] = {}
@@ -177,7 +194,7 @@ class FlowTable:
             new += added
             for r in added:
                 self.counters.setdefault(r.rule_id, Counters())
-            self._table = _Table.build(self._table.version + 1, new)
+            self._table = _Table.build(self._table.version + 1, new, self.counters)
             return self._table.version
 
     def install(self, version: int, rules: Iterable[FlowRule]) -> None:
@@ -189,7 +206,7 @@ class FlowTable:
                 self._validate(r)
             self.counters = {r.rule_id: self.counters.get(r.rule_id, Counters())
                              for r in rules}
-            self._table = _Table.build(version, rules)
+            self._table = _Table.build(version, rules, self.counters)
 
     def lookup(self, traffic: TrafficClass, model: str, layer: int, expert: int,
                source: str = "", nbytes: int = 0,
@@ -198,7 +215,21 @@ class FlowTable:
         the work in flight per queue, to choose among replicas."""
         table = self._table  # one snapshot for the whole decision
         self.lookups += 1
-        exact = table.exact.get((traffic, model, layer, expert), ())
+        key = (traffic, model, layer, expert)
+        direct = table.direct.get(key)
+        if direct is not None:
+            c, decisions, drops = direct
+            c.packets += 1
+            c.bytes += nbytes
+            if drops:
+                c.dropped += 1
+            if load is None or len(decisions) == 1:
+                return decisions[0]
+            if len(decisions) == 2:  # the common replica pair, without min()'s calls
+                a, b = decisions
+                return a if load(a.queue) <= load(b.queue) else b
+            return min(decisions, key=lambda d: load(d.queue))
+        exact = table.exact.get(key, ())
         wild = table.wild_for.get((traffic, model))
         if wild is None:
             wild = table.wild.get((traffic, ""), ())

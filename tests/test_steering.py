@@ -60,6 +60,34 @@ def test_layer_ranges_sources_and_replica_choice() -> None:
     assert t.lookup(ACT, "m", 3, 0, "s2").rule is None
 
 
+def test_a_rule_that_decides_alone_answers_from_its_decisions_made_in_advance() -> None:
+    """Placement's rules (one model, layer and expert, nothing wider for that model): the
+    lookup hands back a decision made when the table was built (the same object each time),
+    picks the less loaded replica and counts as the scan would; a wildcard rule for the model
+    makes the same keys go the general way again."""
+    t = FlowTable()
+    t.update(add=[rule(Action.FORWARD, model="m", layer_min=1, layer_max=1, expert=2,
+                       queues=(4, 5)),
+                  rule(Action.DROP, model="m", layer_min=1, layer_max=1, expert=3)])
+    load = {4: 2, 5: 1}
+    first = t.lookup(ACT, "m", 1, 2, nbytes=10, load=load.get)
+    assert (first.action, first.queue) == (Action.FORWARD, 5)
+    assert t.lookup(ACT, "m", 1, 2, nbytes=10, load=load.get) is first
+    load[5] = 3
+    assert t.lookup(ACT, "m", 1, 2, nbytes=10, load=load.get).queue == 4
+    assert t.lookup(ACT, "m", 1, 2).queue == 4  # no load: the first replica
+    dropped = t.lookup(ACT, "m", 1, 3, nbytes=7)
+    assert dropped.action == Action.DROP and dropped is t.lookup(ACT, "m", 1, 3, nbytes=7)
+    by_action = {r.action: t.counters[r.rule_id] for r in t.rules()}
+    fwd, drop = by_action[Action.FORWARD], by_action[Action.DROP]
+    assert (fwd.packets, fwd.bytes, fwd.dropped) == (4, 30, 0)
+    assert (drop.packets, drop.bytes, drop.dropped) == (2, 14, 2)
+    t.update(add=[rule(Action.COUNT, model="m", priority=1)])
+    again = t.lookup(ACT, "m", 1, 3, nbytes=7)
+    assert again.action == Action.DROP and again is not dropped
+    assert drop.packets == 3 and t.lookups == 7 and t.misses == 0
+
+
 small = st.integers(-1, 3)
 rules_st = st.lists(st.builds(
     lambda traffic, action, model, lo, hi, expert, source, prio, q: FlowRule(
@@ -75,14 +103,28 @@ rules_st = st.lists(st.builds(
                                     st.integers(0, 3), st.sampled_from(["", "s", "t"])),
                           min_size=1, max_size=8))
 def test_indexed_lookup_equals_a_linear_scan(rules: list[FlowRule], queries: list) -> None:
+    """Decision, replica and every rule's counters as a scan of the rules in order gives them
+    (COUNT rules count and go on; the first other match decides)."""
     t = FlowTable()
     t.update(add=rules)
     ordered = sorted(t.rules(), key=lambda r: (-r.priority, r.rule_id))
-    for traffic, model, layer, expert, source in queries:
-        want = next((r for r in ordered if r.action != Action.COUNT and r.matches(
-            traffic, model, layer, expert, source)), None)
-        got = t.lookup(traffic, model, layer, expert, source, load=lambda q: q % 3)
-        assert got.rule == want
+    counted = {r.rule_id: [0, 0, 0] for r in ordered}
+    load = {q: q % 3 for q in range(8)}.get
+    for i, (traffic, model, layer, expert, source) in enumerate(queries):
+        want = None
+        for r in ordered:
+            if r.matches(traffic, model, layer, expert, source):
+                counted[r.rule_id][0] += 1
+                counted[r.rule_id][1] += i
+                if r.action != Action.COUNT:
+                    counted[r.rule_id][2] += r.action == Action.DROP
+                    want = r
+                    break
+        got = t.lookup(traffic, model, layer, expert, source, nbytes=i, load=load)
+        assert got.rule == want and got.version == t.version
+        assert got.queue == (min(want.queues, key=load) if want is not None
+                             and want.action == Action.FORWARD else None)
+    assert {rid: [c.packets, c.bytes, c.dropped] for rid, c in t.counters.items()} == counted
 
 
 def test_bad_updates_change_nothing() -> None:
