@@ -354,6 +354,9 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
                                     preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                      signal.SIG_DFL))
             time.sleep(1.5)
+            if live.poll() is not None:  # it must still be running: say why it is not
+                _, err = live.communicate()
+                raise AssertionError(f"top exited with {live.returncode} before {stop!r}: {err}")
             if stop == "q":
                 live.stdin.write("q")
                 live.stdin.flush()
