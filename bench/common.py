@@ -228,21 +228,27 @@ class CpuSnapshot:
     nanosecond resolution (schedstat; /proc/PID/stat counts 10 ms ticks, too coarse for a few
     hundred MB), keyed by thread id: CPU is counted per thread between two snapshots, so a
     thread that ends in between takes only its own time with it (a sum by name would lose what
-    it had used before as well, and could go negative).
+    it had used before as well, and could go negative). Reading /proc costs the reading thread
+    up to milliseconds (a CUDA process has dozens of threads): of this process's calling thread
+    both ends are kept, so that an interval counts none of the two snapshots' own reading.
 
     Attributes:
         pid: the process.
         threads: thread id -> (name, CPU seconds so far); this process's Python threads are
             named by their ``threading`` name, others by their kernel name.
+        caller: this process's calling thread, when ``pid`` is this process: (thread id, its
+            CPU seconds as the snapshot began, as it ended).
     """
 
     pid: int
     threads: dict[int, tuple[str, float]]
+    caller: tuple[int, float, float] | None = None
 
     @classmethod
     def take(cls, pid: int) -> CpuSnapshot:
-        names = ({t.native_id: t.name for t in threading.enumerate()}
-                 if pid == os.getpid() else {})
+        began = time.thread_time()
+        own = pid == os.getpid()
+        names = {t.native_id: t.name for t in threading.enumerate()} if own else {}
         threads: dict[int, tuple[str, float]] = {}
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
@@ -252,15 +258,21 @@ class CpuSnapshot:
             except (OSError, IndexError, ValueError):
                 continue  # the thread ended meanwhile
             threads[tid] = (name, ns / 1e9)
-        return cls(pid, threads)
+        caller = (threading.get_native_id(), began, time.thread_time()) if own else None
+        return cls(pid, threads, caller)
 
     def since(self, before: CpuSnapshot) -> dict[str, float]:
         """CPU seconds by thread name from ``before`` to this snapshot: each thread alive now,
-        less what it had at ``before`` (a thread started since counts from zero); a thread
-        that ended in between is not counted."""
+        less what it had at ``before`` (a thread started since counts from zero; the calling
+        thread from the end of ``before`` to the start of this one); a thread that ended in
+        between is not counted."""
         out: Counter[str] = Counter()
         for tid, (name, seconds) in self.threads.items():
-            out[name] += seconds - before.threads.get(tid, (name, 0.0))[1]
+            if self.caller is not None and before.caller is not None \
+                    and tid == self.caller[0] == before.caller[0]:
+                out[name] += self.caller[1] - before.caller[2]
+            else:
+                out[name] += seconds - before.threads.get(tid, (name, 0.0))[1]
         return dict(out)
 
     def total_since(self, before: CpuSnapshot) -> float:

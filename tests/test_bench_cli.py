@@ -169,3 +169,30 @@ def test_cpu_counted_between_snapshots_survives_a_thread_that_ends() -> None:
     used = CpuSnapshot.take(os.getpid()).since(before)
     assert "short-lived" not in used
     assert 0.04 <= used["MainThread"] and CpuSnapshot.take(os.getpid()).total_since(before) >= 0.04
+
+
+def test_a_snapshot_does_not_count_its_own_reading() -> None:
+    """Reading a thread-rich process's /proc costs the reader CPU (a CUDA process has
+    dozens of threads): between two snapshots with nothing done in between, the calling thread
+    has used a small part of what one snapshot costs, not the reading of both."""
+    import os
+    import threading
+    import time
+
+    from bench.common import CpuSnapshot
+
+    done = threading.Event()
+    idle = [threading.Thread(target=done.wait) for _ in range(64)]
+    for t in idle:
+        t.start()
+    try:
+        t0 = time.thread_time()
+        CpuSnapshot.take(os.getpid())
+        cost = time.thread_time() - t0
+        before = CpuSnapshot.take(os.getpid())
+        after = CpuSnapshot.take(os.getpid())
+        assert after.since(before)["MainThread"] < cost / 4, cost
+    finally:
+        done.set()
+        for t in idle:
+            t.join()
