@@ -98,7 +98,9 @@ FAULTS = [
 OUTCOME = {
     "a client never reads its event stream while 20,480 events are emitted for it":
     "the agent keeps at most 4,096 (the oldest dropped, counted in "
-    "dpu_agent_session_events_dropped_total: kept + dropped = emitted); the session's end "
+    "dpu_agent_session_events_dropped_total: read by the client's own reader + kept + dropped "
+    "= emitted; one count for every session, so a close races nothing; events after the "
+    "session's end, or left on a replaced stream, are counted too); the session's end "
     "still reaches the stream",
     "a second session registers the first one's rings (names read in /dev/shm)":
     "PERMISSION_DENIED naming the segment for each of the work, completion, rx and tx rings; "
