@@ -94,6 +94,9 @@ FAULTS = [
      "test_a_segment_is_registered_only_by_the_session_it_was_named_for"),
     ("a client never reads its event stream while 20,480 events are emitted for it",
      "tests/test_hostile_rpc.py::test_an_unread_event_stream_is_bounded_and_counted"),
+    ("a client of another Unix user, with and without a group shared with the agent",
+     "tests/test_shm_group.py::"
+     "test_an_agent_serves_a_client_of_another_user_through_their_group"),
 ]
 OUTCOME = {
     "a client never reads its event stream while 20,480 events are emitted for it":
@@ -102,6 +105,10 @@ OUTCOME = {
     "= emitted; one count for every session, so a close races nothing; events after the "
     "session's end, or left on a replaced stream, are counted too); the session's end "
     "still reaches the stream",
+    "a client of another Unix user, with and without a group shared with the agent":
+    "without `[sessions] shm_group` the client is refused at the agent's first segment, "
+    "naming the setting; with it (both users members) the expert it acquires lands the "
+    "checkpoint's bytes (two uids, CPU reference device; skipped where not root)",
     "a second session registers the first one's rings (names read in /dev/shm)":
     "PERMISSION_DENIED naming the segment for each of the work, completion, rx and tx rings; "
     "nothing registered; the owner's acquires still land the checkpoint's bytes",
