@@ -42,11 +42,25 @@ def group_id(text: str) -> int:
         gid = int(text) if text.isdigit() else grp.getgrnam(text).gr_gid
     except KeyError:
         raise ValueError(f"no group named {text!r}") from None
-    if not 0 <= gid < 2**32 - 1:
+    if not _valid(gid):
         raise ValueError(f"group id {gid} is out of range")
-    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+    if not _member(gid):
         raise ValueError(f"this process (uid {os.geteuid()}) is not a member of group {text!r}")
     return gid
+
+
+def _valid(gid: int) -> bool:
+    return 0 <= gid < 2**32 - 1  # 2**32 - 1 is chown's "leave the group as it is"
+
+
+def _member(gid: int) -> bool:
+    return os.geteuid() == 0 or gid == os.getegid() or gid in os.getgroups()
+
+
+def may_share_with(gid: int) -> bool:
+    """Whether this process may give the files it creates to group ``gid`` (a valid id; root
+    or a member): what ``group_id`` checks, for a group known by number."""
+    return _valid(gid) and _member(gid)
 
 
 def share_with_group(gid: int | None) -> None:
@@ -57,11 +71,6 @@ def share_with_group(gid: int | None) -> None:
     umask is; the caller must be root or a member of the group (``group_id``)."""
     global _group
     _group = gid
-
-
-def shared_group() -> int | None:
-    """The group set by ``share_with_group`` (None: segments are this user's alone)."""
-    return _group
 
 
 def give_to_group(fd: int, what: str) -> None:

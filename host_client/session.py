@@ -7,7 +7,6 @@ bounded back-off, opens a new session and restores what it had (``_restore``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from collections import Counter
@@ -15,7 +14,7 @@ from collections import Counter
 import grpc
 
 from dpu_offload.bell import Bell
-from dpu_offload.shm import group_id, share_with_group
+from dpu_offload.shm import may_share_with, share_with_group
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.connection import TlsFiles, open_channel, typed_stub
 from host_client.errors import AgentUnavailable
@@ -94,9 +93,10 @@ class AgentSession:
         self.lease_seconds = resp.lease_seconds
         self.arena = resp.arena
         self.activations_port = resp.activations_port
-        if resp.HasField("shm_gid"):  # the segments this client makes: shared as the agent's
-            with contextlib.suppress(ValueError):  # not a member: only its own user's, then
-                share_with_group(group_id(str(resp.shm_gid)))
+        # The segments this client makes are shared as the agent's are, where it may (else
+        # they stay its own user's).
+        if resp.HasField("shm_gid") and may_share_with(resp.shm_gid):
+            share_with_group(resp.shm_gid)
         self._bell = Bell.open(resp.bell_shm_name) if resp.bell_shm_name else None
         self._ref = pb.SessionRef(session_id=self.session_id)
         self._events = self.stub.Events(self._ref)

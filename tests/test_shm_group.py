@@ -85,6 +85,9 @@ def test_the_group_setting_is_checked_at_load() -> None:
         with pytest.raises(ConfigError, match="is not a member of group"):
             from_mapping({"sessions": {"shm_group": str(GROUP)}})
     assert from_mapping({"sessions": {"shm_group": str(os.getegid())}}).sessions.shm_group
+    # What a client checks of the group the agent names (CreateSessionResponse.shm_gid).
+    assert shm.may_share_with(os.getegid()) and not shm.may_share_with(2**32 - 1)
+    assert shm.may_share_with(GROUP) == (os.geteuid() == 0)
 
 
 CLIENT = """
