@@ -59,6 +59,23 @@ def test_segments_and_doorbells_made_for_a_group_are_0660_in_it(shared_with: obj
         assert stat.S_IMODE(os.stat(Path(shm.SHM_DIR) / buf.name).st_mode) == 0o600
 
 
+def test_a_group_writable_doorbell_beside_a_ring_of_its_user_alone_is_refused(
+        shared_with: object) -> None:
+    """A ring made 0600 (no group): a doorbell its group may write is a way in, refused."""
+    shm.share_with_group(None)
+    name = unique_name("dpu-test-group")
+    bell = PortBell.create(name)
+    assert bell is not None
+    try:
+        with SharedBuffer(name, 4096, create=True):
+            os.chmod(bell_path(name), 0o660)
+            with pytest.raises(ValueError, match="not the ring owner's alone"):
+                PortBell.open(name)
+    finally:
+        bell.close()
+        os.unlink(bell_path(name))
+
+
 @root_only
 def test_a_doorbell_writable_by_a_group_the_ring_is_not_shared_with_is_refused(
         shared_with: object) -> None:
