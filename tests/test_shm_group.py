@@ -112,13 +112,16 @@ import sys
 from dpu_offload.keys import ExpertKey
 from dpu_offload.shm import SharedBufferError
 from host_client import AgentClient, AgentError, CpuReferenceDevice, SlotPoolSpec
-address, checkpoint = sys.argv[1:3]
+address, checkpoint, device = sys.argv[1:4]
+if device == "cuda":
+    from host_client.cuda_device import CudaDevice
 try:
     with AgentClient(address, client_name="other-user") as client:
         model = client.load_model(checkpoint, "shared")
-        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 2)])
-        slot = client.acquire(dev, ExpertKey("shared", 1, 2)).wait(30)
-        sys.stdout.buffer.write(slot.raw("up_proj").tobytes())
+        dev = client.register_device(CudaDevice(0) if device == "cuda" else CpuReferenceDevice(),
+                                     [SlotPoolSpec(model.expert_bytes, 2)])
+        raw = client.acquire(dev, ExpertKey("shared", 1, 2)).wait(30).raw("up_proj")
+        sys.stdout.buffer.write((raw.get() if device == "cuda" else raw).tobytes())
 except (AgentError, SharedBufferError) as exc:
     print("REFUSED", type(exc).__name__, exc)
     raise SystemExit(3)
@@ -129,9 +132,10 @@ def as_user(uid: int) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={GROUP}"]
 
 
-def run_client(agent: AgentProcess, checkpoint: Path) -> subprocess.CompletedProcess[bytes]:
+def run_client(agent: AgentProcess, checkpoint: Path, device: str
+               ) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*as_user(CLIENT_UID), sys.executable, "-c", CLIENT, agent.address,
-                           str(checkpoint)], capture_output=True, timeout=300, cwd=ROOT,
+                           str(checkpoint), device], capture_output=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -143,7 +147,10 @@ def user_agent(settings: str) -> AgentProcess:
 
 
 @root_only
-def test_an_agent_serves_a_client_of_another_user_through_their_group(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_agent_serves_a_client_of_another_user_through_their_group(device: str) -> None:
+    """On the GPU the DMA engine (run by the agent, as the agent's user) opens the other
+    user's slot pool by CUDA IPC handle."""
     from tests.conftest import checkpoint_bytes
 
     shared = Path(tempfile.mkdtemp(prefix="dpu-shm-group-"))
@@ -153,12 +160,12 @@ def test_an_agent_serves_a_client_of_another_user_through_their_group(tmp_path: 
             "qwen3-moe", layers=2, experts=4, hidden=128, intermediate=64))
         want = checkpoint_bytes(ckpt)["model.layers.1.mlp.experts.2.up_proj.weight"]
         with user_agent('[arena]\nbytes = "16MiB"\n') as agent:
-            refused = run_client(agent, ckpt)
+            refused = run_client(agent, ckpt, device)
         assert refused.returncode == 3, refused.stderr.decode()[-2000:]
         assert b"permission denied" in refused.stdout and b"shm_group" in refused.stdout
         with user_agent(f'[arena]\nbytes = "16MiB"\n[sessions]\nshm_group = "{GROUP}"\n'
                         ) as agent:
-            served = run_client(agent, ckpt)
+            served = run_client(agent, ckpt, device)
         assert served.returncode == 0, served.stderr.decode()[-2000:]
         assert served.stdout == want
     finally:
