@@ -17,8 +17,8 @@ MODEL_DTYPE = np.dtype([
     ("kind", "<u4"), ("g_sj", "<u4"), ("g_sk", "<u4"), ("d_si", "<u4"), ("d_sj", "<u4"),
     ("b_s", "<u4"), ("alpha", "<f4"), ("limit", "<f4")])
 CONTIGUOUS, STRIDED, CLAMPED = 1, 2, 3
-"""``SERVE_*`` of serve.cu: how a model's experts lie in their blobs (0: not computed)."""
-"""``dpu_serve_region`` and ``dpu_serve_model`` of serve.cu."""
+"""``SERVE_*`` of serve_ffn.cuh: how a model's experts lie in their blobs (0: not computed)."""
+"""``dpu_serve_region`` (serve.cu) and ``dpu_serve_model`` (serve_ffn.cuh)."""
 CTL_DTYPE = np.dtype([
     ("barrier_count", "<u4"), ("barrier_gen", "<u4"), ("action", "<u4"), ("status", "<u4"),
     ("pos", "<u8"), ("part_n", "<u8"), ("nid", "<u8"), ("total", "<u8"), ("slot", "<u8"),
