@@ -255,7 +255,10 @@ class CudaDevice(Device):
     def _copy_engine_loop(self) -> None:
         assert self.work is not None and self.completion is not None
         cp = self.cp
-        with self.dev:
+        # CuPy's own work (the sums' fill and read) on this device's stream too: on the legacy
+        # default stream it would queue behind the inference code's stream waits on the very
+        # slots this loop fills (a deadlock until the transfer timeout).
+        with self.dev, self.stream:
             sums = cp.zeros(self.work.capacity, cp.uint32)
             while not self.work.exit_requested:
                 batch = self.work.pop_many(min(self.work.capacity,

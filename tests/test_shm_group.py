@@ -136,7 +136,8 @@ def run_client(agent: AgentProcess, checkpoint: Path, device: str
                ) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*as_user(CLIENT_UID), sys.executable, "-c", CLIENT, agent.address,
                            str(checkpoint), device], capture_output=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
 
 
 def user_agent(settings: str) -> AgentProcess:
