@@ -7,8 +7,9 @@ By default the host waits for every expert's verified bytes before the layer's k
 launched. With ``gpu_waits`` on a CUDA pool the host waits only for the grants: the layer's
 kernels are enqueued on the torch stream behind GPU-side waits on each expert's bytes
 (``AcquireHandle.enqueue_wait``), so they are launched while the experts land, and the host
-waits once, for the layer's result, before the release (its GPU tests pass with the DMA engine; off by default
-until a benchmark tells it from host waits). The CPU reference device always waits on the host.
+waits once, for the layer's result, before the release (its GPU tests pass with the DMA
+engine; off by default until a benchmark tells it from host waits). The CPU reference device
+always waits on the host.
 """
 
 from __future__ import annotations
