@@ -358,8 +358,13 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
                 _, err = live.communicate()
                 raise AssertionError(f"top exited with {live.returncode} before {stop!r}: {err}")
             if stop == "q":
-                live.stdin.write("q")
-                live.stdin.flush()
+                try:
+                    live.stdin.write("q")
+                    live.stdin.flush()
+                except BrokenPipeError:  # it exited after the check above: say why
+                    _, err = live.communicate()
+                    raise AssertionError(f"top exited with {live.returncode} before 'q': {err}"
+                                         ) from None
             else:
                 live.send_signal(stop)
             _, err = live.communicate(timeout=10)
