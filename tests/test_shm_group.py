@@ -6,6 +6,7 @@ that says why. The cross-user tests run real processes under other uids (root on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
@@ -37,62 +38,49 @@ def shared_with() -> Iterator[object]:
     shm.share_with_group(None)
 
 
-def test_segments_and_doorbells_made_for_a_group_are_0660_in_it(shared_with: object) -> None:
-    gid = os.getegid()
-    shm.share_with_group(gid)
+@contextlib.contextmanager
+def ring_with_bell() -> Iterator[str]:
+    """A fresh ring segment's name, its doorbell made first (as a ring's maker does), both
+    made under this process's group setting; both removed after."""
     name = unique_name("dpu-test-group")
     bell = PortBell.create(name)
     assert bell is not None
     try:
-        with SharedBuffer(name, 4096, create=True) as buf:
-            for path in (Path(shm.SHM_DIR) / buf.name, Path(bell_path(name))):
-                st = os.stat(path)
-                assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid, path
-            reopened = PortBell.open(name)  # group-writable in the ring's own group: accepted
-            assert reopened is not None
-            reopened.close()
+        with SharedBuffer(name, 4096, create=True):
+            yield name
     finally:
         bell.close()
         os.unlink(bell_path(name))
+
+
+def test_segments_and_doorbells_made_for_a_group_are_0660_in_it(shared_with: object) -> None:
+    gid = os.getegid()
+    shm.share_with_group(gid)
+    with ring_with_bell() as name:
+        for path in (Path(shm.SHM_DIR) / name, Path(bell_path(name))):
+            st = os.stat(path)
+            assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid, path
+        reopened = PortBell.open(name)  # group-writable in the ring's own group: accepted
+        assert reopened is not None
+        reopened.close()
     shm.share_with_group(None)
     with SharedBuffer(unique_name("dpu-test-group"), 4096, create=True) as buf:
         assert stat.S_IMODE(os.stat(Path(shm.SHM_DIR) / buf.name).st_mode) == 0o600
 
 
-def test_a_group_writable_doorbell_beside_a_ring_of_its_user_alone_is_refused(
-        shared_with: object) -> None:
-    """A ring made 0600 (no group): a doorbell its group may write is a way in, refused."""
+@pytest.mark.parametrize("group", [None, pytest.param(GROUP, marks=root_only)])
+def test_a_group_writable_doorbell_is_refused_unless_the_ring_is_shared_with_that_group(
+        shared_with: object, group: int | None) -> None:
+    """A ring made 0600 (no group): a doorbell its group may write is a way in, refused. A
+    FIFO a group may write is accepted only where the ring itself is shared with that same
+    group: one in another group is a way in for its members (changing its group: root only)."""
     shm.share_with_group(None)
-    name = unique_name("dpu-test-group")
-    bell = PortBell.create(name)
-    assert bell is not None
-    try:
-        with SharedBuffer(name, 4096, create=True):
-            os.chmod(bell_path(name), 0o660)
-            with pytest.raises(ValueError, match="not the ring owner's alone"):
-                PortBell.open(name)
-    finally:
-        bell.close()
-        os.unlink(bell_path(name))
-
-
-@root_only
-def test_a_doorbell_writable_by_a_group_the_ring_is_not_shared_with_is_refused(
-        shared_with: object) -> None:
-    """A FIFO a group may write is accepted only where the ring itself is shared with that
-    same group: one in another group (or beside a 0600 ring) is a way in for its members."""
-    name = unique_name("dpu-test-group")
-    bell = PortBell.create(name)
-    assert bell is not None
-    try:
-        with SharedBuffer(name, 4096, create=True):
-            os.chown(bell_path(name), -1, GROUP)
-            os.chmod(bell_path(name), 0o660)
-            with pytest.raises(ValueError, match="not the ring owner's alone"):
-                PortBell.open(name)
-    finally:
-        bell.close()
-        os.unlink(bell_path(name))
+    with ring_with_bell() as name:
+        if group is not None:
+            os.chown(bell_path(name), -1, group)
+        os.chmod(bell_path(name), 0o660)
+        with pytest.raises(ValueError, match="not the ring owner's alone"):
+            PortBell.open(name)
 
 
 def test_the_group_setting_is_checked_at_load() -> None:
