@@ -424,6 +424,41 @@ def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
 
 
 @pytest.mark.gpu
+def test_the_worker_thread_is_not_held_by_the_legacy_stream(qwen_ckpt: Path) -> None:
+    """The worker's thread computes on a stream of its own: with the legacy default stream
+    held by a wait on a word nobody has written (as inference code's stream waits on slots
+    hold it), a dispatch is still answered, and only then is the wait let go."""
+    cp = pytest.importorskip("cupy")
+    import cupyx
+
+    from dpu_offload import abi
+    from dpu_offload.channel import state_word
+    from gpu_kernels import cuda_ops
+
+    with cuda_serving(qwen_ckpt, "ql", resident=False) as (address, model, worker):
+        layer, experts = model.moe_layers[0], model.experts_per_layer
+        # The first dispatch loads the FFN's modules: a module load waits for a busy device.
+        dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
+                               routing(experts, 8, 2, seed=8), seed=8)
+        word, result = cp.zeros(1, cp.uint64), cp.full(1, 99, cp.uint32)
+        legacy = cp.cuda.Stream.null
+        cuda_ops.wait_ready(word.data.ptr, 1, 60.0, result, legacy)
+        try:
+            dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
+                                   routing(experts, 40, 2, seed=9), seed=9)
+            assert not legacy.done  # the dispatch did not wait for the legacy stream
+        finally:
+            ready = cupyx.empty_pinned(1, np.uint64)
+            ready[0] = state_word(1, abi.SlotState.READY)
+            side = cp.cuda.Stream(non_blocking=True)
+            word.set(ready, stream=side)
+            side.synchronize()
+            legacy.synchronize()
+        assert int(result.get()[0]) == 0  # READY: let go by the write, not timed out
+        assert worker.resident is None
+
+
+@pytest.mark.gpu
 def test_the_resident_receiver_serves_without_a_host_thread(qwen_ckpt: Path) -> None:
     """The persistent kernel (gpu_kernels/serve.cu) serves the path alone: a dispatch matches
     the dense reference, a message larger than the rx ring (in parts) equals the NumPy FFN of
