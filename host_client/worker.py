@@ -93,7 +93,6 @@ def _one_blas_thread(ffn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return limited
 
 
-@functools.cache
 @contextlib.contextmanager
 def _device_stream(cupy: Any, ordinal: int) -> Any:
     """CuPy's current device ``ordinal`` and a new non-blocking stream on it, for one thread."""
@@ -102,6 +101,7 @@ def _device_stream(cupy: Any, ordinal: int) -> Any:
             yield
 
 
+@functools.cache
 def _blas_libraries() -> tuple[Any, ...]:
     """threadpoolctl's controllers of the BLAS libraries loaded in this process."""
     return tuple(ThreadpoolController().select(user_api="blas").lib_controllers)
