@@ -437,20 +437,23 @@ def test_the_worker_thread_is_not_held_by_the_legacy_stream(qwen_ckpt: Path) -> 
 
     with cuda_serving(qwen_ckpt, "ql", resident=False) as (address, model, worker):
         layer, experts = model.moe_layers[0], model.experts_per_layer
-        # The first dispatch loads the FFN's modules: a module load waits for a busy device.
+        # The same dispatch once before loads the FFN's modules and fills the worker's memory
+        # pool with its messages' sizes (a module load waits for a busy device); the release's
+        # pinned buffer and stream are made before the wait too.
         dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
-                               routing(experts, 8, 2, seed=8), seed=8)
+                               routing(experts, 40, 2, seed=9), seed=9)
         word, result = cp.zeros(1, cp.uint64), cp.full(1, 99, cp.uint32)
+        ready = cupyx.empty_pinned(1, np.uint64)
+        ready[0] = state_word(1, abi.SlotState.READY)
+        side = cp.cuda.Stream(non_blocking=True)
         legacy = cp.cuda.Stream.null
+        legacy.synchronize()
         cuda_ops.wait_ready(word.data.ptr, 1, 60.0, result, legacy)
         try:
             dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
                                    routing(experts, 40, 2, seed=9), seed=9)
             assert not legacy.done  # the dispatch did not wait for the legacy stream
         finally:
-            ready = cupyx.empty_pinned(1, np.uint64)
-            ready[0] = state_word(1, abi.SlotState.READY)
-            side = cp.cuda.Stream(non_blocking=True)
             word.set(ready, stream=side)
             side.synchronize()
             legacy.synchronize()
