@@ -217,6 +217,19 @@ def run_faults() -> dict[str, tuple[str, float]]:
     return out
 
 
+def outcome(results: dict[str, tuple[str, float]], name: str) -> tuple[str, float]:
+    """The result of the fault test ``name`` (a test function's name, with its parameter where
+    one case is meant): a test named bare stands for all its parametrized cases together, FAILED
+    if any failed, skipped only if all were, their seconds summed; "not run" if none ran."""
+    cases = [r for case, r in results.items()
+             if case == name or ("[" not in name and case.startswith(name + "["))]
+    if not cases:
+        return "not run", 0.0
+    statuses = {status for status, _ in cases}
+    status = "FAILED" if "FAILED" in statuses else "passed" if "passed" in statuses else "skipped"
+    return status, sum(seconds for _, seconds in cases)
+
+
 FUZZ_LOGS = (("CPU", RESULTS / "fuzz.log", "make fuzz"),
              ("GPU", RESULTS / "gpu-logs" / "fuzz-gpu.log", "make gpu-check, fuzz stage"))
 """Where each device's fuzz run leaves its hypothesis statistics, and what writes it."""
@@ -258,7 +271,7 @@ def main() -> int:
              "## Faults injected (real processes)", "",
              "| fault | result | what the test checks | seconds |", "|---|---|---|---|"]
     for fault, test in FAULTS:
-        status, secs = faults.get(test.split("::")[1], ("not run", 0.0))
+        status, secs = outcome(faults, test.split("::")[1])
         lines.append(f"| {fault} | {status} | {OUTCOME[fault]} | {secs:.1f} |")
     lines += ["", "## Bad inputs tried", ""]
     rows = []

@@ -141,6 +141,29 @@ def test_the_source_hash_covers_every_package() -> None:
     assert packages <= set(SOURCE_DIRS), sorted(packages - set(SOURCE_DIRS))
 
 
+def test_every_fault_test_the_reliability_report_runs_is_collected() -> None:
+    """Each test bench/reliability_report.py runs exists under the name it gives (a test renamed
+    or parametrized since read "not run" in docs/RELIABILITY.md), and a bare name stands for
+    all of a parametrized test's cases: FAILED if one failed, skipped only if all were."""
+    from bench.reliability_report import FAULTS, outcome
+
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                             "-p", "no:cacheprovider", *[t for _, t in FAULTS]],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert listed.returncode == 0, listed.stdout[-2000:] + listed.stderr[-2000:]
+    collected = {line.split("::", 1)[1]: ("passed", 1.0) for line in listed.stdout.splitlines()
+                 if "::" in line}
+    for fault, test in FAULTS:
+        assert outcome(collected, test.split("::")[1])[0] == "passed", fault
+    cases = {"t[a]": ("passed", 1.0), "t[b]": ("FAILED", 2.0), "s[a]": ("skipped", 0.5),
+             "u[cpu]": ("passed", 1.5), "u[cuda]": ("skipped", 0.0)}
+    assert outcome(cases, "t") == ("FAILED", 3.0)
+    assert outcome(cases, "s") == ("skipped", 0.5)
+    assert outcome(cases, "u") == ("passed", 1.5)
+    assert outcome(cases, "u[cpu]") == ("passed", 1.5)
+    assert outcome(cases, "t[c]") == ("not run", 0.0)
+
+
 def test_cpu_counted_between_snapshots_survives_a_thread_that_ends() -> None:
     """A thread that had used CPU before the first snapshot and ends before the second takes
     only itself out of the count: the process's CPU in between is what its other threads used
