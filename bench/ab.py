@@ -5,7 +5,8 @@ compared with the one before it only within one machine's run).
     python bench/ab.py prepare REV
         here, with git: the tree at REV into .scratch/ab/REV (carry .scratch to the GPU machine)
     python bench/ab.py run [--a DIR] [--b DIR] [--env-a K=V ...] [--env-b K=V ...]
-            [--rounds N] [--metric PATH ...] -- bench/delivery.py --device cuda ...
+            [--args-a ARGS] [--args-b ARGS] [--rounds N] [--metric PATH ...]
+            -- bench/delivery.py --device cuda ...
         runs the benchmark from each side in turn, ``--rounds`` times; after each run reads the
         results JSON the benchmark wrote in that side's bench/results (the newest) and prints,
         for every results entry (and the results themselves, for a flat record), each
@@ -13,7 +14,9 @@ compared with the one before it only within one machine's run).
         ``runs.0.offload.tokens_per_s``) per round and side, then the medians, after every round
         (a run cut short keeps the rounds it finished). Sides default to this tree; ``--env-a``
         / ``--env-b`` set variables for one side only (an agent setting:
-        ``DPU_AGENT_TRANSFER_ENGINE_POLL=doze``).
+        ``DPU_AGENT_TRANSFER_ENGINE_POLL=doze``), ``--args-a`` / ``--args-b`` arguments added
+        to the benchmark's for one side only (one string, split as a shell splits it; with
+        ``=`` where it starts with a dash: ``--args-b=--gpu-waits``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -92,6 +96,8 @@ def main() -> int:
     p.add_argument("--b", type=Path, default=ROOT)
     p.add_argument("--env-a", action="append", default=[])
     p.add_argument("--env-b", action="append", default=[])
+    p.add_argument("--args-a", default="")
+    p.add_argument("--args-b", default="")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--metric", action="append", default=[])
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -104,14 +110,19 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         ap.error("run: give the benchmark after --")
-    if args.a.resolve() == args.b.resolve() and args.env_a == args.env_b:
-        ap.error("run: the sides are the same tree with the same environment")
+    try:
+        extra = {"A": shlex.split(args.args_a), "B": shlex.split(args.args_b)}
+    except ValueError as exc:
+        ap.error(f"run: --args-a / --args-b: {exc}")
+    if (args.a.resolve() == args.b.resolve() and args.env_a == args.env_b
+            and extra["A"] == extra["B"]):
+        ap.error("run: the sides are the same tree with the same environment and arguments")
     sides = {"A": (args.a.resolve(), _env(args.env_a)), "B": (args.b.resolve(), _env(args.env_b))}
     metrics = args.metric or list(DEFAULT_METRICS)
     seen: dict[tuple[str, str, str], list[float]] = {}
     for r in range(args.rounds):
         for side, (tree, env) in sides.items():
-            data = run_side(tree, command, env)
+            data = run_side(tree, command + extra[side], env)
             results = data.get("results", {})
             # A metric is looked up in each entry of the results, and in the results
             # themselves (benchmarks whose results are one flat record).

@@ -132,6 +132,24 @@ def test_ab_runs_the_sides_in_turn_and_reports_each_metric(tmp_path: Path) -> No
                             text=True, timeout=120)
     assert failed.returncode != 0 and "bench/fake.py" in failed.stderr and "broken" in \
         failed.stderr
+    # One tree and environment, the sides apart by the benchmark's arguments (a flag's A/B).
+    (bench / "flag.py").write_text(
+        "import json, sys\n"
+        "v = float(sys.argv[sys.argv.index('--v') + 1]) if '--v' in sys.argv else 0.0\n"
+        "open('bench/results/flag.json', 'w').write(json.dumps("
+        "{'source_hash': 'x', 'results': {'row': {'m': v}}}))\n")
+    base = [sys.executable, str(ROOT / "bench" / "ab.py"), "run", "--a", str(tmp_path), "--b",
+            str(tmp_path), "--rounds", "1", "--metric", "m"]
+    flags = subprocess.run([*base, "--args-b=--v 7", "--", "bench/flag.py"],
+                           capture_output=True, text=True, timeout=120)
+    assert flags.returncode == 0, flags.stderr
+    rows = {tuple(line.split()[:3]): line for line in flags.stdout.splitlines()}
+    assert rows["row", "m", "A:"].endswith("median    0.0000")
+    assert rows["row", "m", "B:"].endswith("median    7.0000")
+    same = subprocess.run([*base, "--args-a", "--v 7", "--args-b", "--v  7", "--",
+                           "bench/flag.py"], capture_output=True, text=True, timeout=120)
+    assert same.returncode == 2 and "same tree with the same environment and arguments" in \
+        same.stderr
 
 
 def test_the_source_hash_covers_every_package() -> None:
