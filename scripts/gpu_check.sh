@@ -90,10 +90,17 @@ for s in $STAGES; do
       timeout "${BENCH_TIMEOUT:-240}" python3 bench/multi_gpu.py --device cuda 2>&1 | tee "$LOG/bench-multi_gpu.log" | tail -4
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
     fi ;;
+  ab)
+    # An interleaved A/B on this machine (bench/ab.py run's arguments, split on spaces), its
+    # table in gpu-logs/ab-$AB_NAME.log; each side's runs overwrite that benchmark's results.
+    [ -n "${AB_ARGS:-}" ] || { echo "gpu-check: the ab stage needs AB_ARGS (bench/ab.py run's arguments)" >&2; exit 2; }
+    stage "interleaved A/B: bench/ab.py run $AB_ARGS"
+    timeout "${AB_TIMEOUT:-480}" python3 bench/ab.py run $AB_ARGS 2>&1 | tee "$LOG/ab-${AB_NAME:-gpu}.log" | tail -20
+    [ "${PIPESTATUS[0]}" = 0 ] || fail=1 ;;
   setup)
     stage "setup only: the carried wheels are in /tmp/dpu-site" ;;
   *)
-    echo "gpu-check: unknown stage '$s' (tests fuzz demo sanitizer bench profile setup)" >&2
+    echo "gpu-check: unknown stage '$s' (tests fuzz demo sanitizer bench profile ab setup)" >&2
     exit 2 ;;
   esac
   save
