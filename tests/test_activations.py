@@ -453,6 +453,10 @@ def test_the_worker_thread_is_not_held_by_the_legacy_stream(qwen_ckpt: Path) -> 
             dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
                                    routing(experts, 40, 2, seed=9), seed=9)
             assert not legacy.done  # the dispatch did not wait for the legacy stream
+            # Messages of sizes the worker's memory pool has not seen: new device allocations.
+            dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
+                                   routing(experts, 57, 2, seed=10), seed=10)
+            assert not legacy.done, "a message of a new size waited for the legacy stream"
         finally:
             word.set(ready, stream=side)
             side.synchronize()
