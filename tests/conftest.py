@@ -28,6 +28,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 collect_ignore = [] if os.environ.get("DPU_TEST_ARM64") else ["arm64"]
 """tests/arm64 needs the aarch64 environment; `make test-arm64` builds it and runs them."""
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment for a child Python that imports the project: the checkout
+    first on PYTHONPATH, then whatever PYTHONPATH held already (on the GPU machine, the wheels
+    `make gpu-check` carries: without them a child imports the machine's own, older gRPC)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationSender
 from host_client.launcher import AgentProcess
 from host_client.worker import ExpertWorker
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST_IP, NS_IP = "10.213.7.1", "10.213.7.2"  # only on the veth pair this test creates
@@ -113,7 +114,7 @@ def test_a_cut_sender_times_out_and_the_nic_serves_on(link: tuple[str, str],
         sender = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-c", SENDER, address, str(timeout)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
+            env=child_env())
         try:
             assert sender.stdout is not None and sender.stdin is not None
             assert sender.stdout.readline().strip() == "sent", sender.stderr

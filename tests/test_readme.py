@@ -5,13 +5,14 @@ gives them."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
@@ -40,5 +41,5 @@ def test_a_readme_block_runs(index: int, tmp_path: Path) -> None:
     script.write_text(block)
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env=child_env())
     assert res.returncode == 0, res.stderr[-3000:]

@@ -23,6 +23,7 @@ from dpu_offload.port_bell import PortBell, bell_path
 from dpu_offload.shm import SharedBuffer, unique_name
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess
+from tests.conftest import checkpoint_bytes, child_env
 
 AGENT_UID, CLIENT_UID, GROUP = 4101, 4102, 4242
 """Ids with no entry in the user and group databases (none is needed to run as them)."""
@@ -124,8 +125,7 @@ def run_client(agent: AgentProcess, checkpoint: Path, device: str
                ) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*as_user(CLIENT_UID), sys.executable, "-c", CLIENT, agent.address,
                            str(checkpoint), device], capture_output=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+                          env=child_env())
 
 
 def user_agent(settings: str) -> AgentProcess:
@@ -140,8 +140,8 @@ def user_agent(settings: str) -> AgentProcess:
 def test_an_agent_serves_a_client_of_another_user_through_their_group(device: str) -> None:
     """On the GPU the DMA engine (run by the agent, as the agent's user) opens the other
     user's slot pool by CUDA IPC handle."""
-    from tests.conftest import checkpoint_bytes
-
+    if device == "cuda":
+        pytest.importorskip("cupy")
     shared = Path(tempfile.mkdtemp(prefix="dpu-shm-group-"))
     try:
         os.chmod(shared, 0o755)
