@@ -93,14 +93,6 @@ def _one_blas_thread(ffn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return limited
 
 
-@contextlib.contextmanager
-def _device_stream(cupy: Any, ordinal: int) -> Any:
-    """CuPy's current device ``ordinal`` and a new non-blocking stream on it, for one thread."""
-    with cupy.cuda.Device(ordinal):
-        with cupy.cuda.Stream(non_blocking=True):
-            yield
-
-
 @functools.cache
 def _blas_libraries() -> tuple[Any, ...]:
     """threadpoolctl's controllers of the BLAS libraries loaded in this process."""
@@ -141,16 +133,11 @@ class ExpertWorker:
         self.xp: Any = np
         """The array module of the device's buffers (CuPy on a CUDA device)."""
         self.packets: PacketOps = HostPacketOps()
-        self._scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-        """What the receiver thread runs inside: on a CUDA device, the device and a stream of
-        its own (non-blocking): on the legacy default stream its kernels and copies would
-        queue behind the inference code's work there, stream waits on slots included."""
         if cuda:
             import cupy
 
             self.xp = cupy
             self.packets = CudaPacketOps(dev.rx_device_ptr, dev.tx_device_ptr)
-            self._scope = functools.partial(_device_stream, cupy, dev.device.ordinal)
         self._ffn: OrderedDict[tuple[ExpertKey, int, int],
                                tuple[Callable[[Any], Any], int]] = OrderedDict()
         """(expert, region id, slot offset) -> its FFN, rows (bf16 bits ``uint16[rows,
@@ -203,7 +190,13 @@ class ExpertWorker:
         return manifest is not None and bool(model_entry(manifest)["kind"])
 
     def _loop(self) -> None:
-        with self._scope():
+        with contextlib.ExitStack() as scope:
+            if self.xp is not np:
+                # The device's, on a stream of its own: on the legacy default stream its
+                # kernels and copies would queue behind the inference code's work there,
+                # stream waits on slots included.
+                scope.enter_context(self.xp.cuda.Device(self.dev.device.ordinal))
+                scope.enter_context(self.xp.cuda.Stream(non_blocking=True))
             self._poll()
 
     def _poll(self) -> None:
