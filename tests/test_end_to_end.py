@@ -345,14 +345,17 @@ def test_expertctl_status_and_top(agent: AgentProcess, qwen_ckpt: Path) -> None:
                              env={**os.environ, "COLUMNS": "200"})
         assert top.returncode == 0 and "qwen-ctl" in top.stdout
         # Left running, top quits on q, and on Ctrl-C without a traceback.
+        # SIGINT as a terminal gives it: a suite started in the background (``make test &``)
+        # passes SIGINT on ignored, so the child takes Python's handler back before the CLI
+        # runs. Not by ``preexec_fn``: that forks this process, whose gRPC threads are busy,
+        # and gRPC's fork handlers can abort the child before it execs.
+        interactive = [sys.executable, "-c", "import runpy, signal; signal.signal("
+                       "signal.SIGINT, signal.default_int_handler); runpy.run_module("
+                       "'host_client.cli', run_name='__main__', alter_sys=True)"]
         for stop in ("q", signal.SIGINT):
-            # SIGINT as a terminal gives it: a suite started in the background (``make test
-            # &``) passes SIGINT on ignored, and Python then installs no handler for it.
-            live = subprocess.Popen([*base, "top", "--agent", agent.address, "--interval",
-                                     "0.2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True,
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT,
-                                                                     signal.SIG_DFL))
+            live = subprocess.Popen([*interactive, "top", "--agent", agent.address,
+                                     "--interval", "0.2"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             time.sleep(1.5)
             if live.poll() is not None:  # it must still be running: say why it is not
                 _, err = live.communicate()
