@@ -8,6 +8,7 @@ CPU the agent and the NIC process spent per message (the agent's target: 0; it o
 the NIC), the transport alone (a worker that echoes), the floor under both (a bare ZeroMQ
 socket pair of two processes echoing the same 8 KiB frames), then one MoE layer with DeepSeek-V3
 widths (hidden 7168, top-8, 128 tokens; 16 experts with a 256-wide FFN so that it fits a CPU)
+dispatched ``LAYER_CALLS`` times, the first call (cold) apart from the others' median, each
 checked against a dense float64 reference. Targets (issue 23): 8 KiB p50 <= 200 us on an
 H200 worker (<= 500 us on the CPU reference device); >= 5x lower p50 than the baseline at
 4 MiB.
@@ -194,17 +195,29 @@ def round_trips(layer: int, hidden: int, weights: list[np.ndarray], address: str
     return out
 
 
-def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, float]:
+LAYER_CALLS = 5
+"""Dispatches of the MoE layer: the first (cold: each expert's first message makes its weights
+ready in the worker, a GPU's libraries start) is reported apart; the others' median is the
+layer's steady cost, the figure set against DeepEP's."""
+
+
+def moe_layer(root: Path, address: str, layer: int, hidden: int, calls: int = LAYER_CALLS
+              ) -> dict[str, float]:
+    """One MoE layer (128 tokens, top-8, 16 experts) dispatched ``calls`` times through the
+    path, each output checked against a dense float64 reference (the worst relative error is
+    reported)."""
     rng = np.random.default_rng(1)
     tokens, k, experts = 128, 8, 16
     x = reference.f32_to_bf16(rng.standard_normal((tokens, hidden), dtype=np.float32))
     ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)])
     w = rng.random((tokens, k), dtype=np.float32)
     w /= w.sum(1, keepdims=True)
+    seconds, outputs = [], []
     with ActivationSender(address, "m", experts) as sender:
-        t0 = time.perf_counter()
-        got = sender.dispatch(layer, x, ids, w)
-        elapsed = time.perf_counter() - t0
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            outputs.append(sender.dispatch(layer, x, ids, w))
+            seconds.append(time.perf_counter() - t0)
     truth = read_tensor_bytes(root)
     xf = reference.bf16_to_f32(x).astype(np.float64)
     ref = np.zeros_like(xf)
@@ -214,10 +227,14 @@ def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, fl
         h = xf @ g.T
         y = ((h / (1 + np.exp(-h))) * (xf @ u.T)) @ d.T
         ref += (w * (ids == e)).sum(1, keepdims=True) * y
-    err = float(np.linalg.norm(reference.bf16_to_f32(got) - ref) / np.linalg.norm(ref))
-    print(f"MoE layer (128 tokens, top-8, hidden {hidden}): {elapsed * 1e3:.0f} ms, rel. error "
-          f"vs dense float64 {err:.2e}", file=sys.stderr)
-    return {"tokens": tokens, "top_k": k, "hidden": hidden, "seconds": elapsed,
+    err = max(float(np.linalg.norm(reference.bf16_to_f32(got) - ref) / np.linalg.norm(ref))
+              for got in outputs)
+    warm = median(seconds[1:]) if calls > 1 else seconds[0]
+    print(f"MoE layer (128 tokens, top-8, hidden {hidden}): first call {seconds[0] * 1e3:.0f} "
+          f"ms, then p50 {warm * 1e3:.1f} ms over {calls - 1}; worst rel. error vs dense "
+          f"float64 {err:.2e}", file=sys.stderr)
+    return {"tokens": tokens, "top_k": k, "hidden": hidden, "seconds": warm,
+            "first_call_seconds": seconds[0], "calls": calls,
             "relative_error_vs_dense": err}
 
 

@@ -174,7 +174,9 @@ def dispatch(hidden: np.ndarray, plan: DispatchPlan) -> np.ndarray:
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    wide = bits.astype(np.uint32)
+    wide <<= np.uint32(16)  # in place: one new array, not two
+    return wide.view(np.float32)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -218,9 +220,10 @@ class WideSwiglu(NamedTuple):
 
 def widen_swiglu(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> WideSwiglu:
     """Checkpoint-layout bf16 weights (``uint16``: gate, up ``[inter, hidden]``, down
-    ``[hidden, inter]``; NumPy or CuPy) widened once, for an expert computed many times."""
+    ``[hidden, inter]``; NumPy or CuPy) widened once, for an expert computed many times
+    (transposed while 16-bit: half the bytes through the strided copy, about twice as fast)."""
     xp = array_module(gate)
-    return WideSwiglu(*(xp.ascontiguousarray(bf16_to_f32(w).T) for w in (gate, up, down)))
+    return WideSwiglu(*(bf16_to_f32(xp.ascontiguousarray(w.T)) for w in (gate, up, down)))
 
 
 def swiglu_wide(x: np.ndarray, w: WideSwiglu) -> np.ndarray:
