@@ -26,8 +26,8 @@ from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.launcher import AgentProcess, EtcdProcess, free_port
 from host_client.worker import ExpertWorker
+from tests.activation_serving import dispatch_matches_dense
 from tests.conftest import checkpoint_bytes
-from tests.test_activations import dispatch_matches_dense
 from tests.test_config_metrics import dashboard_metrics_missing
 from tests.test_security import _ca, _leaf
 
