@@ -16,7 +16,7 @@ compared with the one before it only within one machine's run).
         / ``--env-b`` set variables for one side only (an agent setting:
         ``DPU_AGENT_TRANSFER_ENGINE_POLL=doze``), ``--args-a`` / ``--args-b`` arguments added
         to the benchmark's for one side only (one string, split as a shell splits it; with
-        ``=`` where it starts with a dash: ``--args-b=--gpu-waits``).
+        ``=`` where it starts with a dash: ``--args-b=--host-waits``).
 """
 
 from __future__ import annotations

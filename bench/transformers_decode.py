@@ -153,7 +153,7 @@ def timed_generate(model: Any, batch: int, prompt: int, new: int,
 def run(arch: str, layers: int, device: str, fractions: list[float], batches: list[int],
         prompt: int = 16, new: int = 16, shrink: int = 1,
         trace: Path | None = None, delivery: str = "engine", prefetch: bool = False,
-        accelerate: bool = True, gpu_waits: bool = False) -> dict[str, Any]:
+        accelerate: bool = True, gpu_waits: bool = True) -> dict[str, Any]:
     import torch
 
     from host_client import AgentClient, CpuReferenceDevice
@@ -342,9 +342,10 @@ def main() -> int:
     ap.add_argument("--prefetch", action="store_true",
                     help="pre-gated prefetch: each layer prefetches what the next layer's "
                          "router would choose for its input (offload_experts(prefetch=True))")
-    ap.add_argument("--gpu-waits", action="store_true",
-                    help="offload_experts(gpu_waits=True): each layer's experts awaited on the "
-                         "GPU, its kernels launched while they land")
+    ap.add_argument("--host-waits", action="store_true",
+                    help="offload_experts(gpu_waits=False): the host waits for each layer's "
+                         "experts before launching its kernels (default: they are awaited on "
+                         "the GPU, the kernels launched while the experts land)")
     ap.add_argument("--no-accelerate", action="store_true",
                     help="skip accelerate's baselines (an A/B of the offload path alone)")
     ap.add_argument("--no-save", action="store_true")
@@ -352,7 +353,7 @@ def main() -> int:
     r = run(args.arch, args.layers, args.device, args.gpu_cache_fraction, args.batch,
             new=args.new_tokens, shrink=args.shrink, trace=args.trace, delivery=args.delivery,
             prefetch=args.prefetch, accelerate=not args.no_accelerate,
-            gpu_waits=args.gpu_waits)
+            gpu_waits=not args.host_waits)
     print(json.dumps({k: r[k] for k in ("resident", "offload", "accelerate",
                                         "accelerate_pinned")}, indent=1,
                      default=str), file=sys.stderr)
@@ -361,7 +362,7 @@ def main() -> int:
             "transformers-decode", r, device=args.device,
             command="python bench/transformers_decode.py " + " ".join(sys.argv[1:])),
             f"-{args.arch}-{args.device}" + (f"-{args.trace.stem}" if args.trace else "")
-            + ("-prefetch" if args.prefetch else "") + ("-gpu-waits" if args.gpu_waits else ""))
+            + ("-prefetch" if args.prefetch else "") + ("-host-waits" if args.host_waits else ""))
         plot(r, path.with_suffix(".png"))
         print(f"wrote {path}")
     if r["outputs_differ"]:

@@ -137,7 +137,8 @@ def user_agent(settings: str) -> AgentProcess:
 
 @root_only
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_an_agent_serves_a_client_of_another_user_through_their_group(device: str) -> None:
+def test_an_agent_serves_a_client_of_another_user_through_their_group(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU the DMA engine (run by the agent, as the agent's user) opens the other
     user's slot pool by CUDA IPC handle."""
     if device == "cuda":
@@ -145,6 +146,10 @@ def test_an_agent_serves_a_client_of_another_user_through_their_group(device: st
     shared = Path(tempfile.mkdtemp(prefix="dpu-shm-group-"))
     try:
         os.chmod(shared, 0o755)
+        if device == "cuda":  # CuPy's kernel cache: this HOME's is not theirs to write
+            (shared / "cupy").mkdir(mode=0o1777)
+            os.chmod(shared / "cupy", 0o1777)
+            monkeypatch.setenv("CUPY_CACHE_DIR", str(shared / "cupy"))
         ckpt = make_checkpoint(shared / "qwen", CheckpointSpec(
             "qwen3-moe", layers=2, experts=4, hidden=128, intermediate=64))
         want = checkpoint_bytes(ckpt)["model.layers.1.mlp.experts.2.up_proj.weight"]

@@ -174,7 +174,7 @@ class _ScaledInputBlock:
 def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                     device: Device | AttachedDevice, cache: float | int = 0.25,
                     name: str = "", delivery: str = "pull", prefetch: bool = False,
-                    report_routing: bool = True, gpu_waits: bool = False) -> ExpertOffload:
+                    report_routing: bool = True, gpu_waits: bool = True) -> ExpertOffload:
     """Serve ``model``'s routed experts through the agent.
 
     Args:
@@ -210,7 +210,10 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             waits while the experts land, and the host waits once, for the layer's result;
             a layer whose delivery fails its check there is acquired again, the host waiting,
             and computed again (``ExpertOffload.stream_retries``). Off: the host waits for
-            every expert before the launch. Not yet run on a GPU, so off by default.
+            every expert before the launch. On by default: on an H100 (two interleaved rounds
+            of ``bench/transformers_decode.py``, Qwen3 shapes, batch 1) it took 10 and 25 %
+            caches from 66 and 70 to 87 and 97 tok/s; at 50 %, where a layer seldom misses,
+            it read 93 against 110 (docs/PERFORMANCE-NOTES.md). No effect off a GPU.
 
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
