@@ -9,7 +9,7 @@ PROTO := proto/dpu_offload/v1/agent.proto
 WHEELS := pyzmq==27.3.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
           grpcio-reflection==1.85.1 protobuf==7.36.2 etcd3gw futurist pbr requests urllib3 \
           idna charset-normalizer certifi debtcollector wrapt pytest-timeout \
-          accelerate psutil
+          accelerate psutil py-spy
 
 .PHONY: demo test test-arm64 fuzz reliability lint proto gpu-check bench wheels clean
 

@@ -13,7 +13,7 @@ mkdir -p "$OUT" "$LOG"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/dpu-site .whl/*.whl || { echo "gpu-check: wheel install failed" >&2; exit 1; }
-  export PYTHONPATH="/tmp/dpu-site:$PWD"
+  export PYTHONPATH="/tmp/dpu-site:$PWD" PATH="/tmp/dpu-site/bin:$PATH"
 else
   export PYTHONPATH="$PWD"
 fi
@@ -90,6 +90,26 @@ for s in $STAGES; do
       timeout "${BENCH_TIMEOUT:-240}" python3 bench/multi_gpu.py --device cuda 2>&1 | tee "$LOG/bench-multi_gpu.log" | tail -4
       [ "${PIPESTATUS[0]}" = 0 ] || fail=1
     fi ;;
+  spy)
+    # py-spy (carried in .whl/: `make wheels`) over one benchmark: its own process's threads
+    # (the host client) and, attached once they start, the agent's and the DMA engine's.
+    # Raw stacks (one line a stack, its sample count last) in gpu-logs/spy-{client,agent,engine}.txt.
+    stage "py-spy of ${SPY_ARGS:-bench/delivery.py --device cuda --shapes qwen3-30b-a3b-9.4MB --mechanisms engine --experts 8 --repeats 3}"
+    command -v py-spy >/dev/null || { echo "gpu-check: py-spy not carried (make wheels)" >&2; exit 2; }
+    rm -f "$LOG"/spy-*.txt
+    py-spy record --threads --idle --rate 400 --format raw -o "$LOG/spy-client.txt" -- python3 \
+      ${SPY_ARGS:-bench/delivery.py --device cuda --shapes qwen3-30b-a3b-9.4MB --mechanisms engine --experts 8 --repeats 3} \
+      > "$LOG/spy-bench.log" 2>&1 &
+    bench=$!
+    for who in "agent:dpu_agent.cli serve" "engine:-m dma_engine"; do
+      pid=""
+      for _ in $(seq 240); do pid=$(pgrep -f -- "${who#*:}" | head -1); [ -n "$pid" ] && break; sleep 0.25; done
+      [ -n "$pid" ] && py-spy record --threads --idle --rate 400 --format raw --nonblocking \
+        -o "$LOG/spy-${who%%:*}.txt" --pid "$pid" --duration "${SPY_SECONDS:-60}" > /dev/null 2>&1 &
+    done
+    wait "$bench" || fail=1
+    wait
+    tail -6 "$LOG/spy-bench.log" ;;
   ab)
     # An interleaved A/B on this machine (bench/ab.py run's arguments, split on spaces), its
     # table in gpu-logs/ab-$AB_NAME.log; each side's runs overwrite that benchmark's results.
@@ -100,7 +120,7 @@ for s in $STAGES; do
   setup)
     stage "setup only: the carried wheels are in /tmp/dpu-site" ;;
   *)
-    echo "gpu-check: unknown stage '$s' (tests fuzz demo sanitizer bench profile ab setup)" >&2
+    echo "gpu-check: unknown stage '$s' (tests fuzz demo sanitizer bench profile spy ab setup)" >&2
     exit 2 ;;
   esac
   save
