@@ -15,6 +15,7 @@ from typing import Any
 
 from dma_engine.signals import SignalWrite, SlotStates
 from dpu_offload import abi
+from dpu_offload.jit import keep_cupy_cache
 from dpu_offload.shm import SharedBuffer
 from gpu_kernels.copy_runs import CopyRun
 
@@ -88,6 +89,7 @@ class CudaBackend:
     CUDA context; each target moves its runs on a :class:`CudaLane`."""
 
     def __init__(self, ordinal: int) -> None:
+        keep_cupy_cache()
         import cupy as cp
 
         self.cp = cp

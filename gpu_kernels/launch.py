@@ -10,7 +10,7 @@ it ends (measured: expert compute 2.0-2.2x the resident run's with 8, 0.97-1.3x 
 docs/PERFORMANCE-NOTES.md). Both take effect only if CUDA has not started in the process.
 Loading a module waits for the device to drain, so a module first loaded while a persistent
 kernel runs stalls until that kernel ends: ``preload`` loads all of this package's modules
-first.
+first. CuPy's kernel cache goes where this user may write it (``dpu_offload.jit``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import dpu_offload
+from dpu_offload.jit import keep_cupy_cache
+
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+keep_cupy_cache()
 
-import cupy as cp
-
-import dpu_offload
+import cupy as cp  # noqa: E402  (after the environment it reads at import)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = Path(dpu_offload.__file__).resolve().parent / "include"

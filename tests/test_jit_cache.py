@@ -88,3 +88,52 @@ def test_numba_cache_dir_or_a_writable_package_is_left_to_numba(tmp_path: Path,
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == (str(tmp_path / "given") if given else "")
     assert not list(tmp_path.glob("dpu-expert-offload-numba-*"))
+
+
+CUPY = """
+import os
+from dpu_offload.jit import keep_cupy_cache
+keep_cupy_cache()
+print(os.environ.get("CUPY_CACHE_DIR", ""))
+"""
+
+
+@pytest.mark.parametrize("home", ["unusable", "writable", "given"])
+def test_cupys_kernel_cache_goes_where_this_user_may_write(tmp_path: Path, home: str) -> None:
+    """CuPy caches the modules it compiles under ``$HOME/.cupy`` unless ``CUPY_CACHE_DIR``
+    says otherwise, and fails its import where it cannot (seen as a second user run with
+    root's ``HOME``): then a private directory is named, as for Numba's cache; a usable home
+    and a given ``CUPY_CACHE_DIR`` are left as they are."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "home-file").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "CUPY_CACHE_DIR"}
+    env.update(PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path / "t"),
+               HOME=str(tmp_path / ("home-file/home" if home == "unusable" else "home")))
+    if home == "given":
+        env["CUPY_CACHE_DIR"] = str(tmp_path / "given")
+    run = subprocess.run([sys.executable, "-c", CUPY], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    private = tmp_path / "t" / f"dpu-expert-offload-cupy-{os.getuid()}"
+    want = {"unusable": str(private), "writable": "", "given": str(tmp_path / "given")}[home]
+    assert run.stdout.strip() == want
+    assert private.is_dir() == (home == "unusable")
+    if home == "unusable":
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert (tmp_path / "home" / ".cupy" / "kernel_cache").is_dir() == (home == "writable")
+
+
+def test_a_cupy_cache_directory_others_may_write_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "t").mkdir()
+    (tmp_path / "home-file").write_text("")
+    planted = tmp_path / "t" / f"dpu-expert-offload-cupy-{os.getuid()}"
+    planted.mkdir()
+    planted.chmod(0o777)
+    env = {k: v for k, v in os.environ.items() if k != "CUPY_CACHE_DIR"}
+    env.update(PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path / "t"),
+               HOME=str(tmp_path / "home-file" / "home"))
+    run = subprocess.run([sys.executable, "-c", CUPY], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode != 0
+    assert f"{planted}: not a directory only this user may write" in run.stderr
+    assert "CUPY_CACHE_DIR" in run.stderr

@@ -137,19 +137,16 @@ def user_agent(settings: str) -> AgentProcess:
 
 @root_only
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_an_agent_serves_a_client_of_another_user_through_their_group(
-        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_agent_serves_a_client_of_another_user_through_their_group(device: str) -> None:
     """On the GPU the DMA engine (run by the agent, as the agent's user) opens the other
-    user's slot pool by CUDA IPC handle."""
+    user's slot pool by CUDA IPC handle. Both users run with this process's ``HOME``, which
+    is not theirs to write: CuPy's kernel cache goes to a private directory of each
+    (``dpu_offload.jit.keep_cupy_cache``)."""
     if device == "cuda":
         pytest.importorskip("cupy")
     shared = Path(tempfile.mkdtemp(prefix="dpu-shm-group-"))
     try:
         os.chmod(shared, 0o755)
-        if device == "cuda":  # CuPy's kernel cache: this HOME's is not theirs to write
-            (shared / "cupy").mkdir(mode=0o1777)
-            os.chmod(shared / "cupy", 0o1777)
-            monkeypatch.setenv("CUPY_CACHE_DIR", str(shared / "cupy"))
         ckpt = make_checkpoint(shared / "qwen", CheckpointSpec(
             "qwen3-moe", layers=2, experts=4, hidden=128, intermediate=64))
         want = checkpoint_bytes(ckpt)["model.layers.1.mlp.experts.2.up_proj.weight"]
