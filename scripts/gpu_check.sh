@@ -92,8 +92,8 @@ for s in $STAGES; do
     fi ;;
   spy)
     # py-spy (carried in .whl/: `make wheels`) over one benchmark: its own process's threads
-    # (the host client) and, attached once they start, the agent's and the DMA engine's.
-    # Raw stacks (one line a stack, its sample count last) in gpu-logs/spy-{client,agent,engine}.txt.
+    # (the host client) and, attached once they start, the agent's, the DMA engine's and the
+    # NIC stand-in's. Raw stacks (a line a stack, its sample count last): gpu-logs/spy-*.txt.
     stage "py-spy of ${SPY_ARGS:-bench/delivery.py --device cuda --shapes qwen3-30b-a3b-9.4MB --mechanisms engine --experts 8 --repeats 3}"
     command -v py-spy >/dev/null || { echo "gpu-check: py-spy not carried (make wheels)" >&2; exit 2; }
     rm -f "$LOG"/spy-*.txt
@@ -101,11 +101,13 @@ for s in $STAGES; do
       ${SPY_ARGS:-bench/delivery.py --device cuda --shapes qwen3-30b-a3b-9.4MB --mechanisms engine --experts 8 --repeats 3} \
       > "$LOG/spy-bench.log" 2>&1 &
     bench=$!
-    for who in "agent:dpu_agent.cli serve" "engine:-m dma_engine"; do
-      pid=""
-      for _ in $(seq 240); do pid=$(pgrep -f -- "${who#*:}" | head -1); [ -n "$pid" ] && break; sleep 0.25; done
-      [ -n "$pid" ] && py-spy record --threads --idle --rate 400 --format raw --nonblocking \
-        -o "$LOG/spy-${who%%:*}.txt" --pid "$pid" --duration "${SPY_SECONDS:-60}" > /dev/null 2>&1 &
+    for who in "agent:dpu_agent.cli serve" "engine:-m dma_engine" "nic:-m nic --listen"; do
+      (  # each waited for apart: a benchmark starts only some of them
+        pid=""
+        for _ in $(seq 240); do pid=$(pgrep -f -- "${who#*:}" | head -1); [ -n "$pid" ] && break; sleep 0.25; done
+        [ -z "$pid" ] || exec py-spy record --threads --idle --rate 400 --format raw --nonblocking \
+          -o "$LOG/spy-${who%%:*}.txt" --pid "$pid" --duration "${SPY_SECONDS:-60}" > /dev/null 2>&1
+      ) &
     done
     wait "$bench" || fail=1
     wait
