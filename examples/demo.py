@@ -30,9 +30,9 @@ from host_client.launcher import AgentProcess
 def pick_device(kind: str) -> Device:
     if kind in ("auto", "cuda"):
         try:
-            import cupy
+            from gpu_kernels.launch import cp  # CuPy, its kernel cache where this user may write
 
-            if cupy.cuda.runtime.getDeviceCount() > 0:
+            if cp.cuda.runtime.getDeviceCount() > 0:
                 from host_client.cuda_device import CudaDevice
 
                 return CudaDevice(0)
