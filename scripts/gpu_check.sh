@@ -94,12 +94,12 @@ for s in $STAGES; do
     # py-spy (carried in .whl/: `make wheels`) over one benchmark: its own process's threads
     # (the host client) and, attached once they start, the agent's, the DMA engine's and the
     # NIC stand-in's. Raw stacks (a line a stack, its sample count last): gpu-logs/spy-*.txt.
-    stage "py-spy of ${SPY_ARGS:-bench/delivery.py --device cuda --shapes qwen3-30b-a3b-9.4MB --mechanisms engine --experts 8 --repeats 3}"
+    spy_args="${SPY_ARGS:-bench/delivery.py --device cuda --shapes qwen3-30b-a3b-9.4MB --mechanisms engine --experts 8 --repeats 3}"
+    stage "py-spy of $spy_args"
     command -v py-spy >/dev/null || { echo "gpu-check: py-spy not carried (make wheels)" >&2; exit 2; }
     rm -f "$LOG"/spy-*.txt
     py-spy record --threads --idle --rate 400 --format raw -o "$LOG/spy-client.txt" -- python3 \
-      ${SPY_ARGS:-bench/delivery.py --device cuda --shapes qwen3-30b-a3b-9.4MB --mechanisms engine --experts 8 --repeats 3} \
-      > "$LOG/spy-bench.log" 2>&1 &
+      $spy_args > "$LOG/spy-bench.log" 2>&1 &
     bench=$!
     for who in "agent:dpu_agent.cli serve" "engine:-m dma_engine" "nic:-m nic --listen"; do
       (  # each waited for apart: a benchmark starts only some of them

@@ -19,6 +19,7 @@ from tests.conftest import checkpoint_bytes
 SETTINGS = '[activations]\nlisten_address = "127.0.0.1:0"\ncredits_per_sender = 4\n'
 METRICS = '[metrics]\nlisten_address = "127.0.0.1:0"\n'
 
+
 @contextlib.contextmanager
 def serving(ckpt: Path, worker_type: type[ExpertWorker] = ExpertWorker):
     """An agent with every expert of the checkpoint placed on the first of two CPU devices,
@@ -36,7 +37,11 @@ def serving(ckpt: Path, worker_type: type[ExpertWorker] = ExpertWorker):
         finally:
             worker.close()
 
+
 def dense(ckpt: Path, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The MoE layer in float64 from the checkpoint's own bytes (per-expert or fused):
+    ``x`` (bf16 bits ``[tokens, hidden]``) routed by ``ids`` (``[tokens, k]``) with gate
+    weights ``w`` (``[tokens, k]``); ``float64[tokens, hidden]``."""
     truth = checkpoint_bytes(ckpt)
     inter = json.loads((ckpt / "config.json").read_text())["moe_intermediate_size"]
 

@@ -98,17 +98,24 @@ print(os.environ.get("CUPY_CACHE_DIR", ""))
 """
 
 
+def _cupy_env(tmp: Path, usable_home: bool) -> dict[str, str]:
+    """The environment for :data:`CUPY` without ``CUPY_CACHE_DIR``: its temporary directory
+    ``tmp/t``, its home ``tmp/home`` or one that cannot exist (under a file)."""
+    (tmp / "t").mkdir()
+    (tmp / "home-file").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "CUPY_CACHE_DIR"}
+    env.update(PYTHONPATH=str(ROOT), TMPDIR=str(tmp / "t"),
+               HOME=str(tmp / ("home" if usable_home else "home-file/home")))
+    return env
+
+
 @pytest.mark.parametrize("home", ["unusable", "writable", "given"])
 def test_cupys_kernel_cache_goes_where_this_user_may_write(tmp_path: Path, home: str) -> None:
     """CuPy caches the modules it compiles under ``$HOME/.cupy`` unless ``CUPY_CACHE_DIR``
     says otherwise, and fails its import where it cannot (seen as a second user run with
     root's ``HOME``): then a private directory is named, as for Numba's cache; a usable home
     and a given ``CUPY_CACHE_DIR`` are left as they are."""
-    (tmp_path / "t").mkdir()
-    (tmp_path / "home-file").write_text("")
-    env = {k: v for k, v in os.environ.items() if k != "CUPY_CACHE_DIR"}
-    env.update(PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path / "t"),
-               HOME=str(tmp_path / ("home-file/home" if home == "unusable" else "home")))
+    env = _cupy_env(tmp_path, usable_home=home != "unusable")
     if home == "given":
         env["CUPY_CACHE_DIR"] = str(tmp_path / "given")
     run = subprocess.run([sys.executable, "-c", CUPY], env=env, capture_output=True, text=True,
@@ -124,14 +131,10 @@ def test_cupys_kernel_cache_goes_where_this_user_may_write(tmp_path: Path, home:
 
 
 def test_a_cupy_cache_directory_others_may_write_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "t").mkdir()
-    (tmp_path / "home-file").write_text("")
+    env = _cupy_env(tmp_path, usable_home=False)
     planted = tmp_path / "t" / f"dpu-expert-offload-cupy-{os.getuid()}"
     planted.mkdir()
     planted.chmod(0o777)
-    env = {k: v for k, v in os.environ.items() if k != "CUPY_CACHE_DIR"}
-    env.update(PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path / "t"),
-               HOME=str(tmp_path / "home-file" / "home"))
     run = subprocess.run([sys.executable, "-c", CUPY], env=env, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode != 0
