@@ -135,6 +135,11 @@ def main() -> int:
                         seen.setdefault((name, metric, side), []).append(float(value))
             print(f"round {r + 1} side {side} ({tree.name or tree}, source "
                   f"{data.get('source_hash', '?')}) done", file=sys.stderr)
+            if not any(key[2] == side for key in seen):
+                print(f"ab: no --metric ({', '.join(metrics)}) is a number in this "
+                      f"benchmark's results; their keys: {', '.join(sorted(results))}",
+                      file=sys.stderr)
+                return 2
         # The table so far after every round: a run cut short by a time limit keeps its rounds.
         print(f"after round {r + 1} of {args.rounds}:\n{table(seen)}", flush=True)
     return 0

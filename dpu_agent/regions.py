@@ -95,17 +95,19 @@ class Registrations:
     def register_device(self, session: Session, kind: DeviceKind, ordinal: int, name: str,
                         delivery: Delivery) -> Device:
         """A new device of the session with its data-plane channel (and, for a DMA-engine
-        device, its rings to the engine)."""
-        with session.lock:
-            if len(session.devices) >= self.max_devices:
-                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                                 f"session has {len(session.devices)} devices, the most one "
-                                 "may register (sessions.max_devices)")
-            for dev in session.devices.values():
-                if dev.kind == kind and dev.ordinal == ordinal:
-                    raise AgentError(ErrorKind.ALREADY_EXISTS,
-                                     f"device ordinal {ordinal} is already registered as "
-                                     f"device {dev.device_id}")
+        device, its rings to the engine). The engine is waited for outside ``session.lock``:
+        the data-plane loop serves the session's other devices meanwhile."""
+        with session.registering:
+            with session.lock:
+                if len(session.devices) >= self.max_devices:
+                    raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
+                                     f"session has {len(session.devices)} devices, the most "
+                                     "one may register (sessions.max_devices)")
+                for dev in session.devices.values():
+                    if dev.kind == kind and dev.ordinal == ordinal:
+                        raise AgentError(ErrorKind.ALREADY_EXISTS,
+                                         f"device ordinal {ordinal} is already registered as "
+                                         f"device {dev.device_id}")
             dev = Device(next(self._device_ids), kind, ordinal, name[:128], delivery=delivery)
             dev.channel = DeviceChannel((session.session_id, dev.device_id))
             if delivery == Delivery.DMA_ENGINE:
@@ -115,7 +117,13 @@ class Registrations:
                     dev.channel.close()
                     raise AgentError(ErrorKind.UNAVAILABLE,
                                      f"the DMA engine cannot take device: {exc}") from exc
-            session.devices[dev.device_id] = dev
+            with session.lock:
+                if not session.closed:
+                    session.devices[dev.device_id] = dev
+            if session.closed:
+                self.core.device_removed(dev)
+                raise not_found(f"session {session.session_id} closed while device {ordinal} "
+                                "was being registered")
         self.core.devices_changed()
         return dev
 
@@ -124,6 +132,10 @@ class Registrations:
         undoes a registration it could not finish, or gives a device back). FAILED_PRECONDITION,
         changing nothing, while a slot of it is held, filling or awaiting its check, or while
         a placement or flow rule of the session names it."""
+        with session.registering:
+            self._deregister_device(session, device_id)
+
+    def _deregister_device(self, session: Session, device_id: int) -> None:
         dev = self.core.device(session, device_id)
         self.core.plane.deliveries.check_landed()  # verdicts the client published count
         state = self.core.placements.naming(session.session_id, device_id)
@@ -144,25 +156,36 @@ class Registrations:
         self.core.device_removed(dev)
 
     def register_region(self, session: Session, spec: RegionSpec) -> int:
-        """Register ``spec`` on its device; returns the region id (the session's next)."""
-        dev = self.core.device(session, spec.device_id)
-        add: dict[RegionKind, Callable[[Session, Device, RegionSpec], None]] = {
-            RegionKind.SLOT_POOL: self._slot_pool,
+        """Register ``spec`` on its device; returns the region id (the session's next). A DMA-
+        engine device's pool is opened by the engine outside ``session.lock`` (a GPU pool's
+        IPC handle takes time to open) and registered once it is."""
+        rings: dict[RegionKind, Callable[[Session, Device, RegionSpec], None]] = {
             RegionKind.WORK_RING: self._device_ring,
             RegionKind.COMPLETION_RING: self._device_ring,
             RegionKind.RX_RING: self._packet_ring,
             RegionKind.TX_RING: self._packet_ring}
-        with session.lock:
-            if session.next_region_id >= abi.MAX_REGIONS:
-                raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
-                                 f"session holds the maximum of {abi.MAX_REGIONS} regions")
-            add[spec.kind](session, dev, spec)
-            rid = session.next_region_id
-            session.next_region_id += 1
-            dev.regions[rid] = spec.kind
-            return rid
+        with session.registering:
+            dev = self.core.device(session, spec.device_id)
+            pool = None
+            if spec.kind == RegionKind.SLOT_POOL:
+                with session.lock:
+                    _check_room(session)
+                    pool = self._slot_pool(session, dev, spec)
+                if dev.delivery == Delivery.DMA_ENGINE:
+                    self.core.plane.engine.add_pool(dev, pool)
+            with session.lock:
+                _check_room(session)
+                if pool is None:
+                    rings[spec.kind](session, dev, spec)
+                else:
+                    dev.pools[pool.region_id] = pool
+                rid = session.next_region_id
+                session.next_region_id += 1
+                dev.regions[rid] = spec.kind
+                return rid
 
-    def _slot_pool(self, session: Session, dev: Device, spec: RegionSpec) -> None:
+    def _slot_pool(self, session: Session, dev: Device, spec: RegionSpec) -> SlotPool:
+        """The pool ``spec`` describes, checked; registered by the caller."""
         if spec.ipc_handle and len(spec.ipc_handle) != IPC_HANDLE_BYTES:
             raise invalid(f"cuda_ipc_handle must be {IPC_HANDLE_BYTES} bytes "
                           f"(cudaIpcMemHandle_t), got {len(spec.ipc_handle)}")
@@ -179,8 +202,7 @@ class Registrations:
                         policy=self.core.slot_policy())
         if dev.delivery == Delivery.DMA_ENGINE:
             self._check_own(session, "slot pool", spec.shm_name, spec.ipc_handle)
-            self.core.plane.engine.add_pool(dev, pool)
-        dev.pools[rid] = pool
+        return pool
 
     def _device_ring(self, session: Session, dev: Device, spec: RegionSpec) -> None:
         """The work or completion ring of a device whose consumer pulls; its queue opens once
@@ -257,20 +279,29 @@ class Registrations:
                                  "region's; a region must be memory of its own")
 
     def deregister_region(self, session: Session, region_id: int) -> None:
-        """Remove a slot pool with no delivery in flight (rings go with the session)."""
-        with session.lock:
-            for dev in session.devices.values():
-                pool = dev.pools.get(region_id)
-                if pool is not None:
-                    if any(s == SlotState.FILLING for s in pool.state):
-                        raise precondition(f"region {region_id} has transfers in flight")
-                    self.core.plane.deliveries.forget(pool)
-                    del dev.pools[region_id]
-                    del dev.regions[region_id]
-                    return
-                if region_id in dev.regions:
-                    raise precondition(f"region {region_id} is a ring; close the session to "
-                                       "remove it")
+        """Remove a slot pool with no delivery in flight (rings go with the session); a DMA-
+        engine device's pool is closed in the engine too, so a restarted engine does not
+        reopen memory the client may have freed."""
+        with session.registering:
+            with session.lock:
+                dev, pool = self._pool_of(session, region_id)
+                if any(s == SlotState.FILLING for s in pool.state):
+                    raise precondition(f"region {region_id} has transfers in flight")
+                self.core.plane.deliveries.forget(pool)
+                del dev.pools[region_id]
+                del dev.regions[region_id]
+            if dev.delivery == Delivery.DMA_ENGINE:
+                self.core.plane.engine.remove_pool(dev, pool)
+
+    @staticmethod
+    def _pool_of(session: Session, region_id: int) -> tuple[Device, SlotPool]:
+        for dev in session.devices.values():
+            pool = dev.pools.get(region_id)
+            if pool is not None:
+                return dev, pool
+            if region_id in dev.regions:
+                raise precondition(f"region {region_id} is a ring; close the session to "
+                                   "remove it")
         raise not_found(f"region {region_id} is not registered in this session")
 
     def link_peers(self, session: Session, device_id: int, sources: list[int]) -> None:
@@ -287,6 +318,15 @@ class Registrations:
         if len(set(sources)) != len(sources):
             raise invalid(f"LinkPeers: sources {sources} name a device twice")
         dev.peer_sources = tuple(sources)
+
+
+def _check_room(session: Session) -> None:
+    """The session is open and may register another region (``session.lock`` held)."""
+    if session.closed:
+        raise not_found(f"session {session.session_id} is closed")
+    if session.next_region_id >= abi.MAX_REGIONS:
+        raise AgentError(ErrorKind.RESOURCE_EXHAUSTED,
+                         f"session holds the maximum of {abi.MAX_REGIONS} regions")
 
 
 def _state_range(dev: Device, count: int) -> int:

@@ -213,6 +213,14 @@ class Session:
     """Region ids index the session's per-device region tables, so they are per session;
     device ids are global (naming another session's device is PERMISSION_DENIED)."""
     lock: threading.RLock = field(default_factory=threading.RLock)
+    """Guards the session's tables; the data-plane loop takes it for each request, so it is
+    never held across a wait on the DMA engine."""
+    registering: threading.Lock = field(default_factory=threading.Lock)
+    """Serialises the session's registrations and deregistrations, which may wait on the DMA
+    engine (its start, CUDA IPC opens: a second or more on a GPU host) outside ``lock``."""
+    closed: bool = False
+    """Set (under ``lock``) when the session closes: a registration that waited on the engine
+    meanwhile finds it and undoes itself."""
     binding: Binding | None = None
     """Who may name the session (None only for sessions the agent makes for itself)."""
 

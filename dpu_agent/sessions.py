@@ -104,6 +104,8 @@ class SessionTable:
             session = self.open.pop(session_id, None)
         if session is None:
             raise not_found(f"session {session_id!r} does not exist")
+        with session.lock:
+            session.closed = True
         self._on_close(session)
         session.events.close()
         log.info("session %s", reason, extra={"session": session_id})

@@ -150,6 +150,11 @@ def test_ab_runs_the_sides_in_turn_and_reports_each_metric(tmp_path: Path) -> No
                            "bench/flag.py"], capture_output=True, text=True, timeout=120)
     assert same.returncode == 2 and "same tree with the same environment and arguments" in \
         same.stderr
+    # A metric the results lack stops the run after its first side, naming their keys.
+    lacking = subprocess.run([*base[:-1], "tokens_per_s", "--args-b=--v 7", "--",
+                              "bench/flag.py"], capture_output=True, text=True, timeout=120)
+    assert lacking.returncode == 2 and "no --metric (tokens_per_s)" in lacking.stderr \
+        and "their keys: row" in lacking.stderr and "side B" not in lacking.stderr
 
 
 def test_the_source_hash_covers_every_package() -> None:

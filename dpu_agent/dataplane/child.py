@@ -98,12 +98,18 @@ class ChildProcess:
                 self._start()
 
     def kill(self, why: str) -> None:
-        """Kill a hung child (SIGKILL); the next sweep restarts it like any dead one."""
-        with self._lock:
+        """Kill a hung child (SIGKILL); the next sweep restarts it like any dead one. Skipped
+        while a command holds the child (a hung child fails that command within
+        ``COMMAND_TIMEOUT_SECONDS`` and is killed then): the sweep that asks must not wait."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             if self._proc is not None and self._proc.poll() is None:
                 log.error("killing %s (pid %d): %s", self.title, self._proc.pid, why)
                 self._proc.kill()
                 self._proc.wait(5)
+        finally:
+            self._lock.release()
 
     def _reap_locked(self) -> bool:
         """Whether the child died since it was started (it is then forgotten)."""

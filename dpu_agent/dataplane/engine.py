@@ -84,11 +84,18 @@ class EngineSupervisor(ChildProcess):
                 log.warning("detach of device %d: %s", device_id, exc)
 
     def check(self) -> None:
-        """Restart a dead engine (a sweep of the data-plane loop calls this)."""
-        with self._lock:
+        """Restart a dead engine (a sweep of the data-plane loop calls this). Skipped while a
+        command holds the engine: attaching a device can take a second (the engine's start,
+        CUDA IPC opens), and the loop must not stall every other device's requests behind it;
+        a later sweep looks again."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             if not self._reap_locked():
                 return
             devices = list(self._targets)
+        finally:
+            self._lock.release()
         fresh = self._on_death(devices)
         with self._lock:
             self.restarts += 1
@@ -180,6 +187,13 @@ class EngineDevices:
         except EngineError as exc:
             raise invalid(f"the DMA engine cannot open slot pool {pool.region_id}: {exc}"
                           ) from exc
+
+    def remove_pool(self, dev: Device, pool: SlotPool) -> None:
+        """Have the engine close ``pool`` (no transfer of it is in flight)."""
+        try:
+            self.supervisor.remove_pool(dev.device_id, pool.region_id)
+        except EngineError as exc:
+            log.warning("closing slot pool %d in the DMA engine: %s", pool.region_id, exc)
 
     def detach(self, dev: Device) -> None:
         self.supervisor.detach(dev.device_id)

@@ -106,7 +106,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             return pb.RegisterDeviceResponse(device_id=dev.device_id, channel=pb.ChannelInfo(
                 shm_name=dev.channel.name, size_bytes=dev.channel.size,
                 capacity=dev.channel.view.capacity))
-        return await self._run(context, call)
+        return await self._run(context, call, blocking=True, session_id=request.session_id)
 
     async def RegisterRegion(self, request: pb.RegisterRegionRequest,
                              context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
@@ -118,7 +118,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             return self.core.registrations.register_region(session, RegionSpec(
                 request.device_id, kind, request.size_bytes, request.shm_name,
                 bytes(request.cuda_ipc_handle), request.slot_bytes, request.slot_count))
-        return pb.RegisterRegionResponse(region_id=await self._run(context, call))
+        return pb.RegisterRegionResponse(region_id=await self._run(
+            context, call, blocking=True, session_id=request.session_id))
 
     async def LinkPeers(self, request: pb.LinkPeersRequest, context: grpc.aio.ServicerContext
                         ) -> pb.Empty:
@@ -141,7 +142,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         def call() -> None:
             self.core.registrations.deregister_device(
                 self.core.session(request.session_id), request.device_id)
-        await self._run(context, call)
+        await self._run(context, call, blocking=True, session_id=request.session_id)
         return pb.Empty()
 
     async def DeregisterRegion(self, request: pb.RegionRef, context: grpc.aio.ServicerContext
@@ -149,7 +150,7 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
         def call() -> None:
             self.core.registrations.deregister_region(
                 self.core.session(request.session_id), request.region_id)
-        await self._run(context, call)
+        await self._run(context, call, blocking=True, session_id=request.session_id)
         return pb.Empty()
 
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext
