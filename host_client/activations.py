@@ -20,7 +20,7 @@ import zmq.auth
 
 from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
-from gpu_kernels import reference
+from gpu_kernels import moe_twin
 from gpu_kernels.routing import dispatch_plan
 
 
@@ -64,6 +64,8 @@ class ActivationSender:
         self.sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)  # a blocking receive, no Poller
         self.sock.connect(f"tcp://{address}")
         self._ids = itertools.count(1)
+        self._kept: tuple[np.ndarray, np.ndarray] | None = None
+        """Flat ``uint16`` buffers of the packed rows and of their answers."""
 
     def request(self, layer: int, expert: int, rows: np.ndarray) -> int:
         """Send one REQUEST (``rows``: ``uint16[n, hidden]``); returns its message id."""
@@ -103,10 +105,21 @@ class ActivationSender:
         Returns:
             ``uint16[tokens, hidden_size]``: the combined outputs as bf16 bits.
         """
+        hidden = np.asarray(hidden)
+        if hidden.dtype != np.uint16 or hidden.ndim != 2:
+            raise ValueError(f"hidden must be uint16[tokens, hidden_size] (bf16 bits), got "
+                             f"{hidden.dtype}{list(hidden.shape)}")
         plan = dispatch_plan(np, np.asarray(topk_ids), self.experts)
-        packed = reference.dispatch(hidden, plan)
+        # Rows go out of, and answers come into, buffers kept across layers (fresh ones are
+        # faulted in on every call); a dispatch that fails drops them, since a request it
+        # left queued may still be read from them.
+        rows, width = plan.order.size, hidden.shape[1]
+        kept, self._kept = self._kept, None
+        if kept is None or kept[0].size < rows * width:
+            kept = (np.empty(rows * width, np.uint16), np.empty(rows * width, np.uint16))
+        packed, outputs = (b[:rows * width].reshape(rows, width) for b in kept)
+        np.take(hidden, plan.order // plan.top_k, axis=0, out=packed)
         offsets = plan.offsets
-        outputs = np.empty_like(packed)
         where: dict[int, tuple[int, int]] = {}
         todo = [e for e in range(self.experts) if offsets[e + 1] > offsets[e]]
         outstanding = 0
@@ -117,10 +130,13 @@ class ActivationSender:
                 where[mid] = (int(offsets[e]), int(offsets[e + 1]))
                 outstanding += 1
             mid, out = self.receive()
+            if mid not in where:
+                continue  # the late answer of a dispatch that failed before it came
             lo, hi = where.pop(mid)
             outputs[lo:hi] = out
             outstanding -= 1
-        return reference.combine_bf16(outputs, plan, np.asarray(topk_weights, np.float32))
+        self._kept = kept
+        return moe_twin.combine_bf16(outputs, plan, np.asarray(topk_weights, np.float32))
 
     def close(self) -> None:
         self.sock.close(0)

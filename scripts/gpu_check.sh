@@ -102,20 +102,24 @@ for s in $STAGES; do
     stage "py-spy of $spy_args"
     command -v py-spy >/dev/null || { echo "gpu-check: py-spy not carried (make wheels)" >&2; exit 2; }
     rm -f "$LOG"/spy-*.txt
-    py-spy record --threads --idle --rate 400 --format raw -o "$LOG/spy-client.txt" -- python3 \
+    py-spy record --threads --idle --rate "${SPY_RATE:-100}" --format raw -o "$LOG/spy-client.txt" -- python3 \
       $spy_args > "$LOG/spy-bench.log" 2>&1 &
     bench=$!
     for who in "agent:dpu_agent.cli serve" "engine:-m dma_engine" "nic:-m nic --listen"; do
       (  # each waited for apart: a benchmark starts only some of them
         pid=""
         for _ in $(seq 240); do pid=$(pgrep -f -- "${who#*:}" | head -1); [ -n "$pid" ] && break; sleep 0.25; done
-        [ -z "$pid" ] || exec py-spy record --threads --idle --rate 400 --format raw --nonblocking \
+        [ -z "$pid" ] || exec py-spy record --threads --idle --rate "${SPY_RATE:-100}" --format raw --nonblocking \
           -o "$LOG/spy-${who%%:*}.txt" --pid "$pid" --duration "${SPY_SECONDS:-60}" > /dev/null 2>&1
       ) &
     done
     wait "$bench" || fail=1
     wait
-    tail -6 "$LOG/spy-bench.log" ;;
+    tail -6 "$LOG/spy-bench.log"
+    for raw in "$LOG"/spy-{client,agent,engine,nic}.txt; do  # a summary of each, beside it
+      [ -f "$raw" ] && python3 bench/spy_report.py "$raw" > "${raw%.txt}-report.txt"
+    done
+    head -30 "$LOG/spy-agent-report.txt" 2>/dev/null ;;
   ab)
     # An interleaved A/B on this machine (bench/ab.py run's arguments, split on spaces), its
     # table in gpu-logs/ab-$AB_NAME.log; each side's runs overwrite that benchmark's results.

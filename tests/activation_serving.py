@@ -72,19 +72,24 @@ def dense(ckpt: Path, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray)
 
 
 def dispatch_matches_dense(address: str, name: str, experts: int, layer: int, ckpt: Path,
-                           ids: np.ndarray, seed: int = 0) -> None:
+                           ids: np.ndarray, seed: int = 0) -> int:
     """Dispatch random rows routed by ``ids`` (int[tokens, k]) with random gate weights through
-    the agent at ``address``; the combined output must match the float64 dense reference
-    within bf16 rounding."""
+    the agent at ``address``, then the last half of them again through the same sender (its
+    buffers reused, smaller); each combined output must match the float64 dense reference
+    within bf16 rounding. Returns the messages sent (one per expert chosen, per dispatch)."""
     rng = np.random.default_rng(seed)
     x = reference.f32_to_bf16(rng.standard_normal((ids.shape[0], 256), dtype=np.float32))
     w = rng.random(ids.shape, dtype=np.float32)
     w /= w.sum(1, keepdims=True)
+    sent = 0
     with ActivationSender(address, name, experts, credits=4) as sender:
-        got = sender.dispatch(layer, x, ids, w)
-    ref = dense(ckpt, layer, x, ids, w)
-    out = reference.bf16_to_f32(got).astype(np.float64)
-    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+        for first in (0, ids.shape[0] // 2):
+            sent += len(np.unique(ids[first:]))
+            got = sender.dispatch(layer, x[first:], ids[first:], w[first:])
+            ref = dense(ckpt, layer, x[first:], ids[first:], w[first:])
+            out = reference.bf16_to_f32(got).astype(np.float64)
+            assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+    return sent
 
 
 def routing(experts: int, tokens: int, k: int, seed: int) -> np.ndarray:

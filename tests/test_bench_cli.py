@@ -16,7 +16,8 @@ from dpu_agent.routing.traces import generate_trace, write_trace
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["ab", "activations", "agent_requests", "arm64", "cache_policies", "cluster", "decode",
         "delivery", "launch_after_sleep", "load", "moe_kernels", "multi_gpu", "placement",
-        "rebalance", "slot_check", "slot_pool", "steering", "trace_report", "transformers_decode"]
+        "rebalance", "slot_check", "slot_pool", "spy_report", "steering", "trace_report",
+        "transformers_decode"]
 
 
 @pytest.mark.parametrize("bench", CLIS)
@@ -242,3 +243,36 @@ def test_a_snapshot_does_not_count_its_own_reading() -> None:
         done.set()
         for t in idle:
             t.join()
+
+
+def test_spy_report_tables_a_recording(tmp_path: Path) -> None:
+    """bench/spy_report.py on a recording in py-spy's raw form (gzip too): samples by thread,
+    leaf frames of the chosen threads, the paths below a function named exactly (not a name
+    that merely contains it); a file in another form is refused, named."""
+    import gzip
+
+    lines = ["thread (1): MainThread;main (bench/x.py:3);Client.acquire (host_client/c.py:9);"
+             "post (host_client/r.py:5) 30",
+             "thread (1): MainThread;main (bench/x.py:3);Client.acquire (host_client/c.py:9);"
+             "launch (gpu_kernels/l.py:7) 10",
+             "thread (1): MainThread;main (bench/x.py:4);reacquire (bench/x.py:8) 20",
+             "thread (2): dataplane;run (dpu_agent/loop.py:1);wait (dpu_offload/futex.py:47) 40"]
+    raw = tmp_path / "spy.txt.gz"
+    with gzip.open(raw, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "spy_report.py"), str(raw),
+                          "--thread", "MainThread", "--under", "acquire"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [" ".join(line.split()) for line in out.stdout.splitlines()]
+    assert "spy.txt.gz: 100 samples" in rows
+    assert "60 60.0 % thread (1): MainThread" in rows and "40 40.0 % thread (2): dataplane" in rows
+    assert "30 50.0 % thread (1): MainThread post (r.py:5)" in rows  # 30 of MainThread's 60
+    assert "below 'acquire': 40 samples (66.7 % of those)" in rows
+    assert "30 75.0 % Client.acquire (c.py:9) > post (r.py:5)" in rows
+    assert not any("reacquire" in r and ">" in r for r in rows)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("not a stack\n")
+    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "spy_report.py"), str(bad)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "bad.txt:1: not py-spy raw output" in refused.stderr

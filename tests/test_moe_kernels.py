@@ -7,11 +7,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpu_offload import abi
 from dpu_offload.checksum import chunk_checksum
 from dpu_offload.ring import Ring
-from gpu_kernels import packet_twin, reference
+from gpu_kernels import moe_twin, packet_twin, reference
 from gpu_kernels.routing import dispatch_plan
 
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -61,6 +63,37 @@ def test_dispatch_then_combine(backend: str, tokens: int, experts: int, top_k: i
                 for k in range(top_k))
     got = reference.bf16_to_f32(combined).astype(np.float64)
     assert np.linalg.norm(got - dense) / max(np.linalg.norm(dense), 1e-30) < 1e-2
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(1, 12), experts=st.integers(1, 9), hidden=st.integers(1, 40),
+       seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_the_compiled_combine_equals_the_twin_bit_for_bit(tokens: int, experts: int,
+                                                          hidden: int, seed: int,
+                                                          data: st.DataObject) -> None:
+    """gpu_kernels.moe_twin.combine_bf16 (the host sender's) against reference.combine_bf16
+    on any bf16 bit patterns, denormals and infinities included: the same bits wherever the
+    result is a number, NaN wherever the twin's is (NaN payloads may differ)."""
+    top_k = data.draw(st.integers(1, experts))
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    w = rng.standard_normal((tokens, top_k)).astype(np.float32)
+    outputs = rng.integers(0, 2**16, (tokens * top_k, hidden), dtype=np.uint16)
+    plan = dispatch_plan(np, ids, experts)
+    with np.errstate(all="ignore"):
+        want = reference.combine_bf16(outputs, plan, w)
+    got = moe_twin.combine_bf16(outputs, plan, w)
+    nan = np.isnan(reference.bf16_to_f32(want))
+    np.testing.assert_array_equal(np.isnan(reference.bf16_to_f32(got)), nan)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+def test_the_compiled_combine_refuses_misshapen_outputs() -> None:
+    plan = dispatch_plan(np, np.array([[0, 1]]), 2)
+    with pytest.raises(ValueError, match=r"uint16\[2, d\]"):
+        moe_twin.combine_bf16(np.zeros((3, 4), np.uint16), plan, np.ones((1, 2), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        moe_twin.combine_bf16(np.zeros((2, 4), np.float32), plan, np.ones((1, 2), np.float32))
 
 
 def test_dispatch_plan_refuses_bad_ids() -> None:
