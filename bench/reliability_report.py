@@ -43,6 +43,10 @@ FAULTS = [
      "tests/test_engine.py::test_engine_death_fails_in_flight_and_is_restarted"),
     ("DMA-engine process hung (SIGSTOP) with a transfer in hand", "tests/test_engine.py::"
      "test_a_hung_engine_is_killed_and_its_transfers_fail"),
+    ("DMA-engine process stopped while a device's attach waits on it", "tests/test_engine.py::"
+     "test_a_slow_engine_command_does_not_stall_other_devices"),
+    ("DMA-engine process killed after a slot pool was deregistered", "tests/test_engine.py::"
+     "test_a_deregistered_pool_is_closed_in_the_engine"),
     ("hostile request-ring entries", "tests/test_engine.py::"
      "test_hostile_requests_are_refused_and_change_nothing"),
     ("request-ring header overwritten by its client", "tests/test_engine.py::"
@@ -149,6 +153,13 @@ OUTCOME = {
     "transfer.timeout_seconds the agent kills it rather than cancel under it (no late copy or "
     "SIGNAL into a slot given to another delivery): the waiter gets CANCELLED, a new engine "
     "serves the same expert byte for byte",
+    "DMA-engine process stopped while a device's attach waits on it": "another device of the "
+    "session gets its expert byte for byte in under a second and status answers (the data-plane "
+    "loop and the gRPC loop do not wait behind the engine; the session's 3 s lease is kept); "
+    "the attach completes once the engine resumes",
+    "DMA-engine process killed after a slot pool was deregistered": "the deregistered pool's "
+    "mapping leaves the engine; the restarted engine reopens only the pools still registered "
+    "and serves the other pool's expert byte for byte",
     "a client opening sessions and devices without end, and hammering every RPC": "past "
     "sessions.max_sessions and sessions.max_devices RESOURCE_EXHAUSTED naming the key, a closed "
     "session frees its place; 30 rounds of undecodable bodies on every method grow the "

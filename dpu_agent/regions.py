@@ -9,6 +9,7 @@ RegisterRegion into them.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -91,6 +92,11 @@ class Registrations:
         self.core = core
         self.max_devices = max_devices
         self._device_ids = itertools.count()
+        self._claims_lock = threading.Lock()
+        self._claimed: dict[str, set[str | bytes]] = {}
+        """Session id -> names and handles its registration under way has checked and not yet
+        registered (one at a time per session: ``Session.registering``); another session's
+        region is refused them as if registered."""
 
     def register_device(self, session: Session, kind: DeviceKind, ordinal: int, name: str,
                         delivery: Delivery) -> Device:
@@ -165,24 +171,33 @@ class Registrations:
             RegionKind.RX_RING: self._packet_ring,
             RegionKind.TX_RING: self._packet_ring}
         with session.registering:
-            dev = self.core.device(session, spec.device_id)
-            pool = None
-            if spec.kind == RegionKind.SLOT_POOL:
-                with session.lock:
-                    _check_room(session)
-                    pool = self._slot_pool(session, dev, spec)
-                if dev.delivery == Delivery.DMA_ENGINE:
-                    self.core.plane.engine.add_pool(dev, pool)
+            try:
+                return self._register_region(session, spec, rings)
+            finally:
+                with self._claims_lock:
+                    self._claimed.pop(session.session_id, None)
+
+    def _register_region(self, session: Session, spec: RegionSpec,
+                         rings: dict[RegionKind, Callable[[Session, Device, RegionSpec], None]]
+                         ) -> int:
+        dev = self.core.device(session, spec.device_id)
+        pool = None
+        if spec.kind == RegionKind.SLOT_POOL:
             with session.lock:
                 _check_room(session)
-                if pool is None:
-                    rings[spec.kind](session, dev, spec)
-                else:
-                    dev.pools[pool.region_id] = pool
-                rid = session.next_region_id
-                session.next_region_id += 1
-                dev.regions[rid] = spec.kind
-                return rid
+                pool = self._slot_pool(session, dev, spec)
+            if dev.delivery == Delivery.DMA_ENGINE:
+                self.core.plane.engine.add_pool(dev, pool)
+        with session.lock:
+            _check_room(session)
+            if pool is None:
+                rings[spec.kind](session, dev, spec)
+            else:
+                dev.pools[pool.region_id] = pool
+            rid = session.next_region_id
+            session.next_region_id += 1
+            dev.regions[rid] = spec.kind
+            return rid
 
     def _slot_pool(self, session: Session, dev: Device, spec: RegionSpec) -> SlotPool:
         """The pool ``spec`` describes, checked; registered by the caller."""
@@ -270,13 +285,18 @@ class Registrations:
                              f"{region}: shared memory {shm_name!r} was not created for this "
                              "session (its name is not bound to the session's token: "
                              "host_client names segments with shm.session_name)")
-        taken = self.core.exports()
-        for handle, what in ((shm_name, f"shared memory {shm_name!r}"),
-                             (ipc_handle, "that CUDA IPC handle")):
-            if handle and handle in taken:
-                raise AgentError(ErrorKind.PERMISSION_DENIED,
-                                 f"{region}: {what} is already the agent's or a registered "
-                                 "region's; a region must be memory of its own")
+        with self._claims_lock:
+            taken = self.core.exports().union(*self._claimed.values())
+            for handle, what in ((shm_name, f"shared memory {shm_name!r}"),
+                                 (ipc_handle, "that CUDA IPC handle")):
+                if handle and handle in taken:
+                    raise AgentError(ErrorKind.PERMISSION_DENIED,
+                                     f"{region}: {what} is already the agent's or a "
+                                     "registered region's; a region must be memory of its own")
+            # Claimed until this registration ends: it may wait on the DMA engine before its
+            # region shows in ``exports``.
+            self._claimed.setdefault(session.session_id, set()).update(
+                h for h in (shm_name, ipc_handle) if h)
 
     def deregister_region(self, session: Session, region_id: int) -> None:
         """Remove a slot pool with no delivery in flight (rings go with the session); a DMA-

@@ -4,6 +4,7 @@ ownership (PERMISSION_DENIED), per-session concurrency, message size limits."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -409,3 +410,63 @@ def test_a_region_named_in_any_characters_is_refused_by_name(agent: AgentProcess
                     session_id=client.session_id, device_id=dev.device_id,
                     kind=pb.REGION_KIND_RX_RING, size_bytes=4096, shm_name=name), timeout=10)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+
+
+def test_a_handle_under_registration_is_refused_to_another_session(agent: AgentProcess,
+                                                                   qwen_ckpt: Path) -> None:
+    """A slot pool's registration waits on the DMA engine to open it (the engine is stopped
+    here; on a GPU host a CUDA IPC open takes time) before it shows among the registered
+    regions. Meanwhile another session naming the same CUDA IPC handle is refused
+    PERMISSION_DENIED at once, as it is once the first is registered; the first completes
+    when the engine resumes."""
+    import os
+    import signal
+    import threading
+
+    from bench.common import child_pids
+    from dpu_offload.keys import ExpertKey
+    from dpu_offload.shm import SharedBuffer, session_name
+
+    handle = bytes(range(64))
+    with AgentClient(agent.address) as first, AgentClient(agent.address) as second:
+        model = first.load_model(str(qwen_ckpt), "claimed")
+        running = first.register_device(CpuReferenceDevice(20),
+                                        [SlotPoolSpec(model.expert_bytes, 2)], delivery="engine")
+        first.acquire(running, ExpertKey("claimed", model.moe_layers[0], 0)).wait(10)
+        (engine,) = child_pids(agent.proc.pid, "dma_engine")
+        pools, requests = [], []
+        for client in (first, second):
+            dev = client.stub.RegisterDevice(pb.RegisterDeviceRequest(
+                session_id=client.session_id, kind=pb.DEVICE_KIND_CPU_REFERENCE, ordinal=21,
+                delivery=pb.DELIVERY_DMA_ENGINE), timeout=10)
+            pools.append(SharedBuffer(session_name("dpu-pool", client.session_token),
+                                      model.expert_bytes, create=True))
+            requests.append(pb.RegisterRegionRequest(
+                session_id=client.session_id, device_id=dev.device_id,
+                kind=pb.REGION_KIND_SLOT_POOL, size_bytes=model.expert_bytes,
+                slot_bytes=model.expert_bytes, slot_count=1, shm_name=pools[-1].name,
+                cuda_ipc_handle=handle))
+        answers: list[object] = []
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            opening = threading.Thread(target=lambda: answers.append(
+                first.stub.RegisterRegion(requests[0], timeout=20)))
+            opening.start()
+            time.sleep(0.5)
+            assert opening.is_alive()
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                second.stub.RegisterRegion(requests[1], timeout=10)
+            assert time.monotonic() - t0 < 2
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
+            assert "that CUDA IPC handle is already" in err.value.details()
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        opening.join(20)
+        assert len(answers) == 1 and answers[0].region_id > 0
+        with pytest.raises(grpc.RpcError) as err:  # and once it is registered
+            second.stub.RegisterRegion(requests[1], timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        for pool in pools:
+            pool.close()
+            pool.unlink()
