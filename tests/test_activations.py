@@ -554,3 +554,14 @@ def test_rows_of_nan_and_huge_values_come_back_as_a_gpu_computes_them_without_wa
     assert not np.isfinite(out[2:]).all()
     assert not [w for w in seen if issubclass(w.category, RuntimeWarning)], \
         [str(w.message) for w in seen]
+
+
+def test_a_sender_refuses_hidden_rows_that_are_not_bf16_bits() -> None:
+    """dispatch takes ``uint16[tokens, hidden]`` (bf16 bits): float rows or a flat vector are
+    refused before anything is sent (a cast would send other numbers)."""
+    with ActivationSender("127.0.0.1:1", "m", 4) as sender:
+        ids, w = np.array([[0], [1]]), np.ones((2, 1), np.float32)
+        with pytest.raises(ValueError, match=r"uint16\[tokens, hidden_size\].*float32\[2, 8\]"):
+            sender.dispatch(0, np.zeros((2, 8), np.float32), ids, w)
+        with pytest.raises(ValueError, match=r"uint16\[16\]"):
+            sender.dispatch(0, np.zeros(16, np.uint16), ids, w)
