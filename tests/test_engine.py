@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -217,76 +216,6 @@ def test_a_hung_engine_is_killed_and_its_transfers_fail(qwen_ckpt: Path, given: 
         name = "model.layers.1.mlp.experts.1.down_proj.weight"
         assert slot.raw("down_proj").tobytes() == truth[name]
         assert metric(agent, "dpu_agent_engine_restarts_total") == 1
-
-
-def test_a_slow_engine_command_does_not_stall_other_devices(
-        agent: AgentProcess, client: AgentClient, engine_dev: AttachedDevice,
-        qwen_ckpt: Path) -> None:
-    """While a device's attach waits on the DMA engine (stopped here; on a GPU host its start
-    and CUDA IPC opens take about a second), a device of the same session that the engine
-    does not serve gets its experts at once (the data-plane loop takes neither the engine's
-    command channel nor the session's lock for that wait) and other calls are answered (the
-    gRPC loop is not blocked: the session's lease, 3 s here, is kept). The attach completes
-    once the engine resumes and that device is served too."""
-    truth = checkpoint_bytes(qwen_ckpt)
-    client.acquire(engine_dev, ExpertKey("qwen-engine", 0, 0)).wait(10)  # engine running
-    (pid,) = engine_pids(agent)
-    model = client.load_model(str(qwen_ckpt), "qwen-beside")
-    own = client.register_device(CpuReferenceDevice(12), [SlotPoolSpec(model.expert_bytes, 4)])
-    attached: list[AttachedDevice] = []
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        attaching = threading.Thread(target=lambda: attached.append(client.register_device(
-            CpuReferenceDevice(13), [SlotPoolSpec(model.expert_bytes, 4)], delivery="engine")))
-        attaching.start()
-        time.sleep(3.5)  # sweeps of the data-plane loop and a lease's length: the command waits
-        assert attaching.is_alive() and not attached
-        t0 = time.monotonic()
-        assert client.status().sessions
-        assert time.monotonic() - t0 < 1.0
-        slot = client.acquire(own, ExpertKey("qwen-beside", 2, 3)).wait(5)
-        assert time.monotonic() - t0 < 1.0
-        assert slot.raw("down_proj").tobytes() == truth[
-            "model.layers.2.mlp.experts.3.down_proj.weight"]
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    attaching.join(15)
-    (late,) = attached
-    slot = client.acquire(late, ExpertKey("qwen-beside", 1, 2)).wait(10)
-    assert slot.raw("down_proj").tobytes() == truth["model.layers.1.mlp.experts.2.down_proj.weight"]
-    assert engine_pids(agent) == [pid]
-
-
-def test_a_deregistered_pool_is_closed_in_the_engine(
-        agent: AgentProcess, client: AgentClient, qwen_ckpt: Path) -> None:
-    """DeregisterRegion of a DMA-engine device's pool closes it in the engine (its mapping
-    goes from the engine process), and a restarted engine reopens only the pools still
-    registered: the other pool is served, bytes verified, after the engine is killed."""
-    from dpu_offload.v1 import agent_pb2 as pb
-
-    truth = checkpoint_bytes(qwen_ckpt)
-    model = client.load_model(str(qwen_ckpt), "qwen-unpool")
-    device = CpuReferenceDevice(14)
-    dev = client.register_device(device, [SlotPoolSpec(model.expert_bytes, 2),
-                                           SlotPoolSpec(2 * model.expert_bytes, 2)],
-                                 delivery="engine")
-    client.acquire(dev, ExpertKey("qwen-unpool", 0, 0)).wait(10)  # engine running
-    (pid,) = engine_pids(agent)
-    kept, gone = sorted(dev.pools)
-    names = {rid: device.export_shm(device.memory[rid]) for rid in (kept, gone)}
-    maps = Path(f"/proc/{pid}/maps")
-    assert all(name in maps.read_text() for name in names.values())
-    client.stub.DeregisterRegion(pb.RegionRef(session_id=client.session_id, region_id=gone))
-    assert names[gone] not in maps.read_text() and names[kept] in maps.read_text()
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while not (fresh := [p for p in engine_pids(agent) if p != pid]):
-        assert time.monotonic() < deadline, "the engine was not restarted"
-        time.sleep(0.05)
-    slot = client.acquire(dev, ExpertKey("qwen-unpool", 2, 4)).wait(10)
-    assert slot.raw("down_proj").tobytes() == truth["model.layers.2.mlp.experts.4.down_proj.weight"]
-    fresh_maps = Path(f"/proc/{fresh[0]}/maps").read_text()
-    assert names[kept] in fresh_maps and names[gone] not in fresh_maps
 
 
 def test_the_check_starts_at_the_post_and_outlives_a_slow_delivery(

@@ -87,7 +87,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             self.core.session(request.session_id)  # the caller's own (close_session is also
             self.core.close_session(request.session_id)  # the reaper's, which has no caller)
 
-        await self._run(context, call)
+        # In a thread: detaching the session's devices from the DMA engine waits on it.
+        await self._run(context, call, blocking=True)
         return pb.Empty()
 
     async def RegisterDevice(self, request: pb.RegisterDeviceRequest,
