@@ -43,10 +43,13 @@ FAULTS = [
      "tests/test_engine.py::test_engine_death_fails_in_flight_and_is_restarted"),
     ("DMA-engine process hung (SIGSTOP) with a transfer in hand", "tests/test_engine.py::"
      "test_a_hung_engine_is_killed_and_its_transfers_fail"),
-    ("DMA-engine process stopped while a device's attach waits on it", "tests/test_engine.py::"
-     "test_a_slow_engine_command_does_not_stall_other_devices"),
-    ("DMA-engine process killed after a slot pool was deregistered", "tests/test_engine.py::"
-     "test_a_deregistered_pool_is_closed_in_the_engine"),
+    ("DMA-engine process stopped while a device's attach waits on it",
+     "tests/test_engine_control.py::test_a_slow_engine_command_does_not_stall_other_devices"),
+    ("session closed while its device's attach waits on a stopped DMA engine",
+     "tests/test_engine_control.py::"
+     "test_a_session_closed_while_its_device_attaches_leaves_nothing_attached"),
+    ("DMA-engine process killed after a slot pool was deregistered",
+     "tests/test_engine_control.py::test_a_deregistered_pool_is_closed_in_the_engine"),
     ("hostile request-ring entries", "tests/test_engine.py::"
      "test_hostile_requests_are_refused_and_change_nothing"),
     ("request-ring header overwritten by its client", "tests/test_engine.py::"
@@ -157,6 +160,9 @@ OUTCOME = {
     "session gets its expert byte for byte in under a second and status answers (the data-plane "
     "loop and the gRPC loop do not wait behind the engine; the session's 3 s lease is kept); "
     "the attach completes once the engine resumes",
+    "session closed while its device's attach waits on a stopped DMA engine": "other "
+    "sessions' calls are answered meanwhile; once the engine answers, the attach ends "
+    "NOT_FOUND naming the close and the engine holds no ring of the closed session's devices",
     "DMA-engine process killed after a slot pool was deregistered": "the deregistered pool's "
     "mapping leaves the engine; the restarted engine reopens only the pools still registered "
     "and serves the other pool's expert byte for byte",
