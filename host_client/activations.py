@@ -38,11 +38,13 @@ def curve_socket(kind: int, curve: tuple[str, str] | None) -> zmq.Socket:
 
 
 class ActivationError(RuntimeError):
-    """The NIC refused or could not serve a request; ``status`` says why."""
+    """The NIC refused or could not serve a request; ``status`` says why, ``message_id``
+    which request (0: none it could name)."""
 
-    def __init__(self, status: FrameStatus, message: str) -> None:
+    def __init__(self, status: FrameStatus, message: str, message_id: int = 0) -> None:
         super().__init__(f"{status.name}: {message}")
         self.status = status
+        self.message_id = message_id
 
 
 class ActivationSender:
@@ -87,7 +89,8 @@ class ActivationSender:
             raise TimeoutError(f"no answer from the agent in {self.timeout_ms} ms") from None
         h = frames.unpack(header.bytes, len(payload.buffer))
         if h.kind != Kind.RESPONSE:
-            raise ActivationError(FrameStatus(h.status), payload.bytes.decode(errors="replace"))
+            raise ActivationError(FrameStatus(h.status), payload.bytes.decode(errors="replace"),
+                                  h.message_id)
         out = np.frombuffer(payload.buffer, np.uint16).reshape(h.rows, -1)
         return h.message_id, out
 
@@ -129,10 +132,19 @@ class ActivationSender:
                 mid = self.request(layer, e, packed[offsets[e]:offsets[e + 1]])
                 where[mid] = (int(offsets[e]), int(offsets[e + 1]))
                 outstanding += 1
-            mid, out = self.receive()
+            try:
+                mid, out = self.receive()
+            except ActivationError as exc:
+                if exc.message_id in where or not exc.message_id:
+                    raise
+                continue  # the late refusal of a dispatch that failed before it came
             if mid not in where:
                 continue  # the late answer of a dispatch that failed before it came
             lo, hi = where.pop(mid)
+            if out.shape != (hi - lo, width):
+                raise ActivationError(FrameStatus.BAD_FRAME, f"the answer to message {mid} "
+                                      f"holds {list(out.shape)} rows, expected "
+                                      f"{[hi - lo, width]}", mid)
             outputs[lo:hi] = out
             outstanding -= 1
         self._kept = kept

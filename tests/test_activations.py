@@ -565,3 +565,74 @@ def test_a_sender_refuses_hidden_rows_that_are_not_bf16_bits() -> None:
             sender.dispatch(0, np.zeros((2, 8), np.float32), ids, w)
         with pytest.raises(ValueError, match=r"uint16\[16\]"):
             sender.dispatch(0, np.zeros(16, np.uint16), ids, w)
+
+
+def test_a_dispatch_after_a_failed_one_skips_its_late_answers() -> None:
+    """A dispatch that timed out leaves its requests unanswered; the next dispatch through the
+    same sender (its buffers reused) skips their late answers, RESPONSE and ERROR alike, and
+    combines its own. The NIC here is a ROUTER socket answering each REQUEST with its rows
+    times (expert + 1); an answer of the wrong shape is refused, named."""
+    from gpu_kernels.routing import dispatch_plan
+
+    nic = zmq.Context.instance().socket(zmq.ROUTER)
+    nic.setsockopt(zmq.LINGER, 0)
+    port = nic.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer(request: list[bytes], kind: Kind = Kind.RESPONSE, rows: int | None = None
+               ) -> None:
+        peer, header, payload = request
+        h = frames.unpack(header, len(payload))
+        if kind == Kind.ERROR:
+            text = b"the worker failed it"
+            nic.send_multipart([peer, frames.pack(Kind.ERROR, h.message_id, "m", h.layer,
+                                                  h.expert, payload_bytes=len(text),
+                                                  status=FrameStatus.WORKER_FAILED), text])
+            return
+        x = np.frombuffer(payload, np.uint16).reshape(h.rows, -1)[:rows]
+        out = reference.f32_to_bf16(reference.bf16_to_f32(x) * np.float32(h.expert + 1))
+        nic.send_multipart([peer, frames.pack(Kind.RESPONSE, h.message_id, "m", h.layer,
+                                              h.expert, out.shape[0], h.row_bytes, out.nbytes),
+                            out.tobytes()])
+
+    rng = np.random.default_rng(7)
+    x = reference.f32_to_bf16(rng.standard_normal((6, 16), dtype=np.float32))
+    ids = np.array([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    w = rng.random((6, 2), dtype=np.float32)
+    plan = dispatch_plan(np, ids, 4)
+    scale = (ids.reshape(-1)[plan.order] + 1).astype(np.float32)[:, None]
+    want = reference.combine_bf16(reference.f32_to_bf16(
+        reference.bf16_to_f32(reference.dispatch(x, plan)) * scale), plan, w)
+    try:
+        with ActivationSender(f"127.0.0.1:{port}", "m", 4, credits=8, timeout=0.3) as sender:
+            with pytest.raises(TimeoutError):
+                sender.dispatch(0, x, ids, w)  # nobody answers in time
+            stale = [nic.recv_multipart() for _ in range(4)]
+            got: list[np.ndarray] = []
+            second = threading.Thread(target=lambda: got.append(sender.dispatch(0, x, ids, w)))
+            second.start()
+            fresh = [nic.recv_multipart() for _ in range(4)]
+            answer(stale[0], Kind.ERROR)
+            for request in stale[1:]:
+                answer(request)
+            for request in fresh:
+                answer(request)
+            second.join(10)
+            np.testing.assert_array_equal(got[0], want)
+            # A third dispatch whose first answer has one row too few is refused, named.
+            refused: list[ActivationError] = []
+
+            def dispatch_refused() -> None:
+                try:
+                    sender.dispatch(0, x, ids, w)
+                except ActivationError as exc:
+                    refused.append(exc)
+
+            third = threading.Thread(target=dispatch_refused)
+            third.start()
+            mine = [nic.recv_multipart() for _ in range(4)]
+            answer(mine[0], rows=-1)
+            third.join(10)
+            assert refused[0].status == FrameStatus.BAD_FRAME
+            assert "holds [2, 16] rows, expected [3, 16]" in str(refused[0])
+    finally:
+        nic.close(0)
