@@ -66,6 +66,7 @@ class Header(NamedTuple):
 
 _KINDS = frozenset(int(k) for k in Kind)
 _ROWS = frozenset((int(Kind.REQUEST), int(Kind.RESPONSE)))
+_STATUSES = frozenset(int(s) for s in FrameStatus)
 
 
 class FrameError(ValueError):
@@ -101,4 +102,6 @@ def unpack(header: bytes | memoryview, payload_bytes: int) -> Header:
     if h.kind in _ROWS and h.rows * h.row_bytes != payload_bytes:
         raise FrameError(FrameStatus.BAD_FRAME, f"{h.rows} rows of {h.row_bytes} bytes != "
                          f"{payload_bytes} payload bytes")
+    if h.kind == Kind.ERROR and h.status not in _STATUSES:
+        raise FrameError(FrameStatus.BAD_FRAME, f"unknown status {h.status}")
     return h

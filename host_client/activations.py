@@ -19,7 +19,7 @@ import zmq
 import zmq.auth
 
 from dpu_offload import frames
-from dpu_offload.frames import FrameStatus, Kind
+from dpu_offload.frames import FrameError, FrameStatus, Kind
 from gpu_kernels import moe_twin
 from gpu_kernels.routing import dispatch_plan
 
@@ -87,11 +87,19 @@ class ActivationSender:
             header, payload = self.sock.recv_multipart(copy=False)
         except zmq.Again:
             raise TimeoutError(f"no answer from the agent in {self.timeout_ms} ms") from None
-        h = frames.unpack(header.bytes, len(payload.buffer))
+        try:
+            h = frames.unpack(header.bytes, len(payload.buffer))
+        except FrameError as exc:
+            raise ActivationError(exc.status, f"an answer the sender cannot read: {exc}"
+                                  ) from None
         if h.kind != Kind.RESPONSE:
             raise ActivationError(FrameStatus(h.status), payload.bytes.decode(errors="replace"),
                                   h.message_id)
-        out = np.frombuffer(payload.buffer, np.uint16).reshape(h.rows, -1)
+        if h.row_bytes % 2:
+            raise ActivationError(FrameStatus.BAD_FRAME, f"the answer to message "
+                                  f"{h.message_id} has rows of {h.row_bytes} bytes (bf16: even)",
+                                  h.message_id)
+        out = np.frombuffer(payload.buffer, np.uint16).reshape(h.rows, h.row_bytes // 2)
         return h.message_id, out
 
     def dispatch(self, layer: int, hidden: np.ndarray, topk_ids: np.ndarray,

@@ -636,3 +636,38 @@ def test_a_dispatch_after_a_failed_one_skips_its_late_answers() -> None:
             assert "holds [2, 16] rows, expected [3, 16]" in str(refused[0])
     finally:
         nic.close(0)
+
+
+@pytest.mark.parametrize("frame,reason", [
+    ((Kind.ERROR, 0, 99, b"?"), "unknown status 99"),
+    ((Kind.RESPONSE, 3, 0, b"abc"), "rows of 3 bytes (bf16: even)"),
+])
+def test_a_sender_refuses_an_answer_it_cannot_read(frame: tuple, reason: str) -> None:
+    """An ERROR frame with a status no NIC sends, or a RESPONSE whose rows are not whole bf16
+    values: the dispatch fails with ActivationError BAD_FRAME naming what was wrong (not a
+    ValueError from deep in NumPy or the enum)."""
+    kind, row_bytes, status, payload = frame
+    nic = zmq.Context.instance().socket(zmq.ROUTER)
+    nic.setsockopt(zmq.LINGER, 0)
+    port = nic.bind_to_random_port("tcp://127.0.0.1")
+    refused: list[ActivationError] = []
+    try:
+        with ActivationSender(f"127.0.0.1:{port}", "m", 2, timeout=10) as sender:
+            def dispatch() -> None:
+                try:
+                    sender.dispatch(0, np.zeros((1, 4), np.uint16), np.array([[0]]),
+                                    np.ones((1, 1), np.float32))
+                except ActivationError as exc:
+                    refused.append(exc)
+
+            worker = threading.Thread(target=dispatch)
+            worker.start()
+            peer, header, _ = nic.recv_multipart()
+            mid = frames.unpack(header, 8).message_id
+            nic.send_multipart([peer, frames.HEADER.pack(
+                frames.MAGIC, frames.VERSION, kind, mid, 0, 0, 1 if row_bytes else 0, row_bytes,
+                len(payload), status, 0, b"m"), payload])
+            worker.join(10)
+    finally:
+        nic.close(0)
+    assert refused[0].status == FrameStatus.BAD_FRAME and reason in str(refused[0])
