@@ -201,22 +201,26 @@ ready in the worker, a GPU's libraries start) is reported apart; the others' med
 layer's steady cost, the figure set against DeepEP's."""
 
 
-def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, float]:
+def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, object]:
     """One MoE layer (128 tokens, top-8, 16 experts) dispatched ``LAYER_CALLS`` times through
     the path, each output checked against a dense float64 reference (the worst relative error
-    is reported); the first call's time apart from the median of the rest."""
+    is reported); the first call's time apart from the median of the rest, and the sender's
+    phases (``ActivationSender.phase_seconds``: pack, send, receive, combine) as medians over
+    the rest, in milliseconds."""
     rng = np.random.default_rng(1)
     tokens, k, experts = 128, 8, 16
     x = reference.f32_to_bf16(rng.standard_normal((tokens, hidden), dtype=np.float32))
     ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)])
     w = rng.random((tokens, k), dtype=np.float32)
     w /= w.sum(1, keepdims=True)
-    seconds, outputs = [], []
+    seconds, outputs, phases = [], [], []
     with ActivationSender(address, "m", experts) as sender:
         for _ in range(LAYER_CALLS):
+            before = dict(sender.phase_seconds)
             t0 = time.perf_counter()
             outputs.append(sender.dispatch(layer, x, ids, w))
             seconds.append(time.perf_counter() - t0)
+            phases.append({name: v - before[name] for name, v in sender.phase_seconds.items()})
     truth = read_tensor_bytes(root)
     xf = reference.bf16_to_f32(x).astype(np.float64)
     ref = np.zeros_like(xf)
@@ -229,11 +233,14 @@ def moe_layer(root: Path, address: str, layer: int, hidden: int) -> dict[str, fl
     err = max(float(np.linalg.norm(reference.bf16_to_f32(got) - ref) / np.linalg.norm(ref))
               for got in outputs)
     warm = median(seconds[1:])
+    sender_ms = {name: median(p[name] for p in phases[1:]) * 1e3 for name in phases[0]}
     print(f"MoE layer (128 tokens, top-8, hidden {hidden}): first call {seconds[0] * 1e3:.0f} "
           f"ms, then p50 {warm * 1e3:.1f} ms over {LAYER_CALLS - 1}; worst rel. error vs dense "
-          f"float64 {err:.2e}", file=sys.stderr)
+          f"float64 {err:.2e}; the sender's share, ms: "
+          + ", ".join(f"{name} {v:.1f}" for name, v in sender_ms.items()), file=sys.stderr)
     return {"tokens": tokens, "top_k": k, "hidden": hidden, "seconds": warm,
             "first_call_seconds": seconds[0], "calls": LAYER_CALLS,
+            "sender_phases_ms": sender_ms,
             "relative_error_vs_dense": err}
 
 

@@ -201,6 +201,11 @@ def activations(d: dict[str, Any]) -> list[Row]:
                  f"DeepEP's published dispatch + combine {DEEPEP_US} us (H800, RDMA: other "
                  "hardware, and without the experts' FFN)",
                  f"{m['seconds'] * 1e6 / DEEPEP_US:.0f}x", "", None))
+    phases = m.get("sender_phases_ms")  # absent before the sender timed its phases
+    if phases:
+        rows.append(("same, the sender's share of a call: " + " / ".join(phases),
+                     " / ".join(f"{v:.1f}" for v in phases.values()) + " ms",
+                     "receive includes waiting for the experts' answers", "", "", None))
     rows.append(("MoE layer vs dense reference (rel. error)",
                  f"{m['relative_error_vs_dense']:.1e}", "float64 dense", "", "< 1e-2",
                  m["relative_error_vs_dense"] < 1e-2))

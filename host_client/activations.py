@@ -12,6 +12,7 @@ Shapes and dtypes: ``hidden`` is ``uint16[tokens, hidden_size]`` holding bf16 bi
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,11 @@ def curve_socket(kind: int, curve: tuple[str, str] | None) -> zmq.Socket:
         sock.curve_publickey, sock.curve_secretkey = public, secret
         sock.curve_serverkey = server_public
     return sock
+
+
+PHASES = ("pack", "send", "receive", "combine")
+"""A dispatch's phases on the sender: planning and packing the rows; sending the requests;
+receiving the answers (waiting for them included) into place; combining them."""
 
 
 class ActivationError(RuntimeError):
@@ -68,6 +74,9 @@ class ActivationSender:
         self._ids = itertools.count(1)
         self._kept: tuple[np.ndarray, np.ndarray] | None = None
         """Flat ``uint16`` buffers of the packed rows and of their answers."""
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        """Seconds (``time.perf_counter``) spent in each of :data:`PHASES`, summed over every
+        dispatch: where a layer's time goes on the sender's side."""
 
     def request(self, layer: int, expert: int, rows: np.ndarray) -> int:
         """Send one REQUEST (``rows``: ``uint16[n, hidden]``); returns its message id."""
@@ -120,6 +129,7 @@ class ActivationSender:
         if hidden.dtype != np.uint16 or hidden.ndim != 2:
             raise ValueError(f"hidden must be uint16[tokens, hidden_size] (bf16 bits), got "
                              f"{hidden.dtype}{list(hidden.shape)}")
+        phases, t0 = self.phase_seconds, time.perf_counter()
         plan = dispatch_plan(np, np.asarray(topk_ids), self.experts)
         # Rows go out of, and answers come into, buffers kept across layers (fresh ones are
         # faulted in on every call); a dispatch that fails drops them, since a request it
@@ -134,29 +144,46 @@ class ActivationSender:
         where: dict[int, tuple[int, int]] = {}
         todo = [e for e in range(self.experts) if offsets[e + 1] > offsets[e]]
         outstanding = 0
+        t = time.perf_counter()
+        phases["pack"] += t - t0
         while todo or outstanding:
             while todo and outstanding < self.credits:
                 e = todo.pop(0)
                 mid = self.request(layer, e, packed[offsets[e]:offsets[e + 1]])
                 where[mid] = (int(offsets[e]), int(offsets[e + 1]))
                 outstanding += 1
+            now = time.perf_counter()
+            phases["send"], t = phases["send"] + now - t, now
             try:
-                mid, out = self.receive()
-            except ActivationError as exc:
-                if exc.message_id in where or not exc.message_id:
-                    raise
-                continue  # the late refusal of a dispatch that failed before it came
-            if mid not in where:
-                continue  # the late answer of a dispatch that failed before it came
-            lo, hi = where.pop(mid)
-            if out.shape != (hi - lo, width):
-                raise ActivationError(FrameStatus.BAD_FRAME, f"the answer to message {mid} "
-                                      f"holds {list(out.shape)} rows, expected "
-                                      f"{[hi - lo, width]}", mid)
-            outputs[lo:hi] = out
-            outstanding -= 1
+                if self._take_answer(where, outputs):
+                    outstanding -= 1
+            finally:
+                now = time.perf_counter()
+                phases["receive"], t = phases["receive"] + now - t, now
         self._kept = kept
-        return moe_twin.combine_bf16(outputs, plan, np.asarray(topk_weights, np.float32))
+        combined = moe_twin.combine_bf16(outputs, plan, np.asarray(topk_weights, np.float32))
+        phases["combine"] += time.perf_counter() - t
+        return combined
+
+    def _take_answer(self, where: dict[int, tuple[int, int]], outputs: np.ndarray) -> bool:
+        """Receive one answer into its rows of ``outputs`` (``where``: message id -> its rows,
+        taken out once answered); False for the late answer or refusal of a dispatch that
+        failed before it came."""
+        try:
+            mid, out = self.receive()
+        except ActivationError as exc:
+            if exc.message_id in where or not exc.message_id:
+                raise
+            return False
+        if mid not in where:
+            return False
+        lo, hi = where.pop(mid)
+        if out.shape != (hi - lo, outputs.shape[1]):
+            raise ActivationError(FrameStatus.BAD_FRAME, f"the answer to message {mid} holds "
+                                  f"{list(out.shape)} rows, expected "
+                                  f"{[hi - lo, outputs.shape[1]]}", mid)
+        outputs[lo:hi] = out
+        return True
 
     def close(self) -> None:
         self.sock.close(0)

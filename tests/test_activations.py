@@ -606,6 +606,7 @@ def test_a_dispatch_after_a_failed_one_skips_its_late_answers() -> None:
         with ActivationSender(f"127.0.0.1:{port}", "m", 4, credits=8, timeout=0.3) as sender:
             with pytest.raises(TimeoutError):
                 sender.dispatch(0, x, ids, w)  # nobody answers in time
+            assert 0.3 <= sender.phase_seconds["receive"] < 5  # waited out its timeout there
             stale = [nic.recv_multipart() for _ in range(4)]
             got: list[np.ndarray] = []
             second = threading.Thread(target=lambda: got.append(sender.dispatch(0, x, ids, w)))
@@ -618,6 +619,7 @@ def test_a_dispatch_after_a_failed_one_skips_its_late_answers() -> None:
                 answer(request)
             second.join(10)
             np.testing.assert_array_equal(got[0], want)
+            assert all(v > 0 for v in sender.phase_seconds.values()), sender.phase_seconds
             # A third dispatch whose first answer has one row too few is refused, named.
             refused: list[ActivationError] = []
 
