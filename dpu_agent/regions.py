@@ -124,9 +124,10 @@ class Registrations:
                     raise AgentError(ErrorKind.UNAVAILABLE,
                                      f"the DMA engine cannot take device: {exc}") from exc
             with session.lock:
-                if not session.closed:
+                committed = not session.closed
+                if committed:
                     session.devices[dev.device_id] = dev
-            if session.closed:
+            if not committed:
                 self.core.device_removed(dev)
                 raise not_found(f"session {session.session_id} closed while device {ordinal} "
                                 "was being registered")
