@@ -1,6 +1,7 @@
 """The combine of an MoE layer on the host CPU, compiled with Numba: the twin of
 ``dpu_combine_bf16`` (moe_ops.cu) that an activation sender without a GPU uses
-(:class:`host_client.activations.ActivationSender`), bit-equal to ``reference.combine_bf16``.
+(:class:`host_client.activations.ActivationSender`), bit-equal to ``reference.combine_bf16``
+wherever the result is a number (a NaN's payload may differ).
 
 The NumPy twin gathers, widens and weighs a whole ``[tokens, d]`` block per choice ``k``: for
 128 tokens at hidden 7168 about 9 MB of fresh temporaries each, 70 MB a layer, which the
@@ -50,7 +51,7 @@ def combine_bf16(expert_out: np.ndarray, plan: DispatchPlan, weights: np.ndarray
     """``expert_out`` (bf16 bits, ``uint16[tokens * top_k, d]``, packed as ``plan`` says)
     weighted by ``weights`` (``float32[tokens, top_k]``) and summed over k in order, in fp32;
     returns bf16 bits ``uint16[tokens, d]``, equal bit for bit to
-    ``reference.combine_bf16``."""
+    ``reference.combine_bf16`` wherever the result is a number."""
     tokens, top_k = weights.shape
     if expert_out.dtype != np.uint16 or expert_out.ndim != 2 \
             or expert_out.shape[0] != tokens * top_k:

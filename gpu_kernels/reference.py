@@ -167,10 +167,11 @@ class ReceiveKernel:
 
 # -- MoE helpers and packets: twins of moe_ops.cu and send.cu ------------------------------
 
-def dispatch(hidden: np.ndarray, plan: DispatchPlan) -> np.ndarray:
+def dispatch(hidden: np.ndarray, plan: DispatchPlan, out: np.ndarray | None = None
+             ) -> np.ndarray:
     """Twin of ``dpu_dispatch_rows``: ``hidden[tokens, d]`` -> ``packed[tokens * top_k, d]``,
-    rows grouped by expert as ``plan`` says."""
-    return hidden[plan.order // plan.top_k]
+    rows grouped by expert as ``plan`` says (into ``out`` when given)."""
+    return np.take(hidden, plan.order // plan.top_k, axis=0, out=out)
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ import zmq.auth
 
 from dpu_offload import frames
 from dpu_offload.frames import FrameError, FrameStatus, Kind
-from gpu_kernels import moe_twin
+from gpu_kernels import moe_twin, reference
 from gpu_kernels.routing import dispatch_plan
 
 
@@ -139,7 +139,7 @@ class ActivationSender:
         if kept is None or kept[0].size < rows * width:
             kept = (np.empty(rows * width, np.uint16), np.empty(rows * width, np.uint16))
         packed, outputs = (b[:rows * width].reshape(rows, width) for b in kept)
-        np.take(hidden, plan.order // plan.top_k, axis=0, out=packed)
+        reference.dispatch(hidden, plan, out=packed)
         offsets = plan.offsets
         where: dict[int, tuple[int, int]] = {}
         todo = [e for e in range(self.experts) if offsets[e + 1] > offsets[e]]
