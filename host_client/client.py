@@ -300,7 +300,7 @@ class AgentClient(PlacementCalls):
         ``prefetches_refused``, as a prefetch is a hint."""
         entries = [(abi.RequestOp.PREFETCH, self._index(k.model), k) for k in keys]
         if not wait:
-            dev.channel.post(entries, on_reply=self._prefetch_answered)
+            dev.channel.post(entries, on_refusal=self._prefetch_refused)
             dev.device.doorbell.ring()
             return len(keys)
         positions = dev.channel.post(entries)
@@ -309,9 +309,8 @@ class AgentClient(PlacementCalls):
             self._answer(dev, p)
         return len(keys)
 
-    def _prefetch_answered(self, reply: np.void) -> None:
-        if refusal_of(reply) is not None:
-            self.prefetches_refused += 1
+    def _prefetch_refused(self, reply: np.void) -> None:
+        self.prefetches_refused += 1
 
     def report_visit(self, dev: AttachedDevice, model: str, layer: int,
                      tokens: dict[int, int], prefetch: int = 0) -> None:
@@ -330,15 +329,15 @@ class AgentClient(PlacementCalls):
         last = len(experts) - 1
         dev.channel.post(
             [(abi.RequestOp.ROUTE, index, ExpertKey(model, layer, e)) for e in experts],
-            on_reply=self._visit_answered,
+            on_refusal=self._visit_refused,
             routes=[(abi.RequestFlags.LAST if j == last else 0, tokens[e],
-                     prefetch if j == last else 0) for j, e in enumerate(experts)])
+                     prefetch if j == last else 0) for j, e in enumerate(experts)],
+            yield_cpu=False)
         if prefetch:
             dev.device.doorbell.ring()
 
-    def _visit_answered(self, reply: np.void) -> None:
-        if refusal_of(reply) is not None:
-            self.visits_refused += 1
+    def _visit_refused(self, reply: np.void) -> None:
+        self.visits_refused += 1
 
     def release(self, dev: AttachedDevice, key: ExpertKey, wait: bool = True) -> None:
         """Drop one reference on ``key``'s slot. With ``wait=False`` the call returns once the
@@ -367,15 +366,13 @@ class AgentClient(PlacementCalls):
         if self._down:
             return  # the agent is away: the references went with its session
 
-        def check(reply: np.void) -> None:
-            refused = refusal_of(reply)
-            if refused is not None:
-                log.warning("release on device %d failed: %s", dev.device_id, refused)
+        def refused(reply: np.void) -> None:
+            log.warning("release on device %d failed: %s", dev.device_id, refusal_of(reply))
 
         posted = [k for k in keys if not dev.channel.unpin(k)]
         if posted:
             dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in posted],
-                             on_reply=check)
+                             on_refusal=refused)
         elif keys:
             dev.channel.announce()
 

@@ -17,6 +17,7 @@ from dpu_offload import abi, futex
 from dpu_offload.bell import Bell
 from dpu_offload.channel import Channel, state_word
 from dpu_offload.keys import ExpertKey, key_index_problem
+from dpu_offload.ring import store_fence
 from dpu_offload.shm import SharedBuffer
 from host_client.errors import AgentUnavailable, InvalidArgument, refusal
 
@@ -49,11 +50,12 @@ class ClientChannel:
         self._layout = abi.channel_layout(self.capacity)
         self._lock = threading.Lock()
         self._next_id = 1
-        self._waiting: dict[int, Callable[[np.void], None]] = {}
-        """ring position -> what to do with its reply, in posting order (the first key is the
-        oldest reply entry still in use)."""
+        self._waiting: dict[int, Callable[[np.void], None] | None] = {}
+        """ring position -> what to do with a refusal of it (None: its reply is kept for the
+        handle that takes it), in posting order (the first key is the oldest reply entry still
+        in use)."""
         self._callbacks: deque[int] = deque()
-        """Positions posted with ``on_reply``, oldest first."""
+        """Positions posted with ``on_refusal``, oldest first."""
         self._taken: dict[int, np.void] = {}
         """Replies swept for handles that have not looked yet."""
         self._checked: dict[int, int] = {}
@@ -69,13 +71,16 @@ class ClientChannel:
         """The channel's address as the device's kernels see it (registered host memory)."""
 
     def post(self, entries: list[tuple[abi.RequestOp, int, ExpertKey]],
-             on_reply: Callable[[np.void], None] | None = None,
-             timeout: float = 5.0, routes: list[tuple[int, int, int]] | None = None
-             ) -> list[int]:
-        """Publish ``(op, model index, key)`` entries with one fence; returns their ring
-        positions. ``routes`` gives ROUTE entries their ``(flags, count, prefetch)``, one per
-        entry. ``on_reply`` gets each reply a sweep takes (None: a handle will take it).
-        Replies that came for earlier posts' callbacks are handed over after the entries are
+             on_refusal: Callable[[np.void], None] | None = None,
+             timeout: float = 5.0, routes: list[tuple[int, int, int]] | None = None,
+             yield_cpu: bool = True) -> list[int]:
+        """Publish ``(op, model index, key)`` entries with one fence and wake the agent's
+        loop; returns their ring positions. ``routes`` gives ROUTE entries their ``(flags,
+        count, prefetch)``, one per entry. ``on_refusal`` gets each reply that is not OK (the
+        OK ones are only retired), as the next posts find them; None: a handle takes each reply
+        (:meth:`take`). ``yield_cpu`` False: the caller keeps its CPU after waking the
+        loop (it does not wait for the replies: ``Bell.ring``).
+        Replies that came for earlier posts' callbacks are looked at after the entries are
         published (the agent's work first). AgentUnavailable when the agent does not make room
         within ``timeout`` seconds."""
         n = len(entries)
@@ -108,12 +113,12 @@ class ClientChannel:
             self._next_id += n
             positions = list(range(first, first + n))
             for p in positions:
-                self._waiting[p] = on_reply or self._keep
-            if on_reply is not None:
+                self._waiting[p] = on_refusal
+            if on_refusal is not None:
                 self._callbacks.extend(positions)
             self.view.requests.push_many(records)
         if self._bell is not None:
-            self._bell.ring()
+            self._bell.ring(yield_cpu)
         if self._callbacks:
             with self._lock:
                 self._call_back_locked()
@@ -188,9 +193,6 @@ class ClientChannel:
             self._checked[index] = generation
             return True
 
-    def _keep(self, reply: np.void) -> None:
-        self._taken[int(reply["seq"]) - 1] = reply
-
     def take(self, position: int) -> np.void | None:
         """The reply to ``position`` if it has come (each reply is taken once)."""
         with self._lock:
@@ -255,17 +257,30 @@ class ClientChannel:
             self.sleep(address, value, min(NAP_SECONDS, left))
 
     def _call_back_locked(self) -> None:
-        """Hand the replies that came, oldest first, to their callbacks (a few loads when
-        nothing came)."""
-        callbacks = self._callbacks
-        while callbacks:
-            p = callbacks[0]
-            if p in self._waiting:
-                reply = self.view.reply_at(p)
-                if reply is None:
-                    return
-                self._waiting.pop(p)(reply)
-            callbacks.popleft()
+        """Retire the replies that came for callbacks' positions, oldest first, handing the
+        refusals among them to their callbacks (a few loads when nothing came; one fence for
+        all that came)."""
+        callbacks, waiting, view = self._callbacks, self._waiting, self.view
+        came = 0
+        for p in callbacks:
+            if p in waiting and view.reply_seq(p) != p + 1:
+                break
+            came += 1
+        if not came:
+            return
+        store_fence()  # the seq words above before the replies' other fields
+        for _ in range(came):
+            p = callbacks.popleft()
+            if p in waiting:
+                self._retire(p, waiting.pop(p), view.replies[p % self.capacity])
+
+    def _retire(self, position: int, on_refusal: Callable[[np.void], None] | None,
+                reply: np.void) -> None:
+        """The reply to ``position`` came: kept for its handle, or its refusal handed over."""
+        if on_refusal is None:
+            self._taken[position] = reply.copy()
+        elif int(reply["status"]) != abi.RequestStatus.OK:
+            on_refusal(reply.copy())
 
     def _sweep_locked(self) -> None:
         """Take every reply that came (for callbacks, or kept for their handles)."""
@@ -276,11 +291,10 @@ class ClientChannel:
         done = np.flatnonzero(self.view.answered(first, last))
         for k in done.tolist():
             p = first + k
-            callback = self._waiting.pop(p, None)
-            if callback is not None:
+            if p in self._waiting:
                 reply = self.view.reply_at(p)
                 if reply is not None:
-                    callback(reply)
+                    self._retire(p, self._waiting.pop(p), reply)
 
     def check(self) -> None:
         """AgentUnavailable when the agent stopped serving this channel."""

@@ -232,9 +232,10 @@ def test_a_post_reuses_a_reply_entry_only_after_its_reply_was_taken() -> None:
 
 
 def test_a_post_publishes_its_entries_before_earlier_replies_callbacks_run() -> None:
-    """Replies that came for an earlier post's callbacks (a layer's RELEASEs) are handed over
+    """Replies that came for an earlier post's callbacks (a layer's RELEASEs) are looked at
     after the next post's entries are in the ring, not before: the agent sees a layer's
-    ACQUIREs without waiting for the client's bookkeeping of the previous layer."""
+    ACQUIREs without waiting for the client's bookkeeping of the previous layer. Only the
+    refusals reach the callback (with their status)."""
     from dpu_agent.dataplane.channels import DeviceChannel
     from dpu_offload.keys import ExpertKey
     from host_client.requests import ClientChannel
@@ -242,15 +243,19 @@ def test_a_post_publishes_its_entries_before_earlier_replies_callbacks_run() -> 
     agent = DeviceChannel(("s", 1), capacity=16)
     client = ClientChannel(agent.name, agent.size)
     key = ExpertKey("m", 0, 1)
-    seen_produced: list[int] = []
+    seen: list[tuple[int, int, int]] = []
     client.post([(abi.RequestOp.RELEASE, 0, key)] * 3,
-                on_reply=lambda reply: seen_produced.append(client.view.requests.produced))
+                on_refusal=lambda reply: seen.append((int(reply["seq"]) - 1,
+                                                      int(reply["status"]),
+                                                      client.view.requests.produced)))
     first, batch = agent.take_requests()
+    statuses = [abi.RequestStatus.OK, abi.RequestStatus.NOT_FOUND, abi.RequestStatus.OK]
     for j in range(batch.size):
-        agent.reply(first + j, int(batch[j]["request_id"]), abi.RequestStatus.OK)
-    assert seen_produced == []  # nothing hands replies over until the client posts again
+        agent.reply(first + j, int(batch[j]["request_id"]), statuses[j])
+    assert seen == []  # nothing hands replies over until the client posts again
     acquires = client.post([(abi.RequestOp.ACQUIRE, 0, key)] * 2)
     assert acquires == [3, 4]
-    assert seen_produced == [5, 5, 5]  # every callback ran, each after the ACQUIREs were out
+    # The refusal alone, handed over after the ACQUIREs were out.
+    assert seen == [(1, abi.RequestStatus.NOT_FOUND, 5)]
     client.close()
     agent.close()

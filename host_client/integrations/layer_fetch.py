@@ -121,14 +121,16 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
             raise
     else:
         client.wait_all(handles, 120)
-    # Pinned on a GPU: copied to the device behind the stream's waits, the host not waiting.
-    slot_of = torch.full((num_experts + 1,), views.slots, dtype=torch.long,
-                         pin_memory=on_stream)
+    slots = [views.slots] * (num_experts + 1)
     for e, h in zip(routed, handles, strict=True):
         where = h.where
         assert where is not None
-        slot_of[e] = where[1] // views.slot_bytes
+        slots[e] = where[1] // views.slot_bytes
         offload.hits += bool(h.resident)
+    # Pinned on a GPU: copied to the device behind the stream's waits, the host not waiting.
+    slot_of = torch.tensor(slots, dtype=torch.long)
+    if on_stream:
+        slot_of = slot_of.pin_memory()
     offload.forwards += 1
     offload.experts_acquired += len(keys)
     return Acquired(keys, slot_of, waits)
