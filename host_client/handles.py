@@ -37,20 +37,24 @@ class StreamWait:
     Attributes:
         slot: the expert's slot views; valid for kernels enqueued on the stream after the wait.
         result: ``uint32`` word in mapped host memory (``host_words.HostWord``): an index into
-            ``cuda_ops.WAIT_OUTCOMES`` once the wait ran (0 READY).
+            ``cuda_ops.WAIT_OUTCOMES`` once the wait ran (0 READY); None where nothing was
+            enqueued (the expert was READY and held when the wait was asked for).
     """
 
-    def __init__(self, key: ExpertKey, slot: ExpertSlot, result: HostWord, stream: Any) -> None:
+    def __init__(self, key: ExpertKey, slot: ExpertSlot, result: HostWord | None,
+                 stream: Any) -> None:
         self.key, self.slot, self.result, self.stream = key, slot, result, stream
-        self._outcome: int | None = None
+        self._outcome: int | None = None if result is not None else 0
 
     def check(self) -> None:
-        """Synchronise the stream; TransferFailed unless the expert was READY (after a
-        checksum mismatch the agent refetches it for the next acquire)."""
+        """Synchronise the stream (unless nothing was enqueued); TransferFailed unless the
+        expert was READY (after a checksum mismatch the agent refetches it for the next
+        acquire)."""
         from gpu_kernels.cuda_ops import WAIT_OUTCOMES
         from gpu_kernels.host_words import WORDS
 
         if self._outcome is None:
+            assert self.result is not None
             self.stream.synchronize()
             self._outcome = int(self.result.host[0])
             WORDS.give(self.result)
@@ -308,7 +312,7 @@ class AcquireHandle:
             raise self._error
         assert self._reply is not None
         if self._slot is not None:  # READY and held: nothing to wait for on the device
-            return StreamWait(self.key, self._slot, WORDS.take(0), stream)
+            return StreamWait(self.key, self._slot, None, stream)
         result = WORDS.take(0xFFFFFFFF)
         slot = self._make_slot(self._reply)
         if self._landed is not None:

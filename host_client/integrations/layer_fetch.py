@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from dpu_offload.keys import ExpertKey
 from host_client.client import AgentClient
 from host_client.errors import TransferFailed
@@ -63,11 +65,12 @@ class ExpertOffload:
 
 
 def routed_experts(indices: Any, num_experts: int) -> dict[int, int]:
-    """The distinct experts of ``indices`` (a layer's routing, any shape) -> how many tokens
-    chose each."""
-    import torch
-
-    experts, tokens = torch.unique(indices, return_counts=True)
+    """The distinct experts of ``indices`` (a layer's routing, a torch tensor of any shape on
+    any device) -> how many tokens chose each. One copy to the host (on a GPU, the layer's
+    one wait for its router), counted there: ``torch.unique`` on the GPU would cost its
+    kernels and two more waits."""
+    ids = indices.detach().reshape(-1).cpu().numpy()
+    experts, tokens = np.unique(ids, return_counts=True)
     return {e: n for e, n in zip(experts.tolist(), tokens.tolist(), strict=True)
             if 0 <= e < num_experts}
 
