@@ -46,6 +46,12 @@ class StreamWait:
         self.key, self.slot, self.result, self.stream = key, slot, result, stream
         self._outcome: int | None = None if result is not None else 0
 
+    @property
+    def settled(self) -> bool:
+        """Whether the outcome is known without synchronising the stream (nothing was
+        enqueued, or :meth:`check` has run)."""
+        return self._outcome is not None
+
     def check(self) -> None:
         """Synchronise the stream (unless nothing was enqueued); TransferFailed unless the
         expert was READY (after a checksum mismatch the agent refetches it for the next

@@ -237,7 +237,9 @@ def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
                                                   gpu_waits: bool) -> None:
     """The model on the GPU, the experts delivered into a CUDA slot pool (by the device's
     consumer, or by the DMA engine and checked on the GPU), viewed by torch through DLPack;
-    the host waiting for the experts, or (``gpu_waits``) the stream."""
+    the host waiting for the experts, or (``gpu_waits``) the stream. A second forward finds
+    every expert in its slot: each layer's experts stay held until the next layer's acquire
+    (the last layer's until ``settle``), and then nothing is held at the agent."""
     from host_client import SlotPoolSpec
     from host_client.cuda_device import CudaDevice
 
@@ -256,8 +258,21 @@ def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
         offload = offload_experts(model, client, path, dev, name=name, gpu_waits=gpu_waits)
         with torch.no_grad():
             got = model(ids).logits
+            again = model(ids).logits
         assert torch.equal(got, want), (got - want).abs().max()
+        assert torch.equal(again, want), (again - want).abs().max()
         assert offload.stream_retries == 0
+        assert len(offload.held) == 1 and offload.held[0][1]  # the last layer's experts
+        offload.settle()
+        assert not offload.held
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # a release is posted, not waited for
+            session = next(s for s in client.status().sessions
+                           if s.session_id == client.session_id)
+            if session.slots_held == 0:
+                break
+            time.sleep(0.01)
+        assert session.slots_held == 0
 
 
 @pytest.mark.gpu

@@ -31,8 +31,13 @@ from host_client.registration import AttachedDevice
 
 @dataclass
 class ExpertOffload:
-    """What ``offload_experts`` set up (each forward releases the experts it acquired, so
-    nothing stays held between forwards), and what it has done.
+    """What ``offload_experts`` set up, and what it has done.
+
+    A layer's experts are released once the device has read them: at once where the host
+    waited for that anyway (a delivery checked behind a stream wait, or the CPU reference
+    device), otherwise when the next layer's experts are acquired (its routing, copied to the
+    host, has seen the device past them) or at :meth:`settle`. So at most one layer's experts
+    stay held between forwards, and no layer waits on the host for its own kernels.
 
     Attributes:
         model: the agent's name for the checkpoint.
@@ -62,6 +67,16 @@ class ExpertOffload:
     """Each MoE layer's routing goes to the agent (``report_routing``)."""
     visits_reported: int = 0
     """Layer visits reported (the client's ``visits_refused`` counts refusals)."""
+    held: list[tuple[Any, list[ExpertKey]]] = field(default_factory=list)
+    """Experts computed on but not yet released: (a CUDA event recorded after the kernels
+    that read them, their keys)."""
+
+    def settle(self) -> None:
+        """Release the experts still held (waiting for the device to have read them)."""
+        while self.held:
+            read, keys = self.held.pop(0)
+            read.synchronize()
+            self.client.release_batch(self.device, keys)
 
 
 def routed_experts(indices: Any, num_experts: int) -> dict[int, int]:
@@ -147,6 +162,16 @@ def _synchronize(out: Any) -> None:
         torch.cuda.current_stream(out.device).synchronize()
 
 
+def _read_event(out: Any) -> Any:
+    """A CUDA event recorded on the current stream of ``out``'s device: it completes once
+    the kernels enqueued so far (those that read the slots) have run."""
+    import torch
+
+    read = torch.cuda.Event()
+    read.record(torch.cuda.current_stream(out.device))
+    return read
+
+
 def through_agent(offload: ExpertOffload, layer: int, routed: dict[int, int],
                   views: PoolViews, num_experts: int, compute: Callable[[Any], Any],
                   meanwhile: Callable[[], None] | None = None) -> Any:
@@ -155,13 +180,20 @@ def through_agent(offload: ExpertOffload, layer: int, routed: dict[int, int],
     a GPU the layer's kernels are enqueued behind stream waits on its experts' bytes; if a
     delivery failed its check there (the kernels read unverified bytes), the layer is
     acquired again, the host waiting this time (the agent refetches a mismatched expert), and
-    computed again."""
+    computed again. Where every expert was verified before the kernels were enqueued, the
+    experts stay held until the next layer's acquire (``ExpertOffload.held``)."""
+    offload.settle()
     on_stream, again = offload.gpu_waits and views.on_gpu, False
     while True:
         got = acquire_layer(offload, layer, routed, views, num_experts, meanwhile, on_stream,
                             again)
+        held = False
         try:
             out = compute(got.slot_of)
+            if out.is_cuda and all(wait.settled for wait in got.waits):
+                offload.held.append((_read_event(out), got.keys))
+                held = True
+                return out
             _synchronize(out)
             for wait in got.waits:
                 wait.check()
@@ -172,7 +204,8 @@ def through_agent(offload: ExpertOffload, layer: int, routed: dict[int, int],
             offload.stream_retries += 1
             on_stream, again = False, True
         finally:
-            for wait in got.waits:  # each settled once, its host word given back, on any exit
-                with contextlib.suppress(TransferFailed):
-                    wait.check()
-            offload.client.release_batch(offload.device, got.keys)
+            if not held:
+                for wait in got.waits:  # each settled once, its host word given back
+                    with contextlib.suppress(TransferFailed):
+                        wait.check()
+                offload.client.release_batch(offload.device, got.keys)
