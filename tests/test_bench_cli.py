@@ -15,9 +15,9 @@ from dpu_agent.routing.traces import generate_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["ab", "activations", "agent_requests", "arm64", "cache_policies", "cluster", "decode",
-        "delivery", "launch_after_sleep", "load", "moe_kernels", "multi_gpu", "placement",
-        "rebalance", "slot_check", "slot_pool", "spy_report", "steering", "trace_report",
-        "transformers_decode"]
+        "delivery", "launch_after_sleep", "layer_parts", "load", "moe_kernels", "multi_gpu",
+        "placement", "rebalance", "slot_check", "slot_pool", "spy_report", "steering",
+        "trace_report", "transformers_decode"]
 
 
 @pytest.mark.parametrize("bench", CLIS)
@@ -33,6 +33,7 @@ def test_each_benchmark_parses_its_arguments(bench: str) -> None:
     (["decode.py", "--gpu-cache-fraction", "1.5"], "--gpu-cache-fraction: must be above 0"),
     (["delivery.py", "--experts", "1"], "--experts: at least 2"),
     (["load.py", "--seconds", "inf"], "--seconds: must be above 0"),
+    (["layer_parts.py", "--cache", "1.5"], "--cache in (0, 1]"),
     (["cache_policies.py", "--trace", "no-such-trace.jsonl"], "No such file or directory"),
     (["cache_policies.py", "--trace", "README.md"], "README.md:1: not a trace step"),
 ])

@@ -1,0 +1,131 @@
+"""Where an offloaded transformers MoE layer spends the host's time: ``generate()`` with
+``offload_experts`` (issue 20's model: a transformers MoE model at a real architecture's expert
+shapes, random weights), each part of a layer's forward timed on the host.
+
+The parts are the functions a layer's forward calls (``host_client.integrations``): the
+routing's copy to the host (``routed_experts``), the batch's post and grants
+(``AgentClient.acquire_batch``), the routing report (``report_visit``), the stream waits
+(``enqueue_wait``, each) or the host's (``wait_all``), the experts module's own forward on the
+slot views (``_compute``: its kernels' launch on a GPU, their run on the CPU), the host's wait
+for them (``_synchronize``), the stream waits' verdicts (``StreamWait.check``, each), the
+release, and the layer as a whole (``_Layer.__call__``). Each is wrapped with a wall-clock timer
+for the timed run only (a wrapper costs ~1 us a call). Baseline in the same run: the resident
+model's tokens per second (the same implementation), so ``per_layer_excess_us`` (the offload's
+time per token beyond the resident's, per MoE layer) says how much the parts must explain.
+
+    python bench/layer_parts.py --device cuda [--cache 0.5] [--new-tokens 64] [--shrink 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import envelope, median, write
+from bench.transformers_decode import _cuda, build, load, timed_generate
+
+
+def _wrap(times: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times.setdefault(name, []).append(time.perf_counter() - t)
+    return timed
+
+
+def _instrument(times: dict[str, list[float]]) -> None:
+    """Wrap each part of a layer's forward (module attributes, so every caller sees them)."""
+    import host_client.integrations.layer_fetch as lf
+    import host_client.integrations.transformers as ht
+    from host_client.client import AgentClient
+    from host_client.handles import AcquireHandle, StreamWait
+
+    for owner, attr, name in [
+            (ht, "routed_experts", "routed_experts"),
+            (AgentClient, "acquire_batch", "acquire_batch"),
+            (AgentClient, "report_visit", "report_visit"),
+            (AgentClient, "wait_all", "wait_all"),
+            (AcquireHandle, "enqueue_wait", "enqueue_wait (each)"),
+            (ht._Layer, "_compute", "_compute"),
+            (lf, "_synchronize", "_synchronize"),
+            (StreamWait, "check", "StreamWait.check (each)"),
+            (AgentClient, "release_batch", "release_batch"),
+            (lf, "acquire_layer", "acquire_layer (all of the above before _compute)"),
+            (ht._Layer, "__call__", "_Layer.__call__ (the layer)")]:
+        wrapped = _wrap(times, name, getattr(owner, attr))
+        static = isinstance(inspect.getattr_static(owner, attr), staticmethod)
+        setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
+
+
+def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[str, Any]:
+    from host_client import AgentClient, CpuReferenceDevice
+    from host_client.integrations.transformers import offload_experts
+    from host_client.launcher import AgentProcess
+
+    torch_device = "cuda" if device == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build("qwen3-30b-a3b", layers, shrink, Path(tmp) / "model")
+        model = load(path, torch_device)
+        model.set_experts_implementation("grouped_mm")
+        timed_generate(model, 1, 16, new, None)  # warm-up
+        resident, _ = timed_generate(model, 1, 16, new, None)
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                           if ".experts." in n)
+        arena = f'[arena]\nbytes = "{int(expert_bytes * 1.1) + (64 << 20)}"\n'
+        with AgentProcess(arena) as agent, AgentClient(agent.address, rpc_timeout=300) as client:
+            made = CpuReferenceDevice() if device == "cpu" else _cuda()
+            off = offload_experts(model, client, path, made, cache=cache, delivery="engine")
+            timed_generate(model, 1, 16, new, None)  # the arena and the pool filled
+            times: dict[str, list[float]] = {}
+            _instrument(times)
+            hits0, acquired0 = off.hits, off.experts_acquired
+            offload, _ = timed_generate(model, 1, 16, new, None)
+            off.settle()
+    calls = len(times["_Layer.__call__ (the layer)"])
+    parts = {name: {"calls_per_layer": len(v) / calls, "p50_us": median(v) * 1e6,
+                    "per_layer_us": sum(v) / calls * 1e6} for name, v in times.items()}
+    return {"arch": "qwen3-30b-a3b", "layers": layers, "shrink": shrink, "cache": cache,
+            "new_tokens": new, "resident_tokens_per_s": resident,
+            "offload_tokens_per_s": offload,
+            "per_layer_excess_us": (1 / offload - 1 / resident) / layers * 1e6,
+            "hit_rate": (off.hits - hits0) / max(1, off.experts_acquired - acquired0),
+            "layer_calls": calls, "parts": parts}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--cache", type=float, default=0.5, help="GPU expert-cache fraction")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--shrink", type=int, default=0,
+                    help="divide the sizes (default: 1 on a GPU, 4 on the CPU)")
+    ap.add_argument("--layers", type=int, default=4)
+    a = ap.parse_args()
+    if not 0 < a.cache <= 1 or a.new_tokens < 1 or a.shrink < 0 or a.layers < 1:
+        ap.error("--cache in (0, 1], --new-tokens and --layers >= 1, --shrink >= 0")
+    shrink = a.shrink or (1 if a.device == "cuda" else 4)
+    r = run(a.device, a.cache, a.new_tokens, shrink, a.layers)
+    print(f"resident {r['resident_tokens_per_s']:.1f} tok/s, offload "
+          f"{r['offload_tokens_per_s']:.1f} (hit rate {r['hit_rate']:.2f}): "
+          f"{r['per_layer_excess_us']:.0f} us per MoE layer beyond the resident run")
+    for name, p in r["parts"].items():
+        print(f"  {name:52s} x{p['calls_per_layer']:4.1f}  p50 {p['p50_us']:8.1f} us  "
+              f"per layer {p['per_layer_us']:8.1f} us")
+    write("layer-parts", envelope("layer-parts", r, device=a.device), f"-{a.device}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
