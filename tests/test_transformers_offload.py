@@ -238,8 +238,9 @@ def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
     """The model on the GPU, the experts delivered into a CUDA slot pool (by the device's
     consumer, or by the DMA engine and checked on the GPU), viewed by torch through DLPack;
     the host waiting for the experts, or (``gpu_waits``) the stream. A second forward finds
-    every expert in its slot: each layer's experts stay held until the next layer's acquire
-    (the last layer's until ``settle``), and then nothing is held at the agent."""
+    every expert in its slot (the pool holds them all): each layer's experts stay held until
+    the next layer's acquire (the last layer's until ``settle``), and then nothing is held at
+    the agent."""
     from host_client import SlotPoolSpec
     from host_client.cuda_device import CudaDevice
 
@@ -253,7 +254,9 @@ def test_on_a_gpu_logits_equal_the_resident_model(tmp_path, agent: AgentProcess,
     with AgentClient(agent.address) as client:
         name = f"gpu-{model_type}-{delivery}-{gpu_waits}"
         info = client.load_model(str(path), name)
-        dev = client.register_device(CudaDevice(0), [SlotPoolSpec(info.expert_bytes, EXPERTS)],
+        # A slot for every expert: the second forward finds each in its slot.
+        slots = EXPERTS * len(info.moe_layers)
+        dev = client.register_device(CudaDevice(0), [SlotPoolSpec(info.expert_bytes, slots)],
                                      delivery=delivery)
         offload = offload_experts(model, client, path, dev, name=name, gpu_waits=gpu_waits)
         with torch.no_grad():
