@@ -183,13 +183,17 @@ class Channel:
         return self._words_at + index * abi.SLOT_STATE_DTYPE.itemsize
 
     # -- client side -----------------------------------------------------------------------
+    def replied(self, position: int) -> bool:
+        """Whether the reply to the request at ``position`` is published (its ``seq`` names
+        it); fence before reading its other fields."""
+        return int(self._reply_seq[position % self.capacity]) == position + 1
+
     def reply_at(self, position: int) -> np.void | None:
         """A copy of the reply to the request at ``position``, or None while unpublished."""
-        i = position % self.capacity
-        if int(self._reply_seq[i]) != position + 1:
+        if not self.replied(position):
             return None
         store_fence()
-        return self.replies[i].copy()
+        return self.replies[position % self.capacity].copy()
 
     def try_pin(self, index: int, word: int) -> bool:
         """Take a pinned hit on slot ``index`` if its word reads ``word`` (READY of the caller's

@@ -263,7 +263,7 @@ class ClientChannel:
         callbacks, waiting, view = self._callbacks, self._waiting, self.view
         came = 0
         for p in callbacks:
-            if p in waiting and view.reply_seq(p) != p + 1:
+            if p in waiting and not view.replied(p):
                 break
             came += 1
         if not came:
@@ -289,12 +289,11 @@ class ClientChannel:
         first = next(iter(self._waiting))  # the oldest waiting position
         last = self.view.requests.produced
         done = np.flatnonzero(self.view.answered(first, last))
+        store_fence()  # the seq words above before the replies' other fields
         for k in done.tolist():
             p = first + k
             if p in self._waiting:
-                reply = self.view.reply_at(p)
-                if reply is not None:
-                    self._retire(p, self._waiting.pop(p), reply)
+                self._retire(p, self._waiting.pop(p), self.view.replies[p % self.capacity])
 
     def check(self) -> None:
         """AgentUnavailable when the agent stopped serving this channel."""
