@@ -140,11 +140,17 @@ def test_a_session_closed_while_its_device_attaches_leaves_nothing_attached(
         except BaseException as exc:  # noqa: BLE001 - the outcome under test
             outcome.append(exc)
 
+    rings_before = set(Path("/dev/shm").glob("dpu-engine-work-*"))
     os.kill(pid, signal.SIGSTOP)
     try:
         attaching = threading.Thread(target=attach)
         attaching.start()
-        time.sleep(0.5)
+        # The agent makes the device's rings to the engine once it has taken the registration
+        # (past the session's lookup): the close must come after that, however loaded the host.
+        deadline = time.monotonic() + 10
+        while not set(Path("/dev/shm").glob("dpu-engine-work-*")) - rings_before:
+            assert time.monotonic() < deadline, "the attach never reached the engine"
+            time.sleep(0.01)
         close = threading.Thread(target=lambda: closing.stub.CloseSession(
             pb.SessionRef(session_id=closing.session_id), timeout=20))
         close.start()
