@@ -81,9 +81,9 @@ def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[s
         model.set_experts_implementation("grouped_mm")
         timed_generate(model, 1, 16, new, None)  # warm-up
         resident, _ = timed_generate(model, 1, 16, new, None)
-        expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+        experts_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                            if ".experts." in n)
-        arena = f'[arena]\nbytes = "{int(expert_bytes * 1.1) + (64 << 20)}"\n'
+        arena = f'[arena]\nbytes = "{int(experts_bytes * 1.1) + (64 << 20)}"\n'
         with AgentProcess(arena) as agent, AgentClient(agent.address, rpc_timeout=300) as client:
             made = CpuReferenceDevice() if device == "cpu" else _cuda()
             off = offload_experts(model, client, path, made, cache=cache, delivery="engine")
