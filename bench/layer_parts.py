@@ -11,7 +11,9 @@ for them (``_synchronize``), the stream waits' verdicts (``StreamWait.check``, e
 release, and the layer as a whole (``_Layer.__call__``). Each is wrapped with a wall-clock timer
 for the timed run only (a wrapper costs ~1 us a call). Baseline in the same run: the resident
 model's tokens per second (the same implementation), so ``per_layer_excess_us`` (the offload's
-time per token beyond the resident's, per MoE layer) says how much the parts must explain.
+time per token beyond the resident's, per MoE layer) says how much the parts must explain, and
+the resident experts module's forward timed the same way in a run of its own
+(``resident_parts``), so ``_compute`` is read against what the resident layer spends on it.
 
     python bench/layer_parts.py --device cuda [--cache 0.5] [--new-tokens 64] [--shrink 1]
 """
@@ -69,6 +71,26 @@ def _instrument(times: dict[str, list[float]]) -> None:
         setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
 
 
+def _timed_resident(model: Any, new: int) -> dict[str, list[float]]:
+    """The resident experts modules' forward, each call timed, over one ``generate``."""
+    from host_client.integrations.moe_modules import experts_modules
+
+    times: dict[str, list[float]] = {}
+    owner = type(next(module for _, module in experts_modules(model)))
+    original = owner.forward
+    owner.forward = _wrap(times, "experts forward (resident)", original)
+    try:
+        timed_generate(model, 1, 16, new, None)
+    finally:
+        owner.forward = original
+    return times
+
+
+def _table(times: dict[str, list[float]], calls: int) -> dict[str, dict[str, float]]:
+    return {name: {"calls_per_layer": len(v) / calls, "p50_us": median(v) * 1e6,
+                   "per_layer_us": sum(v) / calls * 1e6} for name, v in times.items()}
+
+
 def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[str, Any]:
     from host_client import AgentClient, CpuReferenceDevice
     from host_client.integrations.transformers import offload_experts
@@ -81,6 +103,7 @@ def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[s
         model.set_experts_implementation("grouped_mm")
         timed_generate(model, 1, 16, new, None)  # warm-up
         resident, _ = timed_generate(model, 1, 16, new, None)
+        resident_times = _timed_resident(model, new)
         experts_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                            if ".experts." in n)
         arena = f'[arena]\nbytes = "{int(experts_bytes * 1.1) + (64 << 20)}"\n'
@@ -94,14 +117,13 @@ def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[s
             offload, _ = timed_generate(model, 1, 16, new, None)
             off.settle()
     calls = len(times["_Layer.__call__ (the layer)"])
-    parts = {name: {"calls_per_layer": len(v) / calls, "p50_us": median(v) * 1e6,
-                    "per_layer_us": sum(v) / calls * 1e6} for name, v in times.items()}
     return {"arch": "qwen3-30b-a3b", "layers": layers, "shrink": shrink, "cache": cache,
             "new_tokens": new, "resident_tokens_per_s": resident,
             "offload_tokens_per_s": offload,
             "per_layer_excess_us": (1 / offload - 1 / resident) / layers * 1e6,
             "hit_rate": (off.hits - hits0) / max(1, off.experts_acquired - acquired0),
-            "layer_calls": calls, "parts": parts}
+            "layer_calls": calls, "parts": _table(times, calls),
+            "resident_parts": _table(resident_times, calls)}
 
 
 def main() -> int:
@@ -120,7 +142,7 @@ def main() -> int:
     print(f"resident {r['resident_tokens_per_s']:.1f} tok/s, offload "
           f"{r['offload_tokens_per_s']:.1f} (hit rate {r['hit_rate']:.2f}): "
           f"{r['per_layer_excess_us']:.0f} us per MoE layer beyond the resident run")
-    for name, p in r["parts"].items():
+    for name, p in [*r["parts"].items(), *r["resident_parts"].items()]:
         print(f"  {name:52s} x{p['calls_per_layer']:4.1f}  p50 {p['p50_us']:8.1f} us  "
               f"per layer {p['per_layer_us']:8.1f} us")
     write("layer-parts", envelope("layer-parts", r, device=a.device), f"-{a.device}")
