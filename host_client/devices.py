@@ -25,6 +25,7 @@ from dpu_offload.shm import SharedBuffer
 from dpu_offload.v1 import agent_pb2 as pb
 from gpu_kernels import reference
 from gpu_kernels.reference import ReceiveKernel
+from host_client.errors import status_text
 
 RW = abi.RegionFlags.READABLE | abi.RegionFlags.WRITABLE
 
@@ -264,7 +265,7 @@ class Device(ABC):
         """Raise DeviceFault if the consumer reported a fault against its rings."""
         if self.work is not None and int(self.work.header["fault"]):
             raise DeviceFault(f"{self.name}: receive kernel reported "
-                              f"{abi.Status(int(self.work.header['fault'])).name}")
+                              f"{status_text(int(self.work.header['fault']))}")
 
     def _set_region(self, region_id: int, base: int, size: int, flags: int) -> None:
         self.regions[region_id] = (base, size, flags, 0)

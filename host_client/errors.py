@@ -89,6 +89,13 @@ class AgentInternal(AgentError):
     CODE = grpc.StatusCode.INTERNAL
 
 
+class ChannelCorrupt(AgentError):
+    """The agent's side of the shared-memory channel holds a value its ABI does not define
+    (a status outside the enum): a broken agent, or the channel's memory overwritten."""
+
+    CODE = grpc.StatusCode.DATA_LOSS
+
+
 class TransferFailed(AgentError):
     """A delivery ended without verified bytes in the slot (the message says why)."""
 
@@ -98,7 +105,8 @@ class TransferFailed(AgentError):
 _BY_CODE: dict[grpc.StatusCode, type[AgentError]] = {
     cls.CODE: cls for cls in (InvalidArgument, NotFound, AlreadyExists, PermissionDenied,
                               Unauthenticated, FailedPrecondition, ResourceExhausted,
-                              AgentUnavailable, DeadlineExceeded, AgentInternal, TransferFailed)}
+                              AgentUnavailable, DeadlineExceeded, AgentInternal, ChannelCorrupt,
+                              TransferFailed)}
 _REQUEST_CODES = {
     abi.RequestStatus.BAD_OPCODE: grpc.StatusCode.INVALID_ARGUMENT,
     abi.RequestStatus.REQUEST_REUSED: grpc.StatusCode.INVALID_ARGUMENT,
@@ -127,8 +135,20 @@ def refusal(status: abi.RequestStatus, message: str) -> AgentError:
 
 
 def refusal_of(reply: np.void) -> AgentError | None:
-    """The refusal a channel reply carries; None for OK."""
+    """The refusal a channel reply carries; None for OK; ChannelCorrupt for a status the ABI
+    does not define."""
     code = int(reply["status"])
     if code == abi.RequestStatus.OK:
         return None
-    return refusal(abi.RequestStatus(code), bytes(reply["message"]).decode(errors="replace"))
+    message = bytes(reply["message"]).decode(errors="replace")
+    if code not in abi.RequestStatus._value2member_map_:
+        return ChannelCorrupt(f"reply status {code} is not an abi.RequestStatus "
+                              f"(message {message!r})")
+    return refusal(abi.RequestStatus(code), message)
+
+
+def status_text(value: int) -> str:
+    """A completion or fault word's :class:`abi.Status` name, or the number and that it is
+    none (the word is the agent's or the consumer's, read from shared memory)."""
+    known = abi.Status._value2member_map_.get(value)
+    return known.name if known is not None else f"status {value} (not an abi.Status)"

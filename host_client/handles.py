@@ -15,7 +15,7 @@ import numpy as np
 from dpu_offload import abi
 from dpu_offload.channel import split_word
 from dpu_offload.keys import ExpertKey
-from host_client.errors import AgentError, TransferFailed, refusal_of
+from host_client.errors import AgentError, TransferFailed, refusal_of, status_text
 from host_client.requests import CHECK_SECONDS, NAP_SECONDS, SPIN_SECONDS, ClientChannel
 
 if TYPE_CHECKING:
@@ -251,14 +251,14 @@ class AcquireHandle:
         if generation == mine and state == abi.SlotState.READY:
             self._settle(self._make_slot(reply), None)
         elif generation == mine and state == abi.SlotState.FAILED:
-            status = abi.Status(self._channel.slot_status(index))
+            status = self._channel.slot_status(index)
             if (status == abi.Status.CHECKSUM_MISMATCH and self._repost is not None
                     and self._refetches < MAX_REFETCHES):
                 self._refetches += 1
                 self._again()
                 return False
             self._settle(None, TransferFailed(f"{self.key}: delivery completed with "
-                                              f"{status.name}"))
+                                              f"{status_text(status)}"))
         elif generation > mine:
             self._settle(None, TransferFailed(f"{self.key}: its slot was given to another "
                                               "delivery before this one completed"))

@@ -19,7 +19,7 @@ from dpu_offload.channel import Channel, state_word
 from dpu_offload.keys import ExpertKey, key_index_problem
 from dpu_offload.ring import store_fence
 from dpu_offload.shm import SharedBuffer
-from host_client.errors import AgentUnavailable, InvalidArgument, refusal
+from host_client.errors import AgentUnavailable, InvalidArgument, refusal, status_text
 
 log = logging.getLogger("host_client")
 
@@ -301,7 +301,7 @@ class ClientChannel:
         if fault:
             raise refusal(abi.RequestStatus.UNAVAILABLE,
                                  f"the agent stopped serving this channel: "
-                                 f"{abi.Status(fault).name} (its header was overwritten)")
+                                 f"{status_text(fault)} (its header was overwritten)")
 
     @property
     def states_address(self) -> int:

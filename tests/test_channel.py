@@ -259,3 +259,40 @@ def test_a_post_publishes_its_entries_before_earlier_replies_callbacks_run() -> 
     assert seen == [(1, abi.RequestStatus.NOT_FOUND, 5)]
     client.close()
     agent.close()
+
+
+def test_a_reply_status_outside_the_abi_is_channel_corrupt() -> None:
+    """A reply whose status the ABI does not define (a broken agent, overwritten memory) is
+    ChannelCorrupt (DATA_LOSS) naming the number, for a waited request and for a callback's
+    refusal alike; the callback path goes on to the next post."""
+    import grpc
+
+    from dpu_agent.dataplane.channels import DeviceChannel
+    from dpu_offload.keys import ExpertKey
+    from host_client.errors import ChannelCorrupt, refusal_of
+    from host_client.requests import ClientChannel
+
+    agent = DeviceChannel(("s", 1), capacity=8)
+    client = ClientChannel(agent.name, agent.size)
+    key = ExpertKey("m", 0, 1)
+    refused: list[BaseException | None] = []
+    client.post([(abi.RequestOp.RELEASE, 0, key)], on_refusal=lambda r: refused.append(
+        refusal_of(r)))
+    waited = client.post([(abi.RequestOp.ACQUIRE, 0, key)])[0]
+    first, batch = agent.take_requests()
+    for j in range(batch.size):
+        agent.reply(first + j, int(batch[j]["request_id"]), 77, "garbled")  # type: ignore[arg-type]
+    error = refusal_of(client.wait_reply(waited, 1.0))
+    assert isinstance(error, ChannelCorrupt) and error.code() == grpc.StatusCode.DATA_LOSS
+    assert "reply status 77 is not an abi.RequestStatus" in error.details()
+    client.post([(abi.RequestOp.ACQUIRE, 0, key)])  # hands the release's reply over
+    assert len(refused) == 1 and isinstance(refused[0], ChannelCorrupt)
+    client.close()
+    agent.close()
+
+
+def test_a_slot_or_fault_status_outside_the_abi_is_named() -> None:
+    from host_client.errors import status_text
+
+    assert status_text(int(abi.Status.CHECKSUM_MISMATCH)) == "CHECKSUM_MISMATCH"
+    assert status_text(4242) == "status 4242 (not an abi.Status)"

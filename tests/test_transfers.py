@@ -95,3 +95,19 @@ def test_descriptors_say_what_the_plan_means(src: int, so: int, dst: int, do: in
     assert plan.descriptors(tid).tobytes() == want.tobytes()
     assert plan.descriptors(tid).tobytes() == want.tobytes()
     assert len(want) == plan.descriptor_count
+
+
+@given(st.integers(1, 2**32 - 1).filter(lambda v: v not in abi.Status._value2member_map_))
+def test_a_completion_status_outside_the_abi_fails_its_transfer(status: int) -> None:
+    """A consumer's completion with a status the ABI does not define (the consumer may be a
+    client's process) fails its transfer as BAD_RING; the fold goes on."""
+    tracker = TransferTracker()
+    finished: list[tuple[int, int]] = []
+    t = tracker.start(TransferPlan(0, 0, 1, 0, 512, 256, (0, 1)),
+                      lambda t: finished.append((t.transfer_id, int(t.status))))
+    recs = np.zeros(2, abi.COMPLETION_DTYPE)
+    recs[0] = (t.transfer_id, 0, status, 256, 0)
+    recs[1] = (t.transfer_id, 1, 0, 256, 0)
+    tracker.complete_many(recs)
+    assert finished == [(t.transfer_id, int(abi.Status.BAD_RING))]
+    assert tracker.in_flight == 0

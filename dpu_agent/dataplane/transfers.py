@@ -181,6 +181,11 @@ class Transfer:
         return self.plan.descriptor_count
 
 
+_STATUSES: dict[int, abi.Status] = dict(abi.Status._value2member_map_)  # type: ignore[arg-type]
+"""A completion's ``status`` as :class:`abi.Status`; one the ABI does not define (the ring's
+writer is a consumer the agent does not trust) fails its transfer as BAD_RING."""
+
+
 class TransferTracker:
     """Assigns transfer ids and folds completion entries into transfers.
 
@@ -238,7 +243,7 @@ class TransferTracker:
                 if t is not None:
                     t.failed_chunks.append(int(recs["chunk_index"][i]))
                     if t.status == abi.Status.OK:
-                        t.status = abi.Status(int(recs["status"][i]))
+                        t.status = _STATUSES.get(int(recs["status"][i]), abi.Status.BAD_RING)
         for t in finished:
             t.on_done(t)
         return finished
