@@ -54,10 +54,10 @@ FAULTS = [
      "test_hostile_requests_are_refused_and_change_nothing"),
     ("request-ring header overwritten by its client", "tests/test_engine.py::"
      "test_overwritten_channel_header_stops_service_with_an_error"),
-    ("corrupted activation packets", "tests/test_activations.py::"
+    ("corrupted activation packets", "tests/test_activation_faults.py::"
      "test_corrupted_packets_are_caught_delivered_again_and_counted"),
     ("activation packet emptied on the wire (length 0, checksum 0: valid, short)",
-     "tests/test_activations.py::test_a_part_delivered_short_is_delivered_again"),
+     "tests/test_activation_faults.py::test_a_part_delivered_short_is_delivered_again"),
     ("caller's deadline passes during an arena fill",
      "tests/test_faults.py::test_caller_gone_during_a_fill_leaves_no_reference"),
     ("consumer stops reading", "tests/test_faults.py::"
@@ -69,9 +69,10 @@ FAULTS = [
      "tests/test_state.py::test_sigkill_during_writes_leaves_old_or_new_state"),
     ("SIGTERM with transfers in flight",
      "tests/test_systemd.py::test_sigterm_drains_then_cancels_and_exits_zero"),
-    ("activation worker vanishes mid-request (its rings fall silent)", "tests/test_activations.py::"
+    ("activation worker vanishes mid-request (its rings fall silent)",
+     "tests/test_activation_faults.py::"
      "test_worker_vanishing_mid_request_fails_within_bound"),
-    ("NIC stand-in process SIGKILLed", "tests/test_activations.py::"
+    ("NIC stand-in process SIGKILLed", "tests/test_activation_faults.py::"
      "test_a_killed_nic_is_restarted_on_its_port_with_its_workers"),
     ("experts migrated under activation traffic",
      "tests/test_activations.py::test_migration_under_traffic_loses_nothing"),

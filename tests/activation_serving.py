@@ -95,3 +95,14 @@ def dispatch_matches_dense(address: str, name: str, experts: int, layer: int, ck
 def routing(experts: int, tokens: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)])
+
+
+def metrics(agent: AgentProcess) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}

@@ -1,13 +1,11 @@
 """The activation path end to end: sender -> NIC stand-in (steering, its own process) -> the
 worker's rx ring (receive twin, SwiGLU on the slot's weights, send twin) -> tx ring -> NIC ->
-sender (combine), checked against a dense reference; refusals; credits; corrupted and short
-packets written again; migration under traffic."""
+sender (combine), checked against a dense reference; refusals; credits; metrics; migration
+under traffic; the sender's own checks (faults: test_activation_faults.py; the GPU worker:
+test_activations_cuda.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -18,21 +16,19 @@ import zmq
 
 from dpu_offload import frames
 from dpu_offload.frames import FrameStatus, Kind
-from gpu_kernels import packet_twin, reference
-from gpu_kernels.packet_ops import CudaPacketOps
+from gpu_kernels import reference
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.activations import ActivationError, ActivationSender
 from host_client.launcher import AgentProcess
 from host_client.worker import ExpertWorker
-from nic.nic import PACKET_RETRIES
 from tests.activation_serving import (
     METRICS,
     SETTINGS,
     dispatch_matches_dense,
+    metrics,
     routing,
     serving,
 )
-from tests.conftest import checkpoint_bytes
 
 
 @pytest.fixture
@@ -173,17 +169,6 @@ def test_migration_under_traffic_loses_nothing(served) -> None:
     assert worker.served > 0 and worker_b.served > 0, "traffic did not follow the moves"
 
 
-def metrics(agent: AgentProcess) -> dict[tuple[str, tuple], float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics",
-                                  timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
-
-
 def test_activation_metrics(qwen_ckpt: Path) -> None:
     from tests.test_config_metrics import dashboard_metrics_missing
 
@@ -198,275 +183,6 @@ def test_activation_metrics(qwen_ckpt: Path) -> None:
     assert values[("dpu_agent_activation_refused_total", (("reason", "UNKNOWN_EXPERT"),))] == 1
     assert values[("dpu_agent_activation_messages_total", (("kind", "REQUEST"),))] == 1
     assert values[("dpu_agent_activation_outstanding", ())] == 0
-
-
-class FlakyRxWorker(ExpertWorker):
-    """A worker whose rx ring has one payload byte of the last packet of each of its next
-    ``bad`` parts corrupted before the receiver reads it (a wire or NIC fault)."""
-
-    bad = 0
-
-    def _land(self, dst):
-        rx = self.dev.rx.ring
-        n = packet_twin.part_packets(rx)
-        if n is not None and self.bad > 0:
-            self.bad -= 1
-            rx.payload[(rx.consumed + n - 1) % rx.capacity, 0] ^= 0xFF
-        return super()._land(dst)
-
-
-def retransmits(agent: AgentProcess) -> float:
-    return metrics(agent)[("dpu_agent_activation_retransmits_total", ())]
-
-
-def test_corrupted_packets_are_caught_delivered_again_and_counted(qwen_ckpt: Path) -> None:
-    from prometheus_client import REGISTRY
-
-    def refused(device: int) -> float:
-        return REGISTRY.get_sample_value("dpu_worker_packets_refused_total",
-                                         {"device": str(device)}) or 0.0
-
-    with serving(qwen_ckpt, FlakyRxWorker) as (agent, _, model, devs, worker):
-        dev = devs[0].device_id
-        before = refused(dev)
-        worker.bad = 2  # the first request's part fails twice, then arrives intact
-        ids = routing(model.experts_per_layer, 8, 1, seed=3)
-        dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
-                               model.experts_per_layer, model.moe_layers[0], qwen_ckpt, ids)
-        assert worker.refused_packets == 2 and retransmits(agent) == 2
-        assert refused(dev) - before == 2
-        # A part that never arrives intact fails its request with a clear status; the sender's
-        # credit comes back and the next request is served.
-        worker.bad = 10**6
-        x = reference.f32_to_bf16(np.ones((1, 256), np.float32))
-        with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qa",
-                              model.experts_per_layer, credits=1) as sender:
-            with pytest.raises(ActivationError) as err:
-                sender.dispatch(model.moe_layers[0], x, np.array([[0]]),
-                                np.ones((1, 1), np.float32))
-            assert err.value.status == FrameStatus.WORKER_FAILED
-            assert "failed their checksum" in str(err.value)
-            assert f"{PACKET_RETRIES + 1} times" in str(err.value)
-            worker.bad = 0
-            sender.dispatch(model.moe_layers[0], x, np.array([[0]]), np.ones((1, 1), np.float32))
-        assert retransmits(agent) == 2 + PACKET_RETRIES
-
-
-class EmptyingRxWorker(ExpertWorker):
-    """A worker whose rx ring has the last packet of its first part rewritten as a valid
-    empty one (length 0, checksum 0: the checksum of no bytes): nothing is refused, bytes are
-    missing (found by the request-ring's fuzz of the packet twin)."""
-
-    bad = 1
-
-    def _land(self, dst):
-        rx = self.dev.rx.ring
-        n = packet_twin.part_packets(rx)
-        if n is not None and self.bad > 0:
-            self.bad -= 1
-            i = (rx.consumed + n - 1) % rx.capacity
-            rx.entries[i:i + 1]["length"] = 0
-            rx.entries[i:i + 1]["checksum"] = 0
-        return super()._land(dst)
-
-
-def test_a_part_delivered_short_is_delivered_again(qwen_ckpt: Path) -> None:
-    with serving(qwen_ckpt, EmptyingRxWorker) as (agent, _, model, _, worker):
-        dispatch_matches_dense(f"127.0.0.1:{agent.activations_port}", "qa",
-                               model.experts_per_layer, model.moe_layers[0], qwen_ckpt,
-                               routing(model.experts_per_layer, 8, 1, seed=5))
-        assert worker.bad == 0 and retransmits(agent) == 1 and worker.refused_packets == 0
-
-
-def test_worker_vanishing_mid_request_fails_within_bound(qwen_ckpt: Path) -> None:
-    settings = SETTINGS + "worker_timeout_seconds = 1\n"
-    with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
-        model = client.load_model(str(qwen_ckpt), "qv")
-        dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 18)])
-        client.wait_placement(client.apply_placement(
-            "qv", [[[dev.device_id]] * 6 for _ in model.moe_layers]).placement_id)
-        worker = ExpertWorker(client, dev)
-        worker._stop.set()          # the worker process "dies": its rings stay silent
-        worker._thread.join()
-        with ActivationSender(f"127.0.0.1:{agent.activations_port}", "qv", 6) as s:
-            t0 = time.monotonic()
-            s.request(model.moe_layers[0], 1, np.zeros((2, 256), np.uint16))
-            with pytest.raises(ActivationError) as err:
-                s.receive()
-            assert err.value.status == FrameStatus.WORKER_FAILED
-            assert time.monotonic() - t0 < 3
-            # The dead worker is no longer a route.
-            s.request(model.moe_layers[0], 1, np.zeros((2, 256), np.uint16))
-            with pytest.raises(ActivationError) as err:
-                s.receive()
-            assert err.value.status == FrameStatus.NO_ROUTE
-
-
-def test_a_worker_stops_within_its_bound_when_the_agent_does_not_answer(
-        qwen_ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from host_client import worker as worker_module
-
-    with serving(qwen_ckpt) as (agent, _client, _model, _devs, worker):
-        assert agent.proc is not None
-        os.kill(agent.proc.pid, signal.SIGSTOP)  # alive, answering nothing
-        try:
-            t0 = time.monotonic()
-            worker.close()
-            took = time.monotonic() - t0
-        finally:
-            os.kill(agent.proc.pid, signal.SIGCONT)
-        assert took < worker_module.STOP_SECONDS + 3, took
-        assert "was not told to stop serving it: StatusCode.DEADLINE_EXCEEDED" in caplog.text
-
-
-@contextlib.contextmanager
-def cuda_serving(ckpt: Path, name: str, resident: bool):
-    """An agent with every expert placed on GPU 0, served by a worker with or without the
-    resident receiver: (agent's activation address, model, worker)."""
-    pytest.importorskip("cupy")
-    from host_client.cuda_device import CudaDevice
-
-    # A fresh GPU machine compiles the FFN's CuPy kernels on the first request (seconds).
-    with AgentProcess(SETTINGS + "worker_timeout_seconds = 60\n") as agent, \
-            AgentClient(agent.address) as client:
-        model = client.load_model(str(ckpt), name)
-        dev = client.register_device(CudaDevice(0, mechanism="copy_engine"),
-                                     [SlotPoolSpec(model.expert_bytes, 18)])
-        client.wait_placement(client.apply_placement(name, [
-            [[dev.device_id]] * model.experts_per_layer for _ in model.moe_layers]).placement_id)
-        worker = ExpertWorker(client, dev, resident=resident)
-        try:
-            yield f"127.0.0.1:{agent.activations_port}", model, worker
-        finally:
-            worker.close()
-
-
-@pytest.mark.gpu
-def test_cuda_worker_kernels_match_dense_reference(qwen_ckpt: Path) -> None:
-    """The same path on the GPU with the worker's thread driving the packet-receive and send
-    kernels and the FFN (``resident=False``: the path of layouts the resident kernel does not
-    compute)."""
-    with cuda_serving(qwen_ckpt, "qg", resident=False) as (address, model, worker):
-        dispatch_matches_dense(address, "qg", model.experts_per_layer, model.moe_layers[0],
-                               qwen_ckpt, routing(model.experts_per_layer, 40, 2, seed=4),
-                               seed=4)
-        assert isinstance(worker.packets, CudaPacketOps) and worker.resident is None
-        assert worker.refused_packets == 0
-
-
-@pytest.mark.gpu
-def test_the_worker_thread_is_not_held_by_the_legacy_stream(qwen_ckpt: Path) -> None:
-    """The worker's thread computes on a stream of its own: with the legacy default stream
-    held by a wait on a word nobody has written (as inference code's stream waits on slots
-    hold it), a dispatch is still answered, and only then is the wait let go."""
-    cp = pytest.importorskip("cupy")
-    import cupyx
-
-    from dpu_offload import abi
-    from dpu_offload.channel import state_word
-    from gpu_kernels import cuda_ops
-
-    with cuda_serving(qwen_ckpt, "ql", resident=False) as (address, model, worker):
-        layer, experts = model.moe_layers[0], model.experts_per_layer
-        # The same dispatch once before loads the FFN's modules and fills the worker's memory
-        # pool with its messages' sizes (a module load waits for a busy device); the release's
-        # pinned buffer and stream are made before the wait too.
-        dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
-                               routing(experts, 40, 2, seed=9), seed=9)
-        word, result = cp.zeros(1, cp.uint64), cp.full(1, 99, cp.uint32)
-        ready = cupyx.empty_pinned(1, np.uint64)
-        ready[0] = state_word(1, abi.SlotState.READY)
-        side = cp.cuda.Stream(non_blocking=True)
-        legacy = cp.cuda.Stream.null
-        legacy.synchronize()
-        cuda_ops.wait_ready(word.data.ptr, 1, 60.0, result, legacy)
-        try:
-            dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
-                                   routing(experts, 40, 2, seed=9), seed=9)
-            assert not legacy.done  # the dispatch did not wait for the legacy stream
-            # Messages of sizes the worker's memory pool has not seen: new device allocations.
-            dispatch_matches_dense(address, "ql", experts, layer, qwen_ckpt,
-                                   routing(experts, 57, 2, seed=10), seed=10)
-            assert not legacy.done, "a message of a new size waited for the legacy stream"
-        finally:
-            word.set(ready, stream=side)
-            side.synchronize()
-            legacy.synchronize()
-        assert int(result.get()[0]) == 0  # READY: let go by the write, not timed out
-        assert worker.resident is None
-
-
-@pytest.mark.gpu
-def test_the_resident_receiver_serves_without_a_host_thread(qwen_ckpt: Path) -> None:
-    """The persistent kernel (gpu_kernels/serve.cu) serves the path alone: a dispatch matches
-    the dense reference, a message larger than the rx ring (in parts) equals the NumPy FFN of
-    the slot's weights, and its counters say so; the receiver's thread only watches."""
-    with cuda_serving(qwen_ckpt, "qr", resident=True) as (address, model, worker):
-        ids = routing(model.experts_per_layer, 40, 2, seed=6)
-        sent = dispatch_matches_dense(address, "qr", model.experts_per_layer,
-                                      model.moe_layers[0], qwen_ckpt, ids, seed=6)
-        layer = model.moe_layers[1]
-        rows = reference.f32_to_bf16(np.random.default_rng(7).standard_normal(
-            (9000, 256), dtype=np.float32))  # 4.6 MB: parts of 2 MiB, more than the ring
-        with ActivationSender(address, "qr", model.experts_per_layer) as sender:
-            sender.request(layer, 2, rows)
-            _, got = sender.receive()
-        truth = checkpoint_bytes(qwen_ckpt)
-        names = [f"model.layers.{layer}.mlp.experts.2.{r}.weight"
-                 for r in ("gate_proj", "up_proj", "down_proj")]
-        weights = [np.frombuffer(truth[n], np.uint16) for n in names]
-        want = reference.swiglu_bf16(rows, weights[0].reshape(-1, 256),
-                                     weights[1].reshape(-1, 256), weights[2].reshape(256, -1))
-        diff = np.abs(reference.bf16_to_f32(got) - reference.bf16_to_f32(want)).max()
-        assert diff <= 2 ** -6 * max(1.0, float(np.abs(reference.bf16_to_f32(want)).max()))
-        assert worker.resident.counters() == (sent + 1, 0, 0)
-
-
-@pytest.mark.gpu
-def test_a_device_goes_from_the_resident_receiver_to_the_thread_and_back(qwen_ckpt: Path
-                                                                        ) -> None:
-    """The resident kernel consumes the rx ring and fills the tx ring on the GPU; once it
-    stops, the worker's thread (and then a new kernel) goes on from the positions it reached:
-    every dispatch in the sequence matches the dense reference."""
-    with cuda_serving(qwen_ckpt, "qs", resident=True) as (address, model, worker):
-        client, dev = worker.client, worker.dev
-        for step, resident in enumerate((True, False, True)):
-            if step:
-                worker.close()
-                worker = ExpertWorker(client, dev, resident=resident)
-            assert (worker.resident is not None) == resident
-            assert dev.tx.ring.doorbell == (not resident)  # the kernel rings no doorbell
-            dispatch_matches_dense(address, "qs", model.experts_per_layer,
-                                   model.moe_layers[0], qwen_ckpt,
-                                   routing(model.experts_per_layer, 24, 2, seed=step), step)
-        worker.close()
-
-
-def test_a_killed_nic_is_restarted_on_its_port_with_its_workers(qwen_ckpt: Path) -> None:
-    """The NIC stand-in SIGKILLed: the agent notices within its liveness sweep (0.5 s) and
-    starts a new one on the same port with every worker's rings attached again; the next
-    requests are served as before, through the same address, by the same worker."""
-    import os
-    import signal as sig
-
-    from bench.common import child_pid
-
-    with serving(qwen_ckpt) as (agent, _, model, _, worker):
-        address = f"127.0.0.1:{agent.activations_port}"
-        layer = model.moe_layers[0]
-        ids = routing(model.experts_per_layer, 8, 1, seed=9)
-        dispatch_matches_dense(address, "qa", model.experts_per_layer, layer, qwen_ckpt, ids)
-        old = child_pid(agent.proc.pid, "nic")
-        assert old
-        os.kill(old, sig.SIGKILL)
-        deadline = time.monotonic() + 5
-        while child_pid(agent.proc.pid, "nic") in (0, old):
-            assert time.monotonic() < deadline, "the NIC was not restarted"
-            time.sleep(0.05)
-        served = worker.served
-        dispatch_matches_dense(address, "qa", model.experts_per_layer, layer, qwen_ckpt, ids)
-        assert worker.served > served  # the same worker, re-attached, served them
-        assert agent.proc.poll() is None
 
 
 def test_serve_activations_refuses_what_the_caller_cannot_serve(qwen_ckpt: Path) -> None:
