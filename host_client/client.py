@@ -43,6 +43,7 @@ from host_client.registration import (
     detach,
     link_peers,
 )
+from host_client.requests import Wake
 
 __all__ = ["AgentClient"]
 
@@ -300,7 +301,7 @@ class AgentClient(PlacementCalls):
         ``prefetches_refused``, as a prefetch is a hint."""
         entries = [(abi.RequestOp.PREFETCH, self._index(k.model), k) for k in keys]
         if not wait:
-            dev.channel.post(entries, on_refusal=self._prefetch_refused)
+            dev.channel.post(entries, on_refusal=self._prefetch_refused, wake=Wake.RING)
             dev.device.doorbell.ring()
             return len(keys)
         positions = dev.channel.post(entries)
@@ -316,8 +317,9 @@ class AgentClient(PlacementCalls):
                      tokens: dict[int, int], prefetch: int = 0) -> None:
         """One MoE layer's routing, through ``dev``'s data-plane channel (no gRPC call; it
         returns at once): ``tokens[e]`` tokens chose expert ``e``. The agent folds it into its
-        routing statistics in order with this device's acquires and, with ``prefetch`` k > 0,
-        prefetches into ``dev`` the k experts it expects the next MoE layer to select. A hint:
+        routing statistics in order with this device's acquires, at its next wake (it is not
+        woken for it: ``Wake.LAZY``) or, with ``prefetch`` k > 0, at once, prefetching into
+        ``dev`` the k experts it expects the next MoE layer to select. A hint:
         a refusal is only counted in ``visits_refused`` (:meth:`report_routing` is the gRPC
         form, for several visits at once or from outside a device's path)."""
         problem = visit_problem(layer, tokens)
@@ -332,7 +334,7 @@ class AgentClient(PlacementCalls):
             on_refusal=self._visit_refused,
             routes=[(abi.RequestFlags.LAST if j == last else 0, tokens[e],
                      prefetch if j == last else 0) for j, e in enumerate(experts)],
-            yield_cpu=False)
+            wake=Wake.RING if prefetch else Wake.LAZY)
         if prefetch:
             dev.device.doorbell.ring()
 
@@ -359,9 +361,8 @@ class AgentClient(PlacementCalls):
     def release_batch(self, dev: AttachedDevice, keys: list[ExpertKey]) -> None:
         """Drop one reference on each of ``keys`` with one post (a layer's experts), returning
         at once; refusals are logged (as ``release(wait=False)``). References held by pins
-        are dropped in the pin table; with nothing to post the agent is still rung
-        (``ClientChannel.announce``): a layer's release is followed by the next layer's
-        acquires."""
+        are dropped in the pin table, the agent left asleep (a next acquire that misses
+        announces itself, ``_handles``)."""
 
         if self._down:
             return  # the agent is away: the references went with its session
@@ -372,9 +373,7 @@ class AgentClient(PlacementCalls):
         posted = [k for k in keys if not dev.channel.unpin(k)]
         if posted:
             dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in posted],
-                             on_refusal=refused)
-        elif keys:
-            dev.channel.announce()
+                             on_refusal=refused, wake=Wake.RING)
 
     def status(self) -> pb.StatusResponse:
         """The agent's state: this session (every session for an administrator's

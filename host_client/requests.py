@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from enum import Enum
 
 import numpy as np
 
@@ -31,6 +32,21 @@ NAP_SECONDS = 0.005
 """Longest single sleep of a waiter (it checks the device and the agent between sleeps)."""
 CHECK_SECONDS = 0.05
 """How often a waiting handle checks the device and the agent connection."""
+
+class Wake(Enum):
+    """What a post does to the agent's loop once its entries are published."""
+
+    WAIT = "wait"
+    """Ring the doorbell and yield the CPU: the caller waits for the replies (an acquire)."""
+    RING = "ring"
+    """Ring the doorbell and keep the CPU: the agent must act now, nobody waits (a release,
+    a prefetch hint)."""
+    LAZY = "lazy"
+    """No ring while the ring is less than half full: the agent reads the entries at its next
+    wake (another post's ring, or the end of its doze: ``DOZE_SECONDS``, 50 ms), in order with
+    what follows them. For what only informs the agent (a routing visit): a wake of a sleeping
+    loop is a system call, and in a VM an interrupt of another CPU."""
+
 
 class ClientChannel:
     """A mapped channel and the bookkeeping of this client's requests on it.
@@ -73,13 +89,12 @@ class ClientChannel:
     def post(self, entries: list[tuple[abi.RequestOp, int, ExpertKey]],
              on_refusal: Callable[[np.void], None] | None = None,
              timeout: float = 5.0, routes: list[tuple[int, int, int]] | None = None,
-             yield_cpu: bool = True) -> list[int]:
+             wake: Wake = Wake.WAIT) -> list[int]:
         """Publish ``(op, model index, key)`` entries with one fence and wake the agent's
-        loop; returns their ring positions. ``routes`` gives ROUTE entries their ``(flags,
-        count, prefetch)``, one per entry. ``on_refusal`` gets each reply that is not OK (the
-        OK ones are only retired), as the next posts find them; None: a handle takes each reply
-        (:meth:`take`). ``yield_cpu`` False: the caller keeps its CPU after waking the
-        loop (it does not wait for the replies: ``Bell.ring``).
+        loop as ``wake`` says; returns their ring positions. ``routes`` gives ROUTE entries
+        their ``(flags, count, prefetch)``, one per entry. ``on_refusal`` gets each reply that
+        is not OK (the OK ones are only retired), as the next posts find them; None: a handle
+        takes each reply (:meth:`take`).
         Replies that came for earlier posts' callbacks are looked at after the entries are
         published (the agent's work first). AgentUnavailable when the agent does not make room
         within ``timeout`` seconds."""
@@ -117,8 +132,10 @@ class ClientChannel:
             if on_refusal is not None:
                 self._callbacks.extend(positions)
             self.view.requests.push_many(records)
-        if self._bell is not None:
-            self._bell.ring(yield_cpu)
+        if self._bell is not None and (
+                wake is not Wake.LAZY
+                or self.view.requests.free_entries() < self.capacity // 2):
+            self._bell.ring(yield_cpu=wake is Wake.WAIT)
         if self._callbacks:
             with self._lock:
                 self._call_back_locked()

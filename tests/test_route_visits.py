@@ -66,6 +66,36 @@ def test_visits_on_the_data_plane_teach_the_predictor_and_prefetch(
     assert client.visits_refused == 0
 
 
+def test_a_visit_does_not_wake_a_sleeping_agent_and_is_folded_at_its_next_wake(
+        agent: AgentProcess, routed: tuple[AgentClient, AttachedDevice, list[int]]) -> None:
+    """A visit without prefetch leaves the agent's loop asleep (the doorbell's ``rings``
+    unmoved) and is folded when the loop next wakes: at the end of its doze (50 ms) or at the
+    next post that rings. A visit with a prefetch rings at once."""
+    from dpu_agent.dataplane.loop import DOZE_SECONDS
+
+    client, dev, (l0, *_) = routed
+    bell = dev.channel._bell
+    assert bell is not None
+    deadline = time.monotonic() + 5
+    while not bell.asleep:
+        assert time.monotonic() < deadline, "the agent's loop never slept"
+        time.sleep(0.001)
+    before, rings = visits(agent), int(bell._rings[0])
+    client.report_visit(dev, MODEL, l0, {1: 2, 4: 1})
+    assert int(bell._rings[0]) == rings  # not woken
+    t0 = time.monotonic()
+    wait_visits(agent, before + 1)
+    assert time.monotonic() - t0 < DOZE_SECONDS + 1.0  # its doze ended, it looked
+    assert int(bell._rings[0]) == rings
+    while not bell.asleep:
+        assert time.monotonic() < deadline + 10, "the agent's loop never slept again"
+        time.sleep(0.001)
+    client.report_visit(dev, MODEL, l0, {2: 1}, prefetch=1)
+    assert int(bell._rings[0]) != rings  # woken to prefetch
+    wait_visits(agent, before + 2)
+    assert client.visits_refused == 0
+
+
 def post_raw(dev: AttachedDevice, **fields: int) -> tuple[abi.RequestStatus, str]:
     """Publish one hand-made ROUTE entry (defaults: model 0's first layer, expert 1, one
     token, no flags) and wait for its reply: (status, message)."""

@@ -110,9 +110,9 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
     grants are awaited, and the torch stream waits on the GPU for each expert's verified
     bytes, so the layer's kernels are enqueued while the experts land; otherwise the host waits
     for them. With ``report_routing`` the visit is reported once the batch is posted (ROUTE
-    entries on the device's channel: the agent folds it while the bytes land, off the grants'
-    path). ``again``: the layer acquired a second time after a failed delivery, which reports
-    and runs ``meanwhile`` no second time."""
+    entries on the device's channel, not waking the agent: it folds the visit at its next
+    wake, off the grants' path). ``again``: the layer acquired a second time after a failed
+    delivery, which reports and runs ``meanwhile`` no second time."""
     import torch
 
     client = offload.client

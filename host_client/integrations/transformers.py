@@ -198,8 +198,8 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             ``gate`` or ``router`` with a ``weight`` ``[E, H]`` prefetch nothing.
         report_routing: each MoE layer reports what it chose (experts and tokens) to the
             agent through the device's data-plane channel once its batch is granted
-            (``report_visit``: no gRPC call, no thread; the agent folds it while the bytes
-            land): the agent's routing statistics, which its cache policies (the arena's and
+            (``report_visit``: no gRPC call, no thread, no wake; the agent folds it at its
+            next wake): the agent's routing statistics, which its cache policies (the arena's and
             the slot pool's), predictor and placement planner learn from. On by default: the
             slot pool's learned-reuse policy keeps more of a decode resident with it (the
             Mixtral trace through an agent at a quarter of the experts: 0.362 against 0.343
