@@ -286,10 +286,13 @@ class ClientChannel:
         if not came:
             return
         store_fence()  # the seq words above before the replies' other fields
-        for _ in range(came):
-            p = callbacks.popleft()
-            if p in waiting:
-                self._retire(p, waiting.pop(p), view.replies[p % self.capacity])
+        done = [callbacks.popleft() for _ in range(came)]
+        at = np.array(done) % self.capacity
+        for p, i, status in zip(done, at.tolist(), view.replies["status"][at].tolist(),
+                                strict=True):
+            on_refusal = waiting.pop(p, None)
+            if on_refusal is not None and status != abi.RequestStatus.OK:
+                on_refusal(view.replies[i].copy())
 
     def _retire(self, position: int, on_refusal: Callable[[np.void], None] | None,
                 reply: np.void) -> None:
