@@ -175,7 +175,7 @@ class AgentClient(PlacementCalls):
             raise self._outage  # the agent is away: no channel would answer this
         # Pinned hits first: an expert this client was granted and that still reads READY
         # there is held through the pin table, with nothing posted.
-        hits = [dev.channel.pin(k) for k in keys]
+        hits = dev.channel.pin_many(keys)
         if None in hits:
             dev.channel.announce()  # the agent's wake-up overlaps the post's making
         epoch, bell = self._epoch, dev.device.doorbell
@@ -354,7 +354,7 @@ class AgentClient(PlacementCalls):
             return
         if not wait:
             self.release_batch(dev, [key])
-        elif not dev.channel.unpin(key):
+        elif not dev.channel.unpin_many([key])[0]:
             entry = [(abi.RequestOp.RELEASE, self._index(key.model), key)]
             self._answer(dev, dev.channel.post(entry)[0])
 
@@ -370,7 +370,8 @@ class AgentClient(PlacementCalls):
         def refused(reply: np.void) -> None:
             log.warning("release on device %d failed: %s", dev.device_id, refusal_of(reply))
 
-        posted = [k for k in keys if not dev.channel.unpin(k)]
+        posted = [k for k, unpinned in zip(keys, dev.channel.unpin_many(keys), strict=True)
+                  if not unpinned]
         if posted:
             dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in posted],
                              on_refusal=refused, wake=Wake.RING)
