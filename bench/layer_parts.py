@@ -52,7 +52,8 @@ def _instrument(times: dict[str, list[float]]) -> None:
     import host_client.integrations.layer_fetch as lf
     import host_client.integrations.transformers as ht
     from host_client.client import AgentClient
-    from host_client.handles import AcquireHandle, StreamWait
+    from host_client.handles import AcquireHandle
+    from host_client.slot_checks import StreamWait
 
     for owner, attr, name in [
             (ht, "routed_experts", "routed_experts"),

@@ -32,7 +32,7 @@ from host_client.errors import (
     refusal,
     refusal_of,
 )
-from host_client.handles import AcquireHandle, LandedCheck
+from host_client.handles import AcquireHandle
 from host_client.memory import ExpertSlot, SlotPoolSpec
 from host_client.placement import PlacementCalls, visit_problem
 from host_client.registration import (
@@ -44,6 +44,7 @@ from host_client.registration import (
     link_peers,
 )
 from host_client.requests import Wake
+from host_client.slot_checks import LandedCheck
 
 __all__ = ["AgentClient"]
 

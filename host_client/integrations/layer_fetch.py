@@ -24,9 +24,9 @@ import numpy as np
 from dpu_offload.keys import ExpertKey
 from host_client.client import AgentClient
 from host_client.errors import TransferFailed
-from host_client.handles import StreamWait
 from host_client.integrations.pool_views import PoolViews
 from host_client.registration import AttachedDevice
+from host_client.slot_checks import StreamWait
 
 
 @dataclass
