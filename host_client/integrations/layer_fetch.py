@@ -139,14 +139,14 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
             raise
     else:
         client.wait_all(handles, 120)
-    slots = [views.slots] * (num_experts + 1)
+    slots = np.full(num_experts + 1, views.slots, np.int64)
     for e, h in zip(routed, handles, strict=True):
         where = h.where
         assert where is not None
         slots[e] = where[1] // views.slot_bytes
         offload.hits += bool(h.resident)
     # Pinned on a GPU: copied to the device behind the stream's waits, the host not waiting.
-    slot_of = torch.tensor(slots, dtype=torch.long)
+    slot_of = torch.from_numpy(slots)
     if on_stream:
         slot_of = slot_of.pin_memory()
     offload.forwards += 1

@@ -113,7 +113,9 @@ class _Layer:
         """The experts module's own forward on the pool's views, ``top_k_index`` renumbered
         to slot numbers."""
         module = self.module
-        slots = slot_of.to(top_k_index.device, non_blocking=slot_of.is_pinned())[top_k_index]
+        # Pinned where the layer waits on the stream (``acquire_layer``): copied behind the
+        # waits. ``is_pinned()`` asks the CUDA runtime (~140 us a call on a host without one).
+        slots = slot_of.to(top_k_index.device, non_blocking=True)[top_k_index]
         try:
             for param, view in self.views.tensors.items():
                 setattr(module, param, view)
