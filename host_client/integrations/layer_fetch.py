@@ -145,10 +145,7 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
         assert where is not None
         slots[e] = where[1] // views.slot_bytes
         offload.hits += bool(h.resident)
-    # Pinned on a GPU: copied to the device behind the stream's waits, the host not waiting.
     slot_of = torch.from_numpy(slots)
-    if on_stream:
-        slot_of = slot_of.pin_memory()
     offload.forwards += 1
     offload.experts_acquired += len(keys)
     return Acquired(keys, slot_of, waits)

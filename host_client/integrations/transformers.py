@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dpu_offload.keys import ExpertKey
 from host_client.client import AgentClient
 from host_client.devices import Device
@@ -80,6 +82,9 @@ class _Layer:
         self.next_router: _NextRouter | None = None
         self.previous: _NextRouter | None = None
         """The layer before's prediction of this one (counted when this one routes)."""
+        self._slots: tuple[Any, np.ndarray] | None = None
+        """The slot numbers on the experts' device (``int64[num_experts + 1]``) and the host
+        row they were copied from."""
 
     def _prefetch_next(self, hidden_states: Any, top_k: int) -> None:
         import torch
@@ -105,17 +110,32 @@ class _Layer:
         meanwhile = None if self.next_router is None else (
             lambda: self._prefetch_next(hidden_states, int(top_k_index.shape[-1])))
         return through_agent(off, self.layer, routed, self.views, self.num_experts,
-                              lambda slot_of: self._compute(hidden_states, slot_of, top_k_index,
-                                                            top_k_weights), meanwhile)
+                              lambda slot_of: self._compute(hidden_states, slot_of, list(routed),
+                                                            top_k_index, top_k_weights),
+                              meanwhile)
 
-    def _compute(self, hidden_states: Any, slot_of: Any, top_k_index: Any,
+    def _slots_on(self, device: Any, slot_of: Any, routed: list[int]) -> Any:
+        """``slot_of`` on ``device``, copied only when a routed expert's slot differs from the
+        row already there (the layer's kernels read the routed experts' entries only): with
+        the experts in the slots they held last time, no copy. A copy goes to a new tensor
+        (kernels still queued read the old one), from page-locked memory behind the stream's
+        waits."""
+        row = slot_of.numpy()
+        if self._slots is not None:
+            on_device, copied = self._slots
+            if on_device.device == device and np.array_equal(copied[routed], row[routed]):
+                return on_device
+        if device.type == "cuda":
+            slot_of = slot_of.pin_memory()
+        self._slots = slot_of.to(device, non_blocking=True), row.copy()
+        return self._slots[0]
+
+    def _compute(self, hidden_states: Any, slot_of: Any, routed: list[int], top_k_index: Any,
                  top_k_weights: Any) -> Any:
         """The experts module's own forward on the pool's views, ``top_k_index`` renumbered
         to slot numbers."""
         module = self.module
-        # Pinned where the layer waits on the stream (``acquire_layer``): copied behind the
-        # waits. ``is_pinned()`` asks the CUDA runtime (~140 us a call on a host without one).
-        slots = slot_of.to(top_k_index.device, non_blocking=True)[top_k_index]
+        slots = self._slots_on(top_k_index.device, slot_of, routed)[top_k_index]
         try:
             for param, view in self.views.tensors.items():
                 setattr(module, param, view)
