@@ -328,14 +328,7 @@ class AgentClient(PlacementCalls):
             raise ValueError(problem)
         if not 0 <= prefetch <= abi.MAX_ROUTE_PREFETCH:
             raise ValueError(f"prefetch {prefetch}: expected [0, {abi.MAX_ROUTE_PREFETCH}]")
-        index, experts = self._index(model), list(tokens)
-        last = len(experts) - 1
-        dev.channel.post(
-            [(abi.RequestOp.ROUTE, index, ExpertKey(model, layer, e)) for e in experts],
-            on_refusal=self._visit_refused,
-            routes=[(abi.RequestFlags.LAST if j == last else 0, tokens[e],
-                     prefetch if j == last else 0) for j, e in enumerate(experts)],
-            wake=Wake.RING if prefetch else Wake.LAZY)
+        dev.channel.post_visit(self._index(model), layer, tokens, prefetch, self._visit_refused)
         if prefetch:
             dev.device.doorbell.ring()
 

@@ -88,26 +88,44 @@ class ClientChannel:
 
     def post(self, entries: list[tuple[abi.RequestOp, int, ExpertKey]],
              on_refusal: Callable[[np.void], None] | None = None,
-             timeout: float = 5.0, routes: list[tuple[int, int, int]] | None = None,
-             wake: Wake = Wake.WAIT) -> list[int]:
-        """Publish ``(op, model index, key)`` entries with one fence and wake the agent's
-        loop as ``wake`` says; returns their ring positions. ``routes`` gives ROUTE entries
-        their ``(flags, count, prefetch)``, one per entry. ``on_refusal`` gets each reply that
-        is not OK (the OK ones are only retired), as the next posts find them; None: a handle
-        takes each reply (:meth:`take`).
-        Replies that came for earlier posts' callbacks are looked at after the entries are
-        published (the agent's work first). AgentUnavailable when the agent does not make room
-        within ``timeout`` seconds."""
-        n = len(entries)
-        if routes is not None and len(routes) != n:
-            raise ValueError(f"{len(routes)} route fields for {n} entries")
-        if n > self.capacity:
-            raise ValueError(f"{n} requests in one post; the channel holds {self.capacity}")
+             timeout: float = 5.0, wake: Wake = Wake.WAIT) -> list[int]:
+        """Publish ``(op, model index, key)`` entries (:meth:`publish`); returns their ring
+        positions."""
         for _, _, key in entries:
             problem = key_index_problem(key)
             if problem:
                 raise InvalidArgument(problem)
-        records = np.zeros(n, abi.REQUEST_DTYPE)
+        records = np.zeros(len(entries), abi.REQUEST_DTYPE)
+        records["opcode"] = [op for op, _, _ in entries]
+        records["model"] = [model for _, model, _ in entries]
+        records["layer"] = [key.layer for _, _, key in entries]
+        records["expert"] = [key.expert for _, _, key in entries]
+        return self.publish(records, on_refusal, timeout, wake)
+
+    def post_visit(self, model: int, layer: int, tokens: dict[int, int], prefetch: int,
+                   on_refusal: Callable[[np.void], None]) -> list[int]:
+        """One MoE layer's routing (``tokens[e]``: tokens that chose expert ``e``; checked by
+        the caller) as ROUTE entries, one per expert, the last flagged LAST with ``prefetch``;
+        the agent is woken only for a prefetch (:class:`Wake`)."""
+        records = np.zeros(len(tokens), abi.REQUEST_DTYPE)
+        records["opcode"] = abi.RequestOp.ROUTE
+        records["model"], records["layer"] = model, layer
+        records["expert"], records["count"] = list(tokens), list(tokens.values())
+        records["flags"][-1], records["prefetch"][-1] = abi.RequestFlags.LAST, prefetch
+        return self.publish(records, on_refusal, wake=Wake.RING if prefetch else Wake.LAZY)
+
+    def publish(self, records: np.ndarray, on_refusal: Callable[[np.void], None] | None = None,
+                timeout: float = 5.0, wake: Wake = Wake.WAIT) -> list[int]:
+        """Publish request ``records`` (``REQUEST_DTYPE[n]``; their ids, post time and seq are
+        set here) with one fence and wake the agent's loop as ``wake`` says; returns their
+        ring positions. ``on_refusal`` gets each reply that is not OK (the OK ones are only
+        retired), as the next posts find them; None: a handle takes each reply
+        (:meth:`take`). Replies that came for earlier posts' callbacks are looked at after
+        the entries are published (the agent's work first). AgentUnavailable when the agent
+        does not make room within ``timeout`` seconds."""
+        n = int(records.size)
+        if n > self.capacity:
+            raise ValueError(f"{n} requests in one post; the channel holds {self.capacity}")
         deadline = time.monotonic() + timeout
         with self._lock:
             while not self._has_room_locked(n):
@@ -120,11 +138,8 @@ class ClientChannel:
                                            f"({len(self._waiting)} unanswered)")
                 time.sleep(0)
             first = self.view.requests.produced
-            now = time.monotonic_ns()
-            for j, (op, model, key) in enumerate(entries):
-                flags, count, prefetch = routes[j] if routes is not None else (0, 0, 0)
-                records[j] = (self._next_id + j, int(op), flags, model, key.layer, key.expert,
-                              now, count, prefetch, 0)
+            records["request_id"] = np.arange(self._next_id, self._next_id + n)
+            records["posted_ns"] = time.monotonic_ns()
             self._next_id += n
             positions = list(range(first, first + n))
             for p in positions:
