@@ -42,7 +42,7 @@ class Wake(Enum):
     """Ring the doorbell and keep the CPU: the agent must act now, nobody waits (a release,
     a prefetch hint)."""
     LAZY = "lazy"
-    """No ring while the ring is less than half full: the agent reads the entries at its next
+    """No ring while half the ring or more is free: the agent reads the entries at its next
     wake (another post's ring, or the end of its doze: ``DOZE_SECONDS``, 50 ms), in order with
     what follows them. For what only informs the agent (a routing visit): a wake of a sleeping
     loop is a system call, and in a VM an interrupt of another CPU."""

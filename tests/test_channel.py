@@ -296,3 +296,42 @@ def test_a_slot_or_fault_status_outside_the_abi_is_named() -> None:
 
     assert status_text(int(abi.Status.CHECKSUM_MISMATCH)) == "CHECKSUM_MISMATCH"
     assert status_text(4242) == "status 4242 (not an abi.Status)"
+
+
+def test_a_lazy_post_rings_only_once_the_ring_is_half_full() -> None:
+    """A routing visit (``Wake.LAZY``) leaves a sleeping loop asleep while the request ring is
+    less than half full; the post that fills it to half rings the doorbell, as does any
+    waited post."""
+    from dpu_agent.dataplane.channels import DeviceChannel
+    from dpu_offload.bell import Bell
+    from dpu_offload.keys import ExpertKey
+    from host_client.requests import ClientChannel
+
+    agent = DeviceChannel(("s", 1), capacity=16)
+    bell = Bell.create("test-bell")
+    client = ClientChannel(agent.name, agent.size, bell)
+    bell._sleeping[0] = 1  # the loop says it sleeps
+    try:
+        for _ in range(3):  # 3 x 2 entries: 10 of 16 free
+            client.post_visit(0, 1, {2: 1, 5: 3}, 0, lambda reply: None)
+        assert int(bell._rings[0]) == 0
+        client.post_visit(0, 1, {2: 1, 5: 3}, 0, lambda reply: None)  # 8 of 16 free: half
+        assert int(bell._rings[0]) == 0
+        client.post_visit(0, 1, {2: 1}, 0, lambda reply: None)  # 7 free: past half
+        assert int(bell._rings[0]) == 1
+        client.post_visit(0, 1, {2: 1}, 1, lambda reply: None)  # a prefetch rings
+        assert int(bell._rings[0]) == 2
+        client.post([(abi.RequestOp.ACQUIRE, 0, ExpertKey("m", 1, 2))])
+        assert int(bell._rings[0]) == 3
+        first, batch = agent.take_requests()
+        assert batch.size == 11 and first == 0
+        assert batch["opcode"].tolist() == [abi.RequestOp.ROUTE] * 10 + [abi.RequestOp.ACQUIRE]
+        assert batch["flags"].tolist()[:2] == [0, abi.RequestFlags.LAST]
+        assert batch["count"].tolist()[:2] == [1, 3] and int(batch["prefetch"][9]) == 1
+        assert batch["expert"].tolist()[:2] == [2, 5] and int(batch["layer"][10]) == 1
+        assert batch["request_id"].tolist() == list(range(1, 12))
+    finally:
+        bell._sleeping[0] = 0
+        client.close()
+        agent.close()
+        bell.unlink()
