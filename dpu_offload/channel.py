@@ -196,30 +196,21 @@ class Channel:
         return self.replies[position % self.capacity].copy()
 
     def try_pin(self, index: int, word: int) -> bool:
-        """:meth:`try_pin_many` of one slot."""
-        return bool(self.try_pin_many(np.array([index], np.intp),
-                                      np.array([word], np.uint64))[0])
-
-    def try_pin_many(self, indices: np.ndarray, words: np.ndarray) -> np.ndarray:
-        """Take a pinned hit on each slot ``indices[j]`` (``intp[n]``) whose word
-        reads ``words[j]`` (``uint64[n]``: READY of the caller's generation): count the pins
-        and the touches, fence once, and read the words again; ``bool[n]``, True where the word
-        still reads as expected, else that pin is undone. The agent stores a slot's new word
-        before it reads the slot's pins (:meth:`pins_after`), so it sees this pin or this read
-        sees its word: a pinned slot is never given to another delivery. The caller serialises
-        its own threads (the pin table has one writer)."""
-        ok = self.words[indices] == words
-        taken = indices[ok]
-        if taken.size == 0:
-            return ok
-        np.add.at(self._touches, taken, np.uint32(1))  # mod 2^32; a slot twice: two pins
-        np.add.at(self._pin_counts, taken, np.uint32(1))
+        """Take a pinned hit on slot ``index`` if its word reads ``word`` (READY of the caller's
+        generation): count the pin and the touch, fence, and read the word again; True if it
+        still reads ``word``, else the pin is undone. The agent stores a slot's new word before
+        it reads the slot's pins (:meth:`pins_after`), so it sees this pin or this read sees its
+        word: a pinned slot is never given to another delivery. The caller serialises its own
+        threads (the pin table has one writer)."""
+        if int(self.words[index]) != word:
+            return False
+        self._touches[index] = (int(self._touches[index]) + 1) & 0xFFFFFFFF
+        self._pin_counts[index] = int(self._pin_counts[index]) + 1
         store_fence()
-        kept = self.words[taken] == words[ok]
-        if not kept.all():
-            self.unpin_many(taken[~kept])
-            ok[np.flatnonzero(ok)[~kept]] = False
-        return ok
+        if int(self.words[index]) == word:
+            return True
+        self.unpin(index)
+        return False
 
     def hold(self, index: int, generation: int) -> bool:
         """Hold a ``PIN_HELD`` grant of slot ``index``'s ``generation`` by a pin: count the
@@ -240,17 +231,9 @@ class Channel:
         return False
 
     def unpin(self, index: int) -> None:
-        """:meth:`unpin_many` of one slot."""
-        self.unpin_many(np.array([index], np.intp))
-
-    def unpin_many(self, indices: np.ndarray) -> None:
-        """Drop one pin on each slot of ``indices`` (``intp[n]``; a slot twice: two pins; the
-        caller took them with :meth:`try_pin_many` or :meth:`hold`)."""
-        drops: np.ndarray | int = 1
-        if len(set(indices.tolist())) < indices.size:
-            indices, drops = np.unique(indices, return_counts=True)
-        pins = self._pin_counts[indices]
-        self._pin_counts[indices] = np.where(pins > drops, pins - drops, 0)
+        """Drop one pin on slot ``index`` (the caller took it with :meth:`try_pin` or
+        :meth:`hold`)."""
+        self._pin_counts[index] = max(0, int(self._pin_counts[index]) - 1)
 
     def set_sleepers(self, count: int, address: int | None) -> None:
         """Publish how many of the client's threads are (about to be) asleep on words of this

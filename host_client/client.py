@@ -176,7 +176,7 @@ class AgentClient(PlacementCalls):
             raise self._outage  # the agent is away: no channel would answer this
         # Pinned hits first: an expert this client was granted and that still reads READY
         # there is held through the pin table, with nothing posted.
-        hits = dev.channel.pin_many(keys)
+        hits = [dev.channel.pin(k) for k in keys]
         if None in hits:
             dev.channel.announce()  # the agent's wake-up overlaps the post's making
         epoch, bell = self._epoch, dev.device.doorbell
@@ -348,7 +348,7 @@ class AgentClient(PlacementCalls):
             return
         if not wait:
             self.release_batch(dev, [key])
-        elif not dev.channel.unpin_many([key])[0]:
+        elif not dev.channel.unpin(key):
             entry = [(abi.RequestOp.RELEASE, self._index(key.model), key)]
             self._answer(dev, dev.channel.post(entry)[0])
 
@@ -364,8 +364,7 @@ class AgentClient(PlacementCalls):
         def refused(reply: np.void) -> None:
             log.warning("release on device %d failed: %s", dev.device_id, refusal_of(reply))
 
-        posted = [k for k, unpinned in zip(keys, dev.channel.unpin_many(keys), strict=True)
-                  if not unpinned]
+        posted = [k for k in keys if not dev.channel.unpin(k)]
         if posted:
             dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in posted],
                              on_refusal=refused, wake=Wake.RING)

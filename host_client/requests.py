@@ -169,25 +169,19 @@ class ClientChannel:
         with self._lock:
             self._granted[key] = (index, state_word(generation, abi.SlotState.READY), reply)
 
-    def pin_many(self, keys: list[ExpertKey]) -> list[np.void | None]:
-        """Pinned hits, one per key: the reply of ``keys[j]``'s last grant if that slot still
-        holds it READY, with a pin taken on it in the pin table (the agent will not give the
-        slot to another delivery until :meth:`unpin_many`); None where the agent must be
-        asked. One fence for all (``Channel.try_pin_many``)."""
-        out: list[np.void | None] = [None] * len(keys)
+    def pin(self, key: ExpertKey) -> np.void | None:
+        """A pinned hit: the reply of ``key``'s last grant if that slot still holds it READY,
+        with a pin taken on it in the pin table (the agent will not give the slot to another
+        delivery until :meth:`unpin`); None when the agent must be asked."""
         with self._lock:
-            granted = [(j, g) for j, g in enumerate(map(self._granted.get, keys))
-                       if g is not None]
-            if not granted:
-                return out
-            indices = np.array([g[0] for _, g in granted], np.intp)
-            ok = self.view.try_pin_many(indices, np.array([g[1] for _, g in granted],
-                                                          np.uint64))
-            for (j, (index, _, reply)), pinned in zip(granted, ok.tolist(), strict=True):
-                if pinned:
-                    self._pinned.setdefault(keys[j], []).append(index)
-                    out[j] = reply
-        return out
+            granted = self._granted.get(key)
+            if granted is None:
+                return None
+            index, word, reply = granted
+            if not self.view.try_pin(index, word):
+                return None
+            self._pinned.setdefault(key, []).append(index)
+            return reply
 
     def hold(self, key: ExpertKey, index: int, generation: int) -> bool:
         """Hold a ``PIN_HELD`` grant of ``key`` (slot-state ``index``, ``generation``) by a
@@ -198,36 +192,22 @@ class ClientChannel:
             self._pinned.setdefault(key, []).append(index)
             return True
 
-    def unpin(self, key: ExpertKey, index: int) -> bool:
-        """Drop the pin on ``key``'s slot-state ``index``; False when this client holds none
-        there."""
+    def unpin(self, key: ExpertKey, index: int | None = None) -> bool:
+        """Drop one pin on ``key`` (the one on slot-state ``index``, or the latest); False
+        when this client holds none (the reference is then the agent's to drop: post a
+        RELEASE)."""
         with self._lock:
             held = self._pinned.get(key)
-            if not held or index not in held:
+            if not held or (index is not None and index not in held):
                 return False
-            held.remove(index)
+            if index is None:
+                index = held.pop()
+            else:
+                held.remove(index)
+            self.view.unpin(index)
             if not held:
                 del self._pinned[key]
-            self.view.unpin(index)
             return True
-
-    def unpin_many(self, keys: list[ExpertKey]) -> list[bool]:
-        """Drop one pin on each of ``keys`` (its latest), with one store for all; False for a
-        key this client holds no pin on (the reference is then the agent's to drop: post a
-        RELEASE)."""
-        dropped: list[int] = []
-        out = []
-        with self._lock:
-            for key in keys:
-                held = self._pinned.get(key)
-                out.append(bool(held))
-                if held:
-                    dropped.append(held.pop())
-                    if not held:
-                        del self._pinned[key]
-            if dropped:
-                self.view.unpin_many(np.array(dropped, np.intp))
-        return out
 
     def _has_room_locked(self, n: int) -> bool:
         """Whether ``n`` more requests fit: free ring entries, and no reply entry they would

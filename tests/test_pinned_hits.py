@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dpu_agent.slots import CHECK_GRACE_SECONDS, SlotPool
@@ -46,26 +45,6 @@ def test_a_pinned_slot_is_not_given_to_another_delivery(pool: SlotPool) -> None:
     assert pool.allocate(ExpertKey("m", 0, 3)) == ia
     assert int(view.words[ia]) == state_word(pool.generation[ia], FILLING)
     assert not view.try_pin(ia, word_a)  # the generation moved on: no hit on it
-    assert int(view.pins["pins"][ia]) == 0
-
-
-def test_pins_taken_together_count_each_and_miss_a_moved_generation(pool: SlotPool) -> None:
-    """``try_pin_many``: one fence for several slots; a slot asked twice holds two pins, a slot
-    whose word moved on takes none (and keeps none), and ``unpin_many`` drops what was
-    taken, a slot twice dropping two, never below zero."""
-    a, b = ExpertKey("m", 0, 0), ExpertKey("m", 0, 1)
-    ia, ib = _fill(pool, a), _fill(pool, b)
-    view = pool.channel.view
-    word_a, word_b = (state_word(pool.generation[i], READY) for i in (ia, ib))
-    got = view.try_pin_many(np.array([ia, ib, ia], np.intp),
-                            np.array([word_a, word_b + (1 << abi.SLOT_STATE_BITS), word_a],
-                                     np.uint64))
-    assert got.tolist() == [True, False, True]
-    assert int(view.pins["pins"][ia]) == 2 and int(view.pins["pins"][ib]) == 0
-    assert pool.allocate(ExpertKey("m", 0, 2)) == ib  # a pinned twice: b goes
-    view.unpin_many(np.array([ia], np.intp))
-    assert int(view.pins["pins"][ia]) == 1
-    view.unpin_many(np.array([ia, ia], np.intp))
     assert int(view.pins["pins"][ia]) == 0
 
 
