@@ -22,19 +22,29 @@ from nic.nic import PACKET_RETRIES
 from tests.activation_serving import SETTINGS, dispatch_matches_dense, metrics, routing, serving
 
 
-class FlakyRxWorker(ExpertWorker):
-    """A worker whose rx ring has one payload byte of the last packet of each of its next
-    ``bad`` parts corrupted before the receiver reads it (a wire or NIC fault)."""
+class WireFaultWorker(ExpertWorker):
+    """A worker whose rx ring has the last packet of each of its next ``bad`` parts spoiled
+    (:meth:`spoil`) before the receiver reads it: a wire or NIC fault."""
 
     bad = 0
+
+    def spoil(self, rx, i: int) -> None:
+        raise NotImplementedError
 
     def _land(self, dst):
         rx = self.dev.rx.ring
         n = packet_twin.part_packets(rx)
         if n is not None and self.bad > 0:
             self.bad -= 1
-            rx.payload[(rx.consumed + n - 1) % rx.capacity, 0] ^= 0xFF
+            self.spoil(rx, (rx.consumed + n - 1) % rx.capacity)
         return super()._land(dst)
+
+
+class FlakyRxWorker(WireFaultWorker):
+    """One payload byte of the packet corrupted."""
+
+    def spoil(self, rx, i: int) -> None:
+        rx.payload[i, 0] ^= 0xFF
 
 
 def retransmits(agent: AgentProcess) -> float:
@@ -74,22 +84,16 @@ def test_corrupted_packets_are_caught_delivered_again_and_counted(qwen_ckpt: Pat
         assert retransmits(agent) == 2 + PACKET_RETRIES
 
 
-class EmptyingRxWorker(ExpertWorker):
-    """A worker whose rx ring has the last packet of its first part rewritten as a valid
-    empty one (length 0, checksum 0: the checksum of no bytes): nothing is refused, bytes are
-    missing (found by the request-ring's fuzz of the packet twin)."""
+class EmptyingRxWorker(WireFaultWorker):
+    """The first part's last packet rewritten as a valid empty one (length 0, checksum 0: the
+    checksum of no bytes): nothing is refused, bytes are missing (found by the request-ring's
+    fuzz of the packet twin)."""
 
     bad = 1
 
-    def _land(self, dst):
-        rx = self.dev.rx.ring
-        n = packet_twin.part_packets(rx)
-        if n is not None and self.bad > 0:
-            self.bad -= 1
-            i = (rx.consumed + n - 1) % rx.capacity
-            rx.entries[i:i + 1]["length"] = 0
-            rx.entries[i:i + 1]["checksum"] = 0
-        return super()._land(dst)
+    def spoil(self, rx, i: int) -> None:
+        rx.entries[i:i + 1]["length"] = 0
+        rx.entries[i:i + 1]["checksum"] = 0
 
 
 def test_a_part_delivered_short_is_delivered_again(qwen_ckpt: Path) -> None:
