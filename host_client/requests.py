@@ -33,6 +33,7 @@ NAP_SECONDS = 0.005
 CHECK_SECONDS = 0.05
 """How often a waiting handle checks the device and the agent connection."""
 
+
 class Wake(Enum):
     """What a post does to the agent's loop once its entries are published."""
 
