@@ -303,20 +303,21 @@ class ClientChannel:
             return
         store_fence()  # the seq words above before the replies' other fields
         done = [callbacks.popleft() for _ in range(came)]
-        at = np.array(done) % self.capacity
-        for p, i, status in zip(done, at.tolist(), view.replies["status"][at].tolist(),
-                                strict=True):
-            on_refusal = waiting.pop(p, None)
-            if on_refusal is not None and status != abi.RequestStatus.OK:
-                on_refusal(view.replies[i].copy())
+        self._retire_all([p for p in done if p in waiting])
 
-    def _retire(self, position: int, on_refusal: Callable[[np.void], None] | None,
-                reply: np.void) -> None:
-        """The reply to ``position`` came: kept for its handle, or its refusal handed over."""
-        if on_refusal is None:
-            self._taken[position] = reply.copy()
-        elif int(reply["status"]) != abi.RequestStatus.OK:
-            on_refusal(reply.copy())
+    def _retire_all(self, positions: list[int]) -> None:
+        """The replies to ``positions`` (all still waiting) came: each kept for its handle, or
+        its refusal handed to its callback (the OK ones only forgotten). Their statuses are
+        read in one gather; only what is kept or refused is copied."""
+        replies = self.view.replies
+        at = np.array(positions, np.intp) % self.capacity
+        for p, i, status in zip(positions, at.tolist(), replies["status"][at].tolist(),
+                                strict=True):
+            on_refusal = self._waiting.pop(p)
+            if on_refusal is None:
+                self._taken[p] = replies[i].copy()
+            elif status != abi.RequestStatus.OK:
+                on_refusal(replies[i].copy())
 
     def _sweep_locked(self) -> None:
         """Take every reply that came (for callbacks, or kept for their handles)."""
@@ -326,10 +327,7 @@ class ClientChannel:
         last = self.view.requests.produced
         done = np.flatnonzero(self.view.answered(first, last))
         store_fence()  # the seq words above before the replies' other fields
-        for k in done.tolist():
-            p = first + k
-            if p in self._waiting:
-                self._retire(p, self._waiting.pop(p), self.view.replies[p % self.capacity])
+        self._retire_all([p for p in (first + done).tolist() if p in self._waiting])
 
     def check(self) -> None:
         """AgentUnavailable when the agent stopped serving this channel."""
