@@ -66,6 +66,10 @@ class AgentSession:
         """Between the agent going away and the recovery: requests fail at once."""
         self._outage: BaseException = AgentUnavailable("the agent went away")
         self._closed = threading.Event()
+        self._restoring = threading.RLock()
+        """Held by a recovery while it opens a new session and restores, and by ``close``
+        while it ends the session and releases: a close waits for a restore under way, and a
+        recovery after a close restores nothing."""
         self.reconnected = threading.Event()
         """Set each time the client has re-created its session after the agent came back."""
         self.generation = 0
@@ -134,11 +138,14 @@ class AgentSession:
             ready = grpc.channel_ready_future(self.channel)
             try:
                 ready.result(timeout=pause)
-                self._open_session()
-                self._restore()
-                self.generation += 1
-                self._epoch += 1  # a handle posted on a dead channel before this never resolves
-                self._down = False
+                with self._restoring:
+                    if self._closed.is_set():
+                        return
+                    self._open_session()
+                    self._restore()
+                    self.generation += 1
+                    self._epoch += 1  # a handle posted on a dead channel before never resolves
+                    self._down = False
                 self.reconnected.set()
                 return
             except (grpc.FutureTimeoutError, grpc.RpcError):
@@ -170,12 +177,13 @@ class AgentSession:
         if self._closed.is_set():
             return
         self._closed.set()
-        try:
-            self.stub.CloseSession(self._ref, timeout=5)
-        except grpc.RpcError:
-            pass
-        self._events.cancel()
-        self._release()
+        with self._restoring:  # the session a recovery under way opens is the one ended here
+            try:
+                self.stub.CloseSession(self._ref, timeout=5)
+            except grpc.RpcError:
+                pass
+            self._events.cancel()
+            self._release()
         self._fail_all(AgentUnavailable("client closed"))
         # A recovery in progress polls the channel for up to a second; let it see the close
         # before the channel goes away under its polling thread.
