@@ -55,6 +55,7 @@ def _instrument(times: dict[str, list[float]]) -> None:
     from host_client.handles import AcquireHandle
     from host_client.slot_checks import StreamWait
 
+    _instrument_grouped_mm(times, "grouped_mm function (in _compute)")
     for owner, attr, name in [
             (ht, "routed_experts", "routed_experts"),
             (AgentClient, "acquire_batch", "acquire_batch"),
@@ -62,6 +63,7 @@ def _instrument(times: dict[str, list[float]]) -> None:
             (AgentClient, "wait_all", "wait_all"),
             (AcquireHandle, "enqueue_wait", "enqueue_wait (each)"),
             (ht._Layer, "_compute", "_compute"),
+            (ht._Layer, "_slots_on", "_slots_on (in _compute)"),
             (lf, "_synchronize", "_synchronize"),
             (StreamWait, "check", "StreamWait.check (each)"),
             (AgentClient, "release_batch", "release_batch"),
@@ -72,6 +74,15 @@ def _instrument(times: dict[str, list[float]]) -> None:
         setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
 
 
+def _instrument_grouped_mm(times: dict[str, list[float]], name: str) -> None:
+    """Time transformers' grouped_mm experts function itself (the experts module's forward
+    less its dispatch, and, offloaded, less the views' swap and the slot numbers)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    mapping = ALL_EXPERTS_FUNCTIONS._global_mapping
+    mapping["grouped_mm"] = _wrap(times, name, mapping["grouped_mm"])
+
+
 def _timed_resident(model: Any, new: int) -> dict[str, list[float]]:
     """The resident experts modules' forward, each call timed, over one ``generate``."""
     from host_client.integrations.moe_modules import experts_modules
@@ -80,10 +91,16 @@ def _timed_resident(model: Any, new: int) -> dict[str, list[float]]:
     owner = type(next(module for _, module in experts_modules(model)))
     original = owner.forward
     owner.forward = _wrap(times, "experts forward (resident)", original)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    mapping = ALL_EXPERTS_FUNCTIONS._global_mapping
+    grouped = mapping["grouped_mm"]
+    _instrument_grouped_mm(times, "grouped_mm function (resident)")
     try:
         timed_generate(model, 1, 16, new, None)
     finally:
         owner.forward = original
+        mapping["grouped_mm"] = grouped
     return times
 
 

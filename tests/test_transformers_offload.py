@@ -325,27 +325,28 @@ def test_loading_a_model_without_experts_modules_is_refused(tmp_path) -> None:
 
 
 def test_the_slot_numbers_go_to_the_device_only_when_a_routed_expert_moved() -> None:
-    """A layer keeps its slot numbers on the experts' device: the same routed experts in the
-    same slots reuse that row (no copy), a change in an entry the kernels do not read (an
-    expert not routed) too; a routed expert in another slot gets a new row."""
+    """A layer keeps each window's slot numbers on the experts' device: the same routed
+    experts in the same slots reuse that row (no copy), a change in an entry the kernels do
+    not read (an expert not routed) too; a routed expert in another slot gets a new row."""
     import numpy as np
     import torch
 
+    from host_client.integrations.pool_views import Window
     from host_client.integrations.transformers import _Layer
 
     layer = object.__new__(_Layer)
-    layer._slots = None
-    cpu = torch.device("cpu")
+    layer._slots = {}
+    cpu, window = torch.device("cpu"), Window(0, 9, {})
 
-    def row(**slots: int) -> torch.Tensor:
+    def row(**slots: int) -> np.ndarray:
         r = np.full(5, 9, np.int64)
         for e, s in slots.items():
             r[int(e[1:])] = s
-        return torch.from_numpy(r)
+        return r
 
-    first = layer._slots_on(cpu, row(e0=3, e2=5), [0, 2])
+    first = layer._slots_on(window, cpu, row(e0=3, e2=5), [0, 2])
     assert first.tolist() == [3, 9, 5, 9, 9]
-    assert layer._slots_on(cpu, row(e0=3, e2=5), [0, 2]) is first
-    assert layer._slots_on(cpu, row(e0=3, e1=7), [0]) is first  # entry 1 is not read
-    moved = layer._slots_on(cpu, row(e0=4, e2=5), [0, 2])
+    assert layer._slots_on(window, cpu, row(e0=3, e2=5), [0, 2]) is first
+    assert layer._slots_on(window, cpu, row(e0=3, e1=7), [0]) is first  # entry 1 is not read
+    moved = layer._slots_on(window, cpu, row(e0=4, e2=5), [0, 2])
     assert moved is not first and moved.tolist() == [4, 9, 5, 9, 9]

@@ -6,6 +6,7 @@ strided view over the whole pool. Slot ``s`` of a view is the parameter of the e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,21 @@ from dpu_offload.v1 import agent_pb2 as pb
 from host_client.integrations.moe_modules import OffloadError
 from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
 from host_client.registration import AttachedDevice
+
+MAX_GROUPS = 1023
+"""The most slots one experts forward spans: an experts implementation computes over a view's
+``[slots, ...]`` as groups, and torch's grouped GEMM on Hopper and Blackwell (``grouped_mm``,
+CUTLASS) refuses 1,024 groups or more."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """A run of ``count`` consecutive slots from ``first``, and the views of its slots
+    (``[count, ...]``, zero-copy)."""
+
+    first: int
+    count: int
+    tensors: dict[str, Any]
 
 
 @dataclass
@@ -27,6 +43,15 @@ class PoolViews:
     def on_gpu(self) -> bool:
         """Whether the pool is CUDA memory (its experts can be awaited on a stream)."""
         return next(iter(self.tensors.values())).is_cuda
+
+    def windows(self, limit: int = MAX_GROUPS) -> list[Window]:
+        """The pool cut into the fewest runs of consecutive slots of at most ``limit`` each,
+        near-equal in size (one run, the whole pool, where it fits)."""
+        runs = math.ceil(self.slots / limit)
+        size = math.ceil(self.slots / runs)
+        return [Window(first, min(size, self.slots - first),
+                       {p: t[first:first + size] for p, t in self.tensors.items()})
+                for first in range(0, self.slots, size)]
 
 
 def _torch_pool(dev: AttachedDevice, region_id: int, spec: SlotPoolSpec) -> Any:

@@ -46,7 +46,7 @@ from host_client.integrations.moe_modules import (
     load_without_experts,
     scaled_input_blocks,
 )
-from host_client.integrations.pool_views import PoolViews, pool_views
+from host_client.integrations.pool_views import PoolViews, Window, pool_views
 from host_client.memory import SlotPoolSpec
 from host_client.registration import AttachedDevice
 
@@ -82,9 +82,12 @@ class _Layer:
         self.next_router: _NextRouter | None = None
         self.previous: _NextRouter | None = None
         """The layer before's prediction of this one (counted when this one routes)."""
-        self._slots: tuple[Any, np.ndarray] | None = None
-        """The slot numbers on the experts' device (``int64[num_experts + 1]``) and the host
-        row they were copied from."""
+        self.windows = views.windows()
+        """The pool in runs of at most ``MAX_GROUPS`` slots (one, where it fits), each computed
+        by a forward of its own."""
+        self._slots: dict[int, tuple[Any, np.ndarray]] = {}
+        """Per window (its first slot): the slot numbers on the experts' device
+        (``int64[num_experts + 1]``) and the host row they were copied from."""
 
     def _prefetch_next(self, hidden_states: Any, top_k: int) -> None:
         import torch
@@ -114,36 +117,60 @@ class _Layer:
                                                             top_k_index, top_k_weights),
                               meanwhile)
 
-    def _slots_on(self, device: Any, slot_of: Any, routed: list[int]) -> Any:
-        """``slot_of`` on ``device``, copied only when a routed expert's slot differs from the
-        row already there (the layer's kernels read the routed experts' entries only): with
-        the experts in the slots they held last time, no copy. A copy goes to a new tensor
-        (kernels still queued read the old one), from page-locked memory behind the stream's
-        waits."""
-        row = slot_of.numpy()
-        if self._slots is not None:
-            on_device, copied = self._slots
+    def _slots_on(self, window: Window, device: Any, row: np.ndarray, routed: list[int]
+                  ) -> Any:
+        """``row`` (the window's slot numbers, ``int64[num_experts + 1]``) on ``device``,
+        copied only when a routed expert's entry differs from the row already there (the
+        layer's kernels read the routed experts' entries only): with the experts in the slots
+        they held last time, no copy. A copy goes to a new tensor (kernels still queued read
+        the old one), from page-locked memory behind the stream's waits."""
+        import torch
+
+        kept = self._slots.get(window.first)
+        if kept is not None:
+            on_device, copied = kept
             if on_device.device == device and np.array_equal(copied[routed], row[routed]):
                 return on_device
+        table = torch.from_numpy(row)
         if device.type == "cuda":
-            slot_of = slot_of.pin_memory()
-        self._slots = slot_of.to(device, non_blocking=True), row.copy()
-        return self._slots[0]
+            table = table.pin_memory()
+        self._slots[window.first] = table.to(device, non_blocking=True), row
+        return self._slots[window.first][0]
 
     def _compute(self, hidden_states: Any, slot_of: Any, routed: list[int], top_k_index: Any,
                  top_k_weights: Any) -> Any:
         """The experts module's own forward on the pool's views, ``top_k_index`` renumbered
-        to slot numbers."""
+        to slot numbers; on a pool of more than ``MAX_GROUPS`` slots, one forward per window
+        that holds a routed expert (the others' experts renumbered to the window's size: an
+        expert-parallel sentinel, which the experts implementations leave out), summed."""
+        slots, rows = slot_of.numpy(), []
+        for window in self.windows:
+            inside = (slots >= window.first) & (slots < window.first + window.count)
+            if inside[routed].any() or (window is self.windows[-1] and not rows):
+                rows.append((window, np.where(inside, slots - window.first, window.count)))
+        out = None
+        for window, row in rows:
+            part = self._forward(window, hidden_states,
+                                 self._slots_on(window, top_k_index.device, row,
+                                                routed)[top_k_index], top_k_weights)
+            out = part if out is None else out.add_(part)
+        return out
+
+    def _forward(self, window: Window, hidden_states: Any, slots: Any, top_k_weights: Any
+                 ) -> Any:
+        """The module's forward with its parameters pointing at ``window``'s views."""
         module = self.module
-        slots = self._slots_on(top_k_index.device, slot_of, routed)[top_k_index]
+        sentinels = getattr(module, "_is_expert_parallel", False)
         try:
-            for param, view in self.views.tensors.items():
+            for param, view in window.tensors.items():
                 setattr(module, param, view)
-            module.num_experts = self.views.slots
+            module.num_experts = window.count
+            module._is_expert_parallel = len(self.windows) > 1
             return self.forward(module, hidden_states, slots, top_k_weights)
         finally:
             module.num_experts = self.num_experts
-            for param in self.views.tensors:
+            module._is_expert_parallel = sentinels
+            for param in window.tensors:
                 setattr(module, param, None)
 
 

@@ -1,0 +1,99 @@
+"""A slot pool larger than one grouped GEMM takes (``MAX_GROUPS`` slots): each layer computes
+one forward per window of the pool that holds a routed expert, the others' experts renumbered
+to an expert-parallel sentinel, and sums them; the logits and ``generate()`` output equal the
+resident model's, in every experts implementation transformers has for CPU and GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from host_client import AgentClient, CpuReferenceDevice
+from host_client.launcher import AgentProcess
+from tests.test_transformers_checkpoints import COMMON, INTER
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from host_client.integrations.pool_views import MAX_GROUPS  # noqa: E402
+from host_client.integrations.transformers import _Layer, offload_experts  # noqa: E402
+
+EXPERTS_PER_LAYER, LAYERS = 520, 2
+"""1,040 experts: a pool of every one is two windows of 520 slots."""
+
+
+def _wide_model(dtype: Any) -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": LAYERS,
+                                         "num_experts_per_tok": 8, "moe_intermediate_size": INTER,
+                                         "intermediate_size": 96,
+                                         "num_experts": EXPERTS_PER_LAYER})
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+
+
+def _windows_computed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The first slot of each window a layer's forward computed, in order."""
+    seen: list[int] = []
+    forward = _Layer._forward
+
+    def spy(self: _Layer, window: Any, *args: Any) -> Any:
+        seen.append(window.first)
+        return forward(self, window, *args)
+
+    monkeypatch.setattr(_Layer, "_forward", spy)
+    return seen
+
+
+def _serve(model: Any, path: Any, device: Any, implementation: str, ids: Any,
+           monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, list[int]]:
+    """The resident model's logits and greedy tokens, then the offloaded model's, and the
+    windows it computed."""
+    model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        want = model(ids).logits, model.generate(ids, max_new_tokens=3, do_sample=False)
+    slots = EXPERTS_PER_LAYER * LAYERS
+    arena = f'[arena]\nbytes = "{slots * 3 * 64 * INTER * 4 + (32 << 20)}"\n'
+    with AgentProcess(arena) as agent, AgentClient(agent.address) as client:
+        offload = offload_experts(model, client, path, device, cache=1.0)
+        layer = next(iter(offload.layers.values())).forward
+        assert [w.count for w in layer.windows] == [EXPERTS_PER_LAYER] * 2
+        seen = _windows_computed(monkeypatch)
+        with torch.no_grad():
+            got = model(ids).logits, model.generate(ids, max_new_tokens=3, do_sample=False)
+        offload.settle()
+    return want, got, seen
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_a_pool_of_more_slots_than_one_grouped_gemm_takes(tmp_path, implementation: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    assert EXPERTS_PER_LAYER * LAYERS > MAX_GROUPS
+    model = _wide_model(torch.float32)
+    model.save_pretrained(tmp_path / "wide")
+    ids = torch.arange(96).reshape(1, 96) % COMMON["vocab_size"]
+    (want, want_tokens), (got, got_tokens), seen = _serve(
+        model, tmp_path / "wide", CpuReferenceDevice(), implementation, ids, monkeypatch)
+    # Each window's sum is rounded before the two are added: float32, not bit-equal.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_tokens, want_tokens)
+    assert set(seen) == {0, EXPERTS_PER_LAYER}, "the second window was never computed"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_pool_of_more_slots_than_one_grouped_gemm_takes(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 on the GPU with transformers' grouped_mm (CUTLASS on Hopper: 1,024 groups
+    refused): the model's output within bfloat16 rounding of the resident's (each window's
+    sum rounded), the greedy tokens equal."""
+    from host_client.cuda_device import CudaDevice
+
+    model = _wide_model(torch.bfloat16)
+    model.save_pretrained(tmp_path / "wide")
+    model = model.to("cuda")
+    ids = (torch.arange(96).reshape(1, 96) % COMMON["vocab_size"]).to("cuda")
+    (want, want_tokens), (got, got_tokens), seen = _serve(
+        model, tmp_path / "wide", CudaDevice(0), "grouped_mm", ids, monkeypatch)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(got_tokens, want_tokens)
+    assert set(seen) == {0, EXPERTS_PER_LAYER}
