@@ -14,6 +14,10 @@ model's tokens per second (the same implementation), so ``per_layer_excess_us`` 
 time per token beyond the resident's, per MoE layer) says how much the parts must explain, and
 the resident experts module's forward timed the same way in a run of its own
 (``resident_parts``), so ``_compute`` is read against what the resident layer spends on it.
+And a ceiling (``ceiling_tokens_per_s``): the offloaded model once more, each layer computing
+on the pool's views straight from a device table of the slots its experts held (recorded in
+the offload run), with no routing copy, no agent and no wait: what any design that keeps the
+slot pool (the GPU asking for its own experts) could reach.
 
     python bench/layer_parts.py --device cuda [--cache 0.5] [--new-tokens 64] [--shrink 1]
 """
@@ -104,6 +108,49 @@ def _timed_resident(model: Any, new: int) -> dict[str, list[float]]:
     return times
 
 
+def _record_slots(tables: dict[int, Any]) -> Callable[[], None]:
+    """While installed, each offloaded layer's slot numbers, as it sends them to the device,
+    are kept per layer (expert -> slot, ``int64[num_experts + 1]``, merged over the run's
+    forwards); returns the function that uninstalls it."""
+    import numpy as np
+
+    import host_client.integrations.transformers as ht
+
+    slots_on = ht._Layer._slots_on
+
+    def recording(self: Any, window: Any, device: Any, row: Any, routed: list[int]) -> Any:
+        table = tables.setdefault(self.layer, np.full(row.shape, window.count, np.int64))
+        table[routed] = row[routed]
+        return slots_on(self, window, device, row, routed)
+
+    ht._Layer._slots_on = recording
+    return lambda: setattr(ht._Layer, "_slots_on", slots_on)
+
+
+def _ceiling(model: Any, tables: dict[int, Any], new: int) -> tuple[float, Any]:
+    """(tokens per second, output ids) of ``generate`` with each offloaded layer computing on
+    the pool's views straight from a device table of the slots its experts held in the
+    offload run: no routing copy, nothing asked of the agent, nothing waited on. The ceiling of
+    any design that keeps the slot pool and its views (the GPU asking for its own experts)."""
+    import torch
+
+    import host_client.integrations.transformers as ht
+
+    on_device = {layer: torch.from_numpy(t).to(model.device) for layer, t in tables.items()}
+    call = ht._Layer.__call__
+
+    def direct(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        window, = self.windows
+        return self._forward(window, hidden_states, on_device[self.layer][top_k_index],
+                             top_k_weights)
+
+    ht._Layer.__call__ = direct
+    try:
+        return timed_generate(model, 1, 16, new, None)
+    finally:
+        ht._Layer.__call__ = call
+
+
 def _table(times: dict[str, list[float]], calls: int) -> dict[str, dict[str, float]]:
     return {name: {"calls_per_layer": len(v) / calls, "p50_us": median(v) * 1e6,
                    "per_layer_us": sum(v) / calls * 1e6} for name, v in times.items()}
@@ -130,14 +177,20 @@ def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[s
             off = offload_experts(model, client, path, made, cache=cache, delivery="engine")
             timed_generate(model, 1, 16, new, None)  # the arena and the pool filled
             times: dict[str, list[float]] = {}
+            tables: dict[int, Any] = {}
+            uninstall = _record_slots(tables)
             _instrument(times)
             hits0, acquired0 = off.hits, off.experts_acquired
-            offload, _ = timed_generate(model, 1, 16, new, None)
+            offload, offload_ids = timed_generate(model, 1, 16, new, None)
             off.settle()
+            uninstall()
+            ceiling, ceiling_ids = _ceiling(model, tables, new)
     calls = len(times["_Layer.__call__ (the layer)"])
     return {"arch": "qwen3-30b-a3b", "layers": layers, "shrink": shrink, "cache": cache,
             "new_tokens": new, "resident_tokens_per_s": resident,
             "offload_tokens_per_s": offload,
+            "ceiling_tokens_per_s": ceiling,
+            "ceiling_outputs_equal": bool((ceiling_ids == offload_ids).all()),
             "per_layer_excess_us": (1 / offload - 1 / resident) / layers * 1e6,
             "hit_rate": (off.hits - hits0) / max(1, off.experts_acquired - acquired0),
             "layer_calls": calls, "parts": _table(times, calls),
@@ -159,7 +212,10 @@ def main() -> int:
     r = run(a.device, a.cache, a.new_tokens, shrink, a.layers)
     print(f"resident {r['resident_tokens_per_s']:.1f} tok/s, offload "
           f"{r['offload_tokens_per_s']:.1f} (hit rate {r['hit_rate']:.2f}): "
-          f"{r['per_layer_excess_us']:.0f} us per MoE layer beyond the resident run")
+          f"{r['per_layer_excess_us']:.0f} us per MoE layer beyond the resident run; "
+          f"the pool's views from a device table, nothing asked: "
+          f"{r['ceiling_tokens_per_s']:.1f} tok/s (outputs equal the offload's: "
+          f"{r['ceiling_outputs_equal']})")
     for name, p in [*r["parts"].items(), *r["resident_parts"].items()]:
         print(f"  {name:52s} x{p['calls_per_layer']:4.1f}  p50 {p['p50_us']:8.1f} us  "
               f"per layer {p['per_layer_us']:8.1f} us")
