@@ -17,7 +17,10 @@ the resident experts module's forward timed the same way in a run of its own
 And a ceiling (``ceiling_tokens_per_s``): the offloaded model once more, each layer computing
 on the pool's views straight from a device table of the slots its experts held (recorded in
 the offload run), with no routing copy, no agent and no wait: what any design that keeps the
-slot pool (the GPU asking for its own experts) could reach.
+slot pool (the GPU asking for its own experts) could reach. And the resident model once
+more, a copy loaded before the agent started and run while it (its data-plane loop, its
+DMA-engine process) is up (``resident_beside_agent_*``): the host's own slowdown from those
+processes, which the offloaded run pays too.
 
     python bench/layer_parts.py --device cuda [--cache 0.5] [--new-tokens 64] [--shrink 1]
 """
@@ -25,12 +28,13 @@ slot pool (the GPU asking for its own experts) could reach.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,40 +55,67 @@ def _wrap(times: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> C
     return timed
 
 
-def _instrument(times: dict[str, list[float]]) -> None:
-    """Wrap each part of a layer's forward (module attributes, so every caller sees them)."""
+@contextlib.contextmanager
+def _patched(replacements: list[tuple[Any, str, Callable[[Any], Any]]]) -> Iterator[None]:
+    """While open, each ``(owner, name, make)``: the owner's attribute (or, for a dict, its
+    key) replaced by ``make(what was there)``; a static method stays static."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for owner, name, make in replacements:
+            if isinstance(owner, dict):
+                saved.append((owner, name, owner[name]))
+                owner[name] = make(owner[name])
+                continue
+            raw = inspect.getattr_static(owner, name)
+            saved.append((owner, name, raw))
+            made = make(getattr(owner, name))
+            setattr(owner, name, staticmethod(made) if isinstance(raw, staticmethod) else made)
+        yield
+    finally:
+        for owner, name, raw in reversed(saved):
+            if isinstance(owner, dict):
+                owner[name] = raw
+            else:
+                setattr(owner, name, raw)
+
+
+def _timed(times: dict[str, list[float]], parts: list[tuple[Any, str, str]]
+           ) -> contextlib.AbstractContextManager[None]:
+    """While open, each ``(owner, attribute, name)`` of ``parts`` is timed into ``times``
+    under ``name`` (module or class attributes, so every caller sees them)."""
+    return _patched([(owner, attr, functools.partial(_wrap, times, name))
+                     for owner, attr, name in parts])
+
+
+def _grouped_mm() -> dict[str, Any]:
+    """transformers' experts functions by name: ``grouped_mm`` is the experts module's forward
+    less its dispatch (and, offloaded, less the views' swap and the slot numbers)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ALL_EXPERTS_FUNCTIONS._global_mapping
+
+
+def _layer_parts() -> list[tuple[Any, str, str]]:
+    """Each part of an offloaded layer's forward."""
     import host_client.integrations.layer_fetch as lf
     import host_client.integrations.transformers as ht
     from host_client.client import AgentClient
     from host_client.handles import AcquireHandle
     from host_client.slot_checks import StreamWait
 
-    _instrument_grouped_mm(times, "grouped_mm function (in _compute)")
-    for owner, attr, name in [
-            (ht, "routed_experts", "routed_experts"),
+    return [(ht, "routed_experts", "routed_experts"),
             (AgentClient, "acquire_batch", "acquire_batch"),
             (AgentClient, "report_visit", "report_visit"),
             (AgentClient, "wait_all", "wait_all"),
             (AcquireHandle, "enqueue_wait", "enqueue_wait (each)"),
             (ht._Layer, "_compute", "_compute"),
             (ht._Layer, "_slots_on", "_slots_on (in _compute)"),
+            (_grouped_mm(), "grouped_mm", "grouped_mm function (in _compute)"),
             (lf, "_synchronize", "_synchronize"),
             (StreamWait, "check", "StreamWait.check (each)"),
             (AgentClient, "release_batch", "release_batch"),
             (lf, "acquire_layer", "acquire_layer (all of the above before _compute)"),
-            (ht._Layer, "__call__", "_Layer.__call__ (the layer)")]:
-        wrapped = _wrap(times, name, getattr(owner, attr))
-        static = isinstance(inspect.getattr_static(owner, attr), staticmethod)
-        setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
-
-
-def _instrument_grouped_mm(times: dict[str, list[float]], name: str) -> None:
-    """Time transformers' grouped_mm experts function itself (the experts module's forward
-    less its dispatch, and, offloaded, less the views' swap and the slot numbers)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    mapping = ALL_EXPERTS_FUNCTIONS._global_mapping
-    mapping["grouped_mm"] = _wrap(times, name, mapping["grouped_mm"])
+            (ht._Layer, "__call__", "_Layer.__call__ (the layer)")]
 
 
 def _timed_resident(model: Any, new: int) -> dict[str, list[float]]:
@@ -93,38 +124,27 @@ def _timed_resident(model: Any, new: int) -> dict[str, list[float]]:
 
     times: dict[str, list[float]] = {}
     owner = type(next(module for _, module in experts_modules(model)))
-    original = owner.forward
-    owner.forward = _wrap(times, "experts forward (resident)", original)
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    mapping = ALL_EXPERTS_FUNCTIONS._global_mapping
-    grouped = mapping["grouped_mm"]
-    _instrument_grouped_mm(times, "grouped_mm function (resident)")
-    try:
+    with _timed(times, [(owner, "forward", "experts forward (resident)"),
+                        (_grouped_mm(), "grouped_mm", "grouped_mm function (resident)")]):
         timed_generate(model, 1, 16, new, None)
-    finally:
-        owner.forward = original
-        mapping["grouped_mm"] = grouped
     return times
 
 
-def _record_slots(tables: dict[int, Any]) -> Callable[[], None]:
-    """While installed, each offloaded layer's slot numbers, as it sends them to the device,
-    are kept per layer (expert -> slot, ``int64[num_experts + 1]``, merged over the run's
-    forwards); returns the function that uninstalls it."""
+def _recording_slots(tables: dict[int, Any]) -> contextlib.AbstractContextManager[None]:
+    """While open, each offloaded layer's slot numbers, as it sends them to the device, are
+    kept per layer (expert -> slot, ``int64[num_experts + 1]``, merged over the forwards)."""
     import numpy as np
 
     import host_client.integrations.transformers as ht
 
-    slots_on = ht._Layer._slots_on
+    def recording(slots_on: Callable[..., Any]) -> Callable[..., Any]:
+        def record(self: Any, window: Any, device: Any, row: Any, routed: list[int]) -> Any:
+            table = tables.setdefault(self.layer, np.full(row.shape, window.count, np.int64))
+            table[routed] = row[routed]
+            return slots_on(self, window, device, row, routed)
+        return record
 
-    def recording(self: Any, window: Any, device: Any, row: Any, routed: list[int]) -> Any:
-        table = tables.setdefault(self.layer, np.full(row.shape, window.count, np.int64))
-        table[routed] = row[routed]
-        return slots_on(self, window, device, row, routed)
-
-    ht._Layer._slots_on = recording
-    return lambda: setattr(ht._Layer, "_slots_on", slots_on)
+    return _patched([(ht._Layer, "_slots_on", recording)])
 
 
 def _ceiling(model: Any, tables: dict[int, Any], new: int) -> tuple[float, Any]:
@@ -137,18 +157,14 @@ def _ceiling(model: Any, tables: dict[int, Any], new: int) -> tuple[float, Any]:
     import host_client.integrations.transformers as ht
 
     on_device = {layer: torch.from_numpy(t).to(model.device) for layer, t in tables.items()}
-    call = ht._Layer.__call__
 
     def direct(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
         window, = self.windows
         return self._forward(window, hidden_states, on_device[self.layer][top_k_index],
                              top_k_weights)
 
-    ht._Layer.__call__ = direct
-    try:
+    with _patched([(ht._Layer, "__call__", lambda _: direct)]):
         return timed_generate(model, 1, 16, new, None)
-    finally:
-        ht._Layer.__call__ = call
 
 
 def _table(times: dict[str, list[float]], calls: int) -> dict[str, dict[str, float]]:
@@ -169,6 +185,8 @@ def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[s
         timed_generate(model, 1, 16, new, None)  # warm-up
         resident, _ = timed_generate(model, 1, 16, new, None)
         resident_times = _timed_resident(model, new)
+        twin = load(path, torch_device)  # resident beside the agent, later
+        twin.set_experts_implementation("grouped_mm")
         experts_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                            if ".experts." in n)
         arena = f'[arena]\nbytes = "{int(experts_bytes * 1.1) + (64 << 20)}"\n'
@@ -178,23 +196,25 @@ def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[s
             timed_generate(model, 1, 16, new, None)  # the arena and the pool filled
             times: dict[str, list[float]] = {}
             tables: dict[int, Any] = {}
-            uninstall = _record_slots(tables)
-            _instrument(times)
             hits0, acquired0 = off.hits, off.experts_acquired
-            offload, offload_ids = timed_generate(model, 1, 16, new, None)
-            off.settle()
-            uninstall()
+            with _recording_slots(tables), _timed(times, _layer_parts()):
+                offload, offload_ids = timed_generate(model, 1, 16, new, None)
+                off.settle()
             ceiling, ceiling_ids = _ceiling(model, tables, new)
+            beside, _ = timed_generate(twin, 1, 16, new, None)
+            beside_times = _timed_resident(twin, new)
     calls = len(times["_Layer.__call__ (the layer)"])
     return {"arch": "qwen3-30b-a3b", "layers": layers, "shrink": shrink, "cache": cache,
             "new_tokens": new, "resident_tokens_per_s": resident,
             "offload_tokens_per_s": offload,
             "ceiling_tokens_per_s": ceiling,
             "ceiling_outputs_equal": bool((ceiling_ids == offload_ids).all()),
+            "resident_beside_agent_tokens_per_s": beside,
             "per_layer_excess_us": (1 / offload - 1 / resident) / layers * 1e6,
             "hit_rate": (off.hits - hits0) / max(1, off.experts_acquired - acquired0),
             "layer_calls": calls, "parts": _table(times, calls),
-            "resident_parts": _table(resident_times, calls)}
+            "resident_parts": _table(resident_times, calls),
+            "resident_beside_agent_parts": _table(beside_times, calls)}
 
 
 def main() -> int:
@@ -215,10 +235,14 @@ def main() -> int:
           f"{r['per_layer_excess_us']:.0f} us per MoE layer beyond the resident run; "
           f"the pool's views from a device table, nothing asked: "
           f"{r['ceiling_tokens_per_s']:.1f} tok/s (outputs equal the offload's: "
-          f"{r['ceiling_outputs_equal']})")
-    for name, p in [*r["parts"].items(), *r["resident_parts"].items()]:
-        print(f"  {name:52s} x{p['calls_per_layer']:4.1f}  p50 {p['p50_us']:8.1f} us  "
-              f"per layer {p['per_layer_us']:8.1f} us")
+          f"{r['ceiling_outputs_equal']}); a resident copy beside the running agent: "
+          f"{r['resident_beside_agent_tokens_per_s']:.1f} tok/s")
+    for title, parts in (("offloaded", r["parts"]), ("resident", r["resident_parts"]),
+                         ("resident beside the agent", r["resident_beside_agent_parts"])):
+        print(title)
+        for name, p in parts.items():
+            print(f"  {name:52s} x{p['calls_per_layer']:4.1f}  p50 {p['p50_us']:8.1f} us  "
+                  f"per layer {p['per_layer_us']:8.1f} us")
     write("layer-parts", envelope("layer-parts", r, device=a.device), f"-{a.device}")
     return 0
 
