@@ -35,6 +35,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dpu_agent.service.logs import configure
 
     configure(cfg.logging.format)
+    if cfg.process.cpus:  # each thread so far (an import may start one); the rest inherit it
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cfg.process.cpus)
+        logging.getLogger("dpu_agent").info("running on CPUs %s", list(cfg.process.cpus))
     notifier = Notifier()
 
     async def run() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from dpu_agent.cluster.settings import ClusterSettings, parse_endpoint
 from dpu_agent.config_values import (
     ConfigError,
+    parse_cpus,
     parse_int,
     parse_names,
     parse_size,
@@ -181,6 +182,17 @@ class ClusterSection:
 
 
 @dataclass(frozen=True)
+class ProcessSettings:
+    """``[process]``: where the agent runs."""
+
+    cpus: tuple[int, ...] = setting(parse_cpus, ())
+    """The CPUs the agent and the processes it starts (the DMA engine, the NIC stand-in) run
+    on, a Linux CPU list such as ``"12-15"`` (empty: wherever it was started). On a
+    BlueField, the Arm cores given to it; on a host emulating one, cores apart from the
+    inference process's, as a DPU's are."""
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Validated settings, one dataclass per section of the file. Sizes are bytes, durations
     seconds."""
@@ -197,6 +209,7 @@ class AgentConfig:
     state: StateSettings = field(default_factory=StateSettings)
     activations: ActivationSettings = field(default_factory=ActivationSettings)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    process: ProcessSettings = field(default_factory=ProcessSettings)
 
     def value(self, section: str, key: str) -> Any:
         """The setting ``section.key``."""
@@ -289,6 +302,11 @@ def _check(cfg: AgentConfig) -> list[str]:
         if path and not os.access(path, os.R_OK):
             problems.append(f"server.{key}: {path} is not a readable file")
     problems += _check_cluster(cfg)
+    allowed = os.sched_getaffinity(0)
+    outside = [c for c in cfg.process.cpus if c not in allowed]
+    if outside:
+        problems.append(f"process.cpus: CPUs {outside[:16]} are not among those the agent may "
+                        f"run on ({sorted(allowed)[:64]})")
     if srv.max_message_bytes < 2**16:
         problems.append("server.max_message_bytes: must be at least 64 KiB")
     return problems

@@ -59,6 +59,29 @@ def parse_names(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+MAX_CPU = 4095
+_CPU_RANGE_RE = re.compile(r"^(\d{1,4})(?:-(\d{1,4}))?$")
+
+
+def parse_cpus(v: Any) -> tuple[int, ...]:
+    """A Linux CPU list (``"0-3,8"``, as ``taskset -c`` and ``/proc/*/status`` write it) or a
+    TOML array of CPU numbers -> the CPU numbers, ascending; ``""``: none given."""
+    if isinstance(v, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in v):
+        v = ",".join(map(str, v))
+    if not isinstance(v, str):
+        raise ValueError(f"expected a CPU list such as '2-3,6', got {v!r}"[:200])
+    cpus: set[int] = set()
+    for part in filter(None, (x.strip() for x in v.split(","))):
+        m = _CPU_RANGE_RE.match(part)
+        first = int(m[1]) if m else -1
+        last = int(m[2]) if m and m[2] is not None else first
+        if not m or not 0 <= first <= last <= MAX_CPU:
+            raise ValueError(f"{part!r} in {v!r} is not a CPU number or a range first-last of "
+                             f"them, from 0 to {MAX_CPU}"[:300])
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
 def setting(parse: Callable[[Any], Any], default: Any, *, unit: str = "",
             live: bool = False) -> Any:
     """A setting, declared once: the key of its section's TOML table named as the field (and
