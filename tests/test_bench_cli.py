@@ -15,8 +15,8 @@ from dpu_agent.routing.traces import generate_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["ab", "activations", "agent_requests", "arm64", "cache_policies", "cluster", "decode",
-        "delivery", "launch_after_sleep", "layer_parts", "load", "moe_kernels", "multi_gpu",
-        "placement", "rebalance", "slot_check", "slot_pool", "spy_report", "steering",
+        "delivery", "grouped_mm", "launch_after_sleep", "layer_parts", "load", "moe_kernels",
+        "multi_gpu", "placement", "rebalance", "slot_check", "slot_pool", "spy_report", "steering",
         "trace_report", "transformers_decode"]
 
 
