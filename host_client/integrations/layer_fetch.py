@@ -15,6 +15,7 @@ always waits on the host.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 from dpu_offload.keys import ExpertKey
 from host_client.client import AgentClient
 from host_client.errors import TransferFailed
+from host_client.handles import AcquireHandle
 from host_client.integrations.pool_views import PoolViews
 from host_client.registration import AttachedDevice
 from host_client.slot_checks import StreamWait
@@ -126,29 +128,51 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
             meanwhile()
     waits: list[StreamWait] = []
     if on_stream:
-        from gpu_kernels.launch import cp
-
-        pool = next(iter(views.tensors.values()))
-        ptr = torch.cuda.current_stream(pool.device).cuda_stream  # 0: the legacy default
-        stream = cp.cuda.ExternalStream(ptr, pool.device.index) if ptr else cp.cuda.Stream.null
         try:
-            with cp.cuda.Device(pool.device.index):
-                waits.extend(h.enqueue_wait(stream, 120) for h in handles)
+            waits = _stream_waits(handles, next(iter(views.tensors.values())).device)
         except BaseException:
             client.release_granted(offload.device, handles)
             raise
     else:
         client.wait_all(handles, 120)
+    slot_of = torch.from_numpy(_slot_numbers(offload, list(routed), handles, views,
+                                             num_experts))
+    offload.forwards += 1
+    offload.experts_acquired += len(keys)
+    return Acquired(keys, slot_of, waits)
+
+
+@functools.lru_cache(maxsize=8)
+def _cupy_stream(ptr: int, device_index: int) -> Any:
+    """The CuPy view of the CUDA stream at ``ptr`` (0: the legacy default stream)."""
+    from gpu_kernels.launch import cp
+
+    return cp.cuda.ExternalStream(ptr, device_index) if ptr else cp.cuda.Stream.null
+
+
+def _stream_waits(handles: list[AcquireHandle], device: Any) -> list[StreamWait]:
+    """Each handle's wait for its expert's verified bytes, enqueued on torch's current stream
+    of ``device`` (the pool's CUDA device)."""
+    import torch
+
+    from gpu_kernels.launch import cp
+
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    with cp.cuda.Device(device.index):
+        return [h.enqueue_wait(stream, 120) for h in handles]
+
+
+def _slot_numbers(offload: ExpertOffload, routed: list[int], handles: list[AcquireHandle],
+                  views: PoolViews, num_experts: int) -> np.ndarray:
+    """``int64[num_experts + 1]``: each routed expert's granted slot, ``views.slots`` for the
+    others; counts the hits."""
     slots = np.full(num_experts + 1, views.slots, np.int64)
     for e, h in zip(routed, handles, strict=True):
         where = h.where
         assert where is not None
         slots[e] = where[1] // views.slot_bytes
         offload.hits += bool(h.resident)
-    slot_of = torch.from_numpy(slots)
-    offload.forwards += 1
-    offload.experts_acquired += len(keys)
-    return Acquired(keys, slot_of, waits)
+    return slots
 
 
 def _synchronize(out: Any) -> None:
