@@ -159,17 +159,19 @@ class _Layer:
     def _forward(self, window: Window, hidden_states: Any, slots: Any, top_k_weights: Any
                  ) -> Any:
         """The module's forward with its parameters pointing at ``window``'s views."""
-        module = self.module
+        module, windowed = self.module, len(self.windows) > 1
         sentinels = getattr(module, "_is_expert_parallel", False)
         try:
             for param, view in window.tensors.items():
                 setattr(module, param, view)
             module.num_experts = window.count
-            module._is_expert_parallel = len(self.windows) > 1
+            if windowed:
+                module._is_expert_parallel = True
             return self.forward(module, hidden_states, slots, top_k_weights)
         finally:
             module.num_experts = self.num_experts
-            module._is_expert_parallel = sentinels
+            if windowed:
+                module._is_expert_parallel = sentinels
             for param in window.tensors:
                 setattr(module, param, None)
 
