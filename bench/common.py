@@ -57,9 +57,33 @@ def changed_since(files: dict[str, str]) -> list[str]:
     return sorted(p for p in files.keys() | now.keys() if files.get(p) != now.get(p))
 
 
+AGENT_CPUS_VARIABLE = "DPU_AGENT_PROCESS_CPUS"
+"""The agent's ``[process] cpus`` as the environment gives it to every agent a benchmark
+starts."""
+
+
+def keep_off_agent_cpus() -> None:
+    """Where the environment gives the agents a benchmark starts CPUs of their own
+    (``DPU_AGENT_PROCESS_CPUS``), keep this process off them: the host's inference process on
+    its cores, the emulated DPU on its own, as on a BlueField (each of its threads so far;
+    later ones inherit it)."""
+    from dpu_agent.config_values import parse_cpus
+
+    text = os.environ.get(AGENT_CPUS_VARIABLE, "")
+    agent = set(parse_cpus(text))
+    rest = os.sched_getaffinity(0) - agent
+    if agent and not rest:
+        raise SystemExit(f"{AGENT_CPUS_VARIABLE}={text} leaves this process no CPU")
+    if agent:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), rest)
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"host": socket.gethostname(), "arch": platform.machine(),
-                            "cpus": os.cpu_count(), "python": platform.python_version()}
+                            "cpus": os.cpu_count(), "python": platform.python_version(),
+                            "bench_cpus": len(os.sched_getaffinity(0)),
+                            "agent_cpus": os.environ.get(AGENT_CPUS_VARIABLE, "")}
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in
                    Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line)

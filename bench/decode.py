@@ -70,6 +70,7 @@ from bench.common import (
     envelope,
     host_to_device_rate,
     http_fetch,
+    keep_off_agent_cpus,
     trace_path,
     write,
 )
@@ -127,6 +128,7 @@ def main() -> int:
                     help="record where each offload layer's time goes (host and CUDA events; "
                          "the first run of each fraction) and print it")
     args = ap.parse_args()
+    keep_off_agent_cpus()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     if not 0 <= args.prefetch <= args.experts:

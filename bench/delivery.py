@@ -37,6 +37,7 @@ from bench.common import (
     child_pid,
     envelope,
     figure,
+    keep_off_agent_cpus,
     median,
     pct,
     save_figure,
@@ -257,6 +258,7 @@ def main() -> int:
                          "DMA engine) into DIR (print with bench/trace_report.py); the run's "
                          "figures are printed, not saved: tracing slows them")
     args = ap.parse_args()
+    keep_off_agent_cpus()
     if args.experts < 2:
         ap.error(f"--experts: at least 2 (a batch is half of them), got {args.experts}")
     if args.chunk_bytes % 16:

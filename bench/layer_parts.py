@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import envelope, median, write
+from bench.common import envelope, keep_off_agent_cpus, median, write
 from bench.transformers_decode import _cuda, build, load, timed_generate
 
 
@@ -228,6 +228,7 @@ def main() -> int:
                     help="divide the sizes (default: 1 on a GPU, 4 on the CPU)")
     ap.add_argument("--layers", type=int, default=4)
     a = ap.parse_args()
+    keep_off_agent_cpus()
     if not 0 < a.cache <= 1 or a.new_tokens < 1 or a.shrink < 0 or a.layers < 1:
         ap.error("--cache in (0, 1], --new-tokens and --layers >= 1, --shrink >= 0")
     shrink = a.shrink or (1 if a.device == "cuda" else 4)

@@ -43,6 +43,7 @@ from bench.common import (
     envelope,
     figure,
     host_to_device_rate,
+    keep_off_agent_cpus,
     save_figure,
     trace_path,
     write,
@@ -350,6 +351,7 @@ def main() -> int:
                     help="skip accelerate's baselines (an A/B of the offload path alone)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
+    keep_off_agent_cpus()
     r = run(args.arch, args.layers, args.device, args.gpu_cache_fraction, args.batch,
             new=args.new_tokens, shrink=args.shrink, trace=args.trace, delivery=args.delivery,
             prefetch=args.prefetch, accelerate=not args.no_accelerate,

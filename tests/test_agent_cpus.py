@@ -60,3 +60,26 @@ def test_the_agent_its_dma_engine_and_its_nic_run_on_the_cpus_given(qwen_ckpt: P
         assert _cpus_of(agent.proc.pid) == {cpu}
         assert _cpus_of(child_pid(agent.proc.pid, "dma_engine")) == {cpu}
         assert _cpus_of(child_pid(agent.proc.pid, "nic")) == {cpu}  # the NIC stand-in
+
+
+def test_a_benchmark_keeps_off_the_agents_cpus() -> None:
+    """``bench.common.keep_off_agent_cpus``: with ``DPU_AGENT_PROCESS_CPUS`` set, the benchmark's
+    process leaves those CPUs to the agents it starts; one that would leave it none is
+    refused, naming the variable."""
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    code = ("import os; from bench.common import keep_off_agent_cpus; keep_off_agent_cpus(); "
+            "print(sorted(os.sched_getaffinity(0)))")
+    root = Path(__file__).resolve().parents[1]
+
+    def run(cpus: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              cwd=root, env={**os.environ, "DPU_AGENT_PROCESS_CPUS": cpus})
+
+    if len(allowed) > 1:
+        kept = run(str(allowed[-1]))
+        assert kept.returncode == 0 and kept.stdout.strip() == str(allowed[:-1]), kept
+    every = run(",".join(map(str, allowed)))
+    assert every.returncode != 0 and "leaves this process no CPU" in every.stderr, every
