@@ -260,9 +260,10 @@ class AcquireHandle:
         """Once granted: True when this acquire started no delivery (the expert was in its
         slot, or already on its way there: a cache hit); False when the agent began a delivery
         for it; None before the grant or after a refusal. A pinned hit is resident."""
-        self._poll()
         if self._reply is None:
-            return None
+            self._poll()
+            if self._reply is None:
+                return None
         return self._pinned or bool(int(self._reply["flags"]) & abi.ReplyFlags.RESIDENT)
 
     @property
@@ -274,9 +275,10 @@ class AcquireHandle:
     @property
     def where(self) -> tuple[int, int] | None:
         """(region id, byte offset) of the granted slot in its pool; None before the grant."""
-        self._poll()
         if self._reply is None:
-            return None
+            self._poll()
+            if self._reply is None:
+                return None
         return int(self._reply["region_id"]), int(self._reply["slot_offset"])
 
     @property
