@@ -335,3 +335,32 @@ def test_a_lazy_post_rings_only_once_the_ring_is_half_full() -> None:
         client.close()
         agent.close()
         bell.unlink()
+
+
+def test_a_delivery_failed_with_a_status_outside_the_abi_fails_its_handle_by_number() -> None:
+    """A slot published FAILED with a status the ABI does not define (a broken agent,
+    overwritten memory): the handle that holds the grant fails with TransferFailed naming the
+    number, and is not retried as a mismatch would be."""
+    from dpu_agent.dataplane.channels import DeviceChannel
+    from dpu_offload.keys import ExpertKey
+    from host_client.errors import TransferFailed
+    from host_client.handles import AcquireHandle
+    from host_client.requests import ClientChannel
+
+    agent = DeviceChannel(("s", 1), capacity=8)
+    client = ClientChannel(agent.name, agent.size)
+    key = ExpertKey("m", 0, 1)
+    position = client.post([(abi.RequestOp.ACQUIRE, 0, key)])[0]
+    handle = AcquireHandle(key, client, position, lambda reply: None,  # type: ignore[arg-type]
+                           lambda: None, lambda: None,
+                           repost=lambda: client.post([(abi.RequestOp.ACQUIRE, 0, key)])[0])
+    first, batch = agent.take_requests()
+    agent.reply(first, int(batch[0]["request_id"]), abi.RequestStatus.OK, state_index=3,
+                generation=5)
+    agent.publish_state(3, 5, abi.SlotState.FAILED, status=4242)
+    with pytest.raises(TransferFailed, match=r"delivery completed with status 4242 \(not an "
+                                             r"abi.Status\)"):
+        handle.wait(1.0)
+    assert agent.take_requests()[1].size == 0  # not asked again
+    client.close()
+    agent.close()
