@@ -36,8 +36,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     configure(cfg.logging.format)
     if cfg.process.cpus:  # each thread so far (an import may start one); the rest inherit it
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), cfg.process.cpus)
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                os.sched_setaffinity(int(tid), cfg.process.cpus)
+        except OSError as exc:  # outside the cpuset this process was started in
+            raise ConfigError([f"process.cpus: cannot run on CPUs {list(cfg.process.cpus)}: "
+                               f"{exc.strerror}"]) from None
         logging.getLogger("dpu_agent").info("running on CPUs %s", list(cfg.process.cpus))
     notifier = Notifier()
 

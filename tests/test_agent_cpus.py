@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -35,9 +36,10 @@ def test_a_cpu_list_it_cannot_read_is_refused_by_name(value: object, problem: st
         err.value.problems
 
 
-def test_cpus_the_agent_may_not_use_are_refused() -> None:
-    outside = max(os.sched_getaffinity(0)) + 1
-    with pytest.raises(ConfigError, match=rf"process.cpus: CPUs \[{outside}\] are not among"):
+def test_cpus_the_machine_does_not_have_are_refused() -> None:
+    outside = os.cpu_count()
+    with pytest.raises(ConfigError, match=rf"process.cpus: CPUs \[{outside}\] are not on this "
+                                          rf"machine \(CPUs 0 to {outside - 1}\)"):
         from_mapping({"process": {"cpus": f"0,{outside}"}}, env={})
     assert from_mapping({}, env={"DPU_AGENT_PROCESS_CPUS": "0"}).process.cpus == (0,)
     assert from_mapping({"process": {"cpus": "0,0-0, 0"}}, env={}).process.cpus == (0,)
@@ -48,9 +50,18 @@ def test_the_agent_its_dma_engine_and_its_nic_run_on_the_cpus_given(qwen_ckpt: P
     from bench.common import child_pid
     from dpu_offload.keys import ExpertKey
 
-    cpu = max(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
+    cpu = max(allowed)
     settings = f'[process]\ncpus = "{cpu}"\n[activations]\nlisten_address = "127.0.0.1:0"\n'
-    with AgentProcess(settings) as agent, AgentClient(agent.address) as client:
+    # Started by a process kept off that CPU (a benchmark's, keep_off_agent_cpus): the agent
+    # inherits the narrower set and still takes the CPU it is given.
+    with contextlib.ExitStack() as stack:
+        os.sched_setaffinity(0, allowed - {cpu} or allowed)
+        try:
+            agent = stack.enter_context(AgentProcess(settings))
+        finally:
+            os.sched_setaffinity(0, allowed)
+        client = stack.enter_context(AgentClient(agent.address))
         model = client.load_model(str(qwen_ckpt), "pinned")
         dev = client.register_device(CpuReferenceDevice(),
                                      [SlotPoolSpec(model.expert_bytes, 2)], delivery="engine")
