@@ -97,3 +97,29 @@ def test_on_a_gpu_a_pool_of_more_slots_than_one_grouped_gemm_takes(
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert torch.equal(got_tokens, want_tokens)
     assert set(seen) == {0, EXPERTS_PER_LAYER}
+
+
+def test_windows_cover_the_pool_in_the_fewest_runs_of_at_most_the_limit() -> None:
+    """Every slot in exactly one window, in order, each window at most ``limit`` slots and its
+    views the pool's views' slots from its first, zero-copy; no fewer windows would do."""
+    import math
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from host_client.integrations.pool_views import PoolViews
+
+    @settings(deadline=None, max_examples=200)
+    @given(st.integers(1, 5000), st.integers(8, 1100))
+    def check(slots: int, limit: int) -> None:
+        pool = torch.arange(slots * 2).reshape(slots, 2)
+        windows = PoolViews({"w": pool}, slots, 16).windows(limit)
+        assert len(windows) == math.ceil(slots / limit)
+        assert [w.first for w in windows] == [sum(v.count for v in windows[:i])
+                                              for i in range(len(windows))]
+        assert sum(w.count for w in windows) == slots
+        for w in windows:
+            assert 1 <= w.count <= limit and w.tensors["w"].shape[0] == w.count
+            assert w.tensors["w"].data_ptr() == pool[w.first].data_ptr()
+
+    check()
