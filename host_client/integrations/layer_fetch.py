@@ -100,7 +100,7 @@ class Acquired:
     ``waits`` on the stream the layer computes on (their bytes may still be landing)."""
 
     keys: list[ExpertKey]
-    slot_of: Any
+    slot_of: np.ndarray
     waits: list[StreamWait]
 
 
@@ -115,7 +115,6 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
     entries on the device's channel, not waking the agent: it folds the visit at its next
     wake, off the grants' path). ``again``: the layer acquired a second time after a failed
     delivery, which reports and runs ``meanwhile`` no second time."""
-    import torch
 
     client = offload.client
     keys = [ExpertKey(offload.model, layer, e) for e in routed]
@@ -135,8 +134,7 @@ def acquire_layer(offload: ExpertOffload, layer: int, routed: dict[int, int],
             raise
     else:
         client.wait_all(handles, 120)
-    slot_of = torch.from_numpy(_slot_numbers(offload, list(routed), handles, views,
-                                             num_experts))
+    slot_of = _slot_numbers(offload, list(routed), handles, views, num_experts)
     offload.forwards += 1
     offload.experts_acquired += len(keys)
     return Acquired(keys, slot_of, waits)

@@ -137,17 +137,18 @@ class _Layer:
         self._slots[window.first] = table.to(device, non_blocking=True), row
         return self._slots[window.first][0]
 
-    def _compute(self, hidden_states: Any, slot_of: Any, routed: list[int], top_k_index: Any,
+    def _compute(self, hidden_states: Any, slot_of: np.ndarray, routed: list[int],
+                 top_k_index: Any,
                  top_k_weights: Any) -> Any:
         """The experts module's own forward on the pool's views, ``top_k_index`` renumbered
         to slot numbers; on a pool of more than ``MAX_GROUPS`` slots, one forward per window
         that holds a routed expert (the others' experts renumbered to the window's size: an
         expert-parallel sentinel, which the experts implementations leave out), summed."""
-        slots, rows = slot_of.numpy(), []
+        rows = []
         for window in self.windows:
-            inside = (slots >= window.first) & (slots < window.first + window.count)
+            inside = (slot_of >= window.first) & (slot_of < window.first + window.count)
             if inside[routed].any() or (window is self.windows[-1] and not rows):
-                rows.append((window, np.where(inside, slots - window.first, window.count)))
+                rows.append((window, np.where(inside, slot_of - window.first, window.count)))
         out = None
         for window, row in rows:
             part = self._forward(window, hidden_states,
@@ -200,7 +201,8 @@ class _ScaledInputBlock:
                              lambda slot_of: self._compute(tokens, scores, routed, slot_of))
         return out, logits
 
-    def _compute(self, tokens: Any, scores: Any, routed: dict[int, int], slot_of: Any) -> Any:
+    def _compute(self, tokens: Any, scores: Any, routed: dict[int, int], slot_of: np.ndarray
+                 ) -> Any:
         """The block's output ``[T, H]`` for ``tokens`` ``[T, H]`` and router ``scores``
         ``[T, E]``, each routed expert computed on its slot's views."""
         import torch
