@@ -260,11 +260,10 @@ class AcquireHandle:
         """Once granted: True when this acquire started no delivery (the expert was in its
         slot, or already on its way there: a cache hit); False when the agent began a delivery
         for it; None before the grant or after a refusal. A pinned hit is resident."""
-        if self._reply is None:
-            self._poll()
-            if self._reply is None:
-                return None
-        return self._pinned or bool(int(self._reply["flags"]) & abi.ReplyFlags.RESIDENT)
+        reply = self._grant()
+        if reply is None:
+            return None
+        return self._pinned or bool(int(reply["flags"]) & abi.ReplyFlags.RESIDENT)
 
     @property
     def pinned_hit(self) -> bool:
@@ -275,11 +274,16 @@ class AcquireHandle:
     @property
     def where(self) -> tuple[int, int] | None:
         """(region id, byte offset) of the granted slot in its pool; None before the grant."""
+        reply = self._grant()
+        if reply is None:
+            return None
+        return int(reply["region_id"]), int(reply["slot_offset"])
+
+    def _grant(self) -> np.void | None:
+        """The agent's grant, polled for only until it is known; None before it."""
         if self._reply is None:
             self._poll()
-            if self._reply is None:
-                return None
-        return int(self._reply["region_id"]), int(self._reply["slot_offset"])
+        return self._reply
 
     @property
     def refusal(self) -> AgentError | None:
