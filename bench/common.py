@@ -65,9 +65,9 @@ starts."""
 def keep_off_agent_cpus() -> None:
     """Where the environment gives the agents a benchmark starts CPUs of their own
     (``DPU_AGENT_PROCESS_CPUS``), keep this process off them: the host's inference process on
-    its cores, the emulated DPU on its own, as on a BlueField (each of its threads so far;
-    later ones inherit it)."""
+    its cores, the emulated DPU on its own, as on a BlueField."""
     from dpu_agent.config_values import parse_cpus
+    from dpu_offload.cpus import run_on
 
     text = os.environ.get(AGENT_CPUS_VARIABLE, "")
     agent = set(parse_cpus(text))
@@ -75,8 +75,7 @@ def keep_off_agent_cpus() -> None:
     if agent and not rest:
         raise SystemExit(f"{AGENT_CPUS_VARIABLE}={text} leaves this process no CPU")
     if agent:
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), rest)
+        run_on(rest)
 
 
 def machine() -> dict[str, Any]:

@@ -18,6 +18,7 @@ from dpu_agent.state import StateError
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.layouts import LayoutError
 from dpu_agent.weights.safetensors_file import CheckpointError
+from dpu_offload.cpus import run_on
 
 
 def _config_path(arg: str | None) -> Path | None:
@@ -35,10 +36,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dpu_agent.service.logs import configure
 
     configure(cfg.logging.format)
-    if cfg.process.cpus:  # each thread so far (an import may start one); the rest inherit it
+    if cfg.process.cpus:
         try:
-            for tid in os.listdir("/proc/self/task"):
-                os.sched_setaffinity(int(tid), cfg.process.cpus)
+            run_on(cfg.process.cpus)
         except OSError as exc:  # outside the cpuset this process was started in
             raise ConfigError([f"process.cpus: cannot run on CPUs {list(cfg.process.cpus)}: "
                                f"{exc.strerror}"]) from None
