@@ -30,7 +30,7 @@ from dpu_agent.routing.traces import RoutingStep, generate_trace
 from dpu_agent.weights.arena import ARENA_ALIGN
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy, make_policy
-from dpu_agent.weights.reuse import _learn
+from dpu_agent.weights.reuse import HORIZON_DISCOUNT, HORIZON_STEPS, _learn
 from dpu_offload.blob import align_up
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -277,6 +277,37 @@ def test_the_agent_prefetches_what_a_recorded_trace_taught_it(qwen_ckpt: Path,
         l0, l1 = info.moe_layers[0], info.moe_layers[1]
         client.report_routing(model, [(l0, {2: 1})], prefetch_to=dev, prefetch_top_k=1)
         assert_prefetched(client, dev, ExpertKey(model, l1, 5), ExpertKey(model, l1, 0))
+
+
+@pytest.mark.parametrize("layers", [1, 2, 8])
+def test_the_fit_looks_ahead_the_visits_of_its_horizon(layers: int) -> None:
+    """The reuse fit after a trace equals the ridge least-squares solution over every visit
+    whose horizon is complete, each visit's features against the discounted share of the next
+    ``round(HORIZON_STEPS / layers)`` visits of its layer that selected each expert (at least
+    one: many layers look at the next visit alone), summed with the policy's forgetting."""
+    steps = list(generate_trace(layers, 16, 3, 120, seed=layers))
+    stats = RoutingStats()
+    policy = LearnedReusePolicy(stats)
+    for layer in range(layers):  # every layer and expert known before the first visit
+        stats.layer("m", layer, 16)
+        policy.on_insert(ExpertKey("m", layer, 15))
+    ahead = max(1, round(HORIZON_STEPS / layers))
+    weights = HORIZON_DISCOUNT ** np.arange(ahead)
+    weights /= weights.sum()
+    history: dict[int, list[np.ndarray]] = {layer: [] for layer in range(layers)}
+    k = FEATURES
+    acc = np.zeros((k + 1, k + 1))
+    for step in steps:
+        visit = stats.observe("m", step.layer, {e: 1 for e in step.experts})
+        policy.observe(visit)
+        seen = history[step.layer]
+        seen.append(visit.before.copy())
+        if len(seen) >= ahead:
+            x = seen[-ahead].copy()
+            x[:, k] = weights @ np.stack([v[:, k] for v in seen[-ahead:]])
+            acc = policy._forget * acc + x.T @ x
+    expected = np.linalg.solve(acc[:k, :k] + policy._ridge * np.eye(k), acc[:k, k])
+    np.testing.assert_allclose(policy._models["m"].weights, expected, rtol=1e-6, atol=1e-9)
 
 
 @settings(max_examples=60, deadline=None)

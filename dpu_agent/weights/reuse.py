@@ -12,6 +12,7 @@ removal (used again, dropped) one compiled update.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Set as AbstractSet
 
 import numpy as np
@@ -28,6 +29,13 @@ K = FEATURES
 the share at each horizon."""
 _FLOOR = 1e-4
 """A linear fit can go below 0: clipped, or p / d would prefer the nearest layer."""
+HORIZON_STEPS = 4
+"""Decode steps (visits of any of a model's MoE layers) the fit's target looks ahead: with
+``n`` MoE layers, a layer's next ``max(1, round(HORIZON_STEPS / n))`` visits. Many layers: the
+next visit alone (``p / d`` already weighs the distance to it); one or two layers: the next
+few, so an expert's worth is not read from one noisy visit."""
+HORIZON_DISCOUNT = 0.8
+"""Weight of the k-th visit ahead in the target, relative to the (k-1)-th."""
 
 
 P, STAMP, HELD = 0, 1, 2
@@ -164,6 +172,44 @@ def _learn_predict(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float,
     _predict(features, weights, grid, low, at)
 
 
+class _Delayed:
+    """One layer's latest visits whose target is not complete yet, when the fit looks more than
+    one visit ahead: the features before each visit, and what each visit selected.
+
+    Attributes:
+        features: up to ``visits`` of ``float64[E, K]``, oldest first.
+        selected: up to ``visits`` of ``float64[E]`` (1.0 where the visit selected the expert).
+        weights: ``float64[visits]``, ``HORIZON_DISCOUNT ** k``, summing to 1.
+    """
+
+    def __init__(self, visits: int) -> None:
+        self.features: deque[np.ndarray] = deque(maxlen=visits)
+        self.selected: deque[np.ndarray] = deque(maxlen=visits)
+        w = HORIZON_DISCOUNT ** np.arange(visits, dtype=np.float64)
+        self.weights = w / w.sum()
+
+    @property
+    def visits(self) -> int:
+        return len(self.weights)
+
+    def push(self, before: np.ndarray) -> np.ndarray | None:
+        """Add a visit (``before``: ``float64[E, K + 1]``, its features and what it selected);
+        returns the oldest visit's sample (``float64[E, K + 1]``: its features and the
+        discounted share of the next ``visits`` visits that selected each expert) once that
+        many were seen, else None. A layer that grew starts over."""
+        if self.features and self.features[-1].shape[0] != before.shape[0]:
+            self.features.clear()
+            self.selected.clear()
+        self.features.append(before[:, :K].copy())
+        self.selected.append(before[:, K].copy())
+        if len(self.features) < self.visits:
+            return None
+        x = np.empty((before.shape[0], K + 1))
+        x[:, :K] = self.features[0]
+        x[:, K] = self.weights @ np.stack(self.selected)
+        return x
+
+
 class _Model:
     """A model's fit and its MoE layers' state, one row per layer in decode order.
 
@@ -184,6 +230,8 @@ class _Model:
             expert and which.
         current: the row last visited or filled (where distances count from when an eviction
             names no incoming expert of this model), -1 before any.
+        delayed: layer number -> its visits awaiting their target, while the fit looks more
+            than one visit ahead (``HORIZON_STEPS``).
     """
 
     def __init__(self, name: str) -> None:
@@ -197,6 +245,7 @@ class _Model:
         self.grid = np.zeros((3, 0, 0))
         self.low = np.zeros((2, 0))
         self.current = -1
+        self.delayed: dict[int, _Delayed] = {}
 
     def place(self, number: int, stats: LayerStats) -> int:
         """The row of layer ``number``, made (rows re-ordered) or widened to every expert of
@@ -240,10 +289,12 @@ class LearnedReusePolicy:
     """Evicts the expert with the fewest expected hits per step it would hold its slot, from a
     model of reuse learned online from the routing the agent observes.
 
-    For expert (L, e) it predicts ``p``, the chance that the next visit of layer L selects e,
-    from its history at layer L in the agent's routing statistics (``stats``): selected at the
-    last visit or not, and the share of visits that selected it over horizons of 1, 4, 16, 64
-    and 256 visits and all of them (recency and frequency at once). One linear model per model,
+    For expert (L, e) it predicts ``p``, the chance that the next visit of layer L selects e
+    (with one or two MoE layers, the discounted share of its next few visits that do:
+    ``HORIZON_STEPS``), from its history at layer L in the agent's routing statistics
+    (``stats``): selected at the last visit or not, and the share of visits that selected it
+    over horizons of 1, 4, 16, 64 and 256 visits and all of them (recency and frequency at
+    once). One linear model per model,
     fitted by least squares with forgetting (``forget`` per visit) on every expert of each
     visited layer, so it follows a shift in routing and needs no offline training; a layer's
     predictions are made at its visit. Decode visits MoE layers in order, so layer L comes next
@@ -307,8 +358,19 @@ class LearnedReusePolicy:
         at = model.at.get(visit.layer) if model is not None else None
         if at is None or visit.stats.experts > model.width[at]:
             model, at = self._row(ExpertKey(visit.model, visit.layer, visit.stats.experts - 1))
-        _learn_predict(model.acc, visit.before, self._forget, self._ridge, model.weights,
-                       visit.after, model.grid, model.low, at)
+        visits = max(1, round(HORIZON_STEPS / len(model.by_at)))
+        if visits == 1:
+            model.delayed.pop(visit.layer, None)
+            _learn_predict(model.acc, visit.before, self._forget, self._ridge, model.weights,
+                           visit.after, model.grid, model.low, at)
+        else:
+            delayed = model.delayed.get(visit.layer)
+            if delayed is None or delayed.visits != visits:
+                delayed = model.delayed[visit.layer] = _Delayed(visits)
+            x = delayed.push(visit.before)
+            if x is not None:
+                _learn(model.acc, x, self._forget, self._ridge, model.weights)
+            _predict(visit.after, model.weights, model.grid, model.low, at)
         model.current = at
 
     def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
