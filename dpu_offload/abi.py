@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 RING_MAGIC = 0x52555044  # b"DPUR" read little-endian
-ABI_VERSION = 3
+ABI_VERSION = 4
 HEADER_BYTES = 256
 CACHE_LINE_BYTES = 64
 COPY_ALIGN_BYTES = 16
@@ -194,8 +194,9 @@ class PacketFlags(IntEnum):
 
 # -- the data-plane channel: client requests, agent replies, slot states ---------------------
 
-MAX_CHANNEL_SLOTS = 4096
-"""Slot-state entries of a channel: the most slots one device's pools may hold together."""
+MAX_CHANNEL_SLOTS = 16384
+"""Slot-state entries of a channel: the most slots one device's pools may hold together
+(DeepSeek-V3's 14,848 routed experts, gpt-oss-120b's 4,608: every expert of either fits)."""
 SLOT_STATE_BITS = 8
 """A slot-state ``word`` is ``generation << SLOT_STATE_BITS | SlotState``."""
 

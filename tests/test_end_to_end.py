@@ -51,6 +51,24 @@ def test_every_expert_lands_byte_for_byte(client: AgentClient, qwen_ckpt: Path) 
     assert st.sessions and any(s.slots_ready == 18 for s in st.sessions)
 
 
+def test_pools_past_4096_slots_land_byte_for_byte(client: AgentClient, qwen_ckpt: Path
+                                                  ) -> None:
+    """A device's pools may hold every expert of gpt-oss-120b (4,608) or DeepSeek-V3 (14,848):
+    behind a pool of 5,000 small slots, the experts' pool's slot-state entries lie past the
+    4,096 the channel had before ABI 4, and its deliveries land and are checked there."""
+    truth = checkpoint_bytes(qwen_ckpt)
+    model = client.load_model(str(qwen_ckpt), "qwen-wide")
+    dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(256, 5000),
+                                                        SlotPoolSpec(model.expert_bytes, 4)])
+    keys = [ExpertKey("qwen-wide", model.moe_layers[0], e) for e in range(4)]
+    handles = [client.acquire(dev, k) for k in keys]
+    for handle in handles:
+        slot = handle.wait(10)
+        assert int(handle._reply["state_index"]) >= 5000
+        name = f"model.layers.{slot.key.layer}.mlp.experts.{slot.key.expert}.down_proj.weight"
+        assert slot.raw("down_proj").tobytes() == truth[name]
+
+
 def test_slot_reuse_evicts_idle_experts(client: AgentClient, qwen_ckpt: Path) -> None:
     truth = checkpoint_bytes(qwen_ckpt)
     model = client.load_model(str(qwen_ckpt), "qwen-evict")

@@ -227,7 +227,7 @@ def test_batch_calls_bound_their_keys_before_any_work(agent: AgentProcess,
     ([(-256, 2)], 1024, "slot_bytes a positive multiple of 256"),
     ([(4096, 0)], 1024, "slot_count > 0"),
     ([(300, 2)], 1024, "slot_bytes a positive multiple of 256"),
-    ([(4096, 4000), (4096, 100)], 1024, "4100 slots: a device's pools hold at most 4096"),
+    ([(256, 16000), (256, 400)], 1024, "16400 slots: a device's pools hold at most 16384"),
     ([(4096, 2)], 1000, "ring capacity must be a power of two"),
     ([(4096, 2)], 2**21, "ring capacity must be a power of two up to"),
 ])

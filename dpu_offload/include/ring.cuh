@@ -14,7 +14,7 @@ typedef unsigned long long uint64_t;
 #endif
 
 #define DPU_RING_MAGIC 0x52555044u
-#define DPU_ABI_VERSION 3u
+#define DPU_ABI_VERSION 4u
 #define DPU_HEADER_BYTES 256
 #define DPU_CACHE_LINE_BYTES 64
 #define DPU_COPY_ALIGN_BYTES 16
@@ -51,7 +51,7 @@ typedef unsigned long long uint64_t;
 #define DPU_PACKET_ERROR 2u
 #define DPU_SLOT_OFFSET_BITS 48  // a packet's slot: region id << this | byte offset
 
-#define DPU_MAX_CHANNEL_SLOTS 4096
+#define DPU_MAX_CHANNEL_SLOTS 16384
 #define DPU_SLOT_STATE_BITS 8
 #define DPU_REQ_ACQUIRE 1u
 #define DPU_REQ_RELEASE 2u
