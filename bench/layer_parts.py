@@ -134,36 +134,47 @@ def _timed_resident(model: Any, new: int) -> dict[str, list[float]]:
 
 def _recording_slots(tables: dict[int, Any]) -> contextlib.AbstractContextManager[None]:
     """While open, each offloaded layer's slot numbers, as it sends them to the device, are
-    kept per layer (expert -> slot, ``int64[num_experts + 1]``, merged over the forwards)."""
+    kept per layer (expert -> slot in the pool, ``int64[num_experts + 1]``, -1 for an expert
+    never routed, merged over the forwards)."""
     import numpy as np
 
     import host_client.integrations.transformers as ht
 
     def recording(slots_on: Callable[..., Any]) -> Callable[..., Any]:
         def record(self: Any, window: Any, device: Any, row: Any, routed: list[int]) -> Any:
-            table = tables.setdefault(self.layer, np.full(row.shape, window.count, np.int64))
-            table[routed] = row[routed]
+            table = tables.setdefault(self.layer, np.full(row.shape, -1, np.int64))
+            table[routed] = row[routed] + window.first
             return slots_on(self, window, device, row, routed)
         return record
 
     return _patched([(ht._Layer, "_slots_on", recording)])
 
 
-def _ceiling(model: Any, tables: dict[int, Any], new: int) -> tuple[float, Any]:
+def _ceiling(model: Any, off: Any, tables: dict[int, Any], new: int) -> tuple[float, Any]:
     """(tokens per second, output ids) of ``generate`` with each offloaded layer computing on
     the pool's views straight from a device table of the slots its experts held in the
     offload run: no routing copy, nothing asked of the agent, nothing waited on. The ceiling of
     any design that keeps the slot pool and its views (the GPU asking for its own experts)."""
+    import numpy as np
     import torch
 
     import host_client.integrations.transformers as ht
 
-    on_device = {layer: torch.from_numpy(t).to(model.device) for layer, t in tables.items()}
+    windows, on_device = {}, {}
+    for layer, table in tables.items():
+        forward, held = off.layers[layer].forward, table[table >= 0]
+        home = forward.home
+        if home is not None and ((held >= home.first) & (held < home.first + home.count)).all():
+            window = home
+        else:
+            window, = forward.windows  # a pool of one window (MAX_GROUPS slots at most)
+        windows[layer] = window
+        on_device[layer] = torch.from_numpy(
+            np.where(table >= 0, table - window.first, window.count)).to(model.device)
 
     def direct(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-        window, = self.windows
-        return self._forward(window, hidden_states, on_device[self.layer][top_k_index],
-                             top_k_weights)
+        return self._forward(windows[self.layer], False, hidden_states,
+                             on_device[self.layer][top_k_index], top_k_weights)
 
     with _patched([(ht._Layer, "__call__", lambda _: direct)]):
         return timed_generate(model, 1, 16, new, None)
@@ -174,7 +185,8 @@ def _table(times: dict[str, list[float]], calls: int) -> dict[str, dict[str, flo
                    "per_layer_us": sum(v) / calls * 1e6} for name, v in times.items()}
 
 
-def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[str, Any]:
+def run(device: str, cache: float, new: int, shrink: int, layers: int,
+        layer_homes: bool = False) -> dict[str, Any]:
     from host_client import AgentClient, CpuReferenceDevice
     from host_client.integrations.transformers import offload_experts
     from host_client.launcher import AgentProcess
@@ -194,7 +206,8 @@ def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[s
         arena = f'[arena]\nbytes = "{int(experts_bytes * 1.1) + (64 << 20)}"\n'
         with AgentProcess(arena) as agent, AgentClient(agent.address, rpc_timeout=300) as client:
             made = CpuReferenceDevice() if device == "cpu" else _cuda()
-            off = offload_experts(model, client, path, made, cache=cache, delivery="engine")
+            off = offload_experts(model, client, path, made, cache=cache, delivery="engine",
+                                  layer_homes=layer_homes)
             timed_generate(model, 1, 16, new, None)  # the arena and the pool filled
             times: dict[str, list[float]] = {}
             tables: dict[int, Any] = {}
@@ -202,11 +215,12 @@ def run(device: str, cache: float, new: int, shrink: int, layers: int) -> dict[s
             with _recording_slots(tables), _timed(times, _layer_parts()):
                 offload, offload_ids = timed_generate(model, 1, 16, new, None)
                 off.settle()
-            ceiling, ceiling_ids = _ceiling(model, tables, new)
+            ceiling, ceiling_ids = _ceiling(model, off, tables, new)
             beside, _ = timed_generate(twin, 1, 16, new, None)
             beside_times = _timed_resident(twin, new)
     calls = len(times["_Layer.__call__ (the layer)"])
     return {"arch": "qwen3-30b-a3b", "layers": layers, "shrink": shrink, "cache": cache,
+            "layer_homes": layer_homes,
             "new_tokens": new, "resident_tokens_per_s": resident,
             "offload_tokens_per_s": offload,
             "ceiling_tokens_per_s": ceiling,
@@ -227,12 +241,14 @@ def main() -> int:
     ap.add_argument("--shrink", type=int, default=0,
                     help="divide the sizes (default: 1 on a GPU, 4 on the CPU)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layer-homes", action="store_true",
+                    help="the pool cut into one home per MoE layer (offload_experts' layer_homes)")
     a = ap.parse_args()
     keep_off_agent_cpus()
     if not 0 < a.cache <= 1 or a.new_tokens < 1 or a.shrink < 0 or a.layers < 1:
         ap.error("--cache in (0, 1], --new-tokens and --layers >= 1, --shrink >= 0")
     shrink = a.shrink or (1 if a.device == "cuda" else 4)
-    r = run(a.device, a.cache, a.new_tokens, shrink, a.layers)
+    r = run(a.device, a.cache, a.new_tokens, shrink, a.layers, a.layer_homes)
     print(f"resident {r['resident_tokens_per_s']:.1f} tok/s, offload "
           f"{r['offload_tokens_per_s']:.1f} (hit rate {r['hit_rate']:.2f}): "
           f"{r['per_layer_excess_us']:.0f} us per MoE layer beyond the resident run; "
@@ -246,7 +262,8 @@ def main() -> int:
         for name, p in parts.items():
             print(f"  {name:52s} x{p['calls_per_layer']:4.1f}  p50 {p['p50_us']:8.1f} us  "
                   f"per layer {p['per_layer_us']:8.1f} us")
-    write("layer-parts", envelope("layer-parts", r, device=a.device), f"-{a.device}")
+    write("layer-parts", envelope("layer-parts", r, device=a.device),
+          f"-{a.device}" + ("-homes" if a.layer_homes else ""))
     return 0
 
 

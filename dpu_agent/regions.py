@@ -53,6 +53,7 @@ class RegionSpec:
         ipc_handle: the CUDA IPC handle of a pool in GPU memory (64 bytes, or empty).
         slot_bytes, slot_count: a slot pool's slot size (bytes, a multiple of the blob
             alignment) and count.
+        home_layers: a slot pool's homes (``SlotPool.home_layers``; empty: none).
     """
 
     device_id: int
@@ -62,6 +63,7 @@ class RegionSpec:
     ipc_handle: bytes = b""
     slot_bytes: int = 0
     slot_count: int = 0
+    home_layers: tuple[int, ...] = ()
 
 
 class RegistrationCore(Protocol):
@@ -205,7 +207,7 @@ class Registrations:
         if spec.ipc_handle and len(spec.ipc_handle) != IPC_HANDLE_BYTES:
             raise invalid(f"cuda_ipc_handle must be {IPC_HANDLE_BYTES} bytes "
                           f"(cudaIpcMemHandle_t), got {len(spec.ipc_handle)}")
-        problem = pool_problem(spec.slot_bytes, spec.slot_count)
+        problem = pool_problem(spec.slot_bytes, spec.slot_count, spec.home_layers)
         if problem:
             raise invalid(problem)
         if spec.size_bytes < spec.slot_bytes * spec.slot_count:
@@ -215,7 +217,7 @@ class Registrations:
         pool = SlotPool(rid, spec.slot_bytes, spec.slot_count, ipc_handle=spec.ipc_handle,
                         shm_name=spec.shm_name, channel=dev.channel,
                         state_base=_state_range(dev, spec.slot_count),
-                        policy=self.core.slot_policy())
+                        policy=self.core.slot_policy(), home_layers=spec.home_layers)
         if dev.delivery == Delivery.DMA_ENGINE:
             self._check_own(session, "slot pool", spec.shm_name, spec.ipc_handle)
         return pool

@@ -64,9 +64,18 @@ class SlotPool:
     """The device's data-plane channel, whose slot-state table mirrors ``state``."""
     state_base: int = 0
     """Index of slot 0 in the channel's slot-state table."""
+    home_layers: tuple[int, ...] = ()
+    """The pool cut into this many equal runs of slots, the i-th the home of layer
+    ``home_layers[i]``'s experts (checked by ``blob.pool_problem``); empty: no homes. A miss
+    of a layer with a home takes a free slot of its home, else an idle one there (the policy's
+    choice among them), and only when its home has neither a free or idle slot elsewhere: a
+    layer's experts stay in one run of slots, which a client computes over alone."""
 
     def __post_init__(self) -> None:
         n = self.slot_count
+        self.home_size = n // len(self.home_layers) if self.home_layers else n
+        """Slots per home (the whole pool: one home of every layer, when there are none)."""
+        self._home_of = {layer: i for i, layer in enumerate(self.home_layers)}
         self.idle: Evictable[tuple[int, int]] = Evictable(self.policy)
         """The eviction candidates, by the expert they hold (what the policy chooses among):
         READY or LANDED slots nobody holds through the agent, each as (slot, the client's
@@ -75,10 +84,11 @@ class SlotPool:
         self._handoffs: dict[int, tuple[int, int]] = {}
         """Slot -> (references of ``PIN_HELD`` grants not yet handed to the client's pin, the
         slot's ``touches`` when the first of them was granted)."""
-        self._free = list(range(n))
-        """Min-heap of the slots made FREE (entries whose slot was taken since are skipped):
-        the lowest free slot in O(log n), where a scan of ``state`` costs the whole pool on
-        every miss once it is full."""
+        self._free = [list(range(first, first + self.home_size))
+                      for first in range(0, n, self.home_size)]
+        """Per home, a min-heap of its slots made FREE (entries whose slot was taken since are
+        skipped): the lowest free slot in O(log n), where a scan of ``state`` costs the whole
+        pool on every miss once it is full."""
         self.state = [SlotState.FREE] * n
         self.keys = [None] * n
         self.refs = [0] * n
@@ -174,7 +184,7 @@ class SlotPool:
     def _idle_if_unheld(self, idx: int) -> None:
         key = self.keys[idx]
         if self.refs[idx] == 0 and self.state[idx] in _SETTLED and key is not None:
-            self.idle.add(key, (idx, self._touches(idx)))
+            self.idle.add(key, (idx, self._touches(idx)), self._home_at(idx))
 
     def is_idle(self, idx: int) -> bool:
         """Whether slot ``idx`` is an eviction candidate."""
@@ -187,12 +197,32 @@ class SlotPool:
 
     def allocate(self, key: ExpertKey, refs: int = 1) -> int | None:
         """A slot for ``key`` in FILLING state with ``refs`` references; None when every slot
-        is held, pinned or may still be checked. Free slots first, lowest first; then the idle
-        slot the policy names."""
+        is held, pinned or may still be checked. In the home of ``key``'s layer (where it has
+        one) a free slot, lowest first, else the idle slot the policy names there; then the
+        same in the whole pool."""
+        home = self._home_of.get(key.layer)
+        if home is not None:
+            idx = self._take_free(self._free[home], key, refs)
+            if idx is None:
+                idx = self._evict_for(key, refs, home)
+            if idx is not None:
+                return idx
+        for heap in self._free:
+            idx = self._take_free(heap, key, refs)
+            if idx is not None:
+                return idx
+        return self._evict_for(key, refs)
+
+    def _home_at(self, idx: int) -> int | None:
+        """The home slot ``idx`` lies in; None in a pool without homes."""
+        return idx // self.home_size if self.home_layers else None
+
+    def _take_free(self, heap: list[int], key: ExpertKey, refs: int) -> int | None:
+        """The lowest free slot of ``heap`` the client has not pinned, claimed for ``key``."""
         pinned = []
         try:
-            while self._free:
-                idx = heapq.heappop(self._free)
+            while heap:
+                idx = heapq.heappop(heap)
                 if self.state[idx] != SlotState.FREE:
                     continue
                 if self._claim(idx, key, refs):
@@ -200,11 +230,12 @@ class SlotPool:
                 pinned.append(idx)
         finally:
             for idx in pinned:
-                heapq.heappush(self._free, idx)
-        return self._evict_for(key, refs)
+                heapq.heappush(heap, idx)
+        return None
 
-    def _evict_for(self, key: ExpertKey, refs: int) -> int | None:
-        """The idle slot the policy names for ``key``, claimed. A victim the client hit by a
+    def _evict_for(self, key: ExpertKey, refs: int, home: int | None = None) -> int | None:
+        """The idle slot (of ``home``, or any) the policy names for ``key``, claimed. A victim
+        the client hit by a
         pin since it went idle counts as used and is passed over (named again only once every
         other idle slot was); one whose check may still run (:meth:`checking`) or that a
         client pins as it is claimed stays, passed over for this call. Those set aside leave
@@ -215,7 +246,7 @@ class SlotPool:
         second: list[tuple[ExpertKey, tuple[int, int]]] = []
         try:
             for again in (False, True):
-                while (taken := self.idle.evict(key)) is not None:
+                while (taken := self.idle.evict(key, home)) is not None:
                     victim, entry = taken
                     idx, seen = entry
                     touches = self._touches(idx)
@@ -236,7 +267,7 @@ class SlotPool:
     def _back_to_idle(self, entries: list[tuple[ExpertKey, tuple[int, int]]]) -> None:
         """Idle slots set aside during a search, candidates again (emptied)."""
         for key, entry in entries:
-            self.idle.add(key, entry)
+            self.idle.add(key, entry, self._home_at(entry[0]))
         entries.clear()
 
     def observe(self, visit: Visit) -> None:
@@ -313,7 +344,7 @@ class SlotPool:
         if key is not None and self.by_key.get(key) == idx:
             del self.by_key[key]
         if self.state[idx] != SlotState.FREE:
-            heapq.heappush(self._free, idx)
+            heapq.heappush(self._free[idx // self.home_size], idx)
         self.state[idx] = SlotState.FREE
         self.keys[idx] = None
         self.refs[idx] = 0

@@ -7,17 +7,34 @@ client's checkpoint writer writes them by it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 BLOB_ALIGN = 256
 """Every tensor of a blob starts on, and every blob is padded to, this many bytes."""
 
 
-def pool_problem(slot_bytes: int, slot_count: int) -> str | None:
+MAX_LAYER = 0xFFFFFFFF
+"""The largest layer number a home can name (a request entry's ``layer``, u32)."""
+
+
+def pool_problem(slot_bytes: int, slot_count: int, home_layers: Sequence[int] = ()
+                 ) -> str | None:
     """What is wrong with a slot pool of ``slot_count`` slots of ``slot_bytes`` (each holds
-    one blob), or None: the agent refuses such a pool (RegisterRegion) and the client does
-    not ask for one."""
+    one blob), cut into one home per layer of ``home_layers`` (none: no homes), or None: the
+    agent refuses such a pool (RegisterRegion) and the client does not ask for one."""
     if slot_bytes <= 0 or slot_bytes % BLOB_ALIGN or slot_count <= 0:
         return (f"slot pool needs slot_bytes a positive multiple of {BLOB_ALIGN} and "
                 f"slot_count > 0 (got {slot_bytes}, {slot_count})")
+    if home_layers:
+        n = len(home_layers)
+        if n > slot_count or slot_count % n:
+            return (f"slot pool of {slot_count} slots cannot be cut into {n} equal homes "
+                    "(slot_count must be a multiple of the number of home_layers)")
+        if len(set(home_layers)) != n:
+            return "home_layers names a layer twice"
+        bad = [layer for layer in home_layers if not 0 <= layer <= MAX_LAYER]
+        if bad:
+            return f"home_layers: layer {bad[0]} outside 0..{MAX_LAYER}"
     return None
 ROLE_BASES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 """The projections, in blob order: a per-expert checkpoint's gate and up lie side by side."""

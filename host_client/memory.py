@@ -116,6 +116,12 @@ class SlotPoolSpec:
     slot_bytes: int
     """Bytes per slot, a multiple of 256 (``dpu_offload.blob.BLOB_ALIGN``)."""
     slot_count: int
+    home_layers: tuple[int, ...] = ()
+    """Optional homes: the pool cut into ``len(home_layers)`` equal runs of consecutive slots
+    (``slot_count`` a multiple of it), the i-th kept for the experts of layer
+    ``home_layers[i]``: a miss of that layer takes a slot of its home (free, else the idle one
+    the agent's policy names there) and one elsewhere only when its home has none, so a layer's
+    experts can be computed over their home's views alone (``PoolViews.home``)."""
 
 
 @dataclass(frozen=True)

@@ -78,10 +78,12 @@ def check_registration(specs: list[SlotPoolSpec], ring_capacity: int, delivery: 
     """InvalidArgument, before anything is registered or made, for a device registration the
     agent would refuse or this process could not make: a ring capacity that is no power of two
     (or too large) where the device's consumer pulls, a slot pool of no slots or of a slot size
-    that is no multiple of the blob alignment, more slots than a channel's slot-state table.
+    that is no multiple of the blob alignment or homes it cannot be cut into, more slots than
+    a channel's slot-state table.
     (``delivery`` is one of ``DELIVERIES``: ``AgentClient.register_device`` checks it.)"""
     problems = [capacity_problem(ring_capacity)] if delivery == "pull" else []
-    problems += [pool_problem(spec.slot_bytes, spec.slot_count) for spec in specs]
+    problems += [pool_problem(spec.slot_bytes, spec.slot_count, spec.home_layers)
+                 for spec in specs]
     slots = sum(spec.slot_count for spec in specs)
     if slots > abi.MAX_CHANNEL_SLOTS:
         problems.append(f"{slots} slots: a device's pools hold at most {abi.MAX_CHANNEL_SLOTS}")
@@ -144,7 +146,7 @@ def attach(ctx: SessionContext, device: Device, specs: list[SlotPoolSpec], ring_
                 session_id=ctx.session_id, device_id=resp.device_id,
                 kind=pb.REGION_KIND_SLOT_POOL, size_bytes=nbytes,
                 slot_bytes=spec.slot_bytes, slot_count=spec.slot_count,
-                cuda_ipc_handle=device.export_handle(memory),
+                home_layers=spec.home_layers, cuda_ipc_handle=device.export_handle(memory),
                 shm_name=device.export_shm(memory)),
                 timeout=ctx.rpc_timeout).region_id
             device.bind(rid, memory)

@@ -54,7 +54,7 @@ def _serve(model: Any, path: Any, device: Any, implementation: str, ids: Any,
     slots = EXPERTS_PER_LAYER * LAYERS
     arena = f'[arena]\nbytes = "{slots * 3 * 64 * INTER * 4 + (32 << 20)}"\n'
     with AgentProcess(arena) as agent, AgentClient(agent.address) as client:
-        offload = offload_experts(model, client, path, device, cache=1.0)
+        offload = offload_experts(model, client, path, device, cache=1.0, layer_homes=False)
         layer = next(iter(offload.layers.values())).forward
         assert [w.count for w in layer.windows] == [EXPERTS_PER_LAYER] * 2
         seen = _windows_computed(monkeypatch)

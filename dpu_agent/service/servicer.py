@@ -118,7 +118,8 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
                 raise invalid(f"region kind {request.kind} is not supported by this agent")
             return self.core.registrations.register_region(session, RegionSpec(
                 request.device_id, kind, request.size_bytes, request.shm_name,
-                bytes(request.cuda_ipc_handle), request.slot_bytes, request.slot_count))
+                bytes(request.cuda_ipc_handle), request.slot_bytes, request.slot_count,
+                tuple(request.home_layers)))
         return pb.RegisterRegionResponse(region_id=await self._run(
             context, call, blocking=True, session_id=request.session_id))
 

@@ -162,15 +162,24 @@ V = TypeVar("V")
 class Evictable(Generic[V]):
     """The keys a cache may evict now, each with a value of the cache's, and the policy that
     orders them, kept in step: the policy is told of a key as it enters (``on_insert``, a use
-    just ended) and as it leaves other than by :meth:`evict` (``on_remove``)."""
+    just ended) and as it leaves other than by :meth:`evict` (``on_remove``). A key may enter
+    in a group (a slot pool's home: a run of slots kept for one layer), so that an eviction
+    can be asked for among that group's keys alone."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._policy = policy
         self._values: dict[ExpertKey, V] = {}
+        self._groups: dict[int, dict[ExpertKey, None]] = {}
+        self._group_of: dict[ExpertKey, int] = {}
 
-    def add(self, key: ExpertKey, value: V) -> None:
-        """``key`` became evictable (or, already so, was used again), with ``value``."""
+    def add(self, key: ExpertKey, value: V, group: int | None = None) -> None:
+        """``key`` became evictable (or, already so, was used again), with ``value``, in
+        ``group`` (None: none)."""
+        self._leave_group(key)
         self._values[key] = value
+        if group is not None:
+            self._groups.setdefault(group, {})[key] = None
+            self._group_of[key] = group
         self._policy.on_insert(key)
 
     def discard(self, key: ExpertKey) -> None:
@@ -178,13 +187,25 @@ class Evictable(Generic[V]):
         was not."""
         if key in self._values:
             del self._values[key]
+            self._leave_group(key)
             self._policy.on_remove(key)
 
-    def evict(self, incoming: ExpertKey | None = None) -> tuple[ExpertKey, V] | None:
-        """The key the policy names to make room for ``incoming``, and its value, both
-        removed; None when nothing is evictable."""
-        victim = self._policy.evict(self._values.keys(), incoming)
-        return None if victim is None else (victim, self._values.pop(victim))
+    def evict(self, incoming: ExpertKey | None = None, group: int | None = None
+              ) -> tuple[ExpertKey, V] | None:
+        """The key the policy names to make room for ``incoming`` (among ``group``'s keys, or
+        all), and its value, both removed; None when nothing is evictable there."""
+        candidates = self._values.keys() if group is None else \
+            self._groups.get(group, {}).keys()
+        victim = self._policy.evict(candidates, incoming)
+        if victim is None:
+            return None
+        self._leave_group(victim)
+        return victim, self._values.pop(victim)
+
+    def _leave_group(self, key: ExpertKey) -> None:
+        group = self._group_of.pop(key, None)
+        if group is not None:
+            del self._groups[group][key]
 
     def get(self, key: ExpertKey) -> V | None:
         return self._values.get(key)

@@ -165,7 +165,7 @@ class LinkPeersRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., sources: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("session_id", "device_id", "kind", "size_bytes", "shm_name", "cuda_ipc_handle", "slot_bytes", "slot_count")
+    __slots__ = ("session_id", "device_id", "kind", "size_bytes", "shm_name", "cuda_ipc_handle", "slot_bytes", "slot_count", "home_layers")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class RegisterRegionRequest(_message.Message):
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HOME_LAYERS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     device_id: int
     kind: RegionKind
@@ -182,7 +183,8 @@ class RegisterRegionRequest(_message.Message):
     cuda_ipc_handle: bytes
     slot_bytes: int
     slot_count: int
-    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., size_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ...) -> None: ...
+    home_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., device_id: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., size_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., home_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRegionResponse(_message.Message):
     __slots__ = ("region_id",)

@@ -38,11 +38,24 @@ class PoolViews:
     tensors: dict[str, Any]
     slots: int
     slot_bytes: int
+    home_layers: tuple[int, ...] = ()
+    """The pool's homes (``SlotPoolSpec.home_layers``; empty: none)."""
 
     @property
     def on_gpu(self) -> bool:
         """Whether the pool is CUDA memory (its experts can be awaited on a stream)."""
         return next(iter(self.tensors.values())).is_cuda
+
+    def home(self, layer: int) -> Window | None:
+        """The run of slots kept for ``layer``'s experts, with its views; None where the pool
+        has no home for it (or one of more than ``MAX_GROUPS`` slots)."""
+        if layer not in self.home_layers:
+            return None
+        size = self.slots // len(self.home_layers)
+        first = self.home_layers.index(layer) * size
+        if size > MAX_GROUPS:
+            return None
+        return Window(first, size, {p: t[first:first + size] for p, t in self.tensors.items()})
 
     def windows(self, limit: int = MAX_GROUPS) -> list[Window]:
         """The pool cut into the fewest runs of consecutive slots of at most ``limit`` each,
@@ -87,4 +100,4 @@ def pool_views(dev: AttachedDevice, manifest: pb.ExpertManifest, wanted: list[st
             inner[d] = inner[d + 1] * shape[d + 1]
         out[param] = typed.as_strided((spec.slot_count, *shape),
                                       (spec.slot_bytes // size, *inner), offset // size)
-    return PoolViews(out, spec.slot_count, spec.slot_bytes)
+    return PoolViews(out, spec.slot_count, spec.slot_bytes, tuple(spec.home_layers))

@@ -85,8 +85,11 @@ class _Layer:
         self.windows = views.windows()
         """The pool in runs of at most ``MAX_GROUPS`` slots (one, where it fits), each computed
         by a forward of its own."""
-        self._slots: dict[int, tuple[Any, np.ndarray]] = {}
-        """Per window (its first slot): the slot numbers on the experts' device
+        self.home = views.home(layer)
+        """The pool's run of slots kept for this layer (None: none), computed over alone
+        whenever the routed experts all lie in it."""
+        self._slots: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
+        """Per window (its first slot and size): the slot numbers on the experts' device
         (``int64[num_experts + 1]``) and the host row they were copied from."""
 
     def _prefetch_next(self, hidden_states: Any, top_k: int) -> None:
@@ -126,7 +129,7 @@ class _Layer:
         the old one), from page-locked memory behind the stream's waits."""
         import torch
 
-        kept = self._slots.get(window.first)
+        kept = self._slots.get((window.first, window.count))
         if kept is not None:
             on_device, copied = kept
             if on_device.device == device and np.array_equal(copied[routed], row[routed]):
@@ -134,33 +137,41 @@ class _Layer:
         table = torch.from_numpy(row)
         if device.type == "cuda":
             table = table.pin_memory()
-        self._slots[window.first] = table.to(device, non_blocking=True), row
-        return self._slots[window.first][0]
+        on_device = self._slots[window.first, window.count] = (
+            table.to(device, non_blocking=True), row)
+        return on_device[0]
 
     def _compute(self, hidden_states: Any, slot_of: np.ndarray, routed: list[int],
                  top_k_index: Any,
                  top_k_weights: Any) -> Any:
         """The experts module's own forward on the pool's views, ``top_k_index`` renumbered
-        to slot numbers; on a pool of more than ``MAX_GROUPS`` slots, one forward per window
-        that holds a routed expert (the others' experts renumbered to the window's size: an
-        expert-parallel sentinel, which the experts implementations leave out), summed."""
+        to slot numbers: over the layer's home alone when the routed experts all lie in it;
+        else, on a pool of more than ``MAX_GROUPS`` slots, one forward per window that holds a
+        routed expert (the others' experts renumbered to the window's size: an expert-parallel
+        sentinel, which the experts implementations leave out), summed."""
+        home, at = self.home, slot_of[routed]
+        whole = home is not None and bool(
+            ((at >= home.first) & (at < home.first + home.count)).all())
+        windows = [home] if whole else self.windows
+        windowed = not whole and len(self.windows) > 1
         rows = []
-        for window in self.windows:
+        for window in windows:
             inside = (slot_of >= window.first) & (slot_of < window.first + window.count)
-            if inside[routed].any() or (window is self.windows[-1] and not rows):
+            if inside[routed].any() or (window is windows[-1] and not rows):
                 rows.append((window, np.where(inside, slot_of - window.first, window.count)))
         out = None
         for window, row in rows:
-            part = self._forward(window, hidden_states,
+            part = self._forward(window, windowed, hidden_states,
                                  self._slots_on(window, top_k_index.device, row,
                                                 routed)[top_k_index], top_k_weights)
             out = part if out is None else out.add_(part)
         return out
 
-    def _forward(self, window: Window, hidden_states: Any, slots: Any, top_k_weights: Any
-                 ) -> Any:
-        """The module's forward with its parameters pointing at ``window``'s views."""
-        module, windowed = self.module, len(self.windows) > 1
+    def _forward(self, window: Window, windowed: bool, hidden_states: Any, slots: Any,
+                 top_k_weights: Any) -> Any:
+        """The module's forward with its parameters pointing at ``window``'s views (with
+        ``windowed``, experts outside it skipped as expert-parallel sentinels)."""
+        module = self.module
         sentinels = getattr(module, "_is_expert_parallel", False)
         try:
             for param, view in window.tensors.items():
@@ -227,7 +238,8 @@ class _ScaledInputBlock:
 def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
                     device: Device | AttachedDevice, cache: float | int = 0.25,
                     name: str = "", delivery: str = "pull", prefetch: bool = False,
-                    report_routing: bool = True, gpu_waits: bool = True) -> ExpertOffload:
+                    report_routing: bool = True, gpu_waits: bool = True,
+                    layer_homes: bool = False) -> ExpertOffload:
     """Serve ``model``'s routed experts through the agent.
 
     Args:
@@ -268,6 +280,20 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
             caches from 66 and 70 to 87 and 97 tok/s; at 50 %, where a layer seldom misses,
             it read 93 against 110 (docs/PERFORMANCE-NOTES.md). No effect off a GPU.
 
+        layer_homes: a :class:`Device` registered here gets a pool cut into one home per MoE
+            layer (``SlotPoolSpec.home_layers``, its size rounded up to a multiple of the
+            layers): a layer's misses take slots of its home while it has room, so its forward
+            computes over its home's slots alone, one group per home slot in transformers'
+            grouped GEMM instead of one per pool slot (on the 2-core VM's torch a group costs
+            ~0.9 us whether tokens chose it or not). A layer routing to more experts than its
+            home holds (a prefill) takes other homes' idle slots and computes over the whole
+            pool, as without homes. Off by default: on the 2-core VM (``bench/layer_parts.py``,
+            Qwen3 shapes) the layers' compute got faster than the resident model's, but a home
+            is a fixed share, and the cache hit less (0.97 against 1.00 at 50 %), so decode was
+            no faster; replaying the Mixtral trace a cache cut per layer hits as often as one
+            shared (docs/PERFORMANCE-NOTES.md, forty-seventh session). Not yet measured on a
+            GPU.
+
     Returns:
         The :class:`ExpertOffload`; ``generate()`` and ``forward`` run unchanged.
     """
@@ -283,8 +309,11 @@ def offload_experts(model: Any, client: AgentClient, checkpoint: str | Path,
     else:
         total = per_layer * len(layers)
         slots = cache if isinstance(cache, int) else round(cache * total)
-        dev = client.register_device(device, [SlotPoolSpec(info.expert_bytes,
-                                                           max(per_layer, min(slots, total)))],
+        slots = max(per_layer, min(slots, total))
+        homes = tuple(layers) if layer_homes else ()
+        if homes:
+            slots = math.ceil(slots / len(homes)) * len(homes)
+        dev = client.register_device(device, [SlotPoolSpec(info.expert_bytes, slots, homes)],
                                      delivery=delivery)
     offload = ExpertOffload(client, info.model, dev, report_routing=report_routing,
                             gpu_waits=gpu_waits)
