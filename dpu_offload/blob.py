@@ -32,9 +32,11 @@ def pool_problem(slot_bytes: int, slot_count: int, home_layers: Sequence[int] = 
                     "(slot_count must be a multiple of the number of home_layers)")
         if len(set(home_layers)) != n:
             return "home_layers names a layer twice"
-        bad = [layer for layer in home_layers if not 0 <= layer <= MAX_LAYER]
+        bad = [layer for layer in home_layers
+               if isinstance(layer, bool) or not isinstance(layer, int)
+               or not 0 <= layer <= MAX_LAYER]
         if bad:
-            return f"home_layers: layer {bad[0]} outside 0..{MAX_LAYER}"
+            return f"home_layers: layer {bad[0]!r} is not an integer in 0..{MAX_LAYER}"
     return None
 ROLE_BASES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 """The projections, in blob order: a per-expert checkpoint's gate and up lie side by side."""

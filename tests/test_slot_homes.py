@@ -118,7 +118,8 @@ def test_the_homes_know_exactly_their_idle_slots(ops: list[tuple[str, int, int]]
 @pytest.mark.parametrize(("homes", "count", "named"), [
     ((0, 1, 2), 4, "multiple of the number of home_layers"),
     ((0, 0), 4, "names a layer twice"),
-    ((0, -1), 4, "layer -1 outside"),
+    ((0, -1), 4, "layer -1 is not an integer in"),
+    ((0, 1.5), 4, "layer 1.5 is not an integer in"),
     (tuple(range(5)), 4, "cannot be cut into 5"),
 ])
 def test_homes_a_pool_cannot_be_cut_into_are_refused_by_both_sides(
@@ -128,7 +129,7 @@ def test_homes_a_pool_cannot_be_cut_into_are_refused_by_both_sides(
     with AgentClient(agent.address) as client:
         with pytest.raises(InvalidArgument, match=named):
             client.register_device(CpuReferenceDevice(3), [SlotPoolSpec(256, count, homes)])
-        if min(homes) < 0:
+        if not all(isinstance(la, int) and la >= 0 for la in homes):
             return  # not a uint32: the message cannot carry it
         dev = client.stub.RegisterDevice(pb.RegisterDeviceRequest(
             session_id=client.session_id, kind=pb.DEVICE_KIND_CPU_REFERENCE, ordinal=4))
