@@ -408,3 +408,25 @@ def test_the_harness_replays_what_a_real_agents_arena_does(tmp_path: Path, polic
     harness_rate = simulate(steps, policy, size)[0]
     assert 0.2 < harness_rate < 0.9  # the size makes the policy choose
     assert abs(agent_rate - harness_rate) <= 0.02, (agent_rate, harness_rate)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True),
+       st.lists(st.integers(0, 7), max_size=8, unique=True), st.integers(0, 2**32 - 1))
+def test_the_one_layer_hint_names_the_victim_the_full_search_names(
+        candidates: list[int], others: list[int], seed: int) -> None:
+    """``evict(..., one_layer=...)`` (every candidate of one layer: a slot pool's home) takes
+    the layer's least likely expert straight from its row when that one is a candidate, and
+    searches as without the hint otherwise: the same victim either way."""
+    def made() -> LearnedReusePolicy:
+        policy = _reuse_after(_sticky_trace(3, 8, 40, stay=0.6, seed=seed % 1000))
+        for e in range(8):
+            policy.on_insert(ExpertKey("m", 1, e))
+        for e in others:
+            policy.on_insert(ExpertKey("m", 0, e))
+        return policy
+
+    keys = {ExpertKey("m", 1, e) for e in candidates}
+    hinted, plain = made(), made()
+    incoming = ExpertKey("m", 1, 99)
+    assert hinted.evict(keys, incoming, ("m", 1)) == plain.evict(keys, incoming)

@@ -12,7 +12,7 @@ policies that ``reads_routing`` read: :func:`make_policy`).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from typing import Generic, Protocol, TypeVar
@@ -38,11 +38,12 @@ class EvictionPolicy(Protocol):
 
     def observe(self, visit: Visit) -> None: ...
 
-    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
-              ) -> ExpertKey | None:
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None,
+              one_layer: tuple[str, int] | None = None) -> ExpertKey | None:
         """The key to evict among ``candidates`` to make room for ``incoming`` (None if
         unknown), already forgotten as ``on_remove`` would; None when there is none.
-        ``candidates`` is only read, during the call."""
+        ``candidates`` is only read, during the call. ``one_layer`` (model, layer): every
+        candidate is of that layer (a hint a policy may use to search less)."""
         ...
 
 
@@ -64,8 +65,8 @@ class LruPolicy:
     def observe(self, visit: Visit) -> None:
         pass
 
-    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
-              ) -> ExpertKey | None:
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None,
+              one_layer: tuple[str, int] | None = None) -> ExpertKey | None:
         key = next((k for k in self._order if k in candidates), None)
         if key is not None:
             self.on_remove(key)
@@ -93,8 +94,8 @@ class LfuPolicy:
     def observe(self, visit: Visit) -> None:
         pass
 
-    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
-              ) -> ExpertKey | None:
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None,
+              one_layer: tuple[str, int] | None = None) -> ExpertKey | None:
         key = min(candidates, key=lambda k: (self._count[k], self._tick.get(k, 0)),
                   default=None)
         if key is not None:
@@ -146,8 +147,8 @@ class RoutingAwarePolicy:
         p = min(max((share * mass + self._prior * 1e-3) / (mass + self._prior), 1e-9), 1.0)
         return d + n * (1.0 - p) / p if p < 1.0 else float(d)
 
-    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
-              ) -> ExpertKey | None:
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None,
+              one_layer: tuple[str, int] | None = None) -> ExpertKey | None:
         best, best_t = None, -math.inf
         for k in candidates:
             t = self.expected_steps(k)
@@ -171,6 +172,8 @@ class Evictable(Generic[V]):
         self._values: dict[ExpertKey, V] = {}
         self._groups: dict[int, dict[ExpertKey, None]] = {}
         self._group_of: dict[ExpertKey, int] = {}
+        self._group_layers: dict[int, Counter[tuple[str, int]]] = {}
+        """Per group, how many of its keys each (model, layer) has."""
 
     def add(self, key: ExpertKey, value: V, group: int | None = None) -> None:
         """``key`` became evictable (or, already so, was used again), with ``value``, in
@@ -180,6 +183,7 @@ class Evictable(Generic[V]):
         if group is not None:
             self._groups.setdefault(group, {})[key] = None
             self._group_of[key] = group
+            self._group_layers.setdefault(group, Counter())[key[0], key[1]] += 1
         self._policy.on_insert(key)
 
     def discard(self, key: ExpertKey) -> None:
@@ -194,9 +198,15 @@ class Evictable(Generic[V]):
               ) -> tuple[ExpertKey, V] | None:
         """The key the policy names to make room for ``incoming`` (among ``group``'s keys, or
         all), and its value, both removed; None when nothing is evictable there."""
-        candidates = self._values.keys() if group is None else \
-            self._groups.get(group, {}).keys()
-        victim = self._policy.evict(candidates, incoming)
+        one_layer = None
+        if group is None:
+            candidates = self._values.keys()
+        else:
+            candidates = self._groups.get(group, {}).keys()
+            layers = self._group_layers.get(group)
+            if layers is not None and len(layers) == 1:
+                one_layer = next(iter(layers))
+        victim = self._policy.evict(candidates, incoming, one_layer)
         if victim is None:
             return None
         self._leave_group(victim)
@@ -206,6 +216,10 @@ class Evictable(Generic[V]):
         group = self._group_of.pop(key, None)
         if group is not None:
             del self._groups[group][key]
+            layers = self._group_layers[group]
+            layers[key[0], key[1]] -= 1
+            if not layers[key[0], key[1]]:
+                del layers[key[0], key[1]]
 
     def get(self, key: ExpertKey) -> V | None:
         return self._values.get(key)

@@ -373,8 +373,15 @@ class LearnedReusePolicy:
             _predict(visit.after, model.weights, model.grid, model.low, at)
         model.current = at
 
-    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None
-              ) -> ExpertKey | None:
+    def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None,
+              one_layer: tuple[str, int] | None = None) -> ExpertKey | None:
+        if one_layer is not None:  # the layer's least P if it is a candidate (a slot's home)
+            model = self._models.get(one_layer[0])
+            at = model.at.get(one_layer[1], -1) if model is not None else -1
+            e = int(model.low[LOW_E, at]) if at >= 0 else -1
+            if e >= 0 and model.keys[at][e] in candidates:
+                _free(model.grid, model.low, at, e)
+                return model.keys[at][e]
         best: tuple[_Model, int, int] | None = None
         best_v = math.inf
         for name, model in self._models.items():
