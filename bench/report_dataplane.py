@@ -78,6 +78,10 @@ def slot_pool(d: dict[str, Any]) -> list[Row]:
             rows.append((f"acquire in a pool of {n} slots, a layer's {r['batch']} experts held "
                          f"at once ({r['policy']} policy)", f"{r['batch_us']:.1f} us",
                          f"LRU {r['batch_lru_us']:.1f} us", "", "", None))
+        if "batch_homes_us" in r:
+            rows.append((f"same, the pool cut into a home per layer ({r['policy']} policy)",
+                         f"{r['batch_homes_us']:.1f} us", f"no homes {r['batch_us']:.1f} us",
+                         "", "", None))
     return rows
 
 

@@ -80,14 +80,17 @@ def hold_layer(pool: SlotPool, keys: list[ExpertKey]) -> list[int]:
     return slots
 
 
-def measure_batch(slots: int, calls: int, policy: str, batch: int) -> float:
+def measure_batch(slots: int, calls: int, policy: str, batch: int, homes: bool = False
+                  ) -> float:
     """Microseconds per acquire (a hit's hold or a miss's allocate) when each layer's
     ``batch`` distinct experts of 128, chosen at random, are all held before any is released,
-    over ``calls`` acquires after the pool first filled."""
+    over ``calls`` acquires after the pool first filled; with ``homes``, the pool cut into one
+    home per layer (where the layers divide it)."""
     stats = RoutingStats()
     layers = max(2, -(-2 * slots // 128))  # the model twice the pool
     stats.declare("m", range(layers), 128)
-    pool = SlotPool(1, 4096, slots, policy=make_policy(policy, stats))
+    pool = SlotPool(1, 4096, slots, policy=make_policy(policy, stats),
+                    home_layers=tuple(range(layers)) if homes and slots % layers == 0 else ())
     rng = random.Random(0)
     spent, timed, filled, layer = 0.0, 0, 0, 0
     while timed < calls:
@@ -127,10 +130,12 @@ def main() -> int:
         r["batch"] = args.batch
         r["batch_us"] = measure_batch(n, args.calls, default, args.batch)
         r["batch_lru_us"] = measure_batch(n, args.calls, "lru", args.batch)
+        r["batch_homes_us"] = measure_batch(n, args.calls, default, args.batch, homes=True)
         print(f"{n:>5} slots: fill {r['fill_us']:5.1f} us, evict {r['evict_us']:5.1f} us "
               f"({default}; LRU {r['evict_lru_us']:.1f}) per allocate (a lookup "
               f"{r['lookup_us']:.2f} us); batches of {args.batch}: {r['batch_us']:.1f} us "
-              f"per acquire (LRU {r['batch_lru_us']:.1f})")
+              f"per acquire (LRU {r['batch_lru_us']:.1f}; a home per layer "
+              f"{r['batch_homes_us']:.1f})")
     if not args.no_save:
         data = envelope("slot_pool", results,
                         command="python bench/slot_pool.py " + " ".join(sys.argv[1:]))

@@ -203,6 +203,8 @@ class Evictable(Generic[V]):
             candidates = self._values.keys()
         else:
             candidates = self._groups.get(group, {}).keys()
+            if not candidates:
+                return None
             layers = self._group_layers.get(group)
             if layers is not None and len(layers) == 1:
                 one_layer = next(iter(layers))
