@@ -84,6 +84,27 @@ def policy_candidates(policy: EvictionPolicy) -> set[ExpertKey]:
             for at, e in zip(*np.nonzero(model.grid[HELD]), strict=True)}
 
 
+def pool_step(pool: SlotPool, held: list[int], op: str, key: ExpertKey, pick: int) -> None:
+    """One step of a random workload on an agent-side slot pool: ``use`` (``key`` held: a hit
+    holds its slot, a miss allocates one and makes it READY; nothing when every slot is in
+    use), ``release`` (the held slot ``held[pick % len(held)]`` let go), ``fail`` (``key``'s
+    slot failed, if nobody holds it). ``held`` lists the slots held, as the steps leave them."""
+    idx = pool.by_key.get(key)
+    if op == "use":
+        if idx is None:
+            idx = pool.allocate(key)
+            if idx is None:  # every slot in use
+                return
+            pool.mark_ready(idx)
+        else:
+            pool.hold(idx)
+        held.append(idx)
+    elif op == "release" and held:
+        assert pool.let_go(held.pop(pick % len(held)))
+    elif op == "fail" and idx is not None and pool.refs[idx] == 0:
+        pool.fail(idx, 1)
+
+
 def place_and_close(address: str, ckpt: Path, model: str) -> str:
     """A session that loads ``ckpt`` as ``model``, registers a CPU reference device with a slot
     for every expert, places every expert there and closes at once, its placement's fills

@@ -24,7 +24,7 @@ from dpu_offload.v1 import agent_pb2 as pb
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.errors import InvalidArgument
 from host_client.launcher import AgentProcess
-from tests.conftest import checkpoint_bytes
+from tests.conftest import checkpoint_bytes, pool_step
 
 
 def _pool(policy: str, homes: tuple[int, ...], per_home: int) -> SlotPool:
@@ -88,24 +88,12 @@ def test_the_homes_know_exactly_their_idle_slots(ops: list[tuple[str, int, int]]
     held: list[int] = []
     for op, layer, expert in ops:
         key = ExpertKey("m", layer, expert)
-        idx = pool.by_key.get(key)
-        if op == "use":
-            if idx is None:
-                home = range(0) if layer == 2 else _home(pool, layer)
-                room = any(pool.keys[i] is None or pool.is_idle(i) for i in home)
-                idx = pool.allocate(key)
-                if idx is None:
-                    continue
-                assert not room or idx in home
-                pool.mark_ready(idx)
-            else:
-                pool.hold(idx)
-            held.append(idx)
-        elif op == "release" and idx is not None and idx in held:
-            held.remove(idx)
-            pool.let_go(idx)
-        elif op == "fail" and idx is not None and idx not in held:
-            pool.fail(idx, 1)
+        home = range(0) if layer == 2 else _home(pool, layer)
+        miss = op == "use" and key not in pool.by_key
+        room = any(pool.keys[i] is None or pool.is_idle(i) for i in home)
+        pool_step(pool, held, op, key, expert)
+        if miss and room:
+            assert pool.by_key[key] in home
         for g in range(2):
             in_home = {k for k in pool.idle if pool.idle.get(k)[0] in _home(pool, g)}
             victim = pool.idle.evict(None, g)

@@ -22,7 +22,7 @@ from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
 from host_client.checkpoints import CheckpointSpec, make_checkpoint
 from host_client.launcher import AgentProcess
-from tests.conftest import policy_candidates
+from tests.conftest import policy_candidates, pool_step
 
 
 def _pool(policy: str, slots: int) -> SlotPool:
@@ -72,21 +72,7 @@ def test_the_policy_knows_exactly_the_idle_slots(policy: str,
     pool = _pool(policy, 5)
     held: list[int] = []
     for op, layer, expert in ops:
-        key = ExpertKey("m", layer, expert)
-        idx = pool.by_key.get(key)
-        if op == "use":
-            if idx is None:
-                idx = pool.allocate(key)
-                if idx is None:  # every slot in use
-                    continue
-                pool.mark_ready(idx)
-            else:
-                pool.hold(idx)
-            held.append(idx)
-        elif op == "release" and held:
-            assert pool.let_go(held.pop(layer % len(held)))
-        elif op == "fail" and idx is not None and pool.refs[idx] == 0:
-            pool.fail(idx, 1)
+        pool_step(pool, held, op, ExpertKey("m", layer, expert), layer)
         assert policy_candidates(pool.policy) == set(pool.idle)
         assert all(pool.is_idle(i) and pool.refs[i] == 0 for i, _ in pool.idle.values())
 
