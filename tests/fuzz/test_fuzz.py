@@ -78,7 +78,8 @@ def requests(client: AgentClient, keep: int) -> st.SearchStrategy[tuple[str, obj
         st.tuples(st.just("RegisterRegion"), st.builds(
             pb.RegisterRegionRequest, session_id=sid, device_id=u32,
             kind=st.integers(0, 7), size_bytes=u64, shm_name=texts, slot_bytes=u64,
-            slot_count=u32, cuda_ipc_handle=st.binary(max_size=80))),
+            slot_count=u32, cuda_ipc_handle=st.binary(max_size=80),
+            home_layers=st.lists(u32, max_size=6))),
         st.tuples(st.just("RegisterDevice"), st.builds(
             pb.RegisterDeviceRequest, session_id=st.one_of(texts), kind=st.integers(0, 5),
             ordinal=u32, name=texts)),
