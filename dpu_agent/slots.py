@@ -68,13 +68,13 @@ class SlotPool:
     """The pool cut into this many equal runs of slots, the i-th the home of layer
     ``home_layers[i]``'s experts (checked by ``blob.pool_problem``); empty: no homes. A miss
     of a layer with a home takes a free slot of its home, else an idle one there (the policy's
-    choice among them), and only when its home has neither a free or idle slot elsewhere: a
-    layer's experts stay in one run of slots, which a client computes over alone."""
+    choice among them), and a slot elsewhere only when its home has neither: a layer's experts
+    stay in one run of slots, which a client computes over alone."""
 
     def __post_init__(self) -> None:
         n = self.slot_count
         self.home_size = n // len(self.home_layers) if self.home_layers else n
-        """Slots per home (the whole pool: one home of every layer, when there are none)."""
+        """Slots per home (the whole pool when there are no homes)."""
         self._home_of = {layer: i for i, layer in enumerate(self.home_layers)}
         self.idle: Evictable[tuple[int, int]] = Evictable(self.policy)
         """The eviction candidates, by the expert they hold (what the policy chooses among):
@@ -235,11 +235,11 @@ class SlotPool:
 
     def _evict_for(self, key: ExpertKey, refs: int, home: int | None = None) -> int | None:
         """The idle slot (of ``home``, or any) the policy names for ``key``, claimed. A victim
-        the client hit by a
-        pin since it went idle counts as used and is passed over (named again only once every
-        other idle slot was); one whose check may still run (:meth:`checking`) or that a
-        client pins as it is claimed stays, passed over for this call. Those set aside leave
-        ``idle`` and the policy while the search goes on and come back (as used) after it."""
+        the client hit by a pin since it went idle counts as used and is passed over (named
+        again only once every other idle slot was); one whose check may still run
+        (:meth:`checking`) or that a client pins as it is claimed stays, passed over for this
+        call. Those set aside leave ``idle`` and the policy while the search goes on and come
+        back (as used) after it."""
         if self._handoffs:
             self.settle_handoffs()  # grants whose pins are in place may be candidates now
         passed: list[tuple[ExpertKey, tuple[int, int]]] = []
