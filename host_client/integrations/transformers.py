@@ -149,11 +149,11 @@ class _Layer:
         else, on a pool of more than ``MAX_GROUPS`` slots, one forward per window that holds a
         routed expert (the others' experts renumbered to the window's size: an expert-parallel
         sentinel, which the experts implementations leave out), summed."""
-        home, at = self.home, slot_of[routed]
-        whole = home is not None and bool(
-            ((at >= home.first) & (at < home.first + home.count)).all())
-        windows = [home] if whole else self.windows
-        windowed = not whole and len(self.windows) > 1
+        home, held = self.home, slot_of[routed]
+        at_home = home is not None and bool(
+            ((held >= home.first) & (held < home.first + home.count)).all())
+        windows = [home] if at_home else self.windows
+        windowed = not at_home and len(self.windows) > 1
         rows = []
         for window in windows:
             inside = (slot_of >= window.first) & (slot_of < window.first + window.count)
