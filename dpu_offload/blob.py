@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dpu_offload import abi
+
 BLOB_ALIGN = 256
 """Every tensor of a blob starts on, and every blob is padded to, this many bytes."""
-
-
-MAX_LAYER = 0xFFFFFFFF
-"""The largest layer number a home can name (a request entry's ``layer``, u32)."""
 
 
 def pool_problem(slot_bytes: int, slot_count: int, home_layers: Sequence[int] = ()
@@ -34,9 +32,9 @@ def pool_problem(slot_bytes: int, slot_count: int, home_layers: Sequence[int] = 
             return "home_layers names a layer twice"
         bad = [layer for layer in home_layers
                if isinstance(layer, bool) or not isinstance(layer, int)
-               or not 0 <= layer <= MAX_LAYER]
+               or not 0 <= layer <= abi.MAX_KEY_FIELD]
         if bad:
-            return f"home_layers: layer {bad[0]!r} is not an integer in 0..{MAX_LAYER}"
+            return f"home_layers: layer {bad[0]!r} is not an integer in 0..{abi.MAX_KEY_FIELD}"
     return None
 ROLE_BASES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 """The projections, in blob order: a per-expert checkpoint's gate and up lie side by side."""
