@@ -164,7 +164,7 @@ def _ceiling(model: Any, off: Any, tables: dict[int, Any], new: int) -> tuple[fl
     for layer, table in tables.items():
         forward, held = off.layers[layer].forward, table[table >= 0]
         home = forward.home
-        if home is not None and ((held >= home.first) & (held < home.first + home.count)).all():
+        if home is not None and home.holds(held).all():
             window = home
         else:
             window, = forward.windows  # a pool of one window (MAX_GROUPS slots at most)

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.integrations.moe_modules import OffloadError
 from host_client.memory import TORCH_DTYPES, SlotPoolSpec, tensor_layout
@@ -29,6 +31,10 @@ class Window:
     first: int
     count: int
     tensors: dict[str, Any]
+
+    def holds(self, slots: np.ndarray) -> np.ndarray:
+        """``bool[...]``: which of ``slots`` (slot numbers in the pool) lie in this window."""
+        return (slots >= self.first) & (slots < self.first + self.count)
 
 
 @dataclass
@@ -52,19 +58,20 @@ class PoolViews:
         if layer not in self.home_layers:
             return None
         size = self.slots // len(self.home_layers)
-        first = self.home_layers.index(layer) * size
         if size > MAX_GROUPS:
             return None
-        return Window(first, size, {p: t[first:first + size] for p, t in self.tensors.items()})
+        return self._window(self.home_layers.index(layer) * size, size)
 
     def windows(self, limit: int = MAX_GROUPS) -> list[Window]:
         """The pool cut into the fewest runs of consecutive slots of at most ``limit`` each,
         near-equal in size (one run, the whole pool, where it fits)."""
         runs = math.ceil(self.slots / limit)
         size = math.ceil(self.slots / runs)
-        return [Window(first, min(size, self.slots - first),
-                       {p: t[first:first + size] for p, t in self.tensors.items()})
+        return [self._window(first, min(size, self.slots - first))
                 for first in range(0, self.slots, size)]
+
+    def _window(self, first: int, count: int) -> Window:
+        return Window(first, count, {p: t[first:first + count] for p, t in self.tensors.items()})
 
 
 def _torch_pool(dev: AttachedDevice, region_id: int, spec: SlotPoolSpec) -> Any:

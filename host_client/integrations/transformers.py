@@ -149,14 +149,13 @@ class _Layer:
         else, on a pool of more than ``MAX_GROUPS`` slots, one forward per window that holds a
         routed expert (the others' experts renumbered to the window's size: an expert-parallel
         sentinel, which the experts implementations leave out), summed."""
-        home, held = self.home, slot_of[routed]
-        at_home = home is not None and bool(
-            ((held >= home.first) & (held < home.first + home.count)).all())
+        home = self.home
+        at_home = home is not None and bool(home.holds(slot_of[routed]).all())
         windows = [home] if at_home else self.windows
         windowed = not at_home and len(self.windows) > 1
         rows = []
         for window in windows:
-            inside = (slot_of >= window.first) & (slot_of < window.first + window.count)
+            inside = window.holds(slot_of)
             if inside[routed].any() or (window is windows[-1] and not rows):
                 rows.append((window, np.where(inside, slot_of - window.first, window.count)))
         out = None
