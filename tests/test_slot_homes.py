@@ -19,6 +19,7 @@ from bench.slot_pool import hold_layer
 from dpu_agent.routing.stats import RoutingStats
 from dpu_agent.slots import SlotPool
 from dpu_agent.weights.policies import make_policy
+from dpu_offload import abi
 from dpu_offload.keys import ExpertKey
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -109,6 +110,7 @@ def test_the_homes_know_exactly_their_idle_slots(ops: list[tuple[str, int, int]]
     ((0, -1), 4, "layer -1 is not an integer in"),
     ((0, 1.5), 4, "layer 1.5 is not an integer in"),
     (tuple(range(5)), 4, "cannot be cut into 5"),
+    (tuple(range(abi.MAX_CHANNEL_SLOTS + 1)), 4, "home_layers"),
 ])
 def test_homes_a_pool_cannot_be_cut_into_are_refused_by_both_sides(
         agent: AgentProcess, homes: tuple[int, ...], count: int, named: str) -> None:

@@ -26,6 +26,7 @@ from dpu_agent.registry import (
 )
 from dpu_agent.service import translate
 from dpu_agent.weights.cache import WouldBlock
+from dpu_offload import abi
 from dpu_offload.flows import Action, FlowRule, TrafficClass
 from dpu_offload.keys import MAX_STEPS_PER_REPORT
 from dpu_offload.v1 import agent_pb2 as pb
@@ -116,6 +117,9 @@ class DpuAgentServicer(pb_grpc.DpuAgentServicer):
             kind = translate.REGION_KINDS.get(request.kind)
             if kind is None:
                 raise invalid(f"region kind {request.kind} is not supported by this agent")
+            if len(request.home_layers) > abi.MAX_CHANNEL_SLOTS:  # bounded before it is copied
+                raise invalid(f"home_layers: {len(request.home_layers)} layers, more than a "
+                              f"pool's {abi.MAX_CHANNEL_SLOTS} slots could be cut into")
             return self.core.registrations.register_region(session, RegionSpec(
                 request.device_id, kind, request.size_bytes, request.shm_name,
                 bytes(request.cuda_ipc_handle), request.slot_bytes, request.slot_count,
