@@ -314,6 +314,14 @@ class SlotPool:
         self.landed_at[idx] = time.monotonic()
         self._idle_if_unheld(idx)
 
+    def awaits_verdict(self, idx: int) -> bool:
+        """Whether slot ``idx`` is LANDED and its word still reads LANDED for its generation:
+        no verdict to take up yet (one load, no lock: the common case of a poll while the
+        consumer checks; :meth:`verdict` under the session's lock decides otherwise)."""
+        return (self.state[idx] == SlotState.LANDED and self.channel is not None
+                and int(self.channel.view.words[self.state_base + idx])
+                == state_word(self.generation[idx], SlotState.LANDED))
+
     def verdict(self, idx: int) -> SlotState | None:
         """What the consumer published for a LANDED slot's generation: READY, FAILED, or None
         while unchecked (any other word, which only the session's own process could have

@@ -226,10 +226,10 @@ class Deliveries:
         with self._lock:
             landed = list(self._landed.values())
         for session, pool, idx in landed:
-            if self.alive(session.session_id):
-                self.settle_landed(session, pool, idx)
-            else:
+            if not self.alive(session.session_id):
                 self.forget(pool)
+            elif not pool.awaits_verdict(idx):
+                self.settle_landed(session, pool, idx)
 
     def forget(self, pool: SlotPool) -> None:
         """Stop watching ``pool``'s LANDED slots (it was deregistered or its session closed)."""
