@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dpu_offload import abi
+from dpu_offload import abi, futex
 from dpu_offload.channel import Channel, state_word
 from dpu_offload.checksum import chunk_checksum, terms_sum
 from dpu_offload.ring import Ring, store_fence
@@ -274,13 +274,19 @@ def wait_ready(words: np.ndarray, index: int, generation: int, timeout_s: float)
     return _poll_word(words, index, generation, timeout_s, False)
 
 
+_WORD_AT = abi.SLOT_STATE_DTYPE.fields["word"][1]
+"""Byte offset of a slot-state entry's ``word``."""
+
+
 def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndarray,
                   timeout_s: float) -> int:
     """Twin of ``cuda_ops.verify_landed``: wait until ``states[index]`` (``SLOT_STATE_DTYPE``
     entries) reads LANDED for ``generation``, then check ``blob`` (``uint8[nbytes]``, the slot's
     bytes) against the entry's ``expected`` and publish READY, or FAILED with
     CHECKSUM_MISMATCH, unless the word moved on meanwhile (2, nothing published). Returns the
-    outcome (an index into ``cuda_ops.WAIT_OUTCOMES``)."""
+    outcome (an index into ``cuda_ops.WAIT_OUTCOMES``). Unlike the kernel, the twin then wakes
+    the word's sleepers (a futex wake: a thread can, a GPU kernel cannot), so a waiter of the
+    CPU reference device sleeps through the check instead of polling beside it."""
     outcome = _poll_word(states["word"], index, generation, timeout_s, True)
     if outcome != 4:
         return outcome
@@ -292,6 +298,7 @@ def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndar
         entry["status"] = int(abi.Status.CHECKSUM_MISMATCH)
     store_fence()
     entry["word"] = state_word(generation, abi.SlotState.READY if ok else abi.SlotState.FAILED)
+    futex.wake(entry.ctypes.data + _WORD_AT)
     return 0 if ok else 1
 
 

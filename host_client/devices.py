@@ -142,6 +142,9 @@ class Device(ABC):
     name: str
     xp: Any
     """The array module of this device's memory (numpy or cupy)."""
+    verdict_wakes = False
+    """Whether this device's landed-slot check wakes the slot word's sleepers once it published
+    its verdict (the NumPy twin's thread does; a GPU kernel cannot, so its waiters poll)."""
 
     def __init__(self, ordinal: int = 0) -> None:
         self.ordinal = ordinal
@@ -289,6 +292,7 @@ class CpuReferenceDevice(Device):
     kind = pb.DEVICE_KIND_CPU_REFERENCE
     name = "cpu-reference"
     xp = np
+    verdict_wakes = True
 
     def __init__(self, ordinal: int = 0) -> None:
         super().__init__(ordinal)

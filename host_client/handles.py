@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from host_client.memory import ExpertSlot
 
 VERDICT_SPIN_SECONDS = 0.01
-"""A waiter polls (does not sleep) this long after its slot read LANDED: the check's verdict
-is written by the device, which wakes no sleeper, and normally follows within microseconds."""
+"""A waiter polls (does not sleep) this long after its slot read LANDED where the check's
+verdict is written by a device that wakes no sleeper (a GPU kernel; ``Device.verdict_wakes``):
+it normally follows within microseconds."""
 MAX_REFETCHES = 2
 """A host ``wait`` whose check finds a mismatch acquires again this many times (the agent
 refetches the expert from the checkpoint); a stream wait cannot (its kernels already ran)."""
@@ -216,9 +217,11 @@ class AcquireHandle:
 
     def _verdict_due(self) -> bool:
         """Whether the slot has landed so recently that its check's verdict is moments away
-        (it comes from the device, which wakes nobody: poll rather than sleep)."""
+        and comes from a device that wakes nobody (a GPU kernel): poll rather than sleep. The
+        CPU reference device's check wakes the word's sleepers (``Device.verdict_wakes``)."""
         return (self._landed_at is not None
-                and time.monotonic() - self._landed_at < VERDICT_SPIN_SECONDS)
+                and time.monotonic() - self._landed_at < VERDICT_SPIN_SECONDS
+                and not (self._landed is not None and self._landed.device.verdict_wakes))
 
     def enqueue_wait(self, stream: Any, timeout: float = 30.0) -> StreamWait:
         """Make ``stream`` (a CuPy stream of the slot's GPU) wait on the GPU until this expert
@@ -320,7 +323,7 @@ class AcquireHandle:
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError(f"{self.key} not ready after {timeout} s")
             if self._verdict_due():
-                time.sleep(0)  # let the check run (the NumPy twin is a thread of this process)
+                time.sleep(0)  # the GIL to this process's other threads meanwhile
             elif now - self._posted > SPIN_SECONDS:
                 self._channel.sleep(address, value,
                                     min(NAP_SECONDS, max(0.0, next_check - now)))

@@ -4,12 +4,15 @@ the twin (same outcomes, same slot-state bytes)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_offload import abi
+from dpu_offload import abi, futex
 from dpu_offload.channel import Channel, split_word, state_word
 from dpu_offload.checksum import blob_checksums, blob_sum, terms_sum
 from gpu_kernels import reference
@@ -55,6 +58,32 @@ def test_twin_publishes_the_verdict_for_its_generation_only(
         assert states.tobytes() == before.tobytes(), "nothing is written but a verdict"
     others = np.delete(np.arange(8), 3)
     assert states[others].tobytes() == before[others].tobytes()
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_twin_wakes_the_words_sleeper_with_its_verdict(corrupt: bool) -> None:
+    """A thread asleep on the LANDED word (as a CPU device's waiter is) is woken by the
+    verdict, long before its own timeout: it need not poll beside the check."""
+    blob = np.random.default_rng(2).integers(0, 256, 1 << 16, dtype=np.uint8)
+    states = _states(5, S.LANDED, terms_sum(blob))
+    if corrupt:
+        blob[9] ^= 1
+    address = states[3:4].ctypes.data + abi.SLOT_STATE_DTYPE.fields["word"][1]
+    landed = state_word(5, S.LANDED)
+    woke: list[float] = []
+
+    def sleeper() -> None:
+        t0 = time.monotonic()
+        futex.wait(address, landed, 30.0)
+        woke.append(time.monotonic() - t0)
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    time.sleep(0.2)  # asleep in the futex by now
+    assert reference.verify_landed(states, 3, 5, blob, timeout_s=1.0) == int(corrupt)
+    thread.join(10.0)
+    assert woke and woke[0] < 10.0, "the sleeper waited out its timeout"
+    assert split_word(int(states["word"][3]))[1] == (S.FAILED if corrupt else S.READY)
 
 
 @pytest.mark.gpu
