@@ -69,6 +69,19 @@ for s in $STAGES; do
         echo "compute-sanitizer $tool: not supported on this machine's runtime (not run)"
       elif [ "$rc" != 0 ]; then fail=1; fi
     done ;;
+  layers)
+    # What a grouped-GEMM group costs here (empty ones included), then a transformers layer's
+    # parts with the pool as one set of groups and cut into a home per layer.
+    stage "grouped GEMM per group; a transformers layer's parts, with and without homes"
+    timeout "${BENCH_TIMEOUT:-240}" python3 bench/grouped_mm.py 2>&1 | tee "$LOG/bench-grouped_mm.log" | tail -8
+    [ "${PIPESTATUS[0]}" = 0 ] || fail=1
+    save
+    for homes in "" --layer-homes; do
+      timeout "${BENCH_TIMEOUT:-240}" python3 bench/layer_parts.py --device cuda --cache 0.5 \
+        --new-tokens 32 $homes 2>&1 | tee "$LOG/bench-layer_parts$homes.log" | tail -16
+      [ "${PIPESTATUS[0]}" = 0 ] || fail=1
+      save
+    done ;;
   profile)
     stage "cProfile of the offload decode loop's main thread (Qwen3 shapes, 25% cache)"
     rm -f "$LOG/profile-decode.txt"
