@@ -315,12 +315,10 @@ class SlotPool:
         self._idle_if_unheld(idx)
 
     def awaits_verdict(self, idx: int) -> bool:
-        """Whether slot ``idx`` is LANDED and its word still reads LANDED for its generation:
-        no verdict to take up yet (one load, no lock: the common case of a poll while the
-        consumer checks; :meth:`verdict` under the session's lock decides otherwise)."""
-        return (self.state[idx] == SlotState.LANDED and self.channel is not None
-                and int(self.channel.view.words[self.state_base + idx])
-                == state_word(self.generation[idx], SlotState.LANDED))
+        """Whether slot ``idx`` is LANDED with no verdict published for its generation: nothing
+        to take up yet (read without the session's lock, the common case of a poll while the
+        consumer checks; ``Deliveries.settle_landed`` decides the rest under it)."""
+        return self.state[idx] == SlotState.LANDED and self.verdict(idx) is None
 
     def verdict(self, idx: int) -> SlotState | None:
         """What the consumer published for a LANDED slot's generation: READY, FAILED, or None

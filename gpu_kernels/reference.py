@@ -274,10 +274,6 @@ def wait_ready(words: np.ndarray, index: int, generation: int, timeout_s: float)
     return _poll_word(words, index, generation, timeout_s, False)
 
 
-_WORD_AT = abi.SLOT_STATE_DTYPE.fields["word"][1]
-"""Byte offset of a slot-state entry's ``word``."""
-
-
 def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndarray,
                   timeout_s: float) -> int:
     """Twin of ``cuda_ops.verify_landed``: wait until ``states[index]`` (``SLOT_STATE_DTYPE``
@@ -298,7 +294,7 @@ def verify_landed(states: np.ndarray, index: int, generation: int, blob: np.ndar
         entry["status"] = int(abi.Status.CHECKSUM_MISMATCH)
     store_fence()
     entry["word"] = state_word(generation, abi.SlotState.READY if ok else abi.SlotState.FAILED)
-    futex.wake(entry.ctypes.data + _WORD_AT)
+    futex.wake(entry["word"].ctypes.data)
     return 0 if ok else 1
 
 

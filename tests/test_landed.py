@@ -68,7 +68,7 @@ def test_twin_wakes_the_words_sleeper_with_its_verdict(corrupt: bool) -> None:
     states = _states(5, S.LANDED, terms_sum(blob))
     if corrupt:
         blob[9] ^= 1
-    address = states[3:4].ctypes.data + abi.SLOT_STATE_DTYPE.fields["word"][1]
+    address = states[3:4]["word"].ctypes.data
     landed = state_word(5, S.LANDED)
     woke: list[float] = []
 
