@@ -14,7 +14,8 @@ from hypothesis import settings
 from dpu_agent.dataplane.channels import DeviceChannel
 from dpu_agent.slots import SlotPool
 from dpu_agent.weights.policies import EvictionPolicy, LfuPolicy, LruPolicy
-from dpu_agent.weights.reuse import HELD, LearnedReusePolicy
+from dpu_agent.weights.reuse import LearnedReusePolicy
+from dpu_agent.weights.reuse_state import HELD
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient
 from host_client.checkpoints import CheckpointSpec, make_checkpoint, read_tensor_bytes

@@ -58,7 +58,7 @@ def test_compiled_loops_cache_in_a_private_directory_when_the_package_cannot(
     assert run.stdout.strip() == str(private)
     assert stat.S_IMODE(private.stat().st_mode) == 0o700
     cached = {p.name.split(".")[0] for p in private.rglob("*.nbi")}
-    assert {"stats", "reuse", "placement", "packet_twin"} <= cached, sorted(cached)
+    assert {"stats", "reuse_state", "placement", "packet_twin"} <= cached, sorted(cached)
 
 
 def test_a_cache_directory_others_may_write_is_refused(tmp_path: Path) -> None:

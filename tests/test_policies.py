@@ -30,7 +30,8 @@ from dpu_agent.routing.traces import RoutingStep, generate_trace
 from dpu_agent.weights.arena import ARENA_ALIGN
 from dpu_agent.weights.catalog import build_catalog
 from dpu_agent.weights.policies import POLICIES, LearnedReusePolicy, make_policy
-from dpu_agent.weights.reuse import HORIZON_DISCOUNT, HORIZON_STEPS, _learn
+from dpu_agent.weights.reuse import HORIZON_DISCOUNT, HORIZON_STEPS
+from dpu_agent.weights.reuse_state import learn
 from dpu_offload.blob import align_up
 from dpu_offload.keys import ExpertKey
 from host_client import AgentClient, CpuReferenceDevice, SlotPoolSpec
@@ -325,7 +326,7 @@ def test_the_compiled_fit_is_the_ridge_least_squares_solution(
     expected_acc = forget * acc + x.T @ x
     expected = np.linalg.solve(expected_acc[:k, :k] + ridge * np.eye(k), expected_acc[:k, k])
     weights = np.zeros(k)
-    _learn(acc, x, forget, ridge, weights)
+    learn(acc, x, forget, ridge, weights)
     np.testing.assert_allclose(acc, expected_acc, rtol=1e-12)
     np.testing.assert_allclose(weights, expected, rtol=1e-6, atol=1e-9)
 

@@ -16,19 +16,12 @@ from collections import deque
 from collections.abc import Set as AbstractSet
 
 import numpy as np
-from numba import njit
 
-from dpu_agent.routing.stats import FEATURES, LayerStats, RoutingStats, Visit
-from dpu_offload.jit import keep_cache
+from dpu_agent.routing.stats import LayerStats, RoutingStats, Visit
+from dpu_agent.weights import reuse_state as state
+from dpu_agent.weights.reuse_state import LOW_E, K, P
 from dpu_offload.keys import ExpertKey
 
-keep_cache(__file__)
-
-K = FEATURES
-"""Features per expert (``dpu_agent.routing.stats``): a constant, selected at the last visit,
-the share at each horizon."""
-_FLOOR = 1e-4
-"""A linear fit can go below 0: clipped, or p / d would prefer the nearest layer."""
 HORIZON_STEPS = 4
 """Decode steps (visits of any of a model's MoE layers) the fit's target looks ahead: with
 ``n`` MoE layers, a layer's next ``max(1, round(HORIZON_STEPS / n))`` visits. Many layers: the
@@ -36,140 +29,6 @@ next visit alone (``p / d`` already weighs the distance to it); one or two layer
 few, so an expert's worth is not read from one noisy visit."""
 HORIZON_DISCOUNT = 0.8
 """Weight of the k-th visit ahead in the target, relative to the (k-1)-th."""
-
-
-P, STAMP, HELD = 0, 1, 2
-"""Planes of a model's ``grid`` (``float64[3, n, W]``, row per MoE layer, column per expert):
-the predicted chance that the layer's next visit selects the expert; the policy's clock at
-the end of its last use (an integer); 1.0 if the cache may evict it (resident, not in use)."""
-LOW, LOW_E = 0, 1
-"""Rows of a model's ``low`` (``float64[2, n]``): per layer the lowest ``P`` of a held expert
-and which expert (``inf`` and -1 when none is held). Packed so that a compiled call takes two
-arrays: Numba's dispatch costs ~0.15 us per array argument, a third of a hit's cost unpacked."""
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _set_low(grid: np.ndarray, low: np.ndarray, at: int) -> None:
-    """``low[:, at]``: the held expert of row ``at`` of lowest ``P``, of equals the least
-    recently used (lowest ``STAMP``)."""
-    best = -1
-    for e in range(grid.shape[2]):
-        if grid[HELD, at, e] and (best < 0 or grid[P, at, e] < grid[P, at, best] or (
-                grid[P, at, e] == grid[P, at, best]
-                and grid[STAMP, at, e] < grid[STAMP, at, best])):
-            best = e
-    low[LOW_E, at] = best
-    low[LOW, at] = np.inf if best < 0 else grid[P, at, best]
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _hold(grid: np.ndarray, low: np.ndarray, at: int, e: int) -> None:
-    """Expert ``e`` of row ``at`` is evictable."""
-    grid[HELD, at, e] = 1.0
-    p, best = grid[P, at, e], int(low[LOW_E, at])
-    if p < low[LOW, at] or (p == low[LOW, at] and grid[STAMP, at, e] < grid[STAMP, at, best]):
-        low[LOW, at] = p
-        low[LOW_E, at] = e
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _insert(grid: np.ndarray, low: np.ndarray, at: int, e: int, clock: float) -> None:
-    """Expert ``e`` of row ``at``'s use ended at ``clock``: evictable."""
-    grid[STAMP, at, e] = clock
-    _hold(grid, low, at, e)
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _free(grid: np.ndarray, low: np.ndarray, at: int, e: int) -> None:
-    """Expert ``e`` of row ``at`` is not evictable any more."""
-    grid[HELD, at, e] = 0.0
-    if low[LOW_E, at] == e:
-        _set_low(grid, low, at)
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _take(grid: np.ndarray, low: np.ndarray, now: int) -> tuple[int, int, float]:
-    """The held expert of least ``P / d`` (row ``at``, expert ``e``), ``d`` the steps from
-    filling the layer at row ``now`` (0 if negative) until row ``at``'s layer comes round
-    (``n`` for itself), of equals in a row the least recently used, made not held; returns
-    (at, e, P / d), (-1, -1, inf) when none is held."""
-    n = low.shape[1]
-    now = max(now, 0)
-    best, at = np.inf, -1
-    for i in range(n):
-        d = (i - now) % n
-        v = low[LOW, i] / (d if d else n)
-        if v < best:
-            best, at = v, i
-    if at < 0:
-        return -1, -1, best
-    e = int(low[LOW_E, at])
-    _free(grid, low, at, e)
-    return at, e, best
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _predict(features: np.ndarray, weights: np.ndarray, grid: np.ndarray, low: np.ndarray,
-             at: int) -> None:
-    """Row ``at`` of ``P``: ``clip(features[:, :K] @ weights, _FLOOR, 1)`` for the layer's
-    experts (``features``: ``float64[E, >= K]``); then its ``low``."""
-    for e in range(features.shape[0]):
-        v = 0.0
-        for f in range(K):
-            v += features[e, f] * weights[f]
-        grid[P, at, e] = min(max(v, _FLOOR), 1.0)
-    _set_low(grid, low, at)
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _learn(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float, weights: np.ndarray
-           ) -> None:
-    """One visit's least-squares update: ``acc = forget * acc + x^T x`` (``x``:
-    ``float64[E, K + 1]``, features and target), then ``weights`` solves ``(acc[:K, :K] +
-    ridge I) w = acc[:K, K]`` by Cholesky (kept as they were if that is not positive definite,
-    which the ridge rules out)."""
-    n = K + 1
-    for i in range(n):
-        for j in range(n):
-            acc[i, j] *= forget
-    for e in range(x.shape[0]):
-        for i in range(n):
-            xi = x[e, i]
-            if xi != 0.0:
-                for j in range(n):
-                    acc[i, j] += xi * x[e, j]
-    chol = np.zeros((K, K))
-    for i in range(K):
-        for j in range(i + 1):
-            v = acc[i, j] + (ridge if i == j else 0.0)
-            for m in range(j):
-                v -= chol[i, m] * chol[j, m]
-            if i == j:
-                if v <= 0.0:
-                    return
-                chol[i, i] = np.sqrt(v)
-            else:
-                chol[i, j] = v / chol[j, j]
-    y = np.empty(K)
-    for i in range(K):
-        v = acc[i, K]
-        for m in range(i):
-            v -= chol[i, m] * y[m]
-        y[i] = v / chol[i, i]
-    for i in range(K - 1, -1, -1):
-        v = y[i]
-        for m in range(i + 1, K):
-            v -= chol[m, i] * weights[m]
-        weights[i] = v / chol[i, i]
-
-
-@njit(cache=True, nogil=True, boundscheck=True)
-def _learn_predict(acc: np.ndarray, x: np.ndarray, forget: float, ridge: float,
-                   weights: np.ndarray, features: np.ndarray, grid: np.ndarray, low: np.ndarray,
-                   at: int) -> None:
-    """``_learn`` then ``_predict``."""
-    _learn(acc, x, forget, ridge, weights)
-    _predict(features, weights, grid, low, at)
 
 
 class _Delayed:
@@ -268,7 +127,7 @@ class _Model:
                 self._reshape(list(range(len(self.by_at))), experts)
             self.width[at] = experts
             self.keys[at] = [ExpertKey(self.name, number, e) for e in range(experts)]
-            _predict(stats.features, self.weights, self.grid, self.low, at)
+            state.predict(stats.features, self.weights, self.grid, self.low, at)
         return at
 
     def _reshape(self, rows: list[int], width: int) -> None:
@@ -282,7 +141,7 @@ class _Model:
         self.grid = grid
         self.low = np.empty((2, len(rows)))
         for i in range(len(rows)):
-            _set_low(grid, self.low, i)
+            state.set_low(grid, self.low, i)
 
 
 class LearnedReusePolicy:
@@ -331,7 +190,7 @@ class LearnedReusePolicy:
         if at is None or e >= model.width[at]:
             model, at = self._row(key)
         self._clock += 1
-        _insert(model.grid, model.low, at, e, self._clock)
+        state.insert(model.grid, model.low, at, e, self._clock)
         model.current = at
 
     def on_remove(self, key: ExpertKey) -> None:
@@ -339,7 +198,7 @@ class LearnedReusePolicy:
         model = self._models.get(name)
         at = model.at.get(number) if model is not None else None
         if at is not None and e < model.width[at]:
-            _free(model.grid, model.low, at, e)
+            state.free(model.grid, model.low, at, e)
 
     def predicted(self, key: ExpertKey) -> float:
         """The chance that the next visit of ``key``'s layer selects it (0 if never seen)."""
@@ -361,16 +220,16 @@ class LearnedReusePolicy:
         visits = max(1, round(HORIZON_STEPS / len(model.by_at)))
         if visits == 1:
             model.delayed.pop(visit.layer, None)
-            _learn_predict(model.acc, visit.before, self._forget, self._ridge, model.weights,
-                           visit.after, model.grid, model.low, at)
+            state.learn_predict(model.acc, visit.before, self._forget, self._ridge,
+                                model.weights, visit.after, model.grid, model.low, at)
         else:
             delayed = model.delayed.get(visit.layer)
             if delayed is None or delayed.visits != visits:
                 delayed = model.delayed[visit.layer] = _Delayed(visits)
             x = delayed.push(visit.before)
             if x is not None:
-                _learn(model.acc, x, self._forget, self._ridge, model.weights)
-            _predict(visit.after, model.weights, model.grid, model.low, at)
+                state.learn(model.acc, x, self._forget, self._ridge, model.weights)
+            state.predict(visit.after, model.weights, model.grid, model.low, at)
         model.current = at
 
     def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None,
@@ -380,7 +239,7 @@ class LearnedReusePolicy:
             at = model.at.get(one_layer[1], -1) if model is not None else -1
             e = int(model.low[LOW_E, at]) if at >= 0 else -1
             if e >= 0 and model.keys[at][e] in candidates:
-                _free(model.grid, model.low, at, e)
+                state.free(model.grid, model.low, at, e)
                 return model.keys[at][e]
         best: tuple[_Model, int, int] | None = None
         best_v = math.inf
@@ -390,19 +249,19 @@ class LearnedReusePolicy:
                 now = model.at.get(incoming[1], now)
             skipped: list[tuple[int, int]] = []  # not allowed: set aside while searching
             while True:
-                at, e, v = _take(model.grid, model.low, now)
+                at, e, v = state.take(model.grid, model.low, now)
                 if at < 0:
                     break
                 if v < best_v and model.keys[at][e] in candidates:
                     if best is not None:  # better than the last model's: that one stays
-                        _hold(best[0].grid, best[0].low, best[1], best[2])
+                        state.hold(best[0].grid, best[0].low, best[1], best[2])
                     best, best_v = (model, at, e), v
                     break
                 skipped.append((at, e))
                 if v >= best_v:
                     break
             for at, e in skipped:
-                _hold(model.grid, model.low, at, e)
+                state.hold(model.grid, model.low, at, e)
         if best is None:  # keys the policy never saw inserted
             return next(iter(candidates), None)
         model, at, e = best
