@@ -418,7 +418,8 @@ def test_the_one_layer_hint_names_the_victim_the_full_search_names(
         candidates: list[int], others: list[int], seed: int) -> None:
     """``evict(..., one_layer=...)`` (every candidate of one layer: a slot pool's home) takes
     the layer's least likely expert straight from its row when that one is a candidate, and
-    searches as without the hint otherwise: the same victim either way."""
+    the least likely of the candidates otherwise: the victim the search without the hint
+    names, and the same state left behind (the next eviction agrees too)."""
     def made() -> LearnedReusePolicy:
         policy = _reuse_after(_sticky_trace(3, 8, 40, stay=0.6, seed=seed % 1000))
         for e in range(8):
@@ -431,3 +432,7 @@ def test_the_one_layer_hint_names_the_victim_the_full_search_names(
     hinted, plain = made(), made()
     incoming = ExpertKey("m", 1, 99)
     assert hinted.evict(keys, incoming, ("m", 1)) == plain.evict(keys, incoming)
+    assert np.array_equal(hinted._models["m"].grid, plain._models["m"].grid)
+    assert np.array_equal(hinted._models["m"].low, plain._models["m"].low)
+    rest = {ExpertKey("m", 1, e) for e in range(8)} - keys
+    assert hinted.evict(rest, incoming, ("m", 1)) == plain.evict(rest, incoming)

@@ -234,13 +234,10 @@ class LearnedReusePolicy:
 
     def evict(self, candidates: AbstractSet[ExpertKey], incoming: ExpertKey | None = None,
               one_layer: tuple[str, int] | None = None) -> ExpertKey | None:
-        if one_layer is not None:  # the layer's least P if it is a candidate (a slot's home)
-            model = self._models.get(one_layer[0])
-            at = model.at.get(one_layer[1], -1) if model is not None else -1
-            e = int(model.low[LOW_E, at]) if at >= 0 else -1
-            if e >= 0 and model.keys[at][e] in candidates:
-                state.free(model.grid, model.low, at, e)
-                return model.keys[at][e]
+        if one_layer is not None:
+            victim = self._lowest_in_layer(candidates, one_layer)
+            if victim is not None:
+                return victim
         best: tuple[_Model, int, int] | None = None
         best_v = math.inf
         for name, model in self._models.items():
@@ -267,6 +264,27 @@ class LearnedReusePolicy:
         model, at, e = best
         return model.keys[at][e]
 
+    def _lowest_in_layer(self, candidates: AbstractSet[ExpertKey], layer: tuple[str, int]
+                         ) -> ExpertKey | None:
+        """Of ``candidates``, all of ``layer`` (model, layer number): the held one of least
+        ``P``, made not held (the full search's victim: one layer, one distance); None if the
+        policy holds none of them. The layer's lowest is looked at first: a slot pool's home
+        of one layer usually holds it, and then no candidate is read."""
+        model = self._models.get(layer[0])
+        at = model.at.get(layer[1], -1) if model is not None else -1
+        if at < 0:
+            return None
+        e = int(model.low[LOW_E, at])
+        if e < 0:
+            return None
+        if model.keys[at][e] not in candidates:
+            experts = np.fromiter((key[2] for key in candidates), np.int64, len(candidates))
+            e = state.lowest_among(model.grid, at, experts)
+            if e < 0:
+                return None
+        state.free(model.grid, model.low, at, e)
+        return model.keys[at][e]
+
 
 def warm_up() -> None:
     """Compile (or load from Numba's cache) the routing fold's and this policy's compiled
@@ -282,3 +300,4 @@ def warm_up() -> None:
     policy.evict(set(keys[1:]), keys[0])
     policy.evict({keys[2]}, keys[0])
     policy.on_remove(keys[0])
+    state.lowest_among(policy._models["warm-up"].grid, 0, np.zeros(1, np.int64))

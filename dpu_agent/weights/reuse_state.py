@@ -48,6 +48,21 @@ def set_low(grid: np.ndarray, low: np.ndarray, at: int) -> None:
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
+def lowest_among(grid: np.ndarray, at: int, experts: np.ndarray) -> int:
+    """Of ``experts`` (``int64[m]``, expert numbers of row ``at``), the held one of lowest
+    ``P``, of equals the least recently used; -1 when none is held (numbers past the row's
+    width are not)."""
+    best = -1
+    for e in experts:
+        if 0 <= e < grid.shape[2] and grid[HELD, at, e] and (
+                best < 0 or grid[P, at, e] < grid[P, at, best] or (
+                    grid[P, at, e] == grid[P, at, best]
+                    and grid[STAMP, at, e] < grid[STAMP, at, best])):
+            best = e
+    return best
+
+
+@njit(cache=True, nogil=True, boundscheck=True)
 def hold(grid: np.ndarray, low: np.ndarray, at: int, e: int) -> None:
     """Expert ``e`` of row ``at`` is evictable."""
     grid[HELD, at, e] = 1.0
