@@ -176,7 +176,7 @@ class Ring:
         pos = self._producer
         first = pos & (self.capacity - 1)
         if n <= _PROBE and first + n <= self.capacity:
-            self._push_few(records, n, pos, first)
+            self._push_bytes(records[:n].tobytes(), n, pos, first)
             return n
         batch = records[:n]
         batch["seq"] = 0
@@ -196,17 +196,36 @@ class Ring:
         self._producer_word[0] = pos + n
         return n
 
-    def _push_few(self, records: np.ndarray, n: int, pos: int, first: int) -> None:
-        """push_many of ``n`` entries that need no wrap, by byte stores."""
+    def push_packed(self, raw: bytes | bytearray, n: int) -> bool:
+        """Publish ``n`` entries packed in ``raw`` (``n`` whole entries of the ring's entry
+        dtype, as ``abi.packer`` writes them; their ``seq`` bytes are not read) with byte
+        stores, no array temporaries; False, writing nothing, when they do not all fit."""
+        if n <= 0 or n > self.free_entries():
+            return n <= 0
+        pos = self._producer
+        first = pos & (self.capacity - 1)
+        if first + n <= self.capacity:
+            self._push_bytes(raw, n, pos, first)
+            return True
+        item = len(raw) // n
+        head = self.capacity - first
+        self._push_bytes(raw[:head * item], head, pos, first)
+        self._push_bytes(raw[head * item:], n - head, pos + head, 0)
+        return True
+
+    def _push_bytes(self, raw: bytes | bytearray, n: int, pos: int, first: int) -> None:
+        """Publish ``n`` entries packed in ``raw`` at ring index ``first`` (no wrap), position
+        ``pos`` on: their bodies by byte stores, then each ``seq`` (one fence before, one
+        after the bodies)."""
         mem, size, body, seq = self._bytes, self.entry_size, self._seq_at, self._seq
-        item = records.dtype.itemsize
-        raw = memoryview(records[:n].tobytes())
+        item = len(raw) // n
+        view = memoryview(raw)
         at = abi.HEADER_BYTES + first * size
         for j in range(n):
             seq[first + j] = 0
         store_fence()
         for j in range(n):
-            mem[at + j * size:at + j * size + body] = raw[j * item:j * item + body]
+            mem[at + j * size:at + j * size + body] = view[j * item:j * item + body]
         store_fence()
         for j in range(n):
             seq[first + j] = pos + j + 1

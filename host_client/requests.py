@@ -34,6 +34,14 @@ CHECK_SECONDS = 0.05
 """How often a waiting handle checks the device and the agent connection."""
 
 
+Request = tuple[int, int, int, int, int, int, int]
+"""A request-ring entry's fields a client chooses: (opcode, flags, model index, layer, expert,
+count, prefetch) (``abi.REQUEST_DTYPE``; ``publish`` adds the id and the post time)."""
+_PACKED = abi.packer(abi.REQUEST_DTYPE)
+"""A request entry in field order: request_id, opcode, flags, model, layer, expert, posted_ns,
+count, prefetch, seq."""
+
+
 class Wake(Enum):
     """What a post does to the agent's loop once its entries are published."""
 
@@ -96,38 +104,34 @@ class ClientChannel:
             problem = key_index_problem(key)
             if problem:
                 raise InvalidArgument(problem)
-        records = np.zeros(len(entries), abi.REQUEST_DTYPE)
-        records["opcode"] = [op for op, _, _ in entries]
-        records["model"] = [model for _, model, _ in entries]
-        records["layer"] = [key.layer for _, _, key in entries]
-        records["expert"] = [key.expert for _, _, key in entries]
-        return self.publish(records, on_refusal, timeout, wake)
+        return self.publish([(op, 0, model, key.layer, key.expert, 0, 0)
+                             for op, model, key in entries], on_refusal, timeout, wake)
 
     def post_visit(self, model: int, layer: int, tokens: dict[int, int], prefetch: int,
                    on_refusal: Callable[[np.void], None]) -> list[int]:
         """One MoE layer's routing (``tokens[e]``: tokens that chose expert ``e``; checked by
         the caller) as ROUTE entries, one per expert, the last flagged LAST with ``prefetch``;
         the agent is woken only for a prefetch (:class:`Wake`)."""
-        records = np.zeros(len(tokens), abi.REQUEST_DTYPE)
-        records["opcode"] = abi.RequestOp.ROUTE
-        records["model"], records["layer"] = model, layer
-        records["expert"], records["count"] = list(tokens), list(tokens.values())
-        records["flags"][-1], records["prefetch"][-1] = abi.RequestFlags.LAST, prefetch
-        return self.publish(records, on_refusal, wake=Wake.RING if prefetch else Wake.LAZY)
+        route = abi.RequestOp.ROUTE
+        entries = [(route, 0, model, layer, e, n, 0) for e, n in tokens.items()]
+        entries[-1] = (route, abi.RequestFlags.LAST, model, layer, entries[-1][4],
+                       entries[-1][5], prefetch)
+        return self.publish(entries, on_refusal, wake=Wake.RING if prefetch else Wake.LAZY)
 
-    def publish(self, records: np.ndarray, on_refusal: Callable[[np.void], None] | None = None,
+    def publish(self, entries: list[Request], on_refusal: Callable[[np.void], None] | None = None,
                 timeout: float = 5.0, wake: Wake = Wake.WAIT) -> list[int]:
-        """Publish request ``records`` (``REQUEST_DTYPE[n]``; their ids, post time and seq are
-        set here) with one fence and wake the agent's loop as ``wake`` says; returns their
+        """Publish request ``entries`` (:data:`Request` tuples; their ids, post time and seq
+        are set here) with one fence and wake the agent's loop as ``wake`` says; returns their
         ring positions. ``on_refusal`` gets each reply that is not OK (the OK ones are only
         retired), as the next posts find them; None: a handle takes each reply
         (:meth:`take`). Replies that came for earlier posts' callbacks are looked at after
         the entries are published (the agent's work first). AgentUnavailable when the agent
         does not make room within ``timeout`` seconds."""
-        n = int(records.size)
+        n = len(entries)
         if n > self.capacity:
             raise ValueError(f"{n} requests in one post; the channel holds {self.capacity}")
         deadline = time.monotonic() + timeout
+        raw = bytearray(n * _PACKED.size)
         with self._lock:
             while not self._has_room_locked(n):
                 self._call_back_locked()
@@ -138,16 +142,17 @@ class ClientChannel:
                     raise AgentUnavailable(f"the agent took no request for {timeout} s "
                                            f"({len(self._waiting)} unanswered)")
                 time.sleep(0)
-            first = self.view.requests.produced
-            records["request_id"] = np.arange(self._next_id, self._next_id + n)
-            records["posted_ns"] = time.monotonic_ns()
+            first, request_id, now = self.view.requests.produced, self._next_id, time.monotonic_ns()
+            for j, (op, flags, model, layer, expert, count, prefetch) in enumerate(entries):
+                _PACKED.pack_into(raw, j * _PACKED.size, request_id + j, op, flags, model, layer,
+                                  expert, now, count, prefetch, 0)
             self._next_id += n
             positions = list(range(first, first + n))
             for p in positions:
                 self._waiting[p] = on_refusal
             if on_refusal is not None:
                 self._callbacks.extend(positions)
-            self.view.requests.push_many(records)
+            self.view.requests.push_packed(raw, n)
         if self._bell is not None and (
                 wake is not Wake.LAZY
                 or self.view.requests.free_entries() < self.capacity // 2):

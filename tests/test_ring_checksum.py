@@ -48,6 +48,34 @@ def test_push_many_wraps_and_preserves_order(batches: list[int]) -> None:
     assert got == list(range(sent))
 
 
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_push_packed_wraps_publishes_whole_entries_or_none(batches: list[int]) -> None:
+    """Request entries packed as ``abi.packer`` writes them come out field for field, across
+    the ring's wrap; a batch that does not fit is refused whole and writes nothing."""
+    r = _ring(abi.RingKind.REQUEST, capacity=8)
+    consumer = Ring(r.buffer, abi.RingKind.REQUEST)
+    packed = abi.packer(abi.REQUEST_DTYPE)
+    sent, got = 0, []
+    for n in batches:
+        raw = bytearray(n * packed.size)
+        for j in range(n):
+            packed.pack_into(raw, j * packed.size, sent + j, abi.RequestOp.ROUTE, j % 2, 3,
+                             sent + j, 7, 11, n, j, 0xFFFF)  # a seq the ring must not take
+        before = r.buffer.copy()
+        fits = n <= 8 - (sent - len(got))
+        assert r.push_packed(raw, n) == fits
+        if fits:
+            sent += n
+        else:
+            assert np.array_equal(r.buffer, before)
+        while (rec := consumer.pop()) is not None:
+            got.append((int(rec["request_id"]), int(rec["layer"]), int(rec["count"]),
+                        int(rec["posted_ns"])))
+    assert [g[0] for g in got] == list(range(sent))
+    assert all(layer == rid and posted == 11 for rid, layer, _, posted in got)
+
+
 @pytest.mark.parametrize("field,value,msg", [("magic", 0, "magic"), ("version", 9, "version"),
                                               ("kind", 2, "kind"), ("capacity", 6, "power")])
 def test_bad_header_refused(field: str, value: int, msg: str) -> None:
