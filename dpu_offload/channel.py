@@ -202,15 +202,26 @@ class Channel:
         it reads the slot's pins (:meth:`pins_after`), so it sees this pin or this read sees its
         word: a pinned slot is never given to another delivery. The caller serialises its own
         threads (the pin table has one writer)."""
-        if int(self.words[index]) != word:
-            return False
-        self._touches[index] = (int(self._touches[index]) + 1) & 0xFFFFFFFF
-        self._pin_counts[index] = int(self._pin_counts[index]) + 1
-        store_fence()
-        if int(self.words[index]) == word:
-            return True
-        self.unpin(index)
-        return False
+        return self.try_pin_many([(index, word)])[0]
+
+    def try_pin_many(self, wanted: list[tuple[int, int]]) -> list[bool]:
+        """:meth:`try_pin` of each ``(index, word)`` with one fence for them all: every pin
+        is counted before any word is read again, so each slot's argument holds as for one."""
+        words, touches, pins = self.words, self._touches, self._pin_counts
+        taken = []
+        for index, word in wanted:
+            hit = int(words[index]) == word
+            if hit:
+                touches[index] = (int(touches[index]) + 1) & 0xFFFFFFFF
+                pins[index] = int(pins[index]) + 1
+            taken.append(hit)
+        if True in taken:
+            store_fence()
+            for j, (index, word) in enumerate(wanted):
+                if taken[j] and int(words[index]) != word:
+                    self.unpin(index)
+                    taken[j] = False
+        return taken
 
     def hold(self, index: int, generation: int) -> bool:
         """Hold a ``PIN_HELD`` grant of slot ``index``'s ``generation`` by a pin: count the

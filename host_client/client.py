@@ -18,6 +18,7 @@ stream, recovery after the agent's death) is ``host_client.session``'s.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -27,11 +28,7 @@ from dpu_offload.keys import MAX_KEYS_PER_CALL, ExpertKey, key_index_problem
 from dpu_offload.v1 import agent_pb2 as pb
 from host_client.connection import TlsFiles
 from host_client.devices import Device
-from host_client.errors import (
-    InvalidArgument,
-    refusal,
-    refusal_of,
-)
+from host_client.errors import InvalidArgument, refusal, refusal_of
 from host_client.handles import AcquireHandle
 from host_client.memory import ExpertSlot, SlotPoolSpec
 from host_client.placement import PlacementCalls, visit_problem
@@ -49,6 +46,7 @@ from host_client.slot_checks import LandedCheck
 __all__ = ["AgentClient"]
 
 log = logging.getLogger("host_client")
+
 
 def _nothing() -> None:
     pass
@@ -170,14 +168,13 @@ class AgentClient(PlacementCalls):
         return next((m for k, m in self._manifests.items() if k.model == model), None)
 
     def _handles(self, dev: AttachedDevice, keys: list[ExpertKey]) -> list[AcquireHandle]:
-        entries = [(abi.RequestOp.ACQUIRE, self._index(k.model), k) for k in keys]
-        manifests = [self.manifest(k) for k in keys]
         if self._down:
             raise self._outage  # the agent is away: no channel would answer this
         # Pinned hits first: an expert this client was granted and that still reads READY
         # there is held through the pin table, with nothing posted.
-        hits = [dev.channel.pin(k) for k in keys]
-        if None in hits:
+        hits = dev.channel.pin_many(keys)
+        missed = None in hits
+        if missed:
             dev.channel.announce()  # the agent's wake-up overlaps the post's making
         epoch, bell = self._epoch, dev.device.doorbell
 
@@ -187,8 +184,20 @@ class AgentClient(PlacementCalls):
             if self._epoch != epoch:
                 raise self._outage
 
-        posted = iter(dev.channel.post([e for e, hit in zip(entries, hits, strict=True)
-                                        if hit is None]) if None in hits else ())
+        entries: list[tuple[abi.RequestOp, int, ExpertKey] | None] = [None] * len(keys)
+        try:  # the misses' layouts known and their requests posted, or no pin kept
+            if missed:
+                self.describe([k for k, hit in zip(keys, hits, strict=True) if hit is None])
+                entries = [None if hit is not None else
+                           (abi.RequestOp.ACQUIRE, self._index(k.model), k)
+                           for k, hit in zip(keys, hits, strict=True)]
+            posted = iter(dev.channel.post([e for e in entries if e is not None])
+                          if missed else ())
+        except BaseException:
+            for k, hit in zip(keys, hits, strict=True):
+                if hit is not None:
+                    dev.channel.unpin(k)
+            raise
         landed = None
         if dev.work is None:  # the DMA engine delivers: no consumer of ours to keep awake
             settle = _nothing
@@ -198,20 +207,12 @@ class AgentClient(PlacementCalls):
             for _ in range(hits.count(None)):
                 bell.expect()  # the agent may post work: the consumer stays awake until settled
         handles = []
-        for key, manifest, entry, hit in zip(keys, manifests, entries, hits, strict=True):
-            def make_slot(reply: np.void, key: ExpertKey = key,
-                          manifest: pb.ExpertManifest = manifest) -> ExpertSlot:
-                where = (int(reply["region_id"]), int(reply["slot_offset"]))
-                slot = dev.slots.get(where)
-                if slot is not None and slot.key != key:
-                    slot = dev.slots[where] = slot.holding(key, manifest)
-                if slot is None:
-                    blob = dev.device.region_bytes(*where, manifest.blob_bytes)
-                    slot = dev.slots[where] = ExpertSlot(key, blob, manifest)
-                return slot
+        for key, entry, hit in zip(keys, entries, hits, strict=True):
             if hit is not None:
-                handles.append(AcquireHandle.pinned(key, dev.channel, hit, make_slot(hit)))
+                handles.append(AcquireHandle.pinned(key, dev.channel, hit,
+                                                    dev.slot_for(key, hit, self.manifest)))
                 continue
+            make_slot = functools.partial(dev.slot_for, key, manifest_of=self.manifest)
             repost = None if landed is None else (
                 lambda entry=entry: dev.channel.post([entry])[0])
             handles.append(AcquireHandle(key, dev.channel, next(posted), make_slot, check,

@@ -7,14 +7,17 @@ is started where it has one. Linking devices that read each other's pools (``lin
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from dpu_offload import abi
 from dpu_offload.bell import Bell
 from dpu_offload.blob import pool_problem
+from dpu_offload.keys import ExpertKey
 from dpu_offload.ring import capacity_problem
 from dpu_offload.shm import session_name
 from dpu_offload.v1 import agent_pb2 as pb
@@ -57,6 +60,21 @@ class AttachedDevice:
     rx_device_ptr: int = 0
     """Device address of the rx / tx packet rings (CUDA devices; 0 on the CPU device)."""
     tx_device_ptr: int = 0
+
+    def slot_for(self, key: ExpertKey, reply: np.void,
+                 manifest_of: Callable[[ExpertKey], pb.ExpertManifest]) -> ExpertSlot:
+        """The views of ``key`` in the slot a grant (``reply``) names: those last made there,
+        shared where the slot held another expert of the same layout, made anew otherwise
+        (``manifest_of(key)``, the expert's tensor layout, asked only then)."""
+        where = (int(reply["region_id"]), int(reply["slot_offset"]))
+        slot = self.slots.get(where)
+        if slot is not None and slot.key != key:
+            slot = self.slots[where] = slot.holding(key, manifest_of(key))
+        if slot is None:
+            manifest = manifest_of(key)
+            blob = self.device.region_bytes(*where, manifest.blob_bytes)
+            slot = self.slots[where] = ExpertSlot(key, blob, manifest)
+        return slot
 
 
 @dataclass(frozen=True)

@@ -175,19 +175,22 @@ class ClientChannel:
         with self._lock:
             self._granted[key] = (index, state_word(generation, abi.SlotState.READY), reply)
 
-    def pin(self, key: ExpertKey) -> np.void | None:
-        """A pinned hit: the reply of ``key``'s last grant if that slot still holds it READY,
-        with a pin taken on it in the pin table (the agent will not give the slot to another
-        delivery until :meth:`unpin`); None when the agent must be asked."""
+    def pin_many(self, keys: list[ExpertKey]) -> list[np.void | None]:
+        """Pinned hits: per key, the reply of its last grant if that slot still holds it
+        READY, with a pin taken on it in the pin table (the agent will not give the slot to
+        another delivery until :meth:`unpin`); None where the agent must be asked. One fence
+        for all (``Channel.try_pin_many``)."""
         with self._lock:
-            granted = self._granted.get(key)
-            if granted is None:
-                return None
-            index, word, reply = granted
-            if not self.view.try_pin(index, word):
-                return None
-            self._pinned.setdefault(key, []).append(index)
-            return reply
+            granted = [self._granted.get(key) for key in keys]
+            taken = iter(self.view.try_pin_many([g[:2] for g in granted if g is not None]))
+            hits: list[np.void | None] = []
+            for key, g in zip(keys, granted, strict=True):
+                if g is not None and next(taken):
+                    self._pinned.setdefault(key, []).append(g[0])
+                    hits.append(g[2])
+                else:
+                    hits.append(None)
+            return hits
 
     def hold(self, key: ExpertKey, index: int, generation: int) -> bool:
         """Hold a ``PIN_HELD`` grant of ``key`` (slot-state ``index``, ``generation``) by a

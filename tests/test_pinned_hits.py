@@ -17,6 +17,7 @@ from dpu_offload.channel import Channel, state_word
 from dpu_offload.keys import ExpertKey
 from dpu_offload.shm import SharedBuffer
 from host_client import AgentClient, AgentError, CpuReferenceDevice, SlotPoolSpec
+from host_client.errors import NotFound
 from host_client.launcher import AgentProcess
 from tests.conftest import checkpoint_bytes
 
@@ -201,6 +202,26 @@ def test_a_resident_expert_is_a_pinned_hit_with_nothing_posted(
     again = client.acquire(dev, key)  # its slot went to `other`: asked for, delivered anew
     assert not again.pinned_hit
     assert again.wait(10).raw("down_proj").tobytes() == truth[down]
+
+
+def test_a_batch_refused_before_its_post_keeps_none_of_its_pins(
+        client: AgentClient, qwen_ckpt: Path) -> None:
+    """A batch of a pinned hit and a miss whose model is not loaded: NOT_FOUND, and the
+    hit's pin is given back (the slot can take another expert), nothing posted."""
+    model = client.load_model(str(qwen_ckpt), "qwen-pin-batch")
+    dev = client.register_device(CpuReferenceDevice(), [SlotPoolSpec(model.expert_bytes, 1)])
+    key = ExpertKey(model.model, 1, 2)
+    client.acquire(dev, key).wait(10)
+    client.release(dev, key)
+    posted = dev.channel.view.requests.produced
+    index = dev.channel._granted[key][0]
+    with pytest.raises(NotFound, match="never-loaded"):
+        client.acquire_batch(dev, [key, ExpertKey("never-loaded", 1, 2)])
+    assert int(dev.channel.view.pins[index]["pins"]) == 0
+    assert dev.channel.view.requests.produced == posted
+    other = ExpertKey(model.model, 1, 3)
+    client.acquire(dev, other).wait(10)  # the one slot was not left pinned
+    client.release(dev, other)
 
 
 def test_a_pin_table_full_of_garbage_costs_only_its_own_session(agent: AgentProcess,
