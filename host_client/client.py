@@ -365,7 +365,8 @@ class AgentClient(PlacementCalls):
         def refused(reply: np.void) -> None:
             log.warning("release on device %d failed: %s", dev.device_id, refusal_of(reply))
 
-        posted = [k for k in keys if not dev.channel.unpin(k)]
+        posted = [k for k, unpinned in zip(keys, dev.channel.unpin_many(keys), strict=True)
+                  if not unpinned]
         if posted:
             dev.channel.post([(abi.RequestOp.RELEASE, self._index(k.model), k) for k in posted],
                              on_refusal=refused, wake=Wake.RING)

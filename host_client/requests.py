@@ -206,17 +206,25 @@ class ClientChannel:
         when this client holds none (the reference is then the agent's to drop: post a
         RELEASE)."""
         with self._lock:
-            held = self._pinned.get(key)
-            if not held or (index is not None and index not in held):
-                return False
-            if index is None:
-                index = held.pop()
-            else:
-                held.remove(index)
-            self.view.unpin(index)
-            if not held:
-                del self._pinned[key]
-            return True
+            return self._unpin_locked(key, index)
+
+    def unpin_many(self, keys: list[ExpertKey]) -> list[bool]:
+        """:meth:`unpin` (the latest pin) of each of ``keys``, under one lock."""
+        with self._lock:
+            return [self._unpin_locked(key, None) for key in keys]
+
+    def _unpin_locked(self, key: ExpertKey, index: int | None) -> bool:
+        held = self._pinned.get(key)
+        if not held or (index is not None and index not in held):
+            return False
+        if index is None:
+            index = held.pop()
+        else:
+            held.remove(index)
+        self.view.unpin(index)
+        if not held:
+            del self._pinned[key]
+        return True
 
     def _has_room_locked(self, n: int) -> bool:
         """Whether ``n`` more requests fit: free ring entries, and no reply entry they would
