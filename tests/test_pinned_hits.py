@@ -117,32 +117,37 @@ def test_a_pin_on_a_word_that_moved_is_undone(pool: SlotPool) -> None:
     assert int(view.pins["pins"][ia]) == 0
 
 
-def _pinner(name: str, size: int, stop_at: float, out: mp.Queue) -> None:
-    """Client process: pin whatever slot 0 holds READY, then check it stays put while held."""
+def _pinner(name: str, size: int, slots: int, stop_at: float, out: mp.Queue) -> None:
+    """Client process: pin whatever the first ``slots`` slots hold READY, in one batch
+    (``try_pin_many``), then check that each pinned word stays put while held."""
     buf = SharedBuffer(name, size)
     view = Channel(buf.array)
     hits = moved = 0
     while time.monotonic() < stop_at:
-        word = int(view.words[0])
-        if word & 0xFF != READY or not view.try_pin(0, word):
-            continue
-        hits += 1
+        words = [int(view.words[i]) for i in range(slots)]
+        wanted = [(i, w) for i, w in enumerate(words) if w & 0xFF == READY]
+        held = [iw for iw, ok in zip(wanted, view.try_pin_many(wanted), strict=True) if ok]
+        hits += len(held)
         for _ in range(50):  # the agent may store EVICTING and put the word back, no more
-            moved += int(view.words[0]) not in (word, word - READY + abi.SlotState.EVICTING)
-        view.unpin(0)
+            moved += sum(int(view.words[i]) not in (w, w - READY + abi.SlotState.EVICTING)
+                         for i, w in held)
+        for i, _ in held:
+            view.unpin(i)
     out.put((hits, moved))
     del view
     buf.close()
 
 
-def test_pins_and_reuse_exclude_each_other_across_processes(pool: SlotPool) -> None:
-    """A client process pins slot 0 as often as it can while this process (the agent) keeps
-    giving the one-slot pool to new experts: a pinned word never changes under its pin."""
-    one = SlotPool(region_id=2, slot_bytes=64, slot_count=1, channel=pool.channel)
+@pytest.mark.parametrize("slots", [1, 2])
+def test_pins_and_reuse_exclude_each_other_across_processes(pool: SlotPool, slots: int) -> None:
+    """A client process pins the pool's slots as often as it can (two: both in one batch,
+    one fence) while this process (the agent) keeps giving them to new experts: a pinned word
+    never changes under its pin."""
+    some = SlotPool(region_id=2, slot_bytes=64, slot_count=slots, channel=pool.channel)
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    stop_at = time.monotonic() + 8.0
-    proc = ctx.Process(target=_pinner, args=(pool.channel.name, pool.channel.size,
+    stop_at = time.monotonic() + 6.0
+    proc = ctx.Process(target=_pinner, args=(pool.channel.name, pool.channel.size, slots,
                                              stop_at + 1.0, out))
     proc.start()
     try:
@@ -150,13 +155,13 @@ def test_pins_and_reuse_exclude_each_other_across_processes(pool: SlotPool) -> N
         e = 0
         while time.monotonic() < stop_at:
             e += 1
-            idx = one.allocate(ExpertKey("m", 0, e))
+            idx = some.allocate(ExpertKey("m", 0, e))
             if idx is None:
                 refused += 1
                 continue
             reused += 1
-            one.refs[idx] = 0
-            one.mark_ready(idx)
+            some.refs[idx] = 0
+            some.mark_ready(idx)
         hits, moved = out.get(timeout=30)
     finally:
         proc.join(10)
