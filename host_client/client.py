@@ -18,7 +18,6 @@ stream, recovery after the agent's death) is ``host_client.session``'s.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import numpy as np
@@ -40,7 +39,7 @@ from host_client.registration import (
     detach,
     link_peers,
 )
-from host_client.requests import Wake
+from host_client.requests import Wake, grant_where
 from host_client.slot_checks import LandedCheck
 
 __all__ = ["AgentClient"]
@@ -209,14 +208,15 @@ class AgentClient(PlacementCalls):
         handles = []
         for key, entry, hit in zip(keys, entries, hits, strict=True):
             if hit is not None:
-                handles.append(AcquireHandle.pinned(key, dev.channel, hit,
-                                                    dev.slot_for(key, hit, self.manifest)))
+                handles.append(AcquireHandle.pinned(key, dev.channel, hit.reply,
+                                                    dev.slot_for(key, hit.where, self.manifest)))
                 continue
-            make_slot = functools.partial(dev.slot_for, key, manifest_of=self.manifest)
             repost = None if landed is None else (
                 lambda entry=entry: dev.channel.post([entry])[0])
-            handles.append(AcquireHandle(key, dev.channel, next(posted), make_slot, check,
-                                         settle, landed, repost))
+            handles.append(AcquireHandle(
+                key, dev.channel, next(posted),
+                lambda reply, key=key: dev.slot_for(key, grant_where(reply), self.manifest),
+                check, settle, landed, repost))
         return handles
 
     def acquire(self, dev: AttachedDevice, key: ExpertKey) -> AcquireHandle:

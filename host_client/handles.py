@@ -16,7 +16,13 @@ from dpu_offload import abi
 from dpu_offload.channel import split_word
 from dpu_offload.keys import ExpertKey
 from host_client.errors import AgentError, TransferFailed, refusal_of, status_text
-from host_client.requests import CHECK_SECONDS, NAP_SECONDS, SPIN_SECONDS, ClientChannel
+from host_client.requests import (
+    CHECK_SECONDS,
+    NAP_SECONDS,
+    SPIN_SECONDS,
+    ClientChannel,
+    grant_where,
+)
 from host_client.slot_checks import LandedCheck, StreamWait
 
 if TYPE_CHECKING:
@@ -277,10 +283,10 @@ class AcquireHandle:
     @property
     def where(self) -> tuple[int, int] | None:
         """(region id, byte offset) of the granted slot in its pool; None before the grant."""
+        if self._slot is not None and self._slot.where is not None:
+            return self._slot.where
         reply = self._grant()
-        if reply is None:
-            return None
-        return int(reply["region_id"]), int(reply["slot_offset"])
+        return None if reply is None else grant_where(reply)
 
     def _grant(self) -> np.void | None:
         """The agent's grant, polled for only until it is known; None before it."""

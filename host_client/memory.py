@@ -175,12 +175,15 @@ class ExpertSlot:
         blob: ``uint8[blob_bytes]`` view of the slot (NumPy on the CPU reference device, CuPy on
             a GPU).
         manifest: the agent's ``ExpertManifest``.
+        where: (region id, byte offset) of the slot on its device; None where it is not one.
     """
 
-    def __init__(self, key: ExpertKey, blob: Any, manifest: pb.ExpertManifest) -> None:
+    def __init__(self, key: ExpertKey, blob: Any, manifest: pb.ExpertManifest,
+                 where: tuple[int, int] | None = None) -> None:
         self.key = key
         self.blob = blob
         self.manifest = manifest
+        self.where = where
         self._layouts: dict[str, TensorLayout] = {}
         self._views: dict[str, Any] = {}
 
@@ -191,7 +194,7 @@ class ExpertSlot:
         if manifest is not self.manifest and \
                 blob_layout(manifest) is not blob_layout(self.manifest):
             return None
-        slot = ExpertSlot(key, self.blob, manifest)
+        slot = ExpertSlot(key, self.blob, manifest, self.where)
         slot._layouts, slot._views = self._layouts, self._views
         return slot
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
 from dpu_offload import abi
 from dpu_offload.bell import Bell
@@ -61,19 +60,18 @@ class AttachedDevice:
     """Device address of the rx / tx packet rings (CUDA devices; 0 on the CPU device)."""
     tx_device_ptr: int = 0
 
-    def slot_for(self, key: ExpertKey, reply: np.void,
+    def slot_for(self, key: ExpertKey, where: tuple[int, int],
                  manifest_of: Callable[[ExpertKey], pb.ExpertManifest]) -> ExpertSlot:
-        """The views of ``key`` in the slot a grant (``reply``) names: those last made there,
-        shared where the slot held another expert of the same layout, made anew otherwise
-        (``manifest_of(key)``, the expert's tensor layout, asked only then)."""
-        where = (int(reply["region_id"]), int(reply["slot_offset"]))
+        """The views of ``key`` in the slot at ``where`` (region id, byte offset): those last
+        made there, shared where the slot held another expert of the same layout, made anew
+        otherwise (``manifest_of(key)``, the expert's tensor layout, asked only then)."""
         slot = self.slots.get(where)
         if slot is not None and slot.key != key:
             slot = self.slots[where] = slot.holding(key, manifest_of(key))
         if slot is None:
             manifest = manifest_of(key)
             blob = self.device.region_bytes(*where, manifest.blob_bytes)
-            slot = self.slots[where] = ExpertSlot(key, blob, manifest)
+            slot = self.slots[where] = ExpertSlot(key, blob, manifest, where)
         return slot
 
 

@@ -11,6 +11,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,6 +41,19 @@ count, prefetch) (``abi.REQUEST_DTYPE``; ``publish`` adds the id and the post ti
 _PACKED = abi.packer(abi.REQUEST_DTYPE)
 """A request entry in field order: request_id, opcode, flags, model, layer, expert, posted_ns,
 count, prefetch, seq."""
+
+
+class Grant(NamedTuple):
+    """A grant this client may hit again by a pin: the agent's reply (``abi.REPLY_DTYPE``)
+    and where its slot lies, (region id, byte offset), read from it once."""
+
+    reply: np.void
+    where: tuple[int, int]
+
+
+def grant_where(reply: np.void) -> tuple[int, int]:
+    """(region id, byte offset in that region) of the slot a granting reply names."""
+    return int(reply["region_id"]), int(reply["slot_offset"])
 
 
 class Wake(Enum):
@@ -170,20 +184,21 @@ class ClientChannel:
 
     def remember(self, key: ExpertKey, reply: np.void) -> None:
         """Note the agent's grant of a slot for ``key``: once that delivery reads READY, a later
-        acquire of ``key`` may be a pinned hit on it (:meth:`pin`)."""
+        acquire of ``key`` may be a pinned hit on it (:meth:`pin_many`)."""
         index, generation = int(reply["state_index"]), int(reply["generation"])
+        word = state_word(generation, abi.SlotState.READY)
         with self._lock:
-            self._granted[key] = (index, state_word(generation, abi.SlotState.READY), reply)
+            self._granted[key] = (index, word, Grant(reply, grant_where(reply)))
 
-    def pin_many(self, keys: list[ExpertKey]) -> list[np.void | None]:
-        """Pinned hits: per key, the reply of its last grant if that slot still holds it
-        READY, with a pin taken on it in the pin table (the agent will not give the slot to
-        another delivery until :meth:`unpin`); None where the agent must be asked. One fence
-        for all (``Channel.try_pin_many``)."""
+    def pin_many(self, keys: list[ExpertKey]) -> list[Grant | None]:
+        """Pinned hits: per key, its last grant if that slot still holds it READY, with a pin
+        taken on it in the pin table (the agent will not give the slot to another delivery
+        until :meth:`unpin`); None where the agent must be asked. One fence for all
+        (``Channel.try_pin_many``)."""
         with self._lock:
             granted = [self._granted.get(key) for key in keys]
             taken = iter(self.view.try_pin_many([g[:2] for g in granted if g is not None]))
-            hits: list[np.void | None] = []
+            hits: list[Grant | None] = []
             for key, g in zip(keys, granted, strict=True):
                 if g is not None and next(taken):
                     self._pinned.setdefault(key, []).append(g[0])
