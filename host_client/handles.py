@@ -81,7 +81,7 @@ class AcquireHandle:
     @classmethod
     def pinned(cls, key: ExpertKey, channel: ClientChannel, reply: np.void,
                slot: ExpertSlot) -> AcquireHandle:
-        """A pinned hit (``ClientChannel.pin``): settled at once, nothing was posted."""
+        """A pinned hit (``ClientChannel.pin_many``): settled at once, nothing was posted."""
         handle = cls(key, channel, -1, lambda _: slot, lambda: None, lambda: None)
         handle._reply, handle._slot, handle._pinned = reply, slot, True
         return handle
