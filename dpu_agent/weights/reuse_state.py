@@ -34,14 +34,20 @@ arrays: Numba's dispatch costs ~0.15 us per array argument, a third of a hit's c
 
 
 @njit(cache=True, nogil=True, boundscheck=True)
+def _before(grid: np.ndarray, at: int, e: int, best: int) -> bool:
+    """Whether expert ``e`` of row ``at`` goes before ``best`` (-1: none yet) in the row's
+    eviction order: lower ``P``, of equals the least recently used (lower ``STAMP``)."""
+    return best < 0 or grid[P, at, e] < grid[P, at, best] or (
+        grid[P, at, e] == grid[P, at, best] and grid[STAMP, at, e] < grid[STAMP, at, best])
+
+
+@njit(cache=True, nogil=True, boundscheck=True)
 def set_low(grid: np.ndarray, low: np.ndarray, at: int) -> None:
     """``low[:, at]``: the held expert of row ``at`` of lowest ``P``, of equals the least
     recently used (lowest ``STAMP``)."""
     best = -1
     for e in range(grid.shape[2]):
-        if grid[HELD, at, e] and (best < 0 or grid[P, at, e] < grid[P, at, best] or (
-                grid[P, at, e] == grid[P, at, best]
-                and grid[STAMP, at, e] < grid[STAMP, at, best])):
+        if grid[HELD, at, e] and _before(grid, at, e, best):
             best = e
     low[LOW_E, at] = best
     low[LOW, at] = np.inf if best < 0 else grid[P, at, best]
@@ -54,10 +60,7 @@ def lowest_among(grid: np.ndarray, at: int, experts: np.ndarray) -> int:
     width are not)."""
     best = -1
     for e in experts:
-        if 0 <= e < grid.shape[2] and grid[HELD, at, e] and (
-                best < 0 or grid[P, at, e] < grid[P, at, best] or (
-                    grid[P, at, e] == grid[P, at, best]
-                    and grid[STAMP, at, e] < grid[STAMP, at, best])):
+        if 0 <= e < grid.shape[2] and grid[HELD, at, e] and _before(grid, at, e, best):
             best = e
     return best
 
