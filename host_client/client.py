@@ -193,9 +193,8 @@ class AgentClient(PlacementCalls):
             posted = iter(dev.channel.post([e for e in entries if e is not None])
                           if missed else ())
         except BaseException:
-            for k, hit in zip(keys, hits, strict=True):
-                if hit is not None:
-                    dev.channel.unpin(k)
+            dev.channel.unpin_many([k for k, hit in zip(keys, hits, strict=True)
+                                    if hit is not None])
             raise
         landed = None
         if dev.work is None:  # the DMA engine delivers: no consumer of ours to keep awake
